@@ -1,0 +1,339 @@
+"""The public collectives: argument checks, algorithm choice, and dispatch to the hand-written algorithms.
+
+Each function takes an array (NumPy or CuPy) and a `Communicator` (or a raw mpi4py communicator), leaves its
+input untouched unless `out=` is given, and returns a new array of the same backend and dtype. `algo` names a
+hand-written algorithm, "mpi" for the MPI library's own collective (the reference), or "auto" for the one the
+α-β-γ cost model predicts fastest for this message size and rank count (`cost_model`).
+
+Set MPIPARALLEL_CHECK=1 to have every call first compare its arguments (shape, dtype, op, algo, root) across
+ranks and raise a clear `CollectiveMismatchError` on all ranks instead of hanging or corrupting data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import native
+from .backend import Array, get_array_module
+from .blocks import OPS, check_op, finish_average, reducer
+from .bruck import bruck_all_gather, bruck_all_to_all
+from .communicator import CollectiveHandle, Communicator, Steps
+from .cost_model import choose, model_for
+from .pairwise import pairwise_all_to_all, pairwise_all_to_allv
+from .recursive import (
+    rabenseifner_all_reduce,
+    recursive_doubling_all_gather,
+    recursive_doubling_all_reduce,
+    recursive_halving_reduce_scatter,
+)
+from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .tree import binomial_broadcast, binomial_reduce, rabenseifner_reduce, scatter_allgather_broadcast
+
+ALGORITHMS: dict[str, dict[str, Callable[..., Steps] | None]] = {
+    "all_reduce": {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
+                   "rabenseifner": rabenseifner_all_reduce, "mpi": None},
+    "reduce_scatter": {"ring": ring_reduce_scatter, "recursive_halving": recursive_halving_reduce_scatter,
+                       "mpi": None},
+    "all_gather": {"ring": ring_all_gather, "recursive_doubling": recursive_doubling_all_gather,
+                   "bruck": bruck_all_gather, "mpi": None},
+    "all_to_all": {"pairwise": pairwise_all_to_all, "bruck": bruck_all_to_all, "mpi": None},
+    "all_to_allv": {"pairwise": None, "mpi": None},
+    "broadcast": {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast, "mpi": None},
+    "reduce": {"binomial": binomial_reduce, "rabenseifner": rabenseifner_reduce, "mpi": None},
+}
+"""Valid `algo` names per collective ("auto" is valid everywhere)."""
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called a collective with arguments that do not agree (raised on every rank, MPIPARALLEL_CHECK=1)."""
+
+
+def algorithms(collective: str) -> list[str]:
+    """The `algo` values `collective` accepts."""
+    return ["auto", *ALGORITHMS[collective]]
+
+
+# -- the collectives ----------------------------------------------------------------------------------------
+
+def all_reduce(x: Array, comm: Any, op: str = "sum", algo: str = "auto", out: Array | None = None) -> Array:
+    """Elementwise reduction of `x` over all ranks; any shape and size."""
+    return _all_reduce(x, comm, op, algo, out, asynchronous=False)
+
+
+def all_reduce_async(x: Array, comm: Any, op: str = "sum", algo: str = "auto",
+                     out: Array | None = None) -> CollectiveHandle:
+    """Start `all_reduce`; `handle.test()` progresses it, `handle.wait()` returns the result."""
+    return _all_reduce(x, comm, op, algo, out, asynchronous=True)
+
+
+def reduce_scatter(x: Array, comm: Any, op: str = "sum", algo: str = "auto", out: Array | None = None) -> Array:
+    """Reduce `x` over ranks and return block `rank` of its `size` equal blocks along axis 0."""
+    return _reduce_scatter(x, comm, op, algo, out, asynchronous=False)
+
+
+def reduce_scatter_async(x: Array, comm: Any, op: str = "sum", algo: str = "auto",
+                         out: Array | None = None) -> CollectiveHandle:
+    """Start `reduce_scatter`; `handle.wait()` returns this rank's reduced block."""
+    return _reduce_scatter(x, comm, op, algo, out, asynchronous=True)
+
+
+def all_gather(x: Array, comm: Any, algo: str = "auto", out: Array | None = None) -> Array:
+    """Concatenate every rank's `x` (all the same shape) along axis 0, in rank order."""
+    return _all_gather(x, comm, algo, out, asynchronous=False)
+
+
+def all_gather_async(x: Array, comm: Any, algo: str = "auto", out: Array | None = None) -> CollectiveHandle:
+    """Start `all_gather`; `handle.wait()` returns the concatenation."""
+    return _all_gather(x, comm, algo, out, asynchronous=True)
+
+
+def all_to_all(x: Array, comm: Any, algo: str = "auto", out: Array | None = None) -> Array:
+    """Block j of `x` along axis 0 goes to rank j; returns the blocks received, ordered by source rank."""
+    comm = Communicator.of(comm)
+    algo = _prepare(comm, "all_to_all", x, None, algo, blocks_along_axis0=True)
+    out = _output(x, out, x.shape)
+    src, dst = _flat(x), out.reshape(-1)
+    if comm.size == 1 or src.size == 0:
+        dst[...] = src
+    elif algo == "mpi":
+        native.mpi_all_to_all(src, dst, comm.comm)
+    else:
+        comm.run(ALGORITHMS["all_to_all"][algo](src, dst, comm.rank, comm.size), "all_to_all")
+    return out
+
+
+def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "auto") -> tuple[Array, list[int]]:
+    """Rows x[sum(send_counts[:j]) : sum(send_counts[:j+1])] go to rank j.
+
+    Returns (rows received, ordered by source rank; recv_counts, the number of rows from each rank).
+    """
+    comm = Communicator.of(comm)
+    algo = _prepare(comm, "all_to_allv", x, None, algo, varying_axis0=True)
+    send_counts = _check_counts(send_counts, x, comm.size)
+    recv_counts = [int(c) for c in all_to_all(np.asarray(send_counts, np.int64), comm,
+                                              algo="mpi" if algo == "mpi" else "pairwise")]
+    xp, row = get_array_module(x), int(np.prod(x.shape[1:], dtype=np.int64))
+    out = xp.empty((sum(recv_counts), *x.shape[1:]), x.dtype)
+    src, dst = _flat(x), out.reshape(-1)
+    if algo == "mpi":
+        native.mpi_all_to_allv(src, [c * row for c in send_counts], dst, [c * row for c in recv_counts], comm.comm)
+    else:
+        steps = pairwise_all_to_allv(src, _offsets(send_counts, row), dst, _offsets(recv_counts, row),
+                                     comm.rank, comm.size)
+        comm.run(steps, "all_to_allv")
+    return out, recv_counts
+
+
+def broadcast(x: Array, comm: Any, root: int = 0, algo: str = "auto", out: Array | None = None) -> Array:
+    """Every rank returns root's `x`; the others' `x` only gives the shape and dtype (as in MPI_Bcast)."""
+    comm = Communicator.of(comm)
+    _check_root(root, comm.size)
+    algo = _prepare(comm, "broadcast", x, None, algo, root=root)
+    out = _output(x, out, x.shape)
+    buf = out.reshape(-1)
+    if comm.rank == root:
+        buf[...] = _flat(x)
+    if comm.size == 1 or buf.size == 0:
+        pass
+    elif algo == "mpi":
+        native.mpi_broadcast(buf, comm.comm, root)
+    else:
+        comm.run(ALGORITHMS["broadcast"][algo](buf, comm.rank, comm.size, root), "broadcast")
+    return out
+
+
+def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "auto",
+           out: Array | None = None) -> Array | None:
+    """Reduction of `x` over ranks, returned on `root`; other ranks return None."""
+    comm = Communicator.of(comm)
+    _check_root(root, comm.size)
+    algo = _prepare(comm, "reduce", x, op, algo, root=root)
+    result = _output(x, out if comm.rank == root else None, x.shape)
+    src, dst = _flat(x), result.reshape(-1)
+    if comm.size == 1 or src.size == 0:
+        dst[...] = src
+    elif algo == "mpi":
+        native.mpi_reduce(src, dst, comm.comm, root, op)
+    else:
+        steps = ALGORITHMS["reduce"][algo](src, dst, comm.rank, comm.size, root, reducer(op, src))
+        comm.run(steps, "reduce")
+        if op == "avg" and comm.rank == root:
+            finish_average(dst, comm.size)
+    return result if comm.rank == root else None
+
+
+# -- shared machinery ---------------------------------------------------------------------------------------
+
+def _all_reduce(x: Array, comm: Any, op: str, algo: str, out: Array | None, asynchronous: bool) -> Any:
+    comm = Communicator.of(comm)
+    algo = _prepare(comm, "all_reduce", x, op, algo, asynchronous=asynchronous)
+    out = _output(x, out, x.shape)
+    src, dst = _flat(x), out.reshape(-1)
+    if comm.size == 1 or src.size == 0:
+        dst[...] = src
+        return _finished(comm, out, asynchronous)
+    if algo == "mpi":
+        native.mpi_all_reduce(src, dst, comm.comm, op)
+        return out
+    steps = ALGORITHMS["all_reduce"][algo](src, dst, comm.rank, comm.size, reducer(op, src))
+    return _execute(comm, "all_reduce", _averaged(steps, dst, comm.size, op), out, asynchronous)
+
+
+def _reduce_scatter(x: Array, comm: Any, op: str, algo: str, out: Array | None, asynchronous: bool) -> Any:
+    comm = Communicator.of(comm)
+    algo = _prepare(comm, "reduce_scatter", x, op, algo, blocks_along_axis0=True, asynchronous=asynchronous)
+    out = _output(x, out, (x.shape[0] // comm.size, *x.shape[1:]))
+    src, dst = _flat(x), out.reshape(-1)
+    if comm.size == 1 or src.size == 0:
+        dst[...] = src
+        return _finished(comm, out, asynchronous)
+    if algo == "mpi":
+        native.mpi_reduce_scatter(src, dst, comm.comm, op)
+        return out
+    steps = ALGORITHMS["reduce_scatter"][algo](src, dst, comm.rank, comm.size, reducer(op, src))
+    return _execute(comm, "reduce_scatter", _averaged(steps, dst, comm.size, op), out, asynchronous)
+
+
+def _all_gather(x: Array, comm: Any, algo: str, out: Array | None, asynchronous: bool) -> Any:
+    comm = Communicator.of(comm)
+    algo = _prepare(comm, "all_gather", x, None, algo, gathered=True, asynchronous=asynchronous)
+    out = _output(x, out, (x.shape[0] * comm.size, *x.shape[1:]))
+    src, dst = _flat(x), out.reshape(-1)
+    if comm.size == 1 or src.size == 0:
+        dst[...] = src
+        return _finished(comm, out, asynchronous)
+    if algo == "mpi":
+        native.mpi_all_gather(src, dst, comm.comm)
+        return out
+    steps = ALGORITHMS["all_gather"][algo](src, dst, comm.rank, comm.size)
+    return _execute(comm, "all_gather", steps, out, asynchronous)
+
+
+def _execute(comm: Communicator, name: str, steps: Steps, result: Array, asynchronous: bool) -> Any:
+    if asynchronous:
+        return comm.start(steps, name, result)
+    comm.run(steps, name)
+    return result
+
+
+def _finished(comm: Communicator, result: Array, asynchronous: bool) -> Any:
+    """The result of a call with nothing to communicate, as the caller expects it (array or handle)."""
+    return comm.start(iter(()), "noop", result) if asynchronous else result
+
+
+def _averaged(steps: Steps, result: Array, size: int, op: str) -> Steps:
+    """The algorithm's steps, then the one division that turns a sum into an average (op="avg")."""
+    yield from steps
+    if op == "avg":
+        finish_average(result, size)
+
+
+def _flat(x: Array) -> Array:
+    return get_array_module(x).ascontiguousarray(x).reshape(-1)
+
+
+def _output(x: Array, out: Array | None, shape: tuple) -> Array:
+    """A new array of `shape`, or `out` after checking that it fits."""
+    if out is None:
+        return get_array_module(x).empty(shape, x.dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != x.dtype:
+        raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                         f"expected shape {tuple(shape)} and dtype {x.dtype}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    return out
+
+
+def _offsets(counts: Sequence[int], row: int) -> list[int]:
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count * row)
+    return offsets
+
+
+def _check_counts(send_counts: Sequence[int], x: Array, size: int) -> list[int]:
+    counts = [int(c) for c in send_counts]
+    if len(counts) != size or any(c < 0 for c in counts):
+        raise ValueError(f"send_counts must hold {size} non-negative row counts (one per rank), got {counts}")
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"send_counts add up to {sum(counts)} rows but x has {x.shape[0]}")
+    return counts
+
+
+def _check_root(root: int, size: int) -> None:
+    if not 0 <= root < size:
+        raise ValueError(f"root must be a rank in 0..{size - 1}, got {root}")
+
+
+_CHECK_ARGUMENTS = os.environ.get("MPIPARALLEL_CHECK", "0") not in ("", "0")
+_MAX_DIMS = 8
+
+
+def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str, *, root: int = 0,
+             blocks_along_axis0: bool = False, gathered: bool = False, varying_axis0: bool = False,
+             asynchronous: bool = False) -> str:
+    """Check the arguments of one call and return the algorithm to run (resolving "auto")."""
+    valid = ALGORITHMS[name]
+    if algo != "auto" and algo not in valid:
+        raise ValueError(f"{name} has no algorithm {algo!r}; valid: {', '.join(algorithms(name))}")
+    if asynchronous and algo == "mpi":
+        raise ValueError(f"{name}_async runs the hand-written algorithms only; "
+                         f"valid: {', '.join(a for a in algorithms(name) if a != 'mpi')}")
+    if op is not None:
+        check_op(op)
+        if x.dtype.kind not in "fiu":
+            raise ValueError(f"{name} reduces float and integer arrays; got dtype {x.dtype}")
+    if (blocks_along_axis0 or gathered or varying_axis0) and x.ndim == 0:
+        raise ValueError(f"{name} needs an array with at least one axis, got a 0-d array")
+    if blocks_along_axis0 and x.shape[0] % comm.size:
+        raise ValueError(f"{name} needs x.shape[0] divisible by the {comm.size} ranks; got shape {tuple(x.shape)}")
+    if _CHECK_ARGUMENTS:
+        _check_agreement(comm, name, x, op, algo, root, varying_axis0)
+    if algo != "auto":
+        return algo
+    if name == "all_to_allv":
+        return "pairwise"
+    nbytes = x.nbytes * (comm.size if gathered else 1)
+    return choose(model_for(comm), name, nbytes, comm.size) if comm.size > 1 else next(iter(valid))
+
+
+def _describe(row: np.ndarray) -> str:
+    name = list(ALGORITHMS)[row[0]]
+    ndim = int(row[4])
+    shape = tuple(int(d) if d >= 0 else "*" for d in row[6:6 + ndim])
+    op = OPS[row[1]] if row[1] >= 0 else None
+    algo = algorithms(name)[row[2]]
+    parts = [f"shape={shape}", f"dtype={np.dtype(chr(int(row[3]))).name}"]
+    if op:
+        parts.append(f"op={op}")
+    parts += [f"algo={algo}", f"root={int(row[5])}"]
+    return f"{name}({', '.join(parts)})"
+
+
+def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int,
+                     varying_axis0: bool) -> None:
+    """Gather every rank's description of this call and raise on all ranks if they differ."""
+    if x.ndim > _MAX_DIMS:
+        raise ValueError(f"MPIPARALLEL_CHECK supports arrays of up to {_MAX_DIMS} dimensions")
+    row = np.full(6 + _MAX_DIMS, -1, np.int64)
+    row[:6] = (list(ALGORITHMS).index(name), OPS.index(op) if op else -1, algorithms(name).index(algo),
+               ord(x.dtype.char), x.ndim, root)
+    row[6:6 + x.ndim] = x.shape
+    if varying_axis0 and x.ndim:
+        row[6] = -1
+    rows = np.empty((comm.size, row.size), np.int64)
+    comm.comm.Allgather(row, rows)
+    if (rows == rows[0]).all():
+        return
+    lines = [f"  rank {r}: {_describe(rows[r])}" for r in range(comm.size)]
+    raise CollectiveMismatchError(f"ranks disagree on a {name} call (MPIPARALLEL_CHECK=1):\n" + "\n".join(lines))
+
+
+def world() -> Communicator:
+    """The Communicator of MPI.COMM_WORLD."""
+    return Communicator.of(MPI.COMM_WORLD)

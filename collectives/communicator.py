@@ -1,0 +1,277 @@
+"""Communicator: point-to-point messages on arrays, a byte ledger, and the engine that runs collectives.
+
+Every collective algorithm in this package is a generator of `Step`s: "send this array to rank d and/or
+receive into that array from rank s". The algorithm never touches MPI itself; between two steps it does its
+local work (reductions, copies). Two drivers execute the steps:
+
+- `Communicator.run(steps)` — synchronous: one blocking `MPI_Sendrecv` (or `Send`/`Recv`) per step.
+- `CollectiveHandle` — asynchronous: each step is posted as nonblocking `Isend`/`Irecv`; `test()` checks the
+  posted requests and, when they are complete, runs the algorithm's local work and posts the next step;
+  `wait()` does the same until the end.
+
+How asynchronous progress happens: MPICH and Open MPI move a message only while some MPI call is running on
+that rank (unless an asynchronous progress thread is configured, which on two cores costs far more than it
+saves). So a handle advances when its owner calls `test()` or `wait()`; calling `test()` between the layers of
+a backward pass lets the next step of each in-flight collective start while later layers compute. Small
+messages go out eagerly as soon as they are posted; large ones need both sides inside MPI.
+
+Tags. Each collective call takes a fresh tag from a per-communicator sequence (`collective_tag`). Ranks
+call collectives in the same order (an MPI rule), so they agree on tags without talking, and several
+asynchronous collectives in flight on one communicator never match each other's messages. User
+point-to-point messages should use tags below `FIRST_COLLECTIVE_TAG`.
+
+Every byte sent or received through this class is recorded in `ledger`, under the name of the operation
+that is running (`all_reduce`, `reduce_scatter`, ..., or `p2p` for direct calls).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from mpi4py import MPI
+
+from .backend import Array, HostStaging
+
+FIRST_COLLECTIVE_TAG = 1 << 14
+_COLLECTIVE_TAG_SPAN = 1 << 14  # MPI guarantees tags up to at least 32767
+
+
+class Step:
+    """One round of an algorithm: an optional send of `send` to `dest` and receive into `recv` from `source`."""
+
+    __slots__ = ("send", "dest", "recv", "source")
+
+    def __init__(self, send: Array | None = None, dest: int = -1,
+                 recv: Array | None = None, source: int = -1) -> None:
+        self.send, self.dest, self.recv, self.source = send, dest, recv, source
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.send is not None:
+            parts.append(f"send {self.send.nbytes} B -> {self.dest}")
+        if self.recv is not None:
+            parts.append(f"recv {self.recv.nbytes} B <- {self.source}")
+        return f"Step({', '.join(parts)})"
+
+
+Steps = Generator[Step, None, None]
+
+
+class Ledger:
+    """Bytes and messages sent and received, per operation name. Reset with `reset()`."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = defaultdict(int)
+        self.received: dict[str, int] = defaultdict(int)
+        self.messages: dict[str, int] = defaultdict(int)
+        self.operation = "p2p"
+
+    def record(self, name: str, sent: int, received: int) -> None:
+        self.sent[name] += sent
+        self.received[name] += received
+        if sent:
+            self.messages[name] += 1
+
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+        self.messages.clear()
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {name: {"sent": self.sent[name], "received": self.received[name],
+                       "messages": self.messages[name]}
+                for name in sorted(set(self.sent) | set(self.received))}
+
+    @contextmanager
+    def recording_as(self, name: str) -> Iterator[None]:
+        """Attribute the traffic inside the block to operation `name`."""
+        previous, self.operation = self.operation, name
+        try:
+            yield
+        finally:
+            self.operation = previous
+
+
+def _byte_buffer(x: Array) -> list:
+    """mpi4py buffer spec that sends the array's raw bytes (every dtype, NumPy or CUDA-aware CuPy)."""
+    return [x, MPI.BYTE]
+
+
+class Communicator:
+    """An mpi4py communicator with array point-to-point calls, a byte ledger and a collective tag sequence.
+
+    Build one per process group and pass it explicitly (`Communicator(MPI.COMM_WORLD)`); `Communicator.of`
+    returns the one cached on an mpi4py communicator, so functions that accept either reuse the same ledger.
+    """
+
+    _keyval: int | None = None
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        if isinstance(comm, Communicator):
+            comm = comm.comm
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError(f"Communicator needs an mpi4py communicator, got {type(comm).__name__}")
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.ledger = Ledger()
+        self._next_tag = 0
+        self.cost_model: Any = None  # set lazily by collectives.cost_model (same on every rank)
+
+    @classmethod
+    def of(cls, comm: MPI.Comm | Communicator) -> Communicator:
+        """The Communicator for `comm`, created once and cached on the MPI communicator (MPI attribute)."""
+        if isinstance(comm, Communicator):
+            return comm
+        if cls._keyval is None:
+            cls._keyval = MPI.Comm.Create_keyval()
+        cached = comm.Get_attr(cls._keyval)
+        if cached is None:
+            cached = cls(comm)
+            comm.Set_attr(cls._keyval, cached)
+        return cached
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size})"
+
+    # -- point to point ---------------------------------------------------------------------------------
+
+    def send(self, x: Array, dest: int, tag: int = 0) -> None:
+        """Blocking send of a contiguous array's bytes."""
+        staging = HostStaging()
+        self.comm.Send(_byte_buffer(staging.outgoing(x)), dest, tag)
+        self.ledger.record(self.ledger.operation, x.nbytes, 0)
+
+    def recv(self, out: Array, source: int, tag: int = 0) -> Array:
+        """Blocking receive into the contiguous array `out` (its size must match the message); returns it."""
+        staging = HostStaging()
+        self.comm.Recv(_byte_buffer(staging.incoming(out)), source, tag)
+        staging.finish()
+        self.ledger.record(self.ledger.operation, 0, out.nbytes)
+        return out
+
+    def sendrecv(self, x: Array, dest: int, out: Array, source: int, tag: int = 0) -> Array:
+        """Send `x` to `dest` while receiving into `out` from `source`; returns `out`."""
+        self.run_step(Step(x, dest, out, source), tag)
+        return out
+
+    def isend(self, x: Array, dest: int, tag: int = 0) -> MPI.Request:
+        """Nonblocking send; keep `x` unchanged until the request completes."""
+        request = self.comm.Isend(_byte_buffer(HostStaging().outgoing(x)), dest, tag)
+        self.ledger.record(self.ledger.operation, x.nbytes, 0)
+        return request
+
+    def irecv(self, out: Array, source: int, tag: int = 0) -> MPI.Request:
+        """Nonblocking receive into `out` (host arrays, or device arrays with CUDA-aware MPI)."""
+        if HostStaging.needed(out):
+            raise ValueError("irecv into a GPU array needs CUDA-aware MPI; use recv or a collective instead")
+        request = self.comm.Irecv(_byte_buffer(out), source, tag)
+        self.ledger.record(self.ledger.operation, 0, out.nbytes)
+        return request
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def split(self, color: int, key: int = 0) -> Communicator:
+        """Sub-communicator of the ranks with the same `color`, ordered by `key` (MPI_Comm_split)."""
+        return Communicator(self.comm.Split(color, key))
+
+    # -- collective engine ------------------------------------------------------------------------------
+
+    def collective_tag(self) -> int:
+        tag = FIRST_COLLECTIVE_TAG + self._next_tag
+        self._next_tag = (self._next_tag + 1) % _COLLECTIVE_TAG_SPAN
+        return tag
+
+    def run_step(self, step: Step, tag: int) -> None:
+        """Execute one step with blocking MPI calls and record its bytes."""
+        send, recv = step.send, step.recv
+        staging = HostStaging()
+        if send is not None and recv is not None:
+            self.comm.Sendrecv(_byte_buffer(staging.outgoing(send)), step.dest, tag,
+                               _byte_buffer(staging.incoming(recv)), step.source, tag)
+        elif send is not None:
+            self.comm.Send(_byte_buffer(staging.outgoing(send)), step.dest, tag)
+        elif recv is not None:
+            self.comm.Recv(_byte_buffer(staging.incoming(recv)), step.source, tag)
+        staging.finish()
+        self.ledger.record(self.ledger.operation,
+                           0 if send is None else send.nbytes, 0 if recv is None else recv.nbytes)
+
+    def run(self, steps: Steps, name: str) -> None:
+        """Run an algorithm's steps to completion with blocking calls, recording traffic under `name`."""
+        tag = self.collective_tag()
+        with self.ledger.recording_as(name):
+            for step in steps:
+                self.run_step(step, tag)
+
+    def start(self, steps: Steps, name: str, result: Any) -> CollectiveHandle:
+        """Start an algorithm with nonblocking calls; the handle's `wait()` returns `result` at the end."""
+        return CollectiveHandle(self, steps, name, result)
+
+
+class CollectiveHandle:
+    """A collective in flight. `test()` advances it without blocking; `wait()` finishes it and returns the result.
+
+    Each posted step holds an `Isend` and/or `Irecv`. When they complete, the algorithm's local work for that
+    step runs (inside `test`/`wait`) and the next step is posted.
+    """
+
+    def __init__(self, comm: Communicator, steps: Steps, name: str, result: Any) -> None:
+        self._comm = comm
+        self._steps = steps
+        self._name = name
+        self._result = result
+        self._tag = comm.collective_tag()
+        self._requests: list[MPI.Request] = []
+        self._staging = HostStaging()
+        self._done = False
+        self._post_next()
+
+    def _post_next(self) -> None:
+        step = next(self._steps, None)
+        if step is None:
+            self._done = True
+            self._requests = []
+            return
+        mpi, tag, requests = self._comm.comm, self._tag, []
+        if step.recv is not None:
+            requests.append(mpi.Irecv(_byte_buffer(self._staging.incoming(step.recv)), step.source, tag))
+        if step.send is not None:
+            requests.append(mpi.Isend(_byte_buffer(self._staging.outgoing(step.send)), step.dest, tag))
+        self._comm.ledger.record(self._name, 0 if step.send is None else step.send.nbytes,
+                                 0 if step.recv is None else step.recv.nbytes)
+        self._requests = requests
+
+    def _advance(self) -> None:
+        self._staging.finish()
+        self._post_next()
+
+    def test(self) -> bool:
+        """Make progress; True once the collective has completed."""
+        while not self._done:
+            if not MPI.Request.Testall(self._requests):
+                return False
+            self._advance()
+        return True
+
+    def wait(self) -> Any:
+        """Block until the collective completes and return its result."""
+        while not self._done:
+            MPI.Request.Waitall(self._requests)
+            self._advance()
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done
+

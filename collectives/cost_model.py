@@ -1,0 +1,170 @@
+"""The α-β-γ cost model behind algo="auto".
+
+A message of m bytes costs α + m·β (latency plus inverse bandwidth); reducing or copying m bytes locally
+costs m·γ. Each algorithm's predicted time is its formula from the module that implements it; "auto" picks the
+smallest. The three constants are measured on the machine by `mpiparallel bench --calibrate` (ping-pong of
+tiny and 1 MiB messages, and a timed local reduction), stored per rank count in a JSON file
+(MPIPARALLEL_CALIBRATION, default ~/.cache/mpiparallel/calibration.json), and broadcast from rank 0 so that
+every rank makes the same choice — a disagreement would deadlock.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .communicator import Communicator
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per message (alpha), per byte sent (beta), per byte reduced or copied (gamma)."""
+
+    alpha: float = 3e-6
+    beta: float = 1 / 9e9
+    gamma: float = 1 / 9e9
+
+
+def _log2(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def _fold(m: CostModel, s: float, n: int) -> float:
+    """Extra cost of folding n ranks onto a power of two and handing the result back."""
+    p = 1 << (n.bit_length() - 1)
+    return 0.0 if n == p else 2 * (m.alpha + s * m.beta) + s * m.gamma
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+Formula = Callable[[CostModel, float, int], float]
+
+# S is the collective's message size in bytes: the input for all_reduce, reduce_scatter, all_to_all, broadcast
+# and reduce; the gathered output for all_gather.
+FORMULAS: dict[str, dict[str, Formula]] = {
+    "all_reduce": {
+        "ring": lambda m, s, n: 2 * (n - 1) * m.alpha + 2 * (n - 1) / n * s * m.beta + (n - 1) / n * s * m.gamma,
+        "recursive_doubling": lambda m, s, n: math.log2(_pow2(n)) * (m.alpha + s * m.beta + s * m.gamma)
+        + _fold(m, s, n),
+        "rabenseifner": lambda m, s, n: 2 * math.log2(_pow2(n)) * m.alpha
+        + (_pow2(n) - 1) / _pow2(n) * s * (2 * m.beta + m.gamma) + _fold(m, s, n),
+    },
+    "reduce_scatter": {
+        "ring": lambda m, s, n: (n - 1) * m.alpha + (n - 1) / n * s * (m.beta + m.gamma),
+        "recursive_halving": lambda m, s, n: math.log2(_pow2(n)) * m.alpha
+        + (_pow2(n) - 1) / _pow2(n) * s * (m.beta + m.gamma) + _fold(m, s, n),
+    },
+    "all_gather": {
+        "ring": lambda m, s, n: (n - 1) * m.alpha + (n - 1) / n * s * m.beta,
+        "recursive_doubling": lambda m, s, n: math.log2(_pow2(n)) * m.alpha
+        + (_pow2(n) - 1) / _pow2(n) * s * m.beta + _fold(m, s, n),
+        "bruck": lambda m, s, n: _log2(n) * m.alpha + (n - 1) / n * s * m.beta + s * m.gamma,
+    },
+    "all_to_all": {
+        "pairwise": lambda m, s, n: (n - 1) * m.alpha + (n - 1) / n * s * m.beta,
+        "bruck": lambda m, s, n: _log2(n) * (m.alpha + s / 2 * m.beta + s * m.gamma),
+    },
+    "broadcast": {
+        "binomial": lambda m, s, n: _log2(n) * (m.alpha + s * m.beta),
+        "scatter_allgather": lambda m, s, n: (_log2(n) + n - 1) * m.alpha + 2 * (n - 1) / n * s * m.beta,
+    },
+    "reduce": {
+        "binomial": lambda m, s, n: _log2(n) * (m.alpha + s * (m.beta + m.gamma)),
+        "rabenseifner": lambda m, s, n: (math.log2(_pow2(n)) + _pow2(n) - 1) * m.alpha
+        + (_pow2(n) - 1) / _pow2(n) * s * (2 * m.beta + m.gamma) + _fold(m, s, n),
+    },
+}
+
+
+def predict(model: CostModel, collective: str, algo: str, nbytes: int, size: int) -> float:
+    """Predicted seconds for one call."""
+    return FORMULAS[collective][algo](model, float(nbytes), size)
+
+
+def choose(model: CostModel, collective: str, nbytes: int, size: int) -> str:
+    """The algorithm with the smallest predicted time (ties: the first listed)."""
+    table = FORMULAS[collective]
+    return min(table, key=lambda algo: table[algo](model, float(nbytes), size))
+
+
+# -- measured constants -------------------------------------------------------------------------------------
+
+def calibration_path() -> Path:
+    default = Path.home() / ".cache" / "mpiparallel" / "calibration.json"
+    return Path(os.environ.get("MPIPARALLEL_CALIBRATION", default))
+
+
+def load_calibration(size: int, path: Path | None = None) -> CostModel:
+    """The model stored for `size` ranks (or the nearest stored rank count); defaults if none is stored."""
+    path = path or calibration_path()
+    try:
+        stored = json.loads(path.read_text())
+        nearest = min(stored, key=lambda key: abs(int(key) - size))
+        return CostModel(**stored[nearest])
+    except (OSError, ValueError, TypeError, KeyError):
+        return CostModel()
+
+
+def save_calibration(model: CostModel, size: int, path: Path | None = None) -> Path:
+    path = path or calibration_path()
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    stored[str(size)] = asdict(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def model_for(comm: Communicator) -> CostModel:
+    """The cost model of `comm`: loaded on its rank 0 once, broadcast, then cached on the communicator."""
+    if comm.cost_model is None:
+        values = np.zeros(3)
+        if comm.rank == 0:
+            loaded = load_calibration(comm.size)
+            values[:] = (loaded.alpha, loaded.beta, loaded.gamma)
+        comm.comm.Bcast(values, root=0)
+        comm.cost_model = CostModel(*values.tolist())
+    return comm.cost_model
+
+
+def _time_exchanges(comm: Communicator, nbytes: int, repeats: int) -> float:
+    """Seconds per Sendrecv of `nbytes` between rank pairs (0↔1, 2↔3, …), the median of several rounds."""
+    buf, arrived = np.ones(max(nbytes // 8, 1)), np.empty(max(nbytes // 8, 1))
+    partner = comm.rank ^ 1
+    if partner >= comm.size:
+        partner = comm.rank  # an odd rank count leaves the last rank talking to itself
+    samples = []
+    for _ in range(5):
+        comm.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            comm.comm.Sendrecv(buf, partner, 0, arrived, partner, 0)
+        samples.append((time.perf_counter() - start) / repeats)
+    return float(np.median(samples))
+
+
+def calibrate(comm: Communicator) -> CostModel:
+    """Measure α, β, γ on this machine with this many ranks; every rank returns rank 0's figures."""
+    large = 1 << 20
+    alpha = _time_exchanges(comm, 8, 2000)
+    beta = max(_time_exchanges(comm, large, 50) - alpha, 1e-9) / large
+    a, b = np.ones(large // 8), np.ones(large // 8)
+    start = time.perf_counter()
+    for _ in range(50):
+        np.add(a, b, out=a)
+    gamma = (time.perf_counter() - start) / 50 / large
+    values = np.array([alpha, beta, gamma])
+    comm.comm.Bcast(values, root=0)
+    comm.cost_model = CostModel(*values.tolist())
+    return comm.cost_model

@@ -1,0 +1,184 @@
+"""Recursive doubling and halving: all-reduce, reduce-scatter, all-gather and Rabenseifner's all-reduce.
+
+With p = 2^k ranks, rank v talks to v XOR d for d = 1, 2, 4, … (doubling) or p/2, p/4, … (halving), so every
+collective finishes in log2(p) rounds instead of the ring's p−1: the algorithms of choice for small messages.
+
+- recursive-doubling all-reduce: each round exchanges the whole vector and reduces it.
+      log2(p)·(α + S·β + S·γ)
+- recursive-halving reduce-scatter: each round sends the half of the current window the partner keeps and
+  reduces the half it receives; after log2(p) rounds each rank holds its own 1/p, fully reduced.
+      log2(p)·α + (p−1)/p·S·β + (p−1)/p·S·γ
+- recursive-doubling all-gather: the mirror image, windows doubling.
+      log2(p)·α + (p−1)/p·S·β
+- Rabenseifner all-reduce = halving reduce-scatter + doubling all-gather: the ring's bandwidth with only
+  2·log2(p) latency terms.
+      2·log2(p)·α + 2(p−1)/p·S·β + (p−1)/p·S·γ
+
+Any other rank count n is folded onto p = 2^⌊log2 n⌋ "virtual" ranks (`PowerOfTwoFold`): among the first
+2·(n−p) ranks each even rank hands its data to the odd rank after it and sits out; the result is handed back at
+the end. That costs one extra exchange of the full vector each way (about 2·(α + S·β) + S·γ).
+"""
+
+from __future__ import annotations
+
+from .backend import Array, get_array_module
+from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
+from .communicator import Step, Steps
+
+
+class PowerOfTwoFold:
+    """How rank `rank` of `size` maps onto p = 2^⌊log2 size⌋ virtual ranks.
+
+    Ranks below 2·rem (rem = size − p) pair up: the odd one of each pair is virtual rank rank // 2, the even one
+    (an *extra* rank) only sends its input in and receives the result back. Ranks from 2·rem on are virtual
+    rank rank − rem. Virtual rank v stands for the real ranks `represented(v)`, a contiguous range.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.p = 1 << (size.bit_length() - 1)
+        self.rem = size - self.p
+        self.size = size
+        self.is_extra = rank < 2 * self.rem and rank % 2 == 0
+        self.has_extra = rank < 2 * self.rem and rank % 2 == 1
+        self.partner = rank + 1 if self.is_extra else rank - 1  # meaningful for paired ranks only
+        self.virtual = None if self.is_extra else (rank // 2 if rank < 2 * self.rem else rank - self.rem)
+
+    def real(self, virtual: int) -> int:
+        return 2 * virtual + 1 if virtual < self.rem else virtual + self.rem
+
+    def first_represented(self, virtual: int) -> int:
+        """Lowest real rank that virtual rank `virtual` stands for (p → size, as an end marker)."""
+        if virtual >= self.p:
+            return self.size
+        return 2 * virtual if virtual < self.rem else virtual + self.rem
+
+
+def _largest_half(bounds: list[int], p: int) -> int:
+    """Elements in the larger half of the p segments: the biggest message of a halving/doubling round."""
+    return max(bounds[p // 2] - bounds[0], bounds[p] - bounds[p // 2])
+
+
+def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfTwoFold,
+                      reduce: Reducer) -> Steps:
+    """Halving reduce-scatter over the p segments `bounds` of `src`; partial results go to `work`.
+
+    Afterwards segment `fold.virtual` of `work` holds the reduction over all virtual ranks. `src` and `work`
+    may be the same array; `src` is only read.
+    """
+    v, half = fold.virtual, _largest_half(bounds, fold.p)
+    scratch = get_array_module(src).empty(half, src.dtype)  # the first round keeps the most
+    segments = segment_count(half, src.itemsize)
+    lo, hi, distance = 0, fold.p, fold.p // 2
+    while distance >= 1:
+        mid = lo + distance
+        (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if v & distance else ((lo, mid), (mid, hi))
+        partner = fold.real(v ^ distance)
+        keep = slice(bounds[keep_lo], bounds[keep_hi])
+        mine, target = src[keep], work[keep]
+        arrived = scratch[:len(mine)]
+
+        def reduce_piece(a: int, b: int, mine=mine, arrived=arrived, target=target) -> None:
+            reduce(mine[a:b], arrived[a:b], target[a:b])
+
+        yield from exchange_in_segments(src[bounds[give_lo]:bounds[give_hi]], partner, arrived, partner,
+                                        segments, reduce_piece)
+        src = work
+        lo, hi, distance = keep_lo, keep_hi, distance // 2
+
+
+def recursive_doubling_gather(out: Array, bounds: list[int], fold: PowerOfTwoFold) -> Steps:
+    """Doubling all-gather over the p segments `bounds` of `out`: segment `fold.virtual` in, all segments out."""
+    v, distance = fold.virtual, 1
+    segments = segment_count(_largest_half(bounds, fold.p), out.itemsize)
+    while distance < fold.p:
+        mine_lo = v & ~(distance - 1)
+        theirs_lo = (v ^ distance) & ~(distance - 1)
+        partner = fold.real(v ^ distance)
+        yield from exchange_in_segments(out[bounds[mine_lo]:bounds[mine_lo + distance]], partner,
+                                        out[bounds[theirs_lo]:bounds[theirs_lo + distance]], partner, segments)
+        distance *= 2
+
+
+def fold_in(x: Array, work: Array, fold: PowerOfTwoFold, reduce: Reducer) -> Steps:
+    """Extra ranks send x to their partner, which reduces it into `work` (= x op partner's x)."""
+    if fold.is_extra:
+        yield Step(send=x, dest=fold.partner)
+    elif fold.has_extra:
+        arrived = get_array_module(x).empty_like(x)
+        yield Step(recv=arrived, source=fold.partner)
+        reduce(x, arrived, work)
+
+
+def hand_back(result: Array, fold: PowerOfTwoFold) -> Steps:
+    """The virtual rank returns the finished `result` to the extra rank it stood for."""
+    if fold.is_extra:
+        yield Step(recv=result, source=fold.partner)
+    elif fold.has_extra:
+        yield Step(send=result, dest=fold.partner)
+
+
+def recursive_doubling_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+    """All-reduce exchanging the whole vector in each of log2(p) rounds (plus the fold for other n)."""
+    fold = PowerOfTwoFold(rank, size)
+    yield from fold_in(x, out, fold, reduce)
+    if not fold.is_extra:
+        if not fold.has_extra:
+            out[...] = x
+        arrived = get_array_module(x).empty_like(x)
+        segments = segment_count(len(x), x.itemsize)
+
+        def reduce_piece(a: int, b: int) -> None:
+            reduce(out[a:b], arrived[a:b], out[a:b])
+
+        distance = 1
+        while distance < fold.p:
+            partner = fold.real(fold.virtual ^ distance)
+            yield from exchange_in_segments(out, partner, arrived, partner, segments, reduce_piece)
+            distance *= 2
+    yield from hand_back(out, fold)
+
+
+def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+    """All-reduce as recursive-halving reduce-scatter + recursive-doubling all-gather over p segments."""
+    fold = PowerOfTwoFold(rank, size)
+    yield from fold_in(x, out, fold, reduce)
+    if not fold.is_extra:
+        bounds = even_bounds(len(x), fold.p)
+        yield from recursive_halving(out if fold.has_extra else x, out, bounds, fold, reduce)
+        yield from recursive_doubling_gather(out, bounds, fold)
+    yield from hand_back(out, fold)
+
+
+def _rank_block_bounds(fold: PowerOfTwoFold, block: int) -> list[int]:
+    """Segment bounds when virtual rank v's segment is the blocks of the real ranks it represents."""
+    return [fold.first_represented(v) * block for v in range(fold.p + 1)]
+
+
+def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+    """Reduce-scatter by recursive halving; `out` receives this rank's block of flat `x`."""
+    fold = PowerOfTwoFold(rank, size)
+    block = len(out)
+    work = get_array_module(x).empty_like(x)
+    yield from fold_in(x, work, fold, reduce)
+    if fold.is_extra:
+        yield Step(recv=out, source=fold.partner)
+        return
+    yield from recursive_halving(work if fold.has_extra else x, work, _rank_block_bounds(fold, block), fold,
+                                 reduce)
+    if fold.has_extra:  # this segment holds the extra rank's block first, then this rank's
+        yield Step(send=work[(rank - 1) * block:rank * block], dest=fold.partner)
+    out[...] = work[rank * block:(rank + 1) * block]
+
+
+def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int) -> Steps:
+    """All-gather by recursive doubling: log2(p) rounds, windows doubling, plus the fold for other n."""
+    fold = PowerOfTwoFold(rank, size)
+    block = len(x)
+    out[rank * block:(rank + 1) * block] = x
+    if fold.is_extra:
+        yield Step(send=x, dest=fold.partner)
+    elif fold.has_extra:
+        yield Step(recv=out[fold.partner * block:rank * block], source=fold.partner)
+    if not fold.is_extra:
+        yield from recursive_doubling_gather(out, _rank_block_bounds(fold, block), fold)
+    yield from hand_back(out, fold)

@@ -1,0 +1,94 @@
+"""Ring algorithms: reduce-scatter, all-gather, and all-reduce = reduce-scatter followed by all-gather.
+
+The n ranks form a ring; every step each rank sends one block (1/n of the data) to its right neighbour and
+receives one from its left. In reduce-scatter the received block is reduced into the local copy and passed on,
+so after n−1 steps each rank holds one fully reduced block; all-gather then circulates the finished blocks for
+n−1 more steps. Cost (α per message, β per byte sent, γ per byte reduced, S bytes of data, n ranks):
+
+    reduce-scatter   (n−1)·α + (n−1)/n·S·β + (n−1)/n·S·γ
+    all-gather       (n−1)·α + (n−1)/n·S·β
+    all-reduce       2(n−1)·α + 2(n−1)/n·S·β + (n−1)/n·S·γ
+
+Each rank sends 2(n−1)/n·S bytes in an all-reduce — the lower bound for any all-reduce, which is why the ring
+is the algorithm of choice for large messages; its 2(n−1) latency terms make it the worst for small ones.
+Blocks larger than a segment (`blocks.segment_bytes`) travel in pieces, each reduced right after it arrives.
+"""
+
+from __future__ import annotations
+
+from .backend import Array, get_array_module
+from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
+from .communicator import Steps
+
+
+def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int, reduce: Reducer,
+                              partial: callable, scratch: Array | None) -> Steps:
+    """The n−1 reduce-scatter steps over the blocks `bounds` of the flat array `x`.
+
+    At step s rank r receives block b = (r−s−2) mod n, reduces it with its own x[b] into `partial(s, b)` and
+    sends that partial result on at step s+1; after the last step block `rank` is complete. Received data goes
+    into `scratch` when given, else straight into `partial(s, b)`.
+    """
+    right, left = (rank + 1) % size, (rank - 1) % size
+    segments = segment_count(max(b - a for a, b in zip(bounds, bounds[1:])), x.itemsize)
+    send = x[bounds[left]:bounds[left + 1]]
+    for step in range(size - 1):
+        block = (rank - step - 2) % size
+        mine = x[bounds[block]:bounds[block + 1]]
+        target = partial(step, block)
+        arrived = target if scratch is None else scratch[:len(target)]
+
+        def reduce_piece(lo: int, hi: int, mine=mine, arrived=arrived, target=target) -> None:
+            reduce(mine[lo:hi], arrived[lo:hi], target[lo:hi])
+
+        yield from exchange_in_segments(send, right, arrived, left, segments, reduce_piece)
+        send = target
+
+
+def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int) -> Steps:
+    """The n−1 all-gather steps: `out` holds block `rank` on entry and every block on exit."""
+    right, left = (rank + 1) % size, (rank - 1) % size
+    segments = segment_count(max(b - a for a, b in zip(bounds, bounds[1:])), out.itemsize)
+    for step in range(size - 1):
+        send_block, recv_block = (rank - step) % size, (rank - step - 1) % size
+        yield from exchange_in_segments(out[bounds[send_block]:bounds[send_block + 1]], right,
+                                        out[bounds[recv_block]:bounds[recv_block + 1]], left, segments)
+
+
+def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+    """All-reduce of flat `x` into flat `out` (which may be `x` itself) without copying `x` first.
+
+    Step 0 sends straight from `x` and every reduction writes into `out`, so no full-size temporary exists.
+    """
+    bounds = even_bounds(len(x), size)
+    in_place = out is x or (out.size and get_array_module(out).shares_memory(out, x))
+    scratch = get_array_module(x).empty(bounds[1], x.dtype) if in_place else None
+
+    def into_out(step: int, block: int) -> Array:
+        return out[bounds[block]:bounds[block + 1]]
+
+    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, into_out, scratch)
+    yield from ring_all_gather_phase(out, bounds, rank, size)
+
+
+def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+    """Reduce-scatter of flat `x` (length divisible by size) into `out`, this rank's block.
+
+    Partial results alternate between two block-sized buffers (one being sent while the next is filled);
+    the last step reduces straight into `out`.
+    """
+    bounds = even_bounds(len(x), size)
+    xp = get_array_module(x)
+    buffers = (xp.empty(len(out), x.dtype), xp.empty(len(out), x.dtype))
+
+    def partial(step: int, block: int) -> Array:
+        return out if step == size - 2 else buffers[step % 2]
+
+    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial, None)
+
+
+def ring_all_gather(x: Array, out: Array, rank: int, size: int) -> Steps:
+    """All-gather of flat `x` into flat `out` (size·len(x) elements, rank order)."""
+    bounds = even_bounds(len(out), size)
+    out[bounds[rank]:bounds[rank + 1]] = x
+    yield from ring_all_gather_phase(out, bounds, rank, size)
