@@ -1,0 +1,115 @@
+"""The hand-written collectives compute exactly what the MPI library computes, and send what the theory says."""
+
+from __future__ import annotations
+
+import pytest
+from mpi_harness import RankFailure, run_on_ranks
+
+RANK_COUNTS = [1, 2, 3, 4, 5, 8]
+CHECKS = "workers.collective_checks"
+
+
+def _assert_no_failures(results: list[list[str]]) -> None:
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: {len(failures)} failures, first: {failures[:5]}"
+
+
+@pytest.mark.parametrize("ranks", RANK_COUNTS)
+def test_every_collective_and_algorithm_matches_native_mpi(ranks):
+    """Sizes 0, 1, 7, 1000 × float16/32/64, int32/64 × sum/prod/max/min/avg × every algorithm."""
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_against_native", sizes=[0, 1, 7, 1000]))
+
+
+@pytest.mark.parametrize("ranks", RANK_COUNTS)
+def test_every_collective_matches_native_mpi_on_a_million_and_three_elements(ranks):
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_against_native", timeout=400, sizes=[1_000_003]))
+
+
+@pytest.mark.parametrize("ranks", [3, 4, 5])
+def test_messages_cut_into_many_segments_still_match_native(ranks):
+    """A 40-byte segment limit sends every block in pieces (uneven, some empty): the pipelining paths."""
+    results = run_on_ranks(ranks, f"{CHECKS}:check_against_native", env={"MPIPARALLEL_SEGMENT_BYTES": "40"},
+                           sizes=[7, 1000], dtypes=["float64", "int32"], ops=["sum", "avg"])
+    _assert_no_failures(results)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_multidimensional_noncontiguous_and_out_arguments(ranks):
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_multidimensional"))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_ring_all_reduce_sends_2_n_minus_1_over_n_bytes(ranks):
+    count = 840 * ranks  # divisible: every rank sends exactly the textbook volume
+    nbytes = count * 8
+    for rank, volumes in enumerate(run_on_ranks(ranks, f"{CHECKS}:ledger_volumes", count=count)):
+        expected = 2 * (ranks - 1) * nbytes // ranks
+        assert volumes["all_reduce"]["sent"] == expected, f"rank {rank}"
+        assert volumes["all_reduce"]["received"] == expected, f"rank {rank}"
+        assert volumes["all_reduce"]["by_operation"] == {"all_reduce": expected}
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_ring_reduce_scatter_and_all_gather_send_n_minus_1_over_n_bytes(ranks):
+    count = 840 * ranks
+    nbytes = count * 8
+    for volumes in run_on_ranks(ranks, f"{CHECKS}:ledger_volumes", count=count):
+        assert volumes["reduce_scatter"]["sent"] == (ranks - 1) * nbytes // ranks
+        assert volumes["reduce_scatter"]["received"] == (ranks - 1) * nbytes // ranks
+        gathered = nbytes * ranks  # all_gather's S is the gathered output
+        assert volumes["all_gather"]["sent"] == (ranks - 1) * gathered // ranks
+        assert volumes["all_to_all"]["sent"] == (ranks - 1) * nbytes // ranks
+
+
+def test_rabenseifner_on_a_power_of_two_sends_the_ring_volume():
+    count = 4 * 1000
+    for volumes in run_on_ranks(4, f"{CHECKS}:ledger_volumes", count=count):
+        assert volumes["rabenseifner"]["sent"] == 2 * 3 * count * 8 // 4
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_async_collectives_in_flight_together_equal_the_sync_forms(ranks):
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_async_equals_sync", count=10_001))
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_async_equals_sync", count=3,
+                                     env={"MPIPARALLEL_SEGMENT_BYTES": "8"}))
+
+
+def test_bad_arguments_raise_value_errors_naming_the_valid_choices():
+    messages = run_on_ranks(2, f"{CHECKS}:check_errors_are_clear")[0]
+    assert "median" in messages["bad_op"] and "sum, prod, max, min, avg" in messages["bad_op"]
+    assert "hypercube" in messages["bad_algo"]
+    for algo in ("ring", "recursive_doubling", "rabenseifner", "mpi", "auto"):
+        assert algo in messages["bad_algo"]
+    assert "bruck" in messages["bad_algo_for_collective"]
+    assert "divisible" in messages["not_divisible"] and "shape" in messages["not_divisible"]
+    assert "divisible" in messages["alltoall_not_divisible"]
+    assert "dtype" in messages["bad_out_dtype"]
+    assert "root" in messages["bad_root"]
+    assert "send_counts" in messages["bad_counts"]
+    assert "dtype" in messages["string_dtype"]
+    assert "valid" in messages["async_mpi"]
+
+
+def test_bad_arguments_raise_on_every_rank():
+    results = run_on_ranks(3, f"{CHECKS}:check_errors_are_clear")
+    for messages in results:
+        assert "NO ERROR" not in messages.values(), messages
+
+
+def test_check_mode_reports_mismatched_shapes_on_every_rank():
+    results = run_on_ranks(3, f"{CHECKS}:mismatched_shapes", env={"MPIPARALLEL_CHECK": "1"})
+    for message in results:
+        assert "ranks disagree" in message
+        assert "rank 0: all_reduce(shape=(4,)" in message and "rank 2: all_reduce(shape=(6,)" in message
+
+
+def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging():
+    # The other ranks sit in a collective, then sleep 60 s: only MPI_Abort ends the job before the 50 s timeout
+    # (a timeout would raise "hung", which does not match).
+    with pytest.raises(RankFailure, match="deliberate failure on rank 1"):
+        run_on_ranks(3, f"{CHECKS}:raise_on_rank", timeout=50, rank=1)
+
+
+def test_a_hang_fails_after_the_timeout_instead_of_stalling():
+    with pytest.raises(RankFailure, match="hung"):
+        run_on_ranks(2, f"{CHECKS}:raise_on_rank", timeout=3, rank=5)  # nobody raises; both sleep

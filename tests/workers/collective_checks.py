@@ -1,0 +1,237 @@
+"""Checks that run on every rank of an MPI job (see mpi_harness); each returns a list of failures (empty = pass)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives as C
+from collectives.cost_model import CostModel
+
+DTYPES = {name: np.dtype(name) for name in ("float16", "float32", "float64", "int32", "int64")}
+
+
+def _hand_written(name: str) -> list[str]:
+    return [a for a in C.ALGORITHMS[name] if a != "mpi"]
+
+
+def exact_data(rng: np.random.Generator, shape: tuple, dtype: np.dtype, op: str, size: int) -> np.ndarray:
+    """Integer-valued data whose reduction over `size` ranks is exact in every dtype (float16 included)."""
+    if op == "prod":
+        values = rng.integers(1, 3, shape)  # at most 2**8 = 256 on 8 ranks
+    elif op == "avg":
+        values = rng.integers(-3, 4, shape) * size  # the sum divides exactly
+    else:
+        values = rng.integers(-4, 5, shape)
+    return values.astype(dtype)
+
+
+class Failures(list):
+    def expect_equal(self, got: np.ndarray | None, want: np.ndarray | None, what: str) -> None:
+        if got is None or want is None:
+            if got is not want:
+                self.append(f"{what}: got {type(got).__name__}, want {type(want).__name__}")
+            return
+        if got.shape != want.shape or got.dtype != want.dtype:
+            self.append(f"{what}: shape/dtype {got.shape}/{got.dtype} != {want.shape}/{want.dtype}")
+        elif not np.array_equal(got, want):
+            wrong = int(np.count_nonzero(got != want))
+            self.append(f"{what}: {wrong} of {want.size} elements differ")
+
+
+def check_against_native(sizes: list[int], dtypes: list[str] | None = None, ops: list[str] | None = None,
+                         seed: int = 0) -> list[str]:
+    """Every collective × hand-written algorithm × size × dtype × op agrees exactly with algo="mpi"."""
+    comm = C.world()
+    rank, n = comm.rank, comm.size
+    rng = np.random.default_rng(seed * 1000 + rank)
+    failures = Failures()
+    for dtype in [DTYPES[d] for d in (dtypes or DTYPES)]:
+        for count in sizes:
+            for op in ops or C.OPS:
+                _check_reductions(comm, rng, count, dtype, op, failures)
+            _check_data_movement(comm, rng, count, dtype, failures)
+    return failures
+
+
+def _unchanged(x: np.ndarray, original: np.ndarray, what: str, failures: Failures) -> None:
+    if not np.array_equal(x, original):
+        failures.append(f"{what}: modified its input")
+
+
+def _check_reductions(comm: C.Communicator, rng: np.random.Generator, count: int, dtype: np.dtype, op: str,
+                      failures: Failures) -> None:
+    n = comm.size
+    x = exact_data(rng, (count,), dtype, op, n)
+    blocks = exact_data(rng, (n, count), dtype, op, n)  # reduce_scatter: block j is row j
+    original_x, original_blocks = x.copy(), blocks.copy()
+    want_all_reduce = C.all_reduce(x, comm, op, algo="mpi")
+    want_reduce_scatter = C.reduce_scatter(blocks, comm, op, algo="mpi")
+    roots = sorted({0, n - 1})
+    want_reduce = {root: C.reduce(x, comm, root, op, algo="mpi") for root in roots}
+    tag = f"count={count} dtype={dtype} op={op}"
+    for algo in _hand_written("all_reduce"):
+        failures.expect_equal(C.all_reduce(x, comm, op, algo), want_all_reduce, f"all_reduce {algo} {tag}")
+        in_place = x.copy()
+        C.all_reduce(in_place, comm, op, algo, out=in_place)
+        failures.expect_equal(in_place, want_all_reduce, f"all_reduce {algo} out=x {tag}")
+    for algo in _hand_written("reduce_scatter"):
+        failures.expect_equal(C.reduce_scatter(blocks, comm, op, algo), want_reduce_scatter,
+                              f"reduce_scatter {algo} {tag}")
+    for algo in _hand_written("reduce"):
+        for root in roots:
+            failures.expect_equal(C.reduce(x, comm, root, op, algo), want_reduce[root],
+                                  f"reduce {algo} root={root} {tag}")
+    _unchanged(x, original_x, f"reduction {tag}", failures)
+    _unchanged(blocks, original_blocks, f"reduce_scatter {tag}", failures)
+
+
+def _check_data_movement(comm: C.Communicator, rng: np.random.Generator, count: int, dtype: np.dtype,
+                         failures: Failures) -> None:
+    n = comm.size
+    x = exact_data(rng, (count,), dtype, "sum", n)
+    blocks = exact_data(rng, (n, count), dtype, "sum", n)
+    tag = f"count={count} dtype={dtype}"
+    want = C.all_gather(x, comm, algo="mpi")
+    for algo in _hand_written("all_gather"):
+        failures.expect_equal(C.all_gather(x, comm, algo), want, f"all_gather {algo} {tag}")
+    want = C.all_to_all(blocks, comm, algo="mpi")
+    for algo in _hand_written("all_to_all"):
+        failures.expect_equal(C.all_to_all(blocks, comm, algo), want, f"all_to_all {algo} {tag}")
+    for root in sorted({0, n - 1}):
+        want = C.broadcast(x, comm, root, algo="mpi")
+        for algo in _hand_written("broadcast"):
+            failures.expect_equal(C.broadcast(x, comm, root, algo), want, f"broadcast {algo} root={root} {tag}")
+    send_counts = rng.integers(0, max(2 * count // n, 1) + 1, n)
+    rows = exact_data(rng, (int(send_counts.sum()), 3), dtype, "sum", n)
+    want_rows, want_counts = C.all_to_allv(rows, send_counts, comm, algo="mpi")
+    got_rows, got_counts = C.all_to_allv(rows, send_counts, comm, algo="pairwise")
+    failures.expect_equal(got_rows, want_rows, f"all_to_allv {tag}")
+    if got_counts != want_counts:
+        failures.append(f"all_to_allv {tag}: recv_counts {got_counts} != {want_counts}")
+
+
+def check_multidimensional(seed: int = 0) -> list[str]:
+    """Shapes with trailing axes, auto choice, and out= buffers, against the reference."""
+    comm = C.world()
+    n = comm.size
+    rng = np.random.default_rng(seed + comm.rank)
+    failures = Failures()
+    x = exact_data(rng, (2 * n, 3, 5), np.dtype("float64"), "sum", n)
+    failures.expect_equal(C.all_reduce(x, comm), C.all_reduce(x, comm, algo="mpi"), "all_reduce 3-d")
+    failures.expect_equal(C.reduce_scatter(x, comm), C.reduce_scatter(x, comm, algo="mpi"), "reduce_scatter 3-d")
+    failures.expect_equal(C.all_gather(x, comm), C.all_gather(x, comm, algo="mpi"), "all_gather 3-d")
+    failures.expect_equal(C.all_to_all(x, comm), C.all_to_all(x, comm, algo="mpi"), "all_to_all 3-d")
+    scalar = np.float64(comm.rank + 1).reshape(())
+    failures.expect_equal(C.all_reduce(scalar, comm), np.float64(n * (n + 1) / 2).reshape(()), "0-d all_reduce")
+    strided = x[:, 1, ::2]  # not contiguous
+    failures.expect_equal(C.all_reduce(strided, comm), C.all_reduce(strided.copy(), comm, algo="mpi"),
+                          "non-contiguous all_reduce")
+    out = np.empty_like(x)
+    got = C.all_reduce(x, comm, out=out)
+    if got is not out:
+        failures.append("all_reduce(out=...) did not return out")
+    return failures
+
+
+def ledger_volumes(count: int) -> dict:
+    """Bytes each rank's ledger records for one call of each ring algorithm on `count` float64 elements."""
+    comm = C.world()
+    x = np.ones(count)
+    volumes = {}
+    for name, call in [("all_reduce", lambda: C.all_reduce(x, comm, algo="ring")),
+                       ("reduce_scatter", lambda: C.reduce_scatter(x, comm, algo="ring")),
+                       ("all_gather", lambda: C.all_gather(x, comm, algo="ring")),
+                       ("rabenseifner", lambda: C.all_reduce(x, comm, algo="rabenseifner")),
+                       ("all_to_all", lambda: C.all_to_all(x, comm, algo="pairwise"))]:
+        comm.ledger.reset()
+        call()
+        volumes[name] = {"sent": comm.ledger.total_sent(), "received": comm.ledger.total_received(),
+                         "by_operation": dict(comm.ledger.sent)}
+    return volumes
+
+
+def check_async_equals_sync(count: int) -> list[str]:
+    """Several asynchronous collectives in flight at once, progressed by interleaved test(), equal the sync forms."""
+    comm = C.world()
+    n = comm.size
+    rng = np.random.default_rng(comm.rank)
+    failures = Failures()
+    x = exact_data(rng, (n * count,), np.dtype("float32"), "sum", n)
+    calls = []
+    for algo in _hand_written("all_reduce"):
+        calls.append((f"all_reduce {algo}", C.all_reduce_async(x, comm, "sum", algo),
+                      C.all_reduce(x, comm, "sum", algo)))
+    for algo in _hand_written("reduce_scatter"):
+        calls.append((f"reduce_scatter {algo}", C.reduce_scatter_async(x, comm, "max", algo),
+                      C.reduce_scatter(x, comm, "max", algo)))
+    for algo in _hand_written("all_gather"):
+        calls.append((f"all_gather {algo}", C.all_gather_async(x, comm, algo), C.all_gather(x, comm, algo)))
+    calls.append(("all_reduce avg", C.all_reduce_async(x, comm, "avg"), C.all_reduce(x, comm, "avg")))
+    pending = [handle for _, handle, _ in calls]
+    while pending:  # progress every handle a little at a time, as a backward pass would between layers
+        pending = [handle for handle in pending if not handle.test()]
+    for what, handle, want in calls:
+        failures.expect_equal(handle.wait(), want, f"async {what}")
+    return failures
+
+
+def check_errors_are_clear() -> dict[str, str]:
+    """Bad arguments raise ValueError; return each message so the test can check what it names."""
+    comm = C.world()
+    x = np.ones(comm.size * 2 + 1)
+    attempts = {
+        "bad_op": lambda: C.all_reduce(x, comm, op="median"),
+        "bad_algo": lambda: C.all_reduce(x, comm, algo="hypercube"),
+        "bad_algo_for_collective": lambda: C.all_gather(x, comm, algo="rabenseifner"),
+        "not_divisible": lambda: C.reduce_scatter(x, comm),
+        "alltoall_not_divisible": lambda: C.all_to_all(x, comm),
+        "bad_out_dtype": lambda: C.all_reduce(x, comm, out=np.empty(x.shape, np.float32)),
+        "bad_root": lambda: C.broadcast(x, comm, root=comm.size),
+        "bad_counts": lambda: C.all_to_allv(x, [1] * comm.size, comm),
+        "string_dtype": lambda: C.all_reduce(np.array(["a"]), comm),
+        "async_mpi": lambda: C.all_reduce_async(x, comm, algo="mpi"),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as error:
+            messages[name] = str(error)
+        else:
+            messages[name] = "NO ERROR"
+    return messages
+
+
+def mismatched_shapes() -> str:
+    """With MPIPARALLEL_CHECK=1, ranks passing different shapes get one clear error instead of a hang."""
+    comm = C.world()
+    try:
+        C.all_reduce(np.ones(4 + comm.rank), comm)
+    except C.CollectiveMismatchError as error:
+        return str(error)
+    return "NO ERROR"
+
+
+def raise_on_rank(rank: int) -> str:
+    """Rank `rank` raises while the others enter a collective: the job must end, not hang."""
+    comm = C.world()
+    if comm.rank == rank:
+        raise RuntimeError(f"deliberate failure on rank {rank}")
+    C.all_reduce(np.ones(10), comm)
+    time.sleep(60)
+    return "finished"
+
+
+def auto_choices() -> dict[str, str]:
+    """What algo="auto" picks for a tiny and a large all_reduce, with fixed constants, on this communicator."""
+    comm = C.world()
+    comm.cost_model = CostModel(alpha=3e-6, beta=1e-10, gamma=1e-10)
+    from collectives.cost_model import choose
+    return {"small": choose(comm.cost_model, "all_reduce", 8, comm.size),
+            "large": choose(comm.cost_model, "all_reduce", 64 << 20, comm.size),
+            "segment_bytes": os.environ.get("MPIPARALLEL_SEGMENT_BYTES", ""),
+            "library": MPI.Get_library_version().splitlines()[0]}
