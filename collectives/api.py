@@ -23,7 +23,7 @@ from .backend import Array, get_array_module
 from .blocks import OPS, check_op, finish_average, reducer
 from .bruck import bruck_all_gather, bruck_all_to_all
 from .communicator import CollectiveHandle, Communicator, Steps
-from .cost_model import choose, model_for
+from .cost_model import auto_algorithm
 from .pairwise import pairwise_all_to_all, pairwise_all_to_allv
 from .recursive import (
     rabenseifner_all_reduce,
@@ -227,10 +227,15 @@ def _finished(comm: Communicator, result: Array, asynchronous: bool) -> Any:
 
 
 def _averaged(steps: Steps, result: Array, size: int, op: str) -> Steps:
-    """The algorithm's steps, then the one division that turns a sum into an average (op="avg")."""
+    """For op="avg", the algorithm's steps followed by the one division that turns the sum into an average."""
+    if op != "avg":
+        return steps
+    return _then_divide(steps, result, size)
+
+
+def _then_divide(steps: Steps, result: Array, size: int) -> Steps:
     yield from steps
-    if op == "avg":
-        finish_average(result, size)
+    finish_average(result, size)
 
 
 def _flat(x: Array) -> Array:
@@ -298,8 +303,9 @@ def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str,
         return algo
     if name == "all_to_allv":
         return "pairwise"
-    nbytes = x.nbytes * (comm.size if gathered else 1)
-    return choose(model_for(comm), name, nbytes, comm.size) if comm.size > 1 else next(iter(valid))
+    if comm.size == 1:
+        return next(iter(valid))
+    return auto_algorithm(comm, name, x.nbytes * (comm.size if gathered else 1))
 
 
 def _describe(row: np.ndarray) -> str:

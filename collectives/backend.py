@@ -98,6 +98,8 @@ class HostStaging:
     to its device array (call it after the receives completed). Host arrays are returned unchanged.
     """
 
+    possible = _cupy is not None  # without CuPy every array is a host array: callers skip staging entirely
+
     def __init__(self) -> None:
         self._pending: list[tuple[Array, np.ndarray]] = []
 

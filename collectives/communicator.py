@@ -126,6 +126,7 @@ class Communicator:
         self.ledger = Ledger()
         self._next_tag = 0
         self.cost_model: Any = None  # set lazily by collectives.cost_model (same on every rank)
+        self.auto_choices: dict[tuple[str, int], str] = {}  # (collective, bytes) -> algorithm, for algo="auto"
 
     @classmethod
     def of(cls, comm: MPI.Comm | Communicator) -> Communicator:
@@ -195,24 +196,31 @@ class Communicator:
     def run_step(self, step: Step, tag: int) -> None:
         """Execute one step with blocking MPI calls and record its bytes."""
         send, recv = step.send, step.recv
-        staging = HostStaging()
+        staging = HostStaging() if HostStaging.possible else None
+        if staging is not None:
+            send = None if send is None else staging.outgoing(send)
+            recv = None if recv is None else staging.incoming(recv)
         if send is not None and recv is not None:
-            self.comm.Sendrecv(_byte_buffer(staging.outgoing(send)), step.dest, tag,
-                               _byte_buffer(staging.incoming(recv)), step.source, tag)
+            self.comm.Sendrecv([send, MPI.BYTE], step.dest, tag, [recv, MPI.BYTE], step.source, tag)
         elif send is not None:
-            self.comm.Send(_byte_buffer(staging.outgoing(send)), step.dest, tag)
+            self.comm.Send([send, MPI.BYTE], step.dest, tag)
         elif recv is not None:
-            self.comm.Recv(_byte_buffer(staging.incoming(recv)), step.source, tag)
-        staging.finish()
+            self.comm.Recv([recv, MPI.BYTE], step.source, tag)
+        if staging is not None:
+            staging.finish()
         self.ledger.record(self.ledger.operation,
                            0 if send is None else send.nbytes, 0 if recv is None else recv.nbytes)
 
     def run(self, steps: Steps, name: str) -> None:
         """Run an algorithm's steps to completion with blocking calls, recording traffic under `name`."""
         tag = self.collective_tag()
-        with self.ledger.recording_as(name):
+        ledger = self.ledger
+        previous, ledger.operation = ledger.operation, name
+        try:
             for step in steps:
                 self.run_step(step, tag)
+        finally:
+            ledger.operation = previous
 
     def start(self, steps: Steps, name: str, result: Any) -> CollectiveHandle:
         """Start an algorithm with nonblocking calls; the handle's `wait()` returns `result` at the end."""

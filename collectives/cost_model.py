@@ -126,6 +126,15 @@ def save_calibration(model: CostModel, size: int, path: Path | None = None) -> P
     return path
 
 
+def auto_algorithm(comm: Communicator, collective: str, nbytes: int) -> str:
+    """The algorithm algo="auto" runs for this call; decided once per (collective, size) per communicator."""
+    key = (collective, nbytes)
+    choice = comm.auto_choices.get(key)
+    if choice is None:
+        choice = comm.auto_choices[key] = choose(model_for(comm), collective, nbytes, comm.size)
+    return choice
+
+
 def model_for(comm: Communicator) -> CostModel:
     """The cost model of `comm`: loaded on its rank 0 once, broadcast, then cached on the communicator."""
     if comm.cost_model is None:
@@ -167,4 +176,5 @@ def calibrate(comm: Communicator) -> CostModel:
     values = np.array([alpha, beta, gamma])
     comm.comm.Bcast(values, root=0)
     comm.cost_model = CostModel(*values.tolist())
+    comm.auto_choices.clear()
     return comm.cost_model

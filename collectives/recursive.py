@@ -34,6 +34,8 @@ class PowerOfTwoFold:
     rank rank − rem. Virtual rank v stands for the real ranks `represented(v)`, a contiguous range.
     """
 
+    __slots__ = ("p", "rem", "size", "is_extra", "has_extra", "partner", "virtual")
+
     def __init__(self, rank: int, size: int) -> None:
         self.p = 1 << (size.bit_length() - 1)
         self.rem = size - self.p
@@ -120,7 +122,8 @@ def hand_back(result: Array, fold: PowerOfTwoFold) -> Steps:
 def recursive_doubling_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
     """All-reduce exchanging the whole vector in each of log2(p) rounds (plus the fold for other n)."""
     fold = PowerOfTwoFold(rank, size)
-    yield from fold_in(x, out, fold, reduce)
+    if fold.rem:
+        yield from fold_in(x, out, fold, reduce)
     if not fold.is_extra:
         if not fold.has_extra:
             out[...] = x
@@ -135,18 +138,21 @@ def recursive_doubling_all_reduce(x: Array, out: Array, rank: int, size: int, re
             partner = fold.real(fold.virtual ^ distance)
             yield from exchange_in_segments(out, partner, arrived, partner, segments, reduce_piece)
             distance *= 2
-    yield from hand_back(out, fold)
+    if fold.rem:
+        yield from hand_back(out, fold)
 
 
 def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
     """All-reduce as recursive-halving reduce-scatter + recursive-doubling all-gather over p segments."""
     fold = PowerOfTwoFold(rank, size)
-    yield from fold_in(x, out, fold, reduce)
+    if fold.rem:
+        yield from fold_in(x, out, fold, reduce)
     if not fold.is_extra:
         bounds = even_bounds(len(x), fold.p)
         yield from recursive_halving(out if fold.has_extra else x, out, bounds, fold, reduce)
         yield from recursive_doubling_gather(out, bounds, fold)
-    yield from hand_back(out, fold)
+    if fold.rem:
+        yield from hand_back(out, fold)
 
 
 def _rank_block_bounds(fold: PowerOfTwoFold, block: int) -> list[int]:

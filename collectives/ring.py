@@ -16,13 +16,15 @@ Blocks larger than a segment (`blocks.segment_bytes`) travel in pieces, each red
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
 from .communicator import Steps
 
 
 def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int, reduce: Reducer,
-                              partial: callable, scratch: Array | None) -> Steps:
+                              partial: Callable[[int, int], Array], scratch: Array | None) -> Steps:
     """The n−1 reduce-scatter steps over the blocks `bounds` of the flat array `x`.
 
     At step s rank r receives block b = (r−s−2) mod n, reduces it with its own x[b] into `partial(s, b)` and
@@ -30,7 +32,7 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
     into `scratch` when given, else straight into `partial(s, b)`.
     """
     right, left = (rank + 1) % size, (rank - 1) % size
-    segments = segment_count(max(b - a for a, b in zip(bounds, bounds[1:])), x.itemsize)
+    segments = segment_count(bounds[1] - bounds[0], x.itemsize)  # the first block is the largest
     send = x[bounds[left]:bounds[left + 1]]
     for step in range(size - 1):
         block = (rank - step - 2) % size
@@ -48,7 +50,7 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
 def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int) -> Steps:
     """The n−1 all-gather steps: `out` holds block `rank` on entry and every block on exit."""
     right, left = (rank + 1) % size, (rank - 1) % size
-    segments = segment_count(max(b - a for a, b in zip(bounds, bounds[1:])), out.itemsize)
+    segments = segment_count(bounds[1] - bounds[0], out.itemsize)
     for step in range(size - 1):
         send_block, recv_block = (rank - step) % size, (rank - step - 1) % size
         yield from exchange_in_segments(out[bounds[send_block]:bounds[send_block + 1]], right,

@@ -46,8 +46,7 @@ def check_against_native(sizes: list[int], dtypes: list[str] | None = None, ops:
                          seed: int = 0) -> list[str]:
     """Every collective × hand-written algorithm × size × dtype × op agrees exactly with algo="mpi"."""
     comm = C.world()
-    rank, n = comm.rank, comm.size
-    rng = np.random.default_rng(seed * 1000 + rank)
+    rng = np.random.default_rng(seed * 1000 + comm.rank)
     failures = Failures()
     for dtype in [DTYPES[d] for d in (dtypes or DTYPES)]:
         for count in sizes:
