@@ -113,3 +113,7 @@ def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging():
 def test_a_hang_fails_after_the_timeout_instead_of_stalling():
     with pytest.raises(RankFailure, match="hung"):
         run_on_ranks(2, f"{CHECKS}:raise_on_rank", timeout=3, rank=5)  # nobody raises; both sleep
+
+
+def test_point_to_point_ledger_and_split_communicators():
+    _assert_no_failures(run_on_ranks(4, f"{CHECKS}:check_point_to_point_and_split"))

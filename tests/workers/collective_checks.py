@@ -234,3 +234,30 @@ def auto_choices() -> dict[str, str]:
             "large": choose(comm.cost_model, "all_reduce", 64 << 20, comm.size),
             "segment_bytes": os.environ.get("MPIPARALLEL_SEGMENT_BYTES", ""),
             "library": MPI.Get_library_version().splitlines()[0]}
+
+
+def check_point_to_point_and_split() -> list[str]:
+    """send/recv/sendrecv/isend/irecv move exact bytes, the ledger counts them, split makes working subgroups."""
+    comm = C.world()
+    rank, n = comm.rank, comm.size
+    failures = Failures()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    comm.ledger.reset()
+    mine = np.arange(5, dtype=np.float16) + rank
+    arrived = comm.sendrecv(mine, right, np.empty_like(mine), left)
+    failures.expect_equal(arrived, np.arange(5, dtype=np.float16) + left, "sendrecv")
+    if rank % 2 == 0 and right != rank:
+        comm.send(mine, right, tag=3)
+    if rank % 2 == 1:
+        failures.expect_equal(comm.recv(np.empty_like(mine), left, tag=3), mine - 1, "send/recv")
+    inbox = np.empty(3, np.int64)
+    MPI.Request.Waitall([comm.irecv(inbox, left, tag=4), comm.isend(np.full(3, rank, np.int64), right, tag=4)])
+    failures.expect_equal(inbox, np.full(3, left, np.int64), "isend/irecv")
+    if comm.ledger.sent["p2p"] < 5 * 2 + 3 * 8:
+        failures.append(f"p2p ledger recorded {comm.ledger.sent['p2p']} bytes sent")
+    halves = comm.split(color=rank % 2, key=rank)
+    total = C.all_reduce(np.array([rank], np.int64), halves)
+    failures.expect_equal(total, np.array([sum(range(rank % 2, n, 2))], np.int64), "all_reduce on split")
+    if halves.ledger is comm.ledger:
+        failures.append("a split communicator shares its parent's ledger")
+    return failures
