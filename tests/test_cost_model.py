@@ -58,16 +58,3 @@ def test_missing_or_corrupt_calibration_gives_the_defaults(tmp_path):
     corrupt.write_text("{not json")
     assert load_calibration(4, corrupt) == CostModel()
 
-
-def test_cuda_aware_override_is_validated(monkeypatch):
-    from collectives import backend
-
-    for value, expected in (("1", True), ("0", False)):
-        backend.cuda_aware_mpi.cache_clear()
-        monkeypatch.setenv("MPIPARALLEL_CUDA_AWARE", value)
-        assert backend.cuda_aware_mpi() is expected
-    backend.cuda_aware_mpi.cache_clear()
-    monkeypatch.setenv("MPIPARALLEL_CUDA_AWARE", "yes")
-    with pytest.raises(ValueError, match="0 or 1"):
-        backend.cuda_aware_mpi()
-    backend.cuda_aware_mpi.cache_clear()

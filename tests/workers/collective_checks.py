@@ -18,6 +18,13 @@ def _hand_written(name: str) -> list[str]:
     return [a for a in C.ALGORITHMS[name] if a != "mpi"]
 
 
+def _on_host(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+_device = _on_host  # where exact_data puts its arrays: NumPy, or CuPy for the GPU checks
+
+
 def exact_data(rng: np.random.Generator, shape: tuple, dtype: np.dtype, op: str, size: int) -> np.ndarray:
     """Integer-valued data whose reduction over `size` ranks is exact in every dtype (float16 included)."""
     if op == "prod":
@@ -26,11 +33,17 @@ def exact_data(rng: np.random.Generator, shape: tuple, dtype: np.dtype, op: str,
         values = rng.integers(-3, 4, shape) * size  # the sum divides exactly
     else:
         values = rng.integers(-4, 5, shape)
-    return values.astype(dtype)
+    return _device(values.astype(dtype))
+
+
+def _host(a):
+    """A NumPy copy of a CuPy array (or the array itself)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
 
 
 class Failures(list):
     def expect_equal(self, got: np.ndarray | None, want: np.ndarray | None, what: str) -> None:
+        got, want = _host(got), _host(want)
         if got is None or want is None:
             if got is not want:
                 self.append(f"{what}: got {type(got).__name__}, want {type(want).__name__}")
@@ -43,8 +56,16 @@ class Failures(list):
 
 
 def check_against_native(sizes: list[int], dtypes: list[str] | None = None, ops: list[str] | None = None,
-                         seed: int = 0) -> list[str]:
-    """Every collective × hand-written algorithm × size × dtype × op agrees exactly with algo="mpi"."""
+                         seed: int = 0, backend: str = "numpy") -> list[str]:
+    """Every collective × hand-written algorithm × size × dtype × op agrees exactly with algo="mpi".
+
+    With backend="cupy" the inputs live on the GPU (ranks share device 0 on a one-GPU machine).
+    """
+    global _device
+    if backend == "cupy":
+        import cupy
+
+        _device = cupy.asarray
     comm = C.world()
     rng = np.random.default_rng(seed * 1000 + comm.rank)
     failures = Failures()
@@ -57,7 +78,7 @@ def check_against_native(sizes: list[int], dtypes: list[str] | None = None, ops:
 
 
 def _unchanged(x: np.ndarray, original: np.ndarray, what: str, failures: Failures) -> None:
-    if not np.array_equal(x, original):
+    if not np.array_equal(_host(x), _host(original)):
         failures.append(f"{what}: modified its input")
 
 
