@@ -76,15 +76,14 @@ def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer)
 def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
     """Reduce-scatter of flat `x` (length divisible by size) into `out`, this rank's block.
 
-    Partial results alternate between two block-sized buffers (one being sent while the next is filled);
-    the last step reduces straight into `out`.
+    Partial results alternate between `out` and one block-sized buffer (one is sent while the other is filled),
+    with the parity chosen so that the last step lands in `out`.
     """
     bounds = even_bounds(len(x), size)
-    xp = get_array_module(x)
-    buffers = (xp.empty(len(out), x.dtype), xp.empty(len(out), x.dtype))
+    spare = get_array_module(x).empty(len(out), x.dtype)
 
     def partial(step: int, block: int) -> Array:
-        return out if step == size - 2 else buffers[step % 2]
+        return out if (size - 2 - step) % 2 == 0 else spare
 
     yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial, None)
 
