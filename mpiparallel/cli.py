@@ -1,0 +1,217 @@
+"""The `mpiparallel` command line (click): argument parsing and the hand-off to each command's module.
+
+Everything here is cheap to import: the commands import NumPy, mpi4py and `collectives` only once they run,
+after `-n` has (re)launched the ranks, so `--help` is instant and a relaunching parent never starts MPI.
+Options that can be checked without MPI are checked before the relaunch (one message, no ranks started); the
+rest is checked on every rank and reported once by `launch.run_guarded`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__, launch
+
+BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
+REDUCTION_OPS = ("sum", "prod", "max", "min", "avg")
+
+DATATYPES = {
+    "float": "float32", "float32": "float32",
+    "double": "float64", "float64": "float64",
+    "half": "float16", "float16": "float16",
+    "int32": "int32", "int": "int32",
+    "int64": "int64",
+}
+"""nccl-tests' datatype names and their aliases, mapped to NumPy dtype names."""
+
+_BYTE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+class ByteSize(click.ParamType):
+    """A byte count with an optional K, M or G suffix (powers of 1024), as nccl-tests reads -b and -e."""
+
+    name = "bytes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("B")
+        number, suffix = (text[:-1], text[-1]) if text[-1:] in _BYTE_SUFFIXES else (text, "")
+        try:
+            size = int(number) * _BYTE_SUFFIXES[suffix]
+        except ValueError:
+            self.fail(f"{value!r} is not a byte count like 8, 64K, 1M or 2G", param, ctx)
+        if size < 0:
+            self.fail(f"{value!r} is negative", param, ctx)
+        return size
+
+
+class _Program(click.Group):
+    """The top-level group; its `main` routes every outcome through `launch.run_guarded`.
+
+    click's standalone mode would print a usage error on every rank and turn an exception into a traceback
+    per rank; here click only parses and raises, and `run_guarded` decides who reports and how the job ends.
+    The raw arguments are kept on the root context so that `-n` can relaunch with them.
+    """
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        parse_and_run = functools.partial(super().main, argv, prog_name or "mpiparallel",
+                                          standalone_mode=False, obj={"argv": argv}, **extra)
+        launch.run_guarded(parse_and_run)
+
+
+def _argv(ctx: click.Context) -> list[str]:
+    root = ctx.find_root()
+    return list(root.obj["argv"]) if isinstance(root.obj, dict) else sys.argv[1:]
+
+
+def ranks_option(command: Callable) -> Callable:
+    """The `-n/--np N` option every multi-rank command takes."""
+    return click.option(
+        "-n", "--np", "ranks", type=click.IntRange(min=1), default=None, metavar="N",
+        help="Number of ranks. Outside MPI, relaunch as `mpiexec -n N python -m mpiparallel ...`; "
+             "under mpiexec/srun it must equal the job's rank count. Default: the ranks already running.",
+    )(command)
+
+
+@click.group(cls=_Program, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mpiparallel")
+def main() -> None:
+    """Distributed LLM training written by hand over MPI.
+
+    Every command runs unchanged under `mpiexec -n N mpiparallel ...` or `srun -n N mpiparallel ...`, or
+    starts its own ranks with `-n N`. Set MPIPARALLEL_DEBUG=1 to see full tracebacks.
+    """
+
+
+# -- bench --------------------------------------------------------------------------------------------------
+
+@main.command(context_settings={"show_default": True})
+@click.argument("collective", type=click.Choice(BENCH_COLLECTIVES), required=False, metavar="COLLECTIVE")
+@ranks_option
+@click.option("-b", "--minbytes", type=ByteSize(), default="8", help="Smallest message size (K/M/G suffixes).")
+@click.option("-e", "--maxbytes", type=ByteSize(), default="64M", help="Largest message size (K/M/G suffixes).")
+@click.option("-f", "--stepfactor", type=click.IntRange(min=2), default=None,
+              help="Multiply the size by this factor between rows. [default: 2]")
+@click.option("-i", "--stepbytes", type=ByteSize(), default=None,
+              help="Add this many bytes between rows instead (exclusive with -f).")
+@click.option("--iters", type=click.IntRange(min=1), default=20, help="Timed calls per size.")
+@click.option("-w", "--warmup_iters", "warmup_iters", type=click.IntRange(min=0), default=5,
+              help="Untimed calls per size before timing.")
+@click.option("-c", "--check", type=click.IntRange(0, 1), default=1, help="Check results against exact values.")
+@click.option("-d", "--datatype", type=click.Choice(list(DATATYPES), case_sensitive=False), default="float",
+              help="Element type (nccl-tests names).")
+@click.option("-o", "--op", type=click.Choice(REDUCTION_OPS), default="sum",
+              help="Reduction operator (all_reduce, reduce_scatter, reduce).")
+@click.option("--root", type=click.IntRange(min=0), default=0, help="Root rank of broadcast and reduce.")
+@click.option("--algo", default="auto",
+              help="Algorithm: auto (the cost model's choice per size), mpi (the library's own), or a "
+                   "hand-written one; a wrong name lists the valid ones.")
+@click.option("--compare", type=click.Choice(["mpi"]), default=None,
+              help="Also time the MPI library's own collective, interleaved per size, and print the ratio.")
+@click.option("--calibrate", is_flag=True,
+              help="Measure the cost model's alpha, beta and gamma first and save them for algo=auto.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the rows and run metadata to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also draw bus bandwidth against size to this image (needs matplotlib).")
+@click.pass_context
+def bench(ctx: click.Context, collective: str | None, ranks: int | None, stepfactor: int | None,
+          stepbytes: int | None, **options: Any) -> None:
+    """Bandwidth benchmark of one collective, printed as nccl-tests prints it.
+
+    COLLECTIVE is one of all_reduce, reduce_scatter, all_gather, alltoall, broadcast, reduce, sendrecv.
+    Each row is one message size: time in microseconds (slowest rank's average), algbw = size/time and
+    busbw = algbw x the bus factor (2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter, all_gather and
+    alltoall, 1 otherwise) in GB/s, and #wrong, the elements that differ from the exact result. `size` is
+    the largest buffer (the gathered output of all_gather, the whole input of reduce_scatter and alltoall);
+    `count` is the elements per rank. With --calibrate and no COLLECTIVE it only calibrates.
+
+    \b
+    Examples:
+      mpiparallel bench all_reduce -n 4 --compare mpi
+      mpiparallel bench all_gather -n 2 -b 1K -e 16M -d double --algo ring
+      mpiexec -n 8 mpiparallel bench reduce_scatter -o max --json rs.json --plot rs.png
+    """
+    if collective is None and not options["calibrate"]:
+        raise click.UsageError("missing argument COLLECTIVE (or pass --calibrate to only calibrate)")
+    if stepfactor is not None and stepbytes is not None:
+        raise click.UsageError("-f/--stepfactor and -i/--stepbytes exclude each other; give one")
+    if stepbytes == 0:
+        raise click.BadParameter("must be positive", param_hint="'-i' / '--stepbytes'")
+    if options["minbytes"] > options["maxbytes"]:
+        raise click.UsageError(f"-b/--minbytes ({options['minbytes']}) is larger than "
+                               f"-e/--maxbytes ({options['maxbytes']})")
+    _check_plotting(options["plot_path"])
+    launch.ensure_world_size(ranks, _argv(ctx))
+
+    from . import bench as benchmark
+
+    if collective is not None:
+        valid = benchmark.valid_algorithms(collective)
+        if options["algo"] not in valid:
+            raise click.BadParameter(f"{collective} has no algorithm {options['algo']!r}; "
+                                     f"valid: {', '.join(valid)}", param_hint="'--algo'")
+    options["datatype"] = DATATYPES[options["datatype"].lower()]
+    settings = benchmark.BenchSettings(collective=collective, stepfactor=stepfactor or 2, stepbytes=stepbytes,
+                                       compare_mpi=options.pop("compare") == "mpi", check=bool(options.pop("check")),
+                                       **options)
+    ctx.exit(benchmark.run(settings))
+
+
+def _check_plotting(plot_path: Path | None) -> None:
+    """Fail before any rank starts if --plot cannot work."""
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise click.BadParameter("drawing needs matplotlib: pip install matplotlib", param_hint="'--plot'")
+
+
+# -- verify -------------------------------------------------------------------------------------------------
+
+VERIFY_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast",
+                      "reduce")
+VERIFY_DATATYPES = ("float16", "float32", "float64", "int32", "int64")
+
+
+@main.command(context_settings={"show_default": True})
+@click.option("--against", type=click.Choice(["mpi", "nccl"]), default="mpi",
+              help="Reference library whose collectives define the right answer.")
+@ranks_option
+@click.option("--max-count", type=click.IntRange(min=0), default=(1 << 20) + 3,
+              help="Largest count in the size sweep (elements per rank block).")
+@click.option("--collective", "collectives", type=click.Choice(VERIFY_COLLECTIVES), multiple=True,
+              help="Verify only this collective (repeatable). [default: all]")
+@click.option("-d", "--datatype", "datatypes", type=click.Choice(VERIFY_DATATYPES), multiple=True,
+              help="Verify only this datatype (repeatable). [default: all]")
+@click.option("--seed", type=int, default=0, help="Seed of every rank's random inputs.")
+@click.pass_context
+def verify(ctx: click.Context, against: str, ranks: int | None, max_count: int, collectives: tuple[str, ...],
+           datatypes: tuple[str, ...], seed: int) -> None:
+    """Check every hand-written algorithm against a reference library, element for element.
+
+    Runs each collective x algorithm x datatype x op (x root for broadcast and reduce) over a sweep of
+    counts (0, 1, small odd counts, counts not divisible by the rank count, up to --max-count) with random
+    integer-valued inputs, so that every result is exact and must equal the reference bit for bit. Prints
+    one row per collective, algorithm, datatype and op, with #wrong = mismatched output elements (plus input
+    elements the call modified) summed over ranks and sizes. Exits 0 iff no row is wrong.
+
+    \b
+    Examples:
+      mpiparallel verify --against mpi -n 4
+      mpiexec -n 3 mpiparallel verify --max-count 10000 --collective all_reduce -d float16
+    """
+    launch.ensure_world_size(ranks, _argv(ctx))
+
+    from . import verify as verification
+
+    settings = verification.VerifySettings(against=against, max_count=max_count,
+                                           collectives=collectives or VERIFY_COLLECTIVES,
+                                           datatypes=datatypes or VERIFY_DATATYPES, seed=seed)
+    ctx.exit(verification.run(settings))
