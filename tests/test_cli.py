@@ -1,0 +1,258 @@
+"""The `mpiparallel` command line, run as users run it: in subprocesses, on 1 to 3 ranks, each with a timeout.
+
+A hang must fail the test, not stall it: every command runs in its own process group, killed at its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import click
+import pytest
+
+from mpiparallel.cli import ByteSize
+from mpiparallel.launch import launched_by_mpi, relaunch_command
+
+PROGRAM = [sys.executable, "-m", "mpiparallel"]
+OTHER_COLLECTIVES = ("reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
+
+
+def mpiexec() -> str:
+    beside_python = Path(sys.executable).parent / "mpiexec"
+    return str(beside_python) if beside_python.exists() else shutil.which("mpiexec") or "mpiexec"
+
+
+def clean_environment(tmp_path: Path) -> dict[str, str]:
+    """This environment without any launcher's variables (pytest itself might run under one), and with a
+    calibration file of its own, so a user's stored cost model cannot change what algo=auto picks."""
+    launcher = ("PMI_", "OMPI_", "PMIX_", "SLURM_", "MPIPARALLEL_")
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    environment.update(PYTHONUNBUFFERED="1", MPIPARALLEL_CALIBRATION=str(tmp_path / "calibration.json"))
+    return environment
+
+
+@pytest.fixture
+def run(tmp_path):
+    """run(*args, timeout=...) -> (exit status, stdout, stderr, seconds); kills the whole job on timeout."""
+
+    def run_command(*command: str, timeout: float) -> tuple[int, str, str, float]:
+        start = time.monotonic()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=clean_environment(tmp_path), cwd=tmp_path, start_new_session=True)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"{' '.join(command)} hung: killed after {timeout} s\n{stdout[-2000:]}\n{stderr[-2000:]}")
+        return process.returncode, stdout, stderr, time.monotonic() - start
+
+    return run_command
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The data rows of a bench table: every line that is not a '#' comment, split into cells."""
+    return [line.split() for line in output.splitlines() if line.strip() and not line.startswith("#")]
+
+
+# -- help and pure helpers ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("subcommand", [[], ["bench"], ["verify"]])
+def test_every_command_has_help(run, subcommand):
+    status, out, err, _ = run(*PROGRAM, *subcommand, "--help", timeout=30)
+    assert status == 0, err
+    assert out.startswith("Usage: mpiparallel")
+    assert "-n, --np N" in out or not subcommand
+
+
+def test_console_script_help_and_cli_import_do_not_start_mpi(run):
+    script = shutil.which("mpiparallel", path=str(Path(sys.executable).parent)) or shutil.which("mpiparallel")
+    if script is not None:
+        status, out, _, _ = run(script, "--help", timeout=30)
+        assert status == 0 and "bench" in out and "verify" in out
+    status, out, _, _ = run(sys.executable, "-c",
+                            "import sys, mpiparallel.cli; print('mpi4py' in sys.modules)", timeout=30)
+    assert (status, out.strip()) == (0, "False")
+
+
+@pytest.mark.parametrize("text, expected", [("8", 8), ("64K", 64 << 10), ("1M", 1 << 20), ("2g", 2 << 30),
+                                            ("16KB", 16 << 10)])
+def test_byte_sizes_read_k_m_g_as_powers_of_1024(text, expected):
+    assert ByteSize().convert(text, None, None) == expected
+
+
+def test_byte_size_rejects_words():
+    with pytest.raises(click.BadParameter):
+        ByteSize().convert("lots", None, None)
+
+
+@pytest.mark.parametrize("environment, under_mpi", [
+    ({}, False),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, True),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"}, True),
+    ({"PMIX_RANK": "3"}, True),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, False),  # a batch script, not an srun step
+    ({"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4"}, True),
+])
+def test_launcher_detection_reads_the_launchers_variables(environment, under_mpi):
+    assert launched_by_mpi(environment) is under_mpi
+
+
+def test_relaunch_runs_this_interpreter_with_the_same_arguments():
+    command = relaunch_command("/opt/mpi/bin/mpiexec", 4, ["bench", "all_reduce", "-n", "4"])
+    assert command == ["/opt/mpi/bin/mpiexec", "-n", "4", sys.executable, "-m", "mpiparallel",
+                       "bench", "all_reduce", "-n", "4"]
+
+
+# -- bench --------------------------------------------------------------------------------------------------
+
+def test_bench_all_reduce_prints_the_nccl_tests_table_and_json(run, tmp_path):
+    json_path = tmp_path / "bench.json"
+    status, out, err, _ = run(*PROGRAM, "bench", "all_reduce", "-n", "2", "-b", "8", "-e", "64K", "--iters", "3",
+                              "-w", "1", "--json", str(json_path), timeout=60)
+    assert status == 0, out + err
+    header = [line for line in out.splitlines() if line.startswith("#") and "busbw" in line]
+    assert len(header) == 1
+    assert header[0].split()[1:] == ["size", "count", "type", "redop", "root", "time", "algbw", "busbw",
+                                     "#wrong", "time", "algbw", "busbw", "#wrong", "algo"]
+    assert re.search(r"out-of-place\s+in-place", out)
+    rows = table_rows(out)
+    assert [int(row[0]) for row in rows] == [8 << k for k in range(14)]  # 8 B to 64 KiB, factor 2
+    for size, count, dtype, redop, root, *timed, _algo in rows:
+        assert (int(count), dtype, redop, root) == (int(size) // 4, "float", "sum", "-1")
+        time_us, algbw, busbw = (float(cell) for cell in timed[:3])
+        assert time_us > 0 and busbw == pytest.approx(algbw, abs=0.01)  # 2(n-1)/n = 1 on two ranks
+        assert timed[3] == timed[7] == "0"  # #wrong, out-of-place and in-place
+    assert "# Out of bounds values : 0 OK" in out
+    assert re.search(r"# Avg bus bandwidth\s+: [0-9.e+-]+", out)
+
+    document = json.loads(json_path.read_text())
+    assert (document["collective"], document["ranks"], document["datatype"], document["op"]) == \
+        ("all_reduce", 2, "float", "sum")
+    assert document["mpi_library"] and document["wrong"] == 0
+    assert [row["size"] for row in document["rows"]] == [8 << k for k in range(14)]
+    assert all(row["out_of_place"]["busbw"] >= 0 and row["in_place"]["wrong"] == 0 for row in document["rows"])
+
+
+def test_bench_compare_mpi_adds_the_libraries_bandwidth_and_the_ratio(run):
+    status, out, err, _ = run(*PROGRAM, "bench", "all_reduce", "-n", "2", "-e", "4K", "--iters", "2", "-w", "1",
+                              "--compare", "mpi", "--algo", "ring", timeout=60)
+    assert status == 0, out + err
+    assert "mpi-bw" in out and "vs-mpi" in out
+    rows = table_rows(out)
+    assert len(rows) == 10 and all(len(row) == 18 for row in rows)
+    assert all(float(row[10]) > 0 and row[-1] == "ring" for row in rows)  # vs-mpi ratio; the forced algo
+    assert "# Avg bus bandwidth of MPI" in out
+
+
+@pytest.mark.parametrize("collective, options", [
+    ("reduce_scatter", ["-o", "max"]),
+    ("all_gather", ["-d", "double"]),
+    ("alltoall", ["-d", "int64"]),
+    ("broadcast", ["--root", "1", "-d", "half"]),
+    ("reduce", ["--root", "1", "-o", "avg"]),
+    ("sendrecv", ["-d", "int32"]),
+])
+def test_bench_every_collective_checks_out_on_two_ranks(run, collective, options):
+    status, out, err, _ = run(*PROGRAM, "bench", collective, "-n", "2", "-b", "8", "-e", "4K", "--iters", "2",
+                              "-w", "1", *options, timeout=60)
+    assert status == 0, out + err
+    assert "# Out of bounds values : 0 OK" in out
+    assert len(table_rows(out)) == 10
+
+
+def test_bench_sizes_follow_nccl_tests_for_gathers(run):
+    """all_gather's size is the gathered output; its count is one rank's block."""
+    status, out, err, _ = run(*PROGRAM, "bench", "all_gather", "-n", "2", "-b", "4K", "-e", "4K", "-d", "double",
+                              "--iters", "1", "-w", "0", timeout=60)
+    assert status == 0, out + err
+    assert table_rows(out)[0][:2] == ["4096", "256"]
+
+
+# -- verify -------------------------------------------------------------------------------------------------
+
+def test_verify_against_mpi_finds_no_wrong_element(run):
+    status, out, err, _ = run(*PROGRAM, "verify", "--against", "mpi", "-n", "2", "--max-count", "1000",
+                              timeout=120)
+    assert status == 0, out + err
+    rows = table_rows(out)
+    assert len(rows) > 100
+    assert {row[-1] for row in rows} == {"0"}
+    assert {row[0] for row in rows} == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv",
+                                        "broadcast", "reduce"}
+    assert "all OK" in out
+
+
+def test_bench_and_verify_report_a_broken_algorithm(run, tmp_path):
+    """A ring all-gather that corrupts one element must show up as wrong and fail both commands."""
+    script = tmp_path / "broken.py"
+    script.write_text(textwrap.dedent("""
+        import collectives
+        from mpiparallel import bench, verify
+
+        ring = collectives.ALGORITHMS["all_gather"]["ring"]
+
+        def corrupted_ring(x, out, rank, size):
+            yield from ring(x, out, rank, size)
+            if len(out) > 3:
+                out[3] += 1
+
+        collectives.ALGORITHMS["all_gather"]["ring"] = corrupted_ring
+        bench_status = bench.run(bench.BenchSettings("all_gather", minbytes=64, maxbytes=256, iters=1,
+                                                     warmup_iters=0, algo="ring"))
+        verify_status = verify.run(verify.VerifySettings(max_count=40, collectives=("all_gather",),
+                                                         datatypes=("int32",)))
+        print("statuses", bench_status, verify_status)
+    """))
+    status, out, err, _ = run(mpiexec(), "-n", "2", sys.executable, str(script), timeout=60)
+    assert status == 0, out + err
+    assert "Out of bounds values : 12 FAILED" in out  # one element per rank, 2 ranks x 2 modes x 3 sizes
+    assert re.search(r"all_gather\s+ring\s+int32.*FAILED at count", out)
+    assert out.count("statuses 1 1") == 2
+
+
+# -- errors -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("launcher, arguments, message", [
+    ([], ["bench", "all_reduce", "-n", "2", "--algo", "nonsense"], "no algorithm 'nonsense'"),
+    ([], ["bench", "all_reduce", "-n", "2", "-d", "badtype"], "'badtype' is not one of"),
+    (["-n", "2"], ["bench", "all_reduce", "-n", "3"], "-n 3 asks for 3 ranks"),
+    (["-n", "2"], ["bench", "broadcast", "--root", "2"], "--root 2 is not a rank"),
+    (["-n", "2"], ["verify", "--against", "nccl"], "not available yet"),
+])
+def test_a_bad_argument_is_reported_once_and_fails_every_rank(run, launcher, arguments, message):
+    command = [mpiexec(), *launcher, *PROGRAM] if launcher else PROGRAM
+    status, out, err, seconds = run(*command, *arguments, timeout=60)
+    assert status != 0
+    assert (out + err).count(message) == 1, out + err
+    assert (out + err).count("Error:") == 1 and "Traceback" not in out + err
+    assert seconds < 30
+
+
+def test_an_exception_on_one_rank_aborts_the_whole_job_quickly(run, tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""
+        from mpi4py import MPI
+        from mpiparallel.launch import run_guarded
+
+        def body():
+            if MPI.COMM_WORLD.Get_rank() == 1:
+                raise RuntimeError("rank-local failure on purpose")
+            MPI.COMM_WORLD.Barrier()  # without MPI_Abort the other ranks would wait here forever
+
+        run_guarded(body)
+    """))
+    status, out, err, seconds = run(mpiexec(), "-n", "3", sys.executable, str(script), timeout=30)
+    assert status != 0
+    assert (out + err).count("rank 1 failed: RuntimeError: rank-local failure on purpose") == 1
+    assert "Traceback" not in out + err
+    assert seconds < 15
