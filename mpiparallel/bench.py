@@ -102,6 +102,9 @@ class Collective:
     native: Call
 
 
+# Our calls go through the public API with out= preallocated buffers. The native calls go straight to mpi4py
+# (rather than algo="mpi") so that in-place can use MPI_IN_PLACE, as a program calling MPI itself would.
+
 def _ours_all_reduce(x, out, comm, s, in_place):
     collectives.all_reduce(x, comm, op=s.op, algo=s.algo, out=x if in_place else out)
 
@@ -247,10 +250,15 @@ def fill_input(x: np.ndarray, rank: int, n: int, op: str) -> None:
         x[lo:lo + index.size] = input_values(rank, index, n, op)
 
 
+def value_pattern(collective: Collective, settings: BenchSettings) -> str:
+    """The `op` argument of `input_values` for this run: the reduction, or "none" for data movement."""
+    return settings.op if collective.reduces else "none"
+
+
 def count_mismatches(result: np.ndarray, collective: Collective, rank: int, n: int, block: int,
                      settings: BenchSettings) -> int:
     """How many elements of this rank's `result` differ from the exact expected values."""
-    op = settings.op if collective.reduces else "none"
+    op = value_pattern(collective, settings)
     wrong = 0
     for lo in range(0, result.size, _CHECK_CHUNK):
         j = np.arange(lo, min(lo + _CHECK_CHUNK, result.size))
@@ -345,8 +353,7 @@ def measure(collective: Collective, buffers: Buffers, comm: Communicator, settin
 def checked_call(collective: Collective, buffers: Buffers, comm: Communicator, settings: BenchSettings,
                  in_place: bool) -> int:
     """Refill the input, make one call, and return the wrong elements summed over all ranks."""
-    op = settings.op if collective.reduces else "none"
-    fill_input(buffers.x, comm.rank, comm.size, op)
+    fill_input(buffers.x, comm.rank, comm.size, value_pattern(collective, settings))
     collective.ours(buffers.x, buffers.out, comm, settings, in_place)
     result = buffers.x if in_place and collective.aliases_in_place else buffers.out
     has_result = not (collective.rooted and collective.reduces and comm.rank != settings.root)
@@ -377,7 +384,7 @@ def size_sweep(settings: BenchSettings) -> list[int]:
 
 def benchmark_size(collective: Collective, nbytes: int, comm: Communicator, settings: BenchSettings) -> Row:
     buffers = allocate(collective, nbytes, comm.size, np.dtype(settings.datatype))
-    fill_input(buffers.x, comm.rank, comm.size, settings.op if collective.reduces else "none")
+    fill_input(buffers.x, comm.rank, comm.size, value_pattern(collective, settings))
     out_of_place = measure(collective, buffers, comm, settings, in_place=False)
     in_place = measure(collective, buffers, comm, settings, in_place=True)
     algo = algorithm_used(collective, comm, settings, buffers.size)

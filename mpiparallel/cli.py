@@ -13,7 +13,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -61,7 +61,7 @@ class _Program(click.Group):
     The raw arguments are kept on the root context so that `-n` can relaunch with them.
     """
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> NoReturn:
         argv = list(sys.argv[1:] if args is None else args)
         parse_and_run = functools.partial(super().main, argv, prog_name or "mpiparallel",
                                           standalone_mode=False, obj={"argv": argv}, **extra)
@@ -124,8 +124,10 @@ def main() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw bus bandwidth against size to this image (needs matplotlib).")
 @click.pass_context
-def bench(ctx: click.Context, collective: str | None, ranks: int | None, stepfactor: int | None,
-          stepbytes: int | None, **options: Any) -> None:
+def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbytes: int, maxbytes: int,
+          stepfactor: int | None, stepbytes: int | None, iters: int, warmup_iters: int, check: int, datatype: str,
+          op: str, root: int, algo: str, compare: str | None, calibrate: bool, json_path: Path | None,
+          plot_path: Path | None) -> None:
     """Bandwidth benchmark of one collective, printed as nccl-tests prints it.
 
     COLLECTIVE is one of all_reduce, reduce_scatter, all_gather, alltoall, broadcast, reduce, sendrecv.
@@ -141,29 +143,28 @@ def bench(ctx: click.Context, collective: str | None, ranks: int | None, stepfac
       mpiparallel bench all_gather -n 2 -b 1K -e 16M -d double --algo ring
       mpiexec -n 8 mpiparallel bench reduce_scatter -o max --json rs.json --plot rs.png
     """
-    if collective is None and not options["calibrate"]:
+    if collective is None and not calibrate:
         raise click.UsageError("missing argument COLLECTIVE (or pass --calibrate to only calibrate)")
     if stepfactor is not None and stepbytes is not None:
         raise click.UsageError("-f/--stepfactor and -i/--stepbytes exclude each other; give one")
     if stepbytes == 0:
         raise click.BadParameter("must be positive", param_hint="'-i' / '--stepbytes'")
-    if options["minbytes"] > options["maxbytes"]:
-        raise click.UsageError(f"-b/--minbytes ({options['minbytes']}) is larger than "
-                               f"-e/--maxbytes ({options['maxbytes']})")
-    _check_plotting(options["plot_path"])
+    if minbytes > maxbytes:
+        raise click.UsageError(f"-b/--minbytes ({minbytes}) is larger than -e/--maxbytes ({maxbytes})")
+    _check_plotting(plot_path)
     launch.ensure_world_size(ranks, _argv(ctx))
 
     from . import bench as benchmark
 
-    if collective is not None:
-        valid = benchmark.valid_algorithms(collective)
-        if options["algo"] not in valid:
-            raise click.BadParameter(f"{collective} has no algorithm {options['algo']!r}; "
-                                     f"valid: {', '.join(valid)}", param_hint="'--algo'")
-    options["datatype"] = DATATYPES[options["datatype"].lower()]
-    settings = benchmark.BenchSettings(collective=collective, stepfactor=stepfactor or 2, stepbytes=stepbytes,
-                                       compare_mpi=options.pop("compare") == "mpi", check=bool(options.pop("check")),
-                                       **options)
+    if collective is not None and algo not in benchmark.valid_algorithms(collective):
+        raise click.BadParameter(f"{collective} has no algorithm {algo!r}; "
+                                 f"valid: {', '.join(benchmark.valid_algorithms(collective))}",
+                                 param_hint="'--algo'")
+    settings = benchmark.BenchSettings(
+        collective=collective, minbytes=minbytes, maxbytes=maxbytes, stepfactor=stepfactor or 2,
+        stepbytes=stepbytes, iters=iters, warmup_iters=warmup_iters, check=bool(check),
+        datatype=DATATYPES[datatype.lower()], op=op, root=root, algo=algo, compare_mpi=compare == "mpi",
+        calibrate=calibrate, json_path=json_path, plot_path=plot_path)
     ctx.exit(benchmark.run(settings))
 
 
