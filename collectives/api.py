@@ -149,11 +149,12 @@ def broadcast(x: Array, comm: Any, root: int = 0, algo: str = "auto", out: Array
 
 def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "auto",
            out: Array | None = None) -> Array | None:
-    """Reduction of `x` over ranks, returned on `root`; other ranks return None."""
+    """Reduction of `x` over ranks, returned on `root`; other ranks return None (their `out`, if given, is
+    used as scratch space)."""
     comm = Communicator.of(comm)
     _check_root(root, comm.size)
     algo = _prepare(comm, "reduce", x, op, algo, root=root)
-    result = _output(x, out if comm.rank == root else None, x.shape)
+    result = _output(x, out, x.shape)  # off the root it is the accumulator the tree algorithms need
     src, dst = _flat(x), result.reshape(-1)
     if comm.size == 1 or src.size == 0:
         dst[...] = src

@@ -91,9 +91,10 @@ def predict(model: CostModel, collective: str, algo: str, nbytes: int, size: int
 
 
 def choose(model: CostModel, collective: str, nbytes: int, size: int) -> str:
-    """The algorithm with the smallest predicted time (ties: the first listed)."""
-    table = FORMULAS[collective]
-    return min(table, key=lambda algo: table[algo](model, float(nbytes), size))
+    """The algorithm with the smallest predicted time; near-ties (rounding) go to the first listed."""
+    costs = {algo: formula(model, float(nbytes), size) for algo, formula in FORMULAS[collective].items()}
+    best = min(costs.values())
+    return next(algo for algo, cost in costs.items() if cost <= best * (1 + 1e-9))
 
 
 # -- measured constants -------------------------------------------------------------------------------------

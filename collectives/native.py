@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .backend import Array, HostStaging
+from .backend import Array, HostStaging, get_array_module
 from .blocks import finish_average
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
@@ -26,8 +26,13 @@ def _run(call, comm: MPI.Comm, send: Array, recv: Array, *args) -> None:
     staging.finish()
 
 
+def _unaliased(x: Array, out: Array) -> Array:
+    """`x`, or a copy of it when it overlaps `out` (MPI forbids aliased send and receive buffers)."""
+    return x.copy() if get_array_module(x).may_share_memory(x, out) else x
+
+
 def mpi_all_reduce(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
-    _run(MPI.Comm.Allreduce, comm, x.copy() if out is x else x, out, _MPI_OPS[op])
+    _run(MPI.Comm.Allreduce, comm, _unaliased(x, out), out, _MPI_OPS[op])
     if op == "avg":
         finish_average(out, comm.Get_size())
 
@@ -60,6 +65,6 @@ def mpi_broadcast(buf: Array, comm: MPI.Comm, root: int) -> None:
 
 
 def mpi_reduce(x: Array, out: Array, comm: MPI.Comm, root: int, op: str) -> None:
-    _run(MPI.Comm.Reduce, comm, x, out, _MPI_OPS[op], root)
+    _run(MPI.Comm.Reduce, comm, _unaliased(x, out), out, _MPI_OPS[op], root)
     if op == "avg" and comm.Get_rank() == root:
         finish_average(out, comm.Get_size())

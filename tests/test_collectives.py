@@ -117,3 +117,8 @@ def test_a_hang_fails_after_the_timeout_instead_of_stalling():
 
 def test_point_to_point_ledger_and_split_communicators():
     _assert_no_failures(run_on_ranks(4, f"{CHECKS}:check_point_to_point_and_split"))
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_out_may_alias_the_input_for_every_algorithm(ranks):
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_out_aliasing_input"))

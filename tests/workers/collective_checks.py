@@ -282,3 +282,19 @@ def check_point_to_point_and_split() -> list[str]:
     if halves.ledger is comm.ledger:
         failures.append("a split communicator shares its parent's ledger")
     return failures
+
+
+def check_out_aliasing_input() -> list[str]:
+    """out=x (in place) works for every algorithm, the native reference included."""
+    comm = C.world()
+    failures = Failures()
+    x = exact_data(np.random.default_rng(comm.rank), (1001,), np.dtype("float64"), "sum", comm.size)
+    want = C.all_reduce(x, comm, algo="mpi")
+    for algo in C.ALGORITHMS["all_reduce"]:
+        y = x.copy()
+        failures.expect_equal(C.all_reduce(y, comm, algo=algo, out=y), want, f"all_reduce {algo} out=x")
+    want = C.reduce(x, comm, root=1, algo="mpi")
+    for algo in C.ALGORITHMS["reduce"]:
+        y = x.copy()
+        failures.expect_equal(C.reduce(y, comm, root=1, algo=algo, out=y), want, f"reduce {algo} out=x")
+    return failures
