@@ -20,30 +20,30 @@ from collections.abc import Callable
 
 from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
-from .communicator import Steps
+from .communicator import Step, Steps
 
 
 def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int, reduce: Reducer,
-                              partial: Callable[[int, int], Array], scratch: Array | None) -> Steps:
+                              partial: Callable[[int, int], Array]) -> Steps:
     """The n−1 reduce-scatter steps over the blocks `bounds` of the flat array `x`.
 
     At step s rank r receives block b = (r−s−2) mod n, reduces it with its own x[b] into `partial(s, b)` and
-    sends that partial result on at step s+1; after the last step block `rank` is complete. Received data goes
-    into `scratch` when given, else straight into `partial(s, b)`.
+    sends that partial result on at step s+1; after the last step block `rank` is complete. Each segment lands
+    in one small reused buffer, so the reduction reads it from cache (and `partial` may alias `x`).
     """
     right, left = (rank + 1) % size, (rank - 1) % size
     segments = segment_count(bounds[1] - bounds[0], x.itemsize)  # the first block is the largest
+    landing = get_array_module(x).empty(-(-(bounds[1] - bounds[0]) // segments), x.dtype)
     send = x[bounds[left]:bounds[left + 1]]
     for step in range(size - 1):
         block = (rank - step - 2) % size
-        mine = x[bounds[block]:bounds[block + 1]]
-        target = partial(step, block)
-        arrived = target if scratch is None else scratch[:len(target)]
-
-        def reduce_piece(lo: int, hi: int, mine=mine, arrived=arrived, target=target) -> None:
-            reduce(mine[lo:hi], arrived[lo:hi], target[lo:hi])
-
-        yield from exchange_in_segments(send, right, arrived, left, segments, reduce_piece)
+        mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
+        send_pieces, recv_pieces = even_bounds(len(send), segments), even_bounds(len(target), segments)
+        for i in range(segments):
+            lo, hi = recv_pieces[i], recv_pieces[i + 1]
+            arrived = landing[:hi - lo]
+            yield Step(send[send_pieces[i]:send_pieces[i + 1]], right, arrived, left)
+            reduce(mine[lo:hi], arrived, target[lo:hi])
         send = target
 
 
@@ -63,13 +63,11 @@ def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer)
     Step 0 sends straight from `x` and every reduction writes into `out`, so no full-size temporary exists.
     """
     bounds = even_bounds(len(x), size)
-    in_place = get_array_module(out).may_share_memory(out, x)
-    scratch = get_array_module(x).empty(bounds[1], x.dtype) if in_place else None
 
     def into_out(step: int, block: int) -> Array:
         return out[bounds[block]:bounds[block + 1]]
 
-    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, into_out, scratch)
+    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, into_out)
     yield from ring_all_gather_phase(out, bounds, rank, size)
 
 
@@ -85,7 +83,7 @@ def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Redu
     def partial(step: int, block: int) -> Array:
         return out if (size - 2 - step) % 2 == 0 else spare
 
-    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial, None)
+    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial)
 
 
 def ring_all_gather(x: Array, out: Array, rank: int, size: int) -> Steps:
