@@ -94,17 +94,7 @@ def all_gather_async(x: Array, comm: Any, algo: str = "auto", out: Array | None 
 
 def all_to_all(x: Array, comm: Any, algo: str = "auto", out: Array | None = None) -> Array:
     """Block j of `x` along axis 0 goes to rank j; returns the blocks received, ordered by source rank."""
-    comm = Communicator.of(comm)
-    algo = _prepare(comm, "all_to_all", x, None, algo, blocks_along_axis0=True)
-    out = _output(x, out, x.shape)
-    src, dst = _flat(x), out.reshape(-1)
-    if comm.size == 1 or src.size == 0:
-        dst[...] = src
-    elif algo == "mpi":
-        native.mpi_all_to_all(src, dst, comm.comm)
-    else:
-        comm.run(ALGORITHMS["all_to_all"][algo](src, dst, comm.rank, comm.size), "all_to_all")
-    return out
+    return _collective("all_to_all", x, comm, None, algo, out, x.shape, asynchronous=False)
 
 
 def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "auto") -> tuple[Array, list[int]]:
@@ -113,7 +103,7 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
     Returns (rows received, ordered by source rank; recv_counts, the number of rows from each rank).
     """
     comm = Communicator.of(comm)
-    algo = _prepare(comm, "all_to_allv", x, None, algo, varying_axis0=True)
+    algo = _prepare(comm, "all_to_allv", x, None, algo)
     send_counts = _check_counts(send_counts, x, comm.size)
     recv_counts = [int(c) for c in all_to_all(np.asarray(send_counts, np.int64), comm,
                                               algo="mpi" if algo == "mpi" else "pairwise")]
@@ -171,76 +161,63 @@ def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "aut
 # -- shared machinery ---------------------------------------------------------------------------------------
 
 def _all_reduce(x: Array, comm: Any, op: str, algo: str, out: Array | None, asynchronous: bool) -> Any:
-    comm = Communicator.of(comm)
-    algo = _prepare(comm, "all_reduce", x, op, algo, asynchronous=asynchronous)
-    out = _output(x, out, x.shape)
-    src, dst = _flat(x), out.reshape(-1)
-    if comm.size == 1 or src.size == 0:
-        dst[...] = src
-        return _finished(comm, out, asynchronous)
-    if algo == "mpi":
-        native.mpi_all_reduce(src, dst, comm.comm, op)
-        return out
-    steps = ALGORITHMS["all_reduce"][algo](src, dst, comm.rank, comm.size, reducer(op, src))
-    return _execute(comm, "all_reduce", _averaged(steps, dst, comm.size, op), out, asynchronous)
+    return _collective("all_reduce", x, comm, op, algo, out, x.shape, asynchronous)
 
 
 def _reduce_scatter(x: Array, comm: Any, op: str, algo: str, out: Array | None, asynchronous: bool) -> Any:
     comm = Communicator.of(comm)
-    algo = _prepare(comm, "reduce_scatter", x, op, algo, blocks_along_axis0=True, asynchronous=asynchronous)
-    out = _output(x, out, (x.shape[0] // comm.size, *x.shape[1:]))
-    src, dst = _flat(x), out.reshape(-1)
-    if comm.size == 1 or src.size == 0:
-        dst[...] = src
-        return _finished(comm, out, asynchronous)
-    if algo == "mpi":
-        native.mpi_reduce_scatter(src, dst, comm.comm, op)
-        return out
-    steps = ALGORITHMS["reduce_scatter"][algo](src, dst, comm.rank, comm.size, reducer(op, src))
-    return _execute(comm, "reduce_scatter", _averaged(steps, dst, comm.size, op), out, asynchronous)
+    shape = (x.shape[0] // comm.size, *x.shape[1:]) if x.ndim else ()
+    return _collective("reduce_scatter", x, comm, op, algo, out, shape, asynchronous)
 
 
 def _all_gather(x: Array, comm: Any, algo: str, out: Array | None, asynchronous: bool) -> Any:
     comm = Communicator.of(comm)
-    algo = _prepare(comm, "all_gather", x, None, algo, gathered=True, asynchronous=asynchronous)
-    out = _output(x, out, (x.shape[0] * comm.size, *x.shape[1:]))
-    src, dst = _flat(x), out.reshape(-1)
+    shape = (x.shape[0] * comm.size, *x.shape[1:]) if x.ndim else ()
+    return _collective("all_gather", x, comm, None, algo, out, shape, asynchronous)
+
+
+_NATIVE = {"all_reduce": native.mpi_all_reduce, "reduce_scatter": native.mpi_reduce_scatter,
+           "all_gather": native.mpi_all_gather, "all_to_all": native.mpi_all_to_all}
+
+
+def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: Array | None,
+                out_shape: tuple, asynchronous: bool) -> Any:
+    """Run one of the unrooted collectives: all_reduce, reduce_scatter, all_gather, all_to_all.
+
+    Returns the result array, or a CollectiveHandle whose wait() returns it when `asynchronous`.
+    """
+    comm = Communicator.of(comm)
+    algo = _prepare(comm, name, x, op, algo, asynchronous=asynchronous)
+    out = _output(x, out, out_shape)
+    src, dst = _flat(x), _flat(out)
     if comm.size == 1 or src.size == 0:
         dst[...] = src
-        return _finished(comm, out, asynchronous)
+        return comm.start(iter(()), name, out) if asynchronous else out
+    reduction = () if op is None else (op,)
     if algo == "mpi":
-        native.mpi_all_gather(src, dst, comm.comm)
+        _NATIVE[name](src, dst, comm.comm, *reduction)
         return out
-    steps = ALGORITHMS["all_gather"][algo](src, dst, comm.rank, comm.size)
-    return _execute(comm, "all_gather", steps, out, asynchronous)
-
-
-def _execute(comm: Communicator, name: str, steps: Steps, result: Array, asynchronous: bool) -> Any:
+    reduction = () if op is None else (reducer(op, src),)
+    steps = ALGORITHMS[name][algo](src, dst, comm.rank, comm.size, *reduction)
+    if op == "avg":
+        steps = _then_divide(steps, dst, comm.size)
     if asynchronous:
-        return comm.start(steps, name, result)
+        return comm.start(steps, name, out)
     comm.run(steps, name)
-    return result
-
-
-def _finished(comm: Communicator, result: Array, asynchronous: bool) -> Any:
-    """The result of a call with nothing to communicate, as the caller expects it (array or handle)."""
-    return comm.start(iter(()), "noop", result) if asynchronous else result
-
-
-def _averaged(steps: Steps, result: Array, size: int, op: str) -> Steps:
-    """For op="avg", the algorithm's steps followed by the one division that turns the sum into an average."""
-    if op != "avg":
-        return steps
-    return _then_divide(steps, result, size)
+    return out
 
 
 def _then_divide(steps: Steps, result: Array, size: int) -> Steps:
+    """The algorithm's steps, then the one division that turns a sum into an average (op="avg")."""
     yield from steps
     finish_average(result, size)
 
 
 def _flat(x: Array) -> Array:
-    return get_array_module(x).ascontiguousarray(x).reshape(-1)
+    """A 1-D view of `x` (a contiguous copy first if `x` is strided)."""
+    if not x.flags.c_contiguous:
+        x = get_array_module(x).ascontiguousarray(x)
+    return x.reshape(-1)
 
 
 def _output(x: Array, out: Array | None, shape: tuple) -> Array:
@@ -280,8 +257,10 @@ _CHECK_ARGUMENTS = os.environ.get("MPIPARALLEL_CHECK", "0") not in ("", "0")
 _MAX_DIMS = 8
 
 
+_SPLIT_ALONG_AXIS0 = ("reduce_scatter", "all_to_all")  # x.shape[0] must divide by the rank count
+
+
 def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str, *, root: int = 0,
-             blocks_along_axis0: bool = False, gathered: bool = False, varying_axis0: bool = False,
              asynchronous: bool = False) -> str:
     """Check the arguments of one call and return the algorithm to run (resolving "auto")."""
     valid = ALGORITHMS[name]
@@ -294,19 +273,19 @@ def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str,
         check_op(op)
         if x.dtype.kind not in "fiu":
             raise ValueError(f"{name} reduces float and integer arrays; got dtype {x.dtype}")
-    if (blocks_along_axis0 or gathered or varying_axis0) and x.ndim == 0:
+    if x.ndim == 0 and name not in ("all_reduce", "broadcast", "reduce"):
         raise ValueError(f"{name} needs an array with at least one axis, got a 0-d array")
-    if blocks_along_axis0 and x.shape[0] % comm.size:
+    if name in _SPLIT_ALONG_AXIS0 and x.shape[0] % comm.size:
         raise ValueError(f"{name} needs x.shape[0] divisible by the {comm.size} ranks; got shape {tuple(x.shape)}")
     if _CHECK_ARGUMENTS:
-        _check_agreement(comm, name, x, op, algo, root, varying_axis0)
+        _check_agreement(comm, name, x, op, algo, root)
     if algo != "auto":
         return algo
     if name == "all_to_allv":
         return "pairwise"
     if comm.size == 1:
         return next(iter(valid))
-    return auto_algorithm(comm, name, x.nbytes * (comm.size if gathered else 1))
+    return auto_algorithm(comm, name, x.nbytes * (comm.size if name == "all_gather" else 1))
 
 
 def _describe(row: np.ndarray) -> str:
@@ -322,8 +301,7 @@ def _describe(row: np.ndarray) -> str:
     return f"{name}({', '.join(parts)})"
 
 
-def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int,
-                     varying_axis0: bool) -> None:
+def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int) -> None:
     """Gather every rank's description of this call and raise on all ranks if they differ."""
     if x.ndim > _MAX_DIMS:
         raise ValueError(f"MPIPARALLEL_CHECK supports arrays of up to {_MAX_DIMS} dimensions")
@@ -331,7 +309,7 @@ def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, al
     row[:6] = (list(ALGORITHMS).index(name), OPS.index(op) if op else -1, algorithms(name).index(algo),
                ord(x.dtype.char), x.ndim, root)
     row[6:6 + x.ndim] = x.shape
-    if varying_axis0 and x.ndim:
+    if name == "all_to_allv" and x.ndim:  # row counts legitimately differ
         row[6] = -1
     rows = np.empty((comm.size, row.size), np.int64)
     comm.comm.Allgather(row, rows)

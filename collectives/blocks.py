@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -24,7 +25,12 @@ def reducer(op: str, x: Array) -> Reducer:
 
     "avg" reduces with a sum; the caller divides by the rank count once at the end (`finish_average`).
     """
-    return getattr(get_array_module(x), _UFUNC[op])
+    return _ufunc(get_array_module(x), op)
+
+
+@functools.cache
+def _ufunc(xp: object, op: str) -> Reducer:
+    return getattr(xp, _UFUNC[op])
 
 
 def finish_average(result: Array, size: int) -> None:

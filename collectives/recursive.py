@@ -21,6 +21,8 @@ the end. That costs one extra exchange of the full vector each way (about 2·(α
 
 from __future__ import annotations
 
+import functools
+
 from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
 from .communicator import Step, Steps
@@ -44,6 +46,12 @@ class PowerOfTwoFold:
         self.has_extra = rank < 2 * self.rem and rank % 2 == 1
         self.partner = rank + 1 if self.is_extra else rank - 1  # meaningful for paired ranks only
         self.virtual = None if self.is_extra else (rank // 2 if rank < 2 * self.rem else rank - self.rem)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(rank: int, size: int) -> PowerOfTwoFold:
+        """The (immutable) fold for `rank` of `size`, cached: the small-message algorithms ask on every call."""
+        return PowerOfTwoFold(rank, size)
 
     def real(self, virtual: int) -> int:
         return 2 * virtual + 1 if virtual < self.rem else virtual + self.rem
@@ -120,26 +128,33 @@ def hand_back(result: Array, fold: PowerOfTwoFold) -> Steps:
 
 
 def recursive_doubling_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
-    """All-reduce exchanging the whole vector in each of log2(p) rounds (plus the fold for other n)."""
-    fold = PowerOfTwoFold(rank, size)
-    if fold.rem:
-        yield from fold_in(x, out, fold, reduce)
-    if not fold.is_extra:
-        if not fold.has_extra:
-            out[...] = x
-        arrived = get_array_module(x).empty_like(x)
-        segments = segment_count(len(x), x.itemsize)
+    """All-reduce exchanging the whole vector in each of log2(p) rounds (plus the fold for other n).
 
-        def reduce_piece(a: int, b: int) -> None:
-            reduce(out[a:b], arrived[a:b], out[a:b])
-
-        distance = 1
-        while distance < fold.p:
-            partner = fold.real(fold.virtual ^ distance)
-            yield from exchange_in_segments(out, partner, arrived, partner, segments, reduce_piece)
-            distance *= 2
-    if fold.rem:
-        yield from hand_back(out, fold)
+    Written flat, without segments or helper generators: it is the small-message algorithm, where every
+    microsecond of Python overhead shows. The first round sends `x` itself and lands in `out`, so two ranks
+    need no copy and no scratch buffer.
+    """
+    fold = PowerOfTwoFold.of(rank, size)
+    if fold.is_extra:
+        yield Step(send=x, dest=fold.partner)
+        yield Step(recv=out, source=fold.partner)
+        return
+    xp = get_array_module(x)
+    needs_scratch = fold.has_extra or fold.p > 2 or xp.may_share_memory(x, out)
+    arrived = xp.empty_like(x) if needs_scratch else out
+    current = x
+    if fold.has_extra:
+        yield Step(recv=arrived, source=fold.partner)
+        reduce(x, arrived, out)
+        current = out
+    distance = 1
+    while distance < fold.p:
+        partner = fold.real(fold.virtual ^ distance)
+        yield Step(current, partner, arrived, partner)
+        reduce(current, arrived, out)
+        current, distance = out, distance * 2
+    if fold.has_extra:
+        yield Step(send=out, dest=fold.partner)
 
 
 def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
