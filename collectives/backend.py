@@ -132,3 +132,13 @@ class HostStaging:
         for device, host in self._pending:
             device.set(host)
         self._pending.clear()
+
+
+def scatter_add(target: Array, indices: Array, values: Array) -> None:
+    """target[indices[i]] += values[i] for every i, repeated indices accumulating (np.add.at on NumPy)."""
+    if is_device_array(target):
+        import cupyx
+
+        cupyx.scatter_add(target, indices, values)
+    else:
+        np.add.at(target, indices, values)

@@ -1,0 +1,152 @@
+"""GPT-2: token + position embeddings, n_layer pre-LayerNorm blocks, final LayerNorm, LM head tied to wte.
+
+The model owns its parameters (by Hugging Face name) and its layers. `forward(tokens, targets)` returns the
+loss and keeps the activations; `backward()` fills every `param.grad`. Initialization is normal(0, 0.02),
+residual projections normal(0, 0.02/√(2·n_layer)), biases 0, LayerNorm 1/0 — each tensor drawn from a generator
+seeded by (seed, its name), so every parallel layout of the model starts from the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from collectives.backend import Array
+
+from .layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, TiedHeadCrossEntropy
+from .parameter import Parameter, seeded_normal
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The model's shape; field names follow transformers.GPT2Config."""
+
+    vocab_size: int = 256
+    n_positions: int = 1024
+    n_embd: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def parameter_count(self) -> int:
+        c, layers = self.n_embd, self.n_layer
+        per_block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c)
+        return self.vocab_size * c + self.n_positions * c + layers * per_block + 2 * c
+
+
+def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's Hugging Face name and shape, in checkpoint order (lm_head.weight is wte, tied)."""
+    c = config.n_embd
+    shapes = {"transformer.wte.weight": (config.vocab_size, c), "transformer.wpe.weight": (config.n_positions, c)}
+    for i in range(config.n_layer):
+        block = f"transformer.h.{i}"
+        shapes |= {
+            f"{block}.ln_1.weight": (c,), f"{block}.ln_1.bias": (c,),
+            f"{block}.attn.c_attn.weight": (c, 3 * c), f"{block}.attn.c_attn.bias": (3 * c,),
+            f"{block}.attn.c_proj.weight": (c, c), f"{block}.attn.c_proj.bias": (c,),
+            f"{block}.ln_2.weight": (c,), f"{block}.ln_2.bias": (c,),
+            f"{block}.mlp.c_fc.weight": (c, 4 * c), f"{block}.mlp.c_fc.bias": (4 * c,),
+            f"{block}.mlp.c_proj.weight": (4 * c, c), f"{block}.mlp.c_proj.bias": (c,),
+        }
+    shapes |= {"transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
+    return shapes
+
+
+def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: int, dtype: Any) -> np.ndarray:
+    """The contract's initialization of one parameter, as a NumPy array."""
+    if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight")):
+        return np.ones(shape, dtype)
+    if name.endswith(".bias"):
+        return np.zeros(shape, dtype)
+    residual_projection = name.endswith((".attn.c_proj.weight", ".mlp.c_proj.weight"))
+    std = 0.02 / math.sqrt(2 * config.n_layer) if residual_projection else 0.02
+    return seeded_normal(seed, name, shape, std, np.dtype(dtype))
+
+
+class GPT:
+    """The serial GPT-2 model with hand-written backward."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np) -> None:
+        self.config = config
+        self.params = {name: Parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)))
+                       for name, shape in parameter_shapes(config).items()}
+        p = self.params
+        self.embedding = Embedding(p["transformer.wte.weight"], p["transformer.wpe.weight"])
+        self.blocks = [self._block(i) for i in range(config.n_layer)]
+        self.ln_f = LayerNorm(p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
+        self.head = TiedHeadCrossEntropy(p["transformer.wte.weight"])
+
+    def _block(self, i: int) -> Block:
+        def linear(name: str) -> Linear:
+            return Linear(self.params[f"transformer.h.{i}.{name}.weight"], self.params[f"transformer.h.{i}.{name}.bias"])
+
+        def layer_norm(name: str) -> LayerNorm:
+            return LayerNorm(self.params[f"transformer.h.{i}.{name}.weight"],
+                             self.params[f"transformer.h.{i}.{name}.bias"])
+
+        attention = CausalSelfAttention(linear("attn.c_attn"), linear("attn.c_proj"), self.config.n_head)
+        return Block(layer_norm("ln_1"), attention, layer_norm("ln_2"), MLP(linear("mlp.c_fc"), linear("mlp.c_proj")))
+
+    def parameters(self) -> list[Parameter]:
+        """Parameters in checkpoint order."""
+        return list(self.params.values())
+
+    def zero_grad(self) -> None:
+        for param in self.params.values():
+            param.zero_grad()
+
+    def check_tokens(self, tokens: Array) -> None:
+        length = tokens.shape[-1]
+        if length > self.config.n_positions:
+            raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
+
+    def hidden(self, tokens: Array) -> Array:
+        """The final-LayerNorm output (B, T, C) for token ids (B, T)."""
+        self.check_tokens(tokens)
+        x = self.embedding.forward(tokens)
+        for block in self.blocks:
+            x = block.forward(x)
+        return self.ln_f.forward(x)
+
+    def forward(self, tokens: Array, targets: Array, normalizer: float | None = None) -> float:
+        """Cross-entropy of predicting `targets` from `tokens` (both (B, T)): sum of token losses / normalizer.
+
+        `normalizer` defaults to the number of tokens here (a plain mean); pass the global batch's token count
+        when this call is one microbatch or one data-parallel shard, so the pieces add up to the global mean.
+        """
+        return self.head.forward(self.hidden(tokens), targets, normalizer or targets.size)
+
+    def backward(self) -> None:
+        """Accumulate d(loss)/d(param) into every param.grad (after `forward`)."""
+        dx = self.ln_f.backward(self.head.backward())
+        for block in reversed(self.blocks):
+            dx = block.backward(dx)
+        self.embedding.backward(dx)
+
+    def state_dict(self) -> dict[str, Array]:
+        """Hugging Face name -> array (the tied lm_head.weight is not repeated)."""
+        return {name: param.data for name, param in self.params.items()}
+
+    def load_state_dict(self, tensors: dict[str, Array]) -> None:
+        """Copy values in by name; names may omit the `transformer.` prefix. Every parameter must be present."""
+        by_short_name = {name.removeprefix("transformer."): value for name, value in tensors.items()}
+        for name, param in self.params.items():
+            value = by_short_name.get(name.removeprefix("transformer."))
+            if value is None:
+                raise ValueError(f"checkpoint has no tensor {name}")
+            if tuple(value.shape) != tuple(param.data.shape):
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                                 f"the model expects {tuple(param.data.shape)}")
+            param.data[...] = value

@@ -1,0 +1,326 @@
+"""GPT-2 layers with hand-written forward and backward passes.
+
+Every layer is a small class: `forward(x)` computes the output and keeps what backward needs; `backward(dout)`
+returns the gradient with respect to the input and adds the parameter gradients into `param.grad`. Backward
+is split in two, callable separately, because zero-bubble pipeline schedules and overlapped tensor-parallel
+communication need exactly that split:
+
+- `backward_input(dout)`  -> d(input)       (on the critical path: the previous layer waits for it)
+- `backward_weights(dout)`                  (accumulates d(weights); can be deferred)
+
+`backward(dout)` does both. Activations are (B, T, C) arrays: batch, sequence, channels. Linear weights use
+GPT-2's Conv1D layout [in, out], so y = x @ W + b. The same code runs on NumPy and CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+
+from collectives.backend import Array, get_array_module, scatter_add
+
+from .parameter import Parameter
+
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
+
+
+class Linear:
+    """y = x @ weight + bias over the last axis (weight [in, out], Conv1D layout)."""
+
+    def __init__(self, weight: Parameter, bias: Parameter) -> None:
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: Array) -> Array:
+        self.x = x
+        out = x.reshape(-1, x.shape[-1]) @ self.weight.data
+        out += self.bias.data
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def backward_input(self, dout: Array) -> Array:
+        dx = dout.reshape(-1, dout.shape[-1]) @ self.weight.data.T
+        return dx.reshape(*dout.shape[:-1], dx.shape[-1])
+
+    def backward_weights(self, dout: Array) -> None:
+        dout2d = dout.reshape(-1, dout.shape[-1])
+        self.weight.grad += self.x.reshape(-1, self.x.shape[-1]).T @ dout2d
+        self.bias.grad += dout2d.sum(axis=0)
+
+    def backward(self, dout: Array) -> Array:
+        self.backward_weights(dout)
+        return self.backward_input(dout)
+
+
+class LayerNorm:
+    """y = (x − mean) / sqrt(var + eps) · weight + bias over the last axis (eps 1e-5, biased variance)."""
+
+    eps = 1e-5
+
+    def __init__(self, weight: Parameter, bias: Parameter) -> None:
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: Array) -> Array:
+        xp = get_array_module(x)
+        mean = x.mean(axis=-1, keepdims=True)
+        centered = x - mean
+        variance = xp.mean(centered * centered, axis=-1, keepdims=True)
+        self.rstd = 1.0 / xp.sqrt(variance + self.eps)
+        self.normalized = centered
+        self.normalized *= self.rstd
+        return self.normalized * self.weight.data + self.bias.data
+
+    def backward_input(self, dout: Array) -> Array:
+        # dx = rstd · (dnorm − mean(dnorm) − norm · mean(dnorm · norm)), with dnorm = dout · weight
+        dnorm = dout * self.weight.data
+        dx = dnorm - dnorm.mean(axis=-1, keepdims=True)
+        dnorm *= self.normalized
+        dx -= self.normalized * dnorm.mean(axis=-1, keepdims=True)
+        dx *= self.rstd
+        return dx
+
+    def backward_weights(self, dout: Array) -> None:
+        channels = dout.shape[-1]
+        self.weight.grad += (dout * self.normalized).reshape(-1, channels).sum(axis=0)
+        self.bias.grad += dout.reshape(-1, channels).sum(axis=0)
+
+    def backward(self, dout: Array) -> Array:
+        self.backward_weights(dout)
+        return self.backward_input(dout)
+
+
+class GELU:
+    """GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+
+    def forward(self, x: Array) -> Array:
+        xp = get_array_module(x)
+        self.x = x
+        inner = x * x
+        inner *= GELU_CUBIC * x
+        inner += x
+        inner *= GELU_SCALE
+        self.tanh = xp.tanh(inner, out=inner)
+        out = self.tanh + 1.0
+        out *= x
+        out *= 0.5
+        return out
+
+    def backward_input(self, dout: Array) -> Array:
+        # d/dx = 0.5·(1 + t) + 0.5·x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²), t = tanh(...)
+        x, t = self.x, self.tanh
+        slope = x * x
+        slope *= 3 * GELU_CUBIC * GELU_SCALE
+        slope += GELU_SCALE
+        slope *= 1.0 - t * t
+        slope *= x
+        slope += 1.0 + t
+        slope *= 0.5
+        slope *= dout
+        return slope
+
+    def backward_weights(self, dout: Array) -> None:
+        pass
+
+    def backward(self, dout: Array) -> Array:
+        return self.backward_input(dout)
+
+
+def causal_softmax(scores: Array) -> Array:
+    """Softmax over the last axis of (…, T, T) scores, with position j > i masked out; in place."""
+    xp = get_array_module(scores)
+    length = scores.shape[-1]
+    scores += xp.triu(xp.full((length, length), -xp.inf, dtype=scores.dtype), k=1)  # −inf above the diagonal
+    scores -= scores.max(axis=-1, keepdims=True)  # stable: the largest exponent is e^0
+    xp.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+def softmax_backward(probs: Array, dprobs: Array) -> Array:
+    """d(scores) from d(probs) for p = softmax(scores): p · (dp − Σ dp·p); masked entries have p = 0. In place."""
+    weighted = dprobs * probs
+    dprobs -= weighted.sum(axis=-1, keepdims=True)
+    dprobs *= probs
+    return dprobs
+
+
+class CausalSelfAttention:
+    """Multi-head causal self-attention: fused qkv projection, per-head softmax(q·kᵀ/√d)·v, output projection."""
+
+    def __init__(self, qkv: Linear, projection: Linear, n_head: int) -> None:
+        self.qkv, self.projection, self.n_head = qkv, projection, n_head
+
+    def _split_heads(self, qkv: Array) -> tuple[Array, Array, Array]:
+        batch, length, three_channels = qkv.shape
+        head_dim = three_channels // (3 * self.n_head)
+        heads = qkv.reshape(batch, length, 3, self.n_head, head_dim).transpose(2, 0, 3, 1, 4)
+        return heads[0], heads[1], heads[2]  # each (B, H, T, head_dim)
+
+    def forward(self, x: Array) -> Array:
+        q, k, v = self._split_heads(self.qkv.forward(x))
+        self.scale = 1.0 / math.sqrt(q.shape[-1])
+        self.q, self.k, self.v = q, k, v
+        scores = q @ k.transpose(0, 1, 3, 2)
+        scores *= self.scale
+        self.probs = causal_softmax(scores)
+        heads = self.probs @ v
+        return self.projection.forward(_merge_heads(heads))
+
+    def backward_input(self, dout: Array) -> Array:
+        dheads = self._backward_to_heads(self.projection.backward_input(dout))
+        return self.qkv.backward_input(dheads)
+
+    def backward_weights(self, dout: Array) -> None:
+        self.projection.backward_weights(dout)
+        self.qkv.backward_weights(self._dqkv)
+
+    def backward(self, dout: Array) -> Array:
+        dx = self.backward_input(dout)
+        self.backward_weights(dout)
+        return dx
+
+    def _backward_to_heads(self, dmerged: Array) -> Array:
+        """d(qkv) from d(merged heads); kept for backward_weights of the qkv projection."""
+        xp = get_array_module(dmerged)
+        batch, length, channels = dmerged.shape
+        dheads = dmerged.reshape(batch, length, self.n_head, -1).transpose(0, 2, 1, 3)
+        dprobs = dheads @ self.v.transpose(0, 1, 3, 2)
+        dqkv = xp.empty((3, batch, self.n_head, length, channels // self.n_head), dmerged.dtype)
+        xp.matmul(self.probs.transpose(0, 1, 3, 2), dheads, out=dqkv[2])
+        dscores = softmax_backward(self.probs, dprobs)
+        dscores *= self.scale
+        xp.matmul(dscores, self.k, out=dqkv[0])
+        xp.matmul(dscores.transpose(0, 1, 3, 2), self.q, out=dqkv[1])
+        self._dqkv = dqkv.transpose(1, 3, 0, 2, 4).reshape(batch, length, 3 * channels)
+        return self._dqkv
+
+
+def _merge_heads(heads: Array) -> Array:
+    """(B, H, T, d) -> (B, T, H·d), contiguous."""
+    batch, n_head, length, head_dim = heads.shape
+    return heads.transpose(0, 2, 1, 3).reshape(batch, length, n_head * head_dim)
+
+
+class MLP:
+    """c_fc (C -> 4C), GELU, c_proj (4C -> C)."""
+
+    def __init__(self, expand: Linear, contract: Linear) -> None:
+        self.expand, self.gelu, self.contract = expand, GELU(), contract
+
+    def forward(self, x: Array) -> Array:
+        return self.contract.forward(self.gelu.forward(self.expand.forward(x)))
+
+    def backward_input(self, dout: Array) -> Array:
+        self._dhidden = self.gelu.backward_input(self.contract.backward_input(dout))
+        return self.expand.backward_input(self._dhidden)
+
+    def backward_weights(self, dout: Array) -> None:
+        self.contract.backward_weights(dout)
+        self.expand.backward_weights(self._dhidden)
+
+    def backward(self, dout: Array) -> Array:
+        dx = self.backward_input(dout)
+        self.backward_weights(dout)
+        return dx
+
+
+class Block:
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(·))."""
+
+    def __init__(self, ln_1: LayerNorm, attn: CausalSelfAttention, ln_2: LayerNorm, mlp: MLP) -> None:
+        self.ln_1, self.attn, self.ln_2, self.mlp = ln_1, attn, ln_2, mlp
+
+    def forward(self, x: Array) -> Array:
+        x = x + self.attn.forward(self.ln_1.forward(x))
+        return x + self.mlp.forward(self.ln_2.forward(x))
+
+    def backward_input(self, dout: Array) -> Array:
+        self._dmlp_in = self.mlp.backward_input(dout)
+        dmid = dout + self.ln_2.backward_input(self._dmlp_in)
+        self._dmid = dmid
+        self._dattn_in = self.attn.backward_input(dmid)
+        return dmid + self.ln_1.backward_input(self._dattn_in)
+
+    def backward_weights(self, dout: Array) -> None:
+        self.mlp.backward_weights(dout)
+        self.ln_2.backward_weights(self._dmlp_in)
+        self.attn.backward_weights(self._dmid)
+        self.ln_1.backward_weights(self._dattn_in)
+
+    def backward(self, dout: Array) -> Array:
+        dx = self.backward_input(dout)
+        self.backward_weights(dout)
+        return dx
+
+
+class Embedding:
+    """x = wte[tokens] + wpe[positions]."""
+
+    def __init__(self, token: Parameter, position: Parameter) -> None:
+        self.token, self.position = token, position
+
+    def forward(self, tokens: Array) -> Array:
+        self.tokens = tokens
+        length = tokens.shape[-1]
+        return self.token.data[tokens] + self.position.data[:length]
+
+    def backward_input(self, dout: Array) -> None:
+        return None  # token ids have no gradient
+
+    def backward_weights(self, dout: Array) -> None:
+        channels = dout.shape[-1]
+        scatter_add(self.token.grad, self.tokens.reshape(-1), dout.reshape(-1, channels))
+        self.position.grad[:dout.shape[-2]] += dout.sum(axis=0)
+
+    def backward(self, dout: Array) -> None:
+        self.backward_weights(dout)
+
+
+class TiedHeadCrossEntropy:
+    """logits = x @ wteᵀ (the LM head shares the token embedding), then softmax cross-entropy.
+
+    `forward` returns the *sum* of the token losses divided by `normalizer` (the token count of the whole
+    global batch), so the losses of microbatches and data-parallel ranks add up to the global mean with one
+    normalization. The logits never leave this layer: backward turns the cached probabilities into
+    d(logits) = (softmax − onehot(target)) / normalizer in place.
+    """
+
+    def __init__(self, token: Parameter) -> None:
+        self.token = token
+
+    def forward(self, x: Array, targets: Array, normalizer: float) -> float:
+        xp = get_array_module(x)
+        self.x_shape = x.shape
+        self.x2d = x.reshape(-1, x.shape[-1])
+        self.targets = targets.reshape(-1)
+        self.normalizer = normalizer
+        logits = self.x2d @ self.token.data.T
+        logits -= logits.max(axis=-1, keepdims=True)
+        target_logits = logits[xp.arange(len(self.targets)), self.targets]
+        xp.exp(logits, out=logits)
+        sums = logits.sum(axis=-1)
+        logits /= sums[:, None]
+        self.probs, self.dlogits = logits, None
+        return float((xp.log(sums) - target_logits).sum()) / normalizer
+
+    def logits(self, x: Array) -> Array:
+        """Plain logits for sampling (no loss)."""
+        return x @ self.token.data.T
+
+    def _gradient_of_logits(self) -> Array:
+        """(softmax − onehot(target)) / normalizer, computed once in place of the cached probabilities."""
+        if self.dlogits is None:
+            dlogits = self.probs
+            dlogits[get_array_module(dlogits).arange(len(self.targets)), self.targets] -= 1.0
+            dlogits /= self.normalizer
+            self.dlogits, self.probs = dlogits, None
+        return self.dlogits
+
+    def backward_input(self) -> Array:
+        return (self._gradient_of_logits() @ self.token.data).reshape(self.x_shape)
+
+    def backward_weights(self) -> None:
+        self.token.grad += self._gradient_of_logits().T @ self.x2d
+
+    def backward(self) -> Array:
+        dx = self.backward_input()
+        self.backward_weights()
+        return dx

@@ -1,0 +1,178 @@
+"""Every layer's hand-written backward equals finite differences of its forward (float64)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from models.gpt import GPT, GPTConfig
+from models.layers import GELU, MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, TiedHeadCrossEntropy
+from models.parameter import Parameter
+
+RNG = np.random.default_rng(1234)
+B, T, C, H = 2, 5, 8, 2
+
+
+def param(name: str, *shape: int, scale: float = 0.5) -> Parameter:
+    return Parameter(name, RNG.standard_normal(shape) * scale)
+
+
+def linear(name: str, n_in: int, n_out: int) -> Linear:
+    return Linear(param(f"{name}.weight", n_in, n_out), param(f"{name}.bias", n_out))
+
+
+def layer_norm(name: str) -> LayerNorm:
+    return LayerNorm(Parameter(f"{name}.weight", 1 + 0.3 * RNG.standard_normal(C)), param(f"{name}.bias", C))
+
+
+def attention() -> CausalSelfAttention:
+    return CausalSelfAttention(linear("c_attn", C, 3 * C), linear("c_proj", C, C), H)
+
+
+def block() -> Block:
+    return Block(layer_norm("ln_1"), attention(), layer_norm("ln_2"), MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C)))
+
+
+def parameters_of(layer) -> list[Parameter]:
+    found = []
+    for value in vars(layer).values():
+        if isinstance(value, Parameter):
+            found.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, np.ndarray):
+            found += parameters_of(value)
+    return found
+
+
+def numeric_gradient(loss, array: np.ndarray, samples: int = 12, eps: float = 1e-6) -> tuple[list, np.ndarray]:
+    """Central differences of loss() with respect to a few random entries of `array` (changed in place)."""
+    flat = array.reshape(-1)
+    picks = RNG.choice(flat.size, size=min(samples, flat.size), replace=False)
+    estimates = []
+    for i in picks:
+        original = flat[i]
+        flat[i] = original + eps
+        plus = loss()
+        flat[i] = original - eps
+        minus = loss()
+        flat[i] = original
+        estimates.append((plus - minus) / (2 * eps))
+    return picks, np.array(estimates)
+
+
+def assert_close(analytic: np.ndarray, numeric: np.ndarray, what: str) -> None:
+    scale = max(np.abs(numeric).max(), 1e-3)
+    assert np.abs(analytic - numeric).max() / scale < 1e-6, f"{what}: {analytic} vs {numeric}"
+
+
+def check_layer(layer, x: np.ndarray) -> None:
+    """d(sum(forward(x) · R)) by backward versus finite differences, for x and every parameter."""
+    weights = RNG.standard_normal(layer.forward(x).shape)
+
+    def loss() -> float:
+        return float((layer.forward(x) * weights).sum())
+
+    loss()
+    params = parameters_of(layer)
+    for p in params:
+        p.zero_grad()
+    dx = layer.backward(weights.copy())
+    picks, numeric = numeric_gradient(loss, x)
+    assert_close(dx.reshape(-1)[picks], numeric, f"{type(layer).__name__} input")
+    for p in params:
+        picks, numeric = numeric_gradient(loss, p.data)
+        assert_close(p.grad.reshape(-1)[picks], numeric, f"{type(layer).__name__} {p.name}")
+
+
+@pytest.mark.parametrize("make", [lambda: linear("fc", C, 3 * C), lambda: layer_norm("ln"), GELU, attention,
+                                  lambda: MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C)), block],
+                         ids=["linear", "layernorm", "gelu", "attention", "mlp", "block"])
+def test_backward_matches_finite_differences(make):
+    check_layer(make(), RNG.standard_normal((B, T, C)))
+
+
+@pytest.mark.parametrize("make", [lambda: linear("fc", C, 3 * C), attention, block,
+                                  lambda: MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C))],
+                         ids=["linear", "attention", "block", "mlp"])
+def test_input_and_weight_gradients_can_be_computed_separately(make):
+    layer, x = make(), RNG.standard_normal((B, T, C))
+    dout = RNG.standard_normal(layer.forward(x).shape)
+    params = parameters_of(layer)
+    dx_together = layer.backward(dout.copy())
+    together = [p.grad.copy() for p in params]
+    for p in params:
+        p.zero_grad()
+    layer.forward(x)
+    dx_apart = layer.backward_input(dout.copy())
+    layer.backward_weights(dout.copy())
+    np.testing.assert_array_equal(dx_apart, dx_together)
+    for p, grad in zip(params, together, strict=True):
+        np.testing.assert_array_equal(p.grad, grad)
+
+
+def test_attention_is_causal():
+    layer, x = attention(), RNG.standard_normal((B, T, C))
+    before = layer.forward(x)
+    changed = x.copy()
+    changed[:, -1] += 1.0  # the last position may not influence earlier ones
+    np.testing.assert_allclose(layer.forward(changed)[:, :-1], before[:, :-1], rtol=0, atol=1e-14)
+
+
+def test_embedding_gradient_accumulates_repeated_tokens():
+    layer = Embedding(param("wte", 7, C), param("wpe", T, C))
+    tokens = np.array([[1, 1, 3, 1, 6], [0, 3, 3, 2, 1]])
+    dout = RNG.standard_normal((2, T, C))
+    layer.forward(tokens)
+    layer.backward(dout)
+    expected = np.zeros((7, C))
+    for b in range(2):
+        for t in range(T):
+            expected[tokens[b, t]] += dout[b, t]
+    np.testing.assert_allclose(layer.token.grad, expected, rtol=1e-14)
+    np.testing.assert_allclose(layer.position.grad, dout.sum(axis=0), rtol=1e-14)
+
+
+def test_cross_entropy_matches_finite_differences_and_log_softmax():
+    vocab = 11
+    head = TiedHeadCrossEntropy(param("wte", vocab, C))
+    x, targets = RNG.standard_normal((B, T, C)), RNG.integers(0, vocab, (B, T))
+    loss = head.forward(x, targets, normalizer=B * T)
+    logits = x.reshape(-1, C) @ head.token.data.T
+    log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    assert loss == pytest.approx(-log_probs[np.arange(B * T), targets.reshape(-1)].mean(), rel=1e-12)
+    dx = head.backward()
+    picks, numeric = numeric_gradient(lambda: head.forward(x, targets, B * T), x)
+    assert_close(dx.reshape(-1)[picks], numeric, "cross-entropy input")
+    picks, numeric = numeric_gradient(lambda: head.forward(x, targets, B * T), head.token.data)
+    assert_close(head.token.grad.reshape(-1)[picks], numeric, "cross-entropy wte")
+
+
+def test_whole_model_gradients_match_finite_differences():
+    config = GPTConfig(vocab_size=13, n_positions=8, n_embd=8, n_layer=2, n_head=2)
+    model = GPT(config, seed=3, dtype=np.float64)
+    for p in model.parameters():  # move away from the all-ones/zeros init so every path carries gradient
+        p.data += 0.1 * RNG.standard_normal(p.data.shape)
+    tokens, targets = RNG.integers(0, 13, (2, 6)), RNG.integers(0, 13, (2, 6))
+    model.forward(tokens, targets)
+    model.backward()
+    for p in model.parameters():
+        picks, numeric = numeric_gradient(lambda: model.forward(tokens, targets), p.data, samples=6)
+        assert_close(p.grad.reshape(-1)[picks], numeric, p.name)
+
+
+def test_loss_at_initialization_is_about_ln_vocab():
+    config = GPTConfig(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    model = GPT(config, seed=0)
+    tokens = RNG.integers(0, 256, (4, 32))
+    assert model.forward(tokens, np.roll(tokens, -1, axis=1)) == pytest.approx(math.log(256), rel=0.02)
+
+
+def test_initialization_depends_only_on_the_seed():
+    config = GPTConfig(vocab_size=17, n_positions=8, n_embd=8, n_layer=2, n_head=2)
+    first, second, other = GPT(config, seed=5), GPT(config, seed=5), GPT(config, seed=6)
+    for name, value in first.state_dict().items():
+        np.testing.assert_array_equal(value, second.state_dict()[name])
+    assert not np.array_equal(first.params["transformer.wte.weight"].data, other.params["transformer.wte.weight"].data)
+    proj = first.params["transformer.h.1.mlp.c_proj.weight"].data
+    assert proj.std() == pytest.approx(0.02 / math.sqrt(4), rel=0.2)
