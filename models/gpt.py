@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from collectives.backend import Array
+from collectives.backend import Array, get_array_module
 
-from .layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, TiedHeadCrossEntropy
+from .layers import MLP, Block, CausalSelfAttention, Embedding, KVCache, LayerNorm, Linear, TiedHeadCrossEntropy
 from .parameter import Parameter, seeded_normal
 
 
@@ -135,6 +135,39 @@ class GPT:
             dx = block.backward(dx)
         self.embedding.backward(dx)
 
+    def generate(self, prompt: Array, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 rng: np.random.Generator | None = None) -> Array:
+        """Sample `new_tokens` tokens after `prompt` (1-D token ids) with a KV cache; returns only the new ones.
+
+        temperature 0 picks the most likely token; top_k keeps only the k most likely before sampling. When
+        the context reaches n_positions, the cache is rebuilt from the most recent half of it.
+        """
+        rng = rng or np.random.default_rng()
+        context = [int(t) for t in prompt]
+        if not context:
+            raise ValueError("generate needs a prompt of at least one token")
+        generated: list[int] = []
+        caches, pending = None, context[-self.config.n_positions:]
+        while len(generated) < new_tokens:
+            if caches is None or caches[0].length + len(pending) > self.config.n_positions:
+                caches = [KVCache() for _ in self.blocks]
+                pending = context[-self.config.n_positions // 2:] if generated else pending
+            logits = self._next_logits(pending, caches)
+            token = sample_token(logits, temperature, top_k, rng)
+            generated.append(token)
+            context.append(token)
+            pending = [token]
+        return np.array(generated, dtype=np.int64)
+
+    def _next_logits(self, tokens: list[int], caches: list[KVCache]) -> np.ndarray:
+        """Feed `tokens` through the cached model; return the next-token logits as a NumPy vector."""
+        xp = get_array_module(self.params["transformer.wte.weight"].data)
+        x = self.embedding.forward(xp.asarray([tokens]), start=caches[0].length)
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x = block.forward_incremental(x, cache)
+        logits = self.head.logits(self.ln_f.forward(x[:, -1]))[0]
+        return logits.get() if hasattr(logits, "get") else np.asarray(logits)
+
     def state_dict(self) -> dict[str, Array]:
         """Hugging Face name -> array (the tied lm_head.weight is not repeated)."""
         return {name: param.data for name, param in self.params.items()}
@@ -150,3 +183,15 @@ class GPT:
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
                                  f"the model expects {tuple(param.data.shape)}")
             param.data[...] = value
+
+
+def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
+    """Draw one token id from logits: greedy at temperature 0, else softmax(logits / temperature) over the top k."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / temperature
+    if top_k is not None and top_k < len(scaled):
+        cutoff = np.partition(scaled, -top_k)[-top_k]
+        scaled[scaled < cutoff] = -np.inf
+    probs = np.exp(scaled - scaled.max())
+    return int(rng.choice(len(probs), p=probs / probs.sum()))

@@ -123,11 +123,12 @@ class GELU:
         return self.backward_input(dout)
 
 
-def causal_softmax(scores: Array) -> Array:
-    """Softmax over the last axis of (…, T, T) scores, with position j > i masked out; in place."""
+def causal_softmax(scores: Array, offset: int = 0) -> Array:
+    """Softmax over the last axis of (…, Tq, Tk) scores, in place, with key j masked out for query i when
+    j > i + offset (the queries are the last Tq of Tk positions when offset = Tk − Tq)."""
     xp = get_array_module(scores)
-    length = scores.shape[-1]
-    scores += xp.triu(xp.full((length, length), -xp.inf, dtype=scores.dtype), k=1)  # −inf above the diagonal
+    queries, keys = scores.shape[-2:]
+    scores += xp.triu(xp.full((queries, keys), -xp.inf, dtype=scores.dtype), k=offset + 1)  # the future: −inf
     scores -= scores.max(axis=-1, keepdims=True)  # stable: the largest exponent is e^0
     xp.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
@@ -164,6 +165,17 @@ class CausalSelfAttention:
         heads = self.probs @ v
         return self.projection.forward(_merge_heads(heads))
 
+    def forward_incremental(self, x: Array, cache: KVCache) -> Array:
+        """Inference: attention of the new positions `x` (B, t, C) over the cached keys and values and their own,
+        appending theirs to `cache`. Nothing is kept for backward."""
+        q, k, v = self._split_heads(self.qkv.forward(x))
+        keys, values = cache.append(k, v)
+        new, total = q.shape[2], keys.shape[2]
+        scores = q @ keys.transpose(0, 1, 3, 2)
+        scores *= 1.0 / math.sqrt(q.shape[-1])
+        probs = causal_softmax(scores, offset=total - new)
+        return self.projection.forward(_merge_heads(probs @ values))
+
     def backward_input(self, dout: Array) -> Array:
         dheads = self._backward_to_heads(self.projection.backward_input(dout))
         return self.qkv.backward_input(dheads)
@@ -199,6 +211,27 @@ def _merge_heads(heads: Array) -> Array:
     return heads.transpose(0, 2, 1, 3).reshape(batch, length, n_head * head_dim)
 
 
+class KVCache:
+    """Keys and values (B, H, positions, head_dim) of the positions seen so far, for incremental decoding."""
+
+    def __init__(self) -> None:
+        self.keys: Array | None = None
+        self.values: Array | None = None
+
+    def append(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        xp = get_array_module(keys)
+        if self.keys is None:
+            self.keys, self.values = keys.copy(), values.copy()
+        else:
+            self.keys = xp.concatenate((self.keys, keys), axis=2)
+            self.values = xp.concatenate((self.values, values), axis=2)
+        return self.keys, self.values
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+
 class MLP:
     """c_fc (C -> 4C), GELU, c_proj (4C -> C)."""
 
@@ -232,6 +265,10 @@ class Block:
         x = x + self.attn.forward(self.ln_1.forward(x))
         return x + self.mlp.forward(self.ln_2.forward(x))
 
+    def forward_incremental(self, x: Array, cache: KVCache) -> Array:
+        x = x + self.attn.forward_incremental(self.ln_1.forward(x), cache)
+        return x + self.mlp.forward(self.ln_2.forward(x))
+
     def backward_input(self, dout: Array) -> Array:
         self._dmlp_in = self.mlp.backward_input(dout)
         dmid = dout + self.ln_2.backward_input(self._dmlp_in)
@@ -257,10 +294,10 @@ class Embedding:
     def __init__(self, token: Parameter, position: Parameter) -> None:
         self.token, self.position = token, position
 
-    def forward(self, tokens: Array) -> Array:
+    def forward(self, tokens: Array, start: int = 0) -> Array:
+        """Embed (B, T) token ids sitting at positions start … start+T−1."""
         self.tokens = tokens
-        length = tokens.shape[-1]
-        return self.token.data[tokens] + self.position.data[:length]
+        return self.token.data[tokens] + self.position.data[start:start + tokens.shape[-1]]
 
     def backward_input(self, dout: Array) -> None:
         return None  # token ids have no gradient
