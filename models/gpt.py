@@ -89,12 +89,14 @@ class GPT:
         self.head = TiedHeadCrossEntropy(p["transformer.wte.weight"])
 
     def _block(self, i: int) -> Block:
+        def weight_and_bias(name: str) -> tuple[Parameter, Parameter]:
+            return self.params[f"transformer.h.{i}.{name}.weight"], self.params[f"transformer.h.{i}.{name}.bias"]
+
         def linear(name: str) -> Linear:
-            return Linear(self.params[f"transformer.h.{i}.{name}.weight"], self.params[f"transformer.h.{i}.{name}.bias"])
+            return Linear(*weight_and_bias(name))
 
         def layer_norm(name: str) -> LayerNorm:
-            return LayerNorm(self.params[f"transformer.h.{i}.{name}.weight"],
-                             self.params[f"transformer.h.{i}.{name}.bias"])
+            return LayerNorm(*weight_and_bias(name))
 
         attention = CausalSelfAttention(linear("attn.c_attn"), linear("attn.c_proj"), self.config.n_head)
         return Block(layer_norm("ln_1"), attention, layer_norm("ln_2"), MLP(linear("mlp.c_fc"), linear("mlp.c_proj")))

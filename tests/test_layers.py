@@ -32,7 +32,8 @@ def attention() -> CausalSelfAttention:
 
 
 def block() -> Block:
-    return Block(layer_norm("ln_1"), attention(), layer_norm("ln_2"), MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C)))
+    mlp = MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C))
+    return Block(layer_norm("ln_1"), attention(), layer_norm("ln_2"), mlp)
 
 
 def parameters_of(layer) -> list[Parameter]:
