@@ -216,3 +216,125 @@ def verify(ctx: click.Context, against: str, ranks: int | None, max_count: int, 
                                            collectives=collectives or VERIFY_COLLECTIVES,
                                            datatypes=datatypes or VERIFY_DATATYPES, seed=seed)
     ctx.exit(verification.run(settings))
+
+
+# -- train and generate -------------------------------------------------------------------------------------
+
+def threads_option(command: Callable) -> Callable:
+    return click.option(
+        "--threads", type=click.IntRange(min=1), default=None,
+        help="BLAS threads per rank. [default: this node's cores divided by its ranks; OMP_NUM_THREADS and "
+             "OPENBLAS_NUM_THREADS, if set, win]")(command)
+
+
+@main.command(context_settings={"show_default": True})
+@ranks_option
+@click.option("--n-layer", type=click.IntRange(min=1), default=4, help="Transformer blocks.")
+@click.option("--n-head", type=click.IntRange(min=1), default=4, help="Attention heads.")
+@click.option("--n-embd", type=click.IntRange(min=1), default=128, help="Channels.")
+@click.option("--vocab-size", type=click.IntRange(min=1), default=256, help="Vocabulary (256 for byte data).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=128, help="Tokens per sequence (T).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Sequences per step, global (B).")
+@click.option("--steps", type=click.IntRange(min=0), default=200,
+              help="Total optimizer steps, counted from the start of training (also with --resume).")
+@click.option("--lr", type=click.FloatRange(min=0), default=1e-3, help="Peak learning rate.")
+@click.option("--seed", type=int, default=0, help="Seed of the initialization (identical for every mesh).")
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw",
+              help="adamw: PyTorch's AdamW, betas (0.9, 0.95), eps 1e-8; sgd: w -= lr·g.")
+@click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0,
+              help="AdamW's decoupled weight decay, applied to weights of 2 or more dimensions.")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
+              help="Parameters and compute.")
+@click.option("--grad-clip", type=click.FloatRange(min=0), default=0.0,
+              help="Clip the global gradient norm to this (0: off).")
+@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant",
+              help="After warmup: constant, or cosine decay to a tenth of --lr at the last step.")
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=0, help="Linear warmup steps.")
+@click.option("--data", type=click.Path(dir_okay=False), default=None,
+              help="A .npy array of token ids, or any other file read as UTF-8 bytes (vocab 256). "
+                   "[default: Python's own documentation text, which ships with every Python]")
+@click.option("--init", type=click.Path(file_okay=False), default=None,
+              help="Start from this Hugging Face GPT-2 directory; the model shape comes from its config.json.")
+@click.option("--save", type=click.Path(file_okay=False), default=None,
+              help="Write the trained model here as a Hugging Face directory.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="Where training checkpoints go (model + optimizer state).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --checkpoint-dir.")
+@click.option("--eval-every", type=click.IntRange(min=0), default=0,
+              help="Steps between validation losses on held-out data (0: none).")
+@click.option("--eval-batches", type=click.IntRange(min=1), default=4, help="Batches per validation loss.")
+@click.option("--validation-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.1,
+              help="Share of the data, taken from its end, held out for validation (with --eval-every).")
+@click.option("--log-json", type=click.Path(dir_okay=False), default=None,
+              help="Write one JSON object per step here (rank 0).")
+@click.option("--sample-tokens", type=click.IntRange(min=0), default=0,
+              help="After training, print this many sampled bytes (byte-level models).")
+@click.option("--dp", type=click.IntRange(min=1), default=None, help="Data-parallel ranks (not yet: 1).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks (not yet: 1).")
+@click.option("--pp", type=click.IntRange(min=1), default=1, help="Pipeline stages (not yet: 1).")
+@click.option("--cp", type=click.IntRange(min=1), default=1, help="Context-parallel ranks (not yet: 1).")
+@click.option("--ep", type=click.IntRange(min=1), default=1, help="Expert-parallel ranks (not yet: 1).")
+@threads_option
+@click.pass_context
+def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | None, tp: int, pp: int, cp: int,
+          ep: int, **options: Any) -> None:
+    """Train GPT-2 with hand-written forward and backward passes.
+
+    Without --data it trains a byte-level model on the documentation text that ships with Python, so the
+    loss visibly falls within a minute or two on a laptop.
+
+    \b
+    Examples:
+      mpiparallel train --steps 300 --sample-tokens 300
+      mpiparallel train --data corpus.txt --n-layer 6 --n-embd 384 --n-head 6 --lr-schedule cosine \\
+          --warmup-steps 50 --steps 2000 --eval-every 100 --save out/
+      mpiparallel train --init out/ --steps 100 --log-json log.jsonl
+    """
+    launch.ensure_world_size(ranks, _argv(ctx))
+    launch.limit_blas_threads(threads)
+    from . import train as training
+
+    settings = training.TrainSettings(**options, mesh=(("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
+    ctx.exit(training.run(settings))
+
+
+@main.command(context_settings={"show_default": True})
+@click.option("--init", type=click.Path(file_okay=False), required=True,
+              help="A Hugging Face GPT-2 directory (as written by train --save).")
+@click.option("--prompt", default=None, help="Text to continue (byte-level models). [default: a newline]")
+@click.option("--prompt-ids", default=None,
+              help="Comma-separated token ids to continue, for models whose vocabulary is not bytes.")
+@click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=200, help="Tokens to sample.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.8,
+              help="Sampling temperature (0: always the most likely token).")
+@click.option("--top-k", type=click.IntRange(min=1), default=40, help="Sample among the k most likely tokens.")
+@click.option("--seed", type=int, default=0, help="Seed of the sampler.")
+@threads_option
+def generate(init: str, prompt: str | None, prompt_ids: str | None, new_tokens: int, temperature: float,
+             top_k: int, seed: int, threads: int | None) -> None:
+    """Continue a prompt with a trained model (KV-cached sampling, temperature and top-k).
+
+    \b
+    Examples:
+      mpiparallel generate --init out/ --prompt "The " --tokens 300
+      mpiparallel generate --init gpt2-dir/ --prompt-ids 464,2068 --temperature 0
+    """
+    if prompt is not None and prompt_ids is not None:
+        raise click.UsageError("give --prompt or --prompt-ids, not both")
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    launch.limit_blas_threads(threads)
+    from . import train as training
+
+    click.echo(training.generate(init, prompt, ids, new_tokens, temperature, top_k, seed))
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers",
+                                 param_hint="'--prompt-ids'") from None
+    if not ids:
+        raise click.BadParameter("needs at least one token id", param_hint="'--prompt-ids'")
+    return ids

@@ -100,6 +100,28 @@ def _relaunch(ranks: int, argv: Sequence[str]) -> NoReturn:
     os.execve(mpiexec, command, {**os.environ, RELAUNCHED: "1"})
 
 
+_BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_LOCAL_RANK_COUNT_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def limit_blas_threads(threads: int | None, environ: dict[str, str] = os.environ) -> int:
+    """Give each rank its share of this node's cores for BLAS (call before NumPy is imported).
+
+    Ranks on one node that each start a thread per core fight over the cores and all run slower. Default:
+    cores ÷ ranks on this node (from the launcher's variables), at least 1. An explicit `threads` wins; so do
+    OMP_NUM_THREADS/OPENBLAS_NUM_THREADS already set by the user. Returns the thread count in effect.
+    """
+    if threads is None:
+        already = next((environ[name] for name in _BLAS_THREAD_VARIABLES if environ.get(name)), None)
+        if already is not None:
+            return int(already)
+        local_ranks = next((int(environ[name]) for name in _LOCAL_RANK_COUNT_VARIABLES if environ.get(name)), 1)
+        threads = max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1))
+    for name in _BLAS_THREAD_VARIABLES:
+        environ[name] = str(threads)
+    return threads
+
+
 def world_size() -> int:
     """The number of ranks in MPI.COMM_WORLD (starts MPI if it is not running yet)."""
     from mpi4py import MPI
