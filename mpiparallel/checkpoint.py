@@ -1,0 +1,371 @@
+"""Checkpoints in Hugging Face's format, and training checkpoints built on it.
+
+A model checkpoint is a directory `transformers.GPT2LMHeadModel.from_pretrained` loads:
+
+    config.json          GPT2Config fields (vocab_size, n_positions, n_embd, n_layer, n_head, …)
+    model.safetensors    GPT2LMHeadModel tensor names and layouts: transformer.wte.weight [vocab, n_embd],
+                         transformer.h.{i}.attn.c_attn.weight [n_embd, 3·n_embd] (Conv1D: in × out), …
+
+lm_head.weight is not written: GPT-2 ties it to transformer.wte.weight, and transformers re-ties it on load.
+Reading accepts what real GPT-2 checkpoints hold: names without the `transformer.` prefix, an lm_head.weight, and
+the attention-mask buffers `h.{i}.attn.bias` / `h.{i}.attn.masked_bias` (both ignored).
+
+A training checkpoint (`--checkpoint-dir DIR --checkpoint-every K`, `--resume`) is DIR/step_{step:08d}/: the
+model checkpoint above (so every training checkpoint is also a loadable model), `optimizer.safetensors` (the
+optimizer's arrays) and `trainer_state.json` (the step count, the optimizer's scalars, an RNG state and whatever
+the trainer adds). `step` counts completed optimizer steps, so a resumed run continues with step `step`.
+
+Writes are atomic: files are written into a temporary directory next to the target and renamed into place, so
+a crash leaves either the previous checkpoint or the new one, never half of one. These functions do no
+communication; the caller gathers the full tensors first and writes from one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from models.gpt import GPTConfig, parameter_shapes
+
+from .errors import ConfigError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_STATE_FILE = "trainer_state.json"
+PREFIX = "transformer."
+GPT2_EOS_TOKEN = 50256
+"""<|endoftext|> in GPT-2's 50257-token vocabulary."""
+
+SHAPE_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+
+SUPPORTED_VALUES = {
+    "model_type": ("gpt2",),
+    "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+    "tie_word_embeddings": (True,),
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+    "reorder_and_upcast_attn": (False,),
+}
+"""config.json keys whose other values describe a model our GPT-2 does not compute (an absent key means GPT-2's
+default, which is the first value)."""
+
+_IGNORED_TENSOR = re.compile(r"^(lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias))$")
+_STEP_DIRECTORY = re.compile(r"^step_(\d{8,})$")
+
+
+# -- writing a model ---------------------------------------------------------------------------------------------
+
+
+def save_pretrained(directory: str | Path, config: GPTConfig, tensors: Mapping[str, Any],
+                    extra_config: Mapping[str, Any] | None = None) -> Path:
+    """Write `config.json` and `model.safetensors` for `tensors` (Hugging Face names, NumPy or CuPy arrays).
+
+    `extra_config` adds keys to config.json (MoE settings, notes); it may not redefine the keys written here.
+    An existing directory keeps its other files; the two checkpoint files are replaced one by one.
+    """
+    target = Path(directory)
+    with _temporary_directory_beside(target) as staging:
+        _write_model_files(staging, config, tensors, extra_config)
+        _publish_files(staging, target)
+    return target
+
+
+def gpt2_config_json(config: GPTConfig, dtype: np.dtype, extra_config: Mapping[str, Any] | None = None) -> dict:
+    """config.json for GPT2LMHeadModel: our shape plus GPT-2's fixed choices (GELU tanh, LN eps 1e-5, no dropout)."""
+    eos = GPT2_EOS_TOKEN if config.vocab_size > GPT2_EOS_TOKEN else config.vocab_size - 1
+    fields = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": config.vocab_size,
+        "n_positions": config.n_positions,
+        "n_ctx": config.n_positions,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "torch_dtype": np.dtype(dtype).name,
+    }
+    clashes = sorted(set(fields) & set(extra_config or {}))
+    if clashes:
+        raise ValueError(f"extra_config may not redefine {clashes}")
+    return fields | dict(extra_config or {})
+
+
+def _write_model_files(directory: Path, config: GPTConfig, tensors: Mapping[str, Any],
+                       extra_config: Mapping[str, Any] | None) -> None:
+    arrays = {_with_prefix(name): _host_array(value) for name, value in tensors.items()
+              if _with_prefix(name) != PREFIX + "lm_head.weight"}
+    if PREFIX + "wte.weight" not in arrays:
+        raise ValueError("a GPT-2 checkpoint needs transformer.wte.weight")
+    dtype = arrays[PREFIX + "wte.weight"].dtype
+    _write_json(directory / CONFIG_FILE, gpt2_config_json(config, dtype, extra_config))
+    _write_safetensors(directory / WEIGHTS_FILE, arrays)
+
+
+def _with_prefix(name: str) -> str:
+    return name if name.startswith(PREFIX) else PREFIX + name
+
+
+def _host_array(value: Any) -> np.ndarray:
+    """A C-contiguous NumPy array (safetensors writes raw memory; CuPy arrays are copied to the host)."""
+    return np.asarray(value.get() if hasattr(value, "get") else value, order="C")
+
+
+def _write_json(path: Path, content: Any) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(content, file, indent=2)
+        file.write("\n")
+        _flush_to_disk(file)
+
+
+def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    # transformers refuses safetensors files whose metadata does not say which framework wrote them.
+    safetensors.numpy.save_file(arrays, str(path), metadata={"format": "pt"})
+    with open(path, "rb+") as file:
+        _flush_to_disk(file)
+
+
+def _flush_to_disk(file: Any) -> None:
+    file.flush()
+    os.fsync(file.fileno())
+
+
+# -- atomic publication ------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _temporary_directory_beside(target: Path) -> Iterator[Path]:
+    """A fresh directory next to `target` (same file system, so renames are atomic), removed if writing fails."""
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"cannot write a checkpoint to {target}: it is a file")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish_files(staging: Path, target: Path) -> None:
+    """Move the staged files to `target`: one rename for a new directory, else file by file, config.json last."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    for name in sorted(os.listdir(staging), key=lambda name: name == CONFIG_FILE):
+        os.replace(staging / name, target / name)
+
+
+def _publish_directory(staging: Path, target: Path) -> None:
+    """Put `staging` at `target`, replacing a previous `target` directory whole."""
+    if target.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        target.rename(retired / target.name)
+        staging.rename(target)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(target)
+
+
+# -- reading a model ---------------------------------------------------------------------------------------------
+
+
+def load_pretrained(directory: str | Path, expected_shapes: Mapping[str, tuple[int, ...]] | None = None
+                    ) -> tuple[GPTConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """(config, tensors by `transformer.…` name in model order, config.json as read) from a Hugging Face GPT-2 dir.
+
+    Every tensor of `expected_shapes` (default: `parameter_shapes(config)`) must be present with that shape;
+    further tensors are returned as they are (extensions such as MoE experts check their own).
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint directory {path} does not exist")
+    raw_config = _read_json(path / CONFIG_FILE, "model config")
+    config = gpt_config_from_json(raw_config, path / CONFIG_FILE)
+    tensors = _canonical_tensors(_read_weights(path), path / WEIGHTS_FILE)
+    expected = expected_shapes or parameter_shapes(config)
+    _check_shapes(tensors, expected, path / WEIGHTS_FILE)
+    in_model_order = {name: tensors[name] for name in expected} | tensors  # safetensors sorts names alphabetically
+    return config, in_model_order, raw_config
+
+
+def gpt_config_from_json(raw: Mapping[str, Any], source: str | Path = CONFIG_FILE) -> GPTConfig:
+    """The model shape from GPT2Config fields, refusing settings this GPT-2 does not implement."""
+    shape = {}
+    for key in SHAPE_KEYS:
+        value = raw.get(key, raw.get("n_ctx")) if key == "n_positions" else raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+        shape[key] = value
+    for key, supported in SUPPORTED_VALUES.items():
+        if raw.get(key, supported[0]) not in supported:
+            raise ConfigError(f"{source}: {key} = {raw[key]!r} is not supported (supported: {list(supported)})")
+    if raw.get("n_inner") not in (None, 4 * shape["n_embd"]):
+        raise ConfigError(f"{source}: n_inner = {raw['n_inner']} is not supported (the MLP is 4·n_embd wide)")
+    if not math.isclose(raw.get("layer_norm_epsilon", 1e-5), 1e-5):
+        raise ConfigError(f"{source}: layer_norm_epsilon = {raw['layer_norm_epsilon']} is not supported (1e-5)")
+    try:
+        return GPTConfig(**shape)
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: not a checkpoint directory ({what})")
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(content).__name__}")
+    return content
+
+
+def _read_weights(directory: Path) -> dict[str, np.ndarray]:
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        if (directory / "pytorch_model.bin").is_file():
+            raise ConfigError(f"{directory} holds pytorch_model.bin; only model.safetensors is read. Convert it with "
+                              f"transformers: GPT2LMHeadModel.from_pretrained(dir).save_pretrained(dir)")
+        raise ConfigError(f"{path} is missing: not a checkpoint directory (model weights)")
+    return _read_safetensors(path)
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    try:
+        return safetensors.numpy.load_file(str(path))
+    except (safetensors.SafetensorError, OSError, ValueError, TypeError) as error:
+        raise ConfigError(f"{path} is not a readable safetensors file: {error}") from None
+
+
+def _canonical_tensors(tensors: Mapping[str, np.ndarray], source: Path) -> dict[str, np.ndarray]:
+    """Names with the `transformer.` prefix, without the tied head and the attention-mask buffers."""
+    canonical: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        short = name.removeprefix(PREFIX)
+        if _IGNORED_TENSOR.match(short):
+            continue
+        if PREFIX + short in canonical:
+            raise ConfigError(f"{source} holds {short} both with and without the '{PREFIX}' prefix")
+        canonical[PREFIX + short] = value
+    return canonical
+
+
+def _check_shapes(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]], source: Path) -> None:
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise ConfigError(f"{source} lacks {len(missing)} tensor(s) the config needs: {', '.join(missing[:5])}"
+                          f"{', …' if len(missing) > 5 else ''}")
+    wrong = [f"{name} is {tuple(tensors[name].shape)}, the config needs {tuple(shape)}"
+             for name, shape in expected.items() if tuple(tensors[name].shape) != tuple(shape)]
+    if wrong:
+        raise ConfigError(f"{source} does not match its config.json: {'; '.join(wrong[:3])}"
+                          f"{'; …' if len(wrong) > 3 else ''}")
+
+
+# -- training checkpoints ----------------------------------------------------------------------------------------
+
+
+def training_checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step_{step:08d}"
+
+
+def save_training_checkpoint(directory: str | Path, step: int, config: GPTConfig, model_tensors: Mapping[str, Any],
+                             optimizer_state: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
+                             rng_state: Any = None, extra_config: Mapping[str, Any] | None = None) -> Path:
+    """Write DIR/step_{step:08d}/ (model files, optimizer.safetensors, trainer_state.json); return its path.
+
+    `optimizer_state` is an optimizer's `state_dict()`: nested dicts whose leaves are arrays (stored in
+    optimizer.safetensors under their key path joined by '/') or JSON values (stored in trainer_state.json).
+    `extra` and `rng_state` must be JSON-serializable (a NumPy Generator's `bit_generator.state` is).
+    """
+    target = training_checkpoint_path(directory, step)
+    arrays, scalars = _split_arrays(optimizer_state)
+    trainer_state = {"step": step, "optimizer": scalars, "rng_state": rng_state, "extra": dict(extra or {})}
+    with _temporary_directory_beside(target) as staging:
+        _write_model_files(staging, config, model_tensors, extra_config)
+        _write_safetensors(staging / OPTIMIZER_FILE, arrays)
+        _write_json(staging / TRAINER_STATE_FILE, trainer_state)
+        _publish_directory(staging, target)
+    return target
+
+
+def latest_training_checkpoint(directory: str | Path) -> Path | None:
+    """The complete step_* checkpoint with the highest step in `directory`; None when there is none yet."""
+    path = Path(directory)
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint directory {path} is a file")
+    complete = [(int(match.group(1)), entry) for entry in path.iterdir()
+                if (match := _STEP_DIRECTORY.match(entry.name)) and (entry / TRAINER_STATE_FILE).is_file()]
+    return max(complete)[1] if complete else None
+
+
+def load_training_checkpoint(path: str | Path) -> tuple[GPTConfig, dict[str, np.ndarray], dict[str, Any], dict]:
+    """(config, model tensors, optimizer state as saved, trainer state) from one step_* directory."""
+    path = Path(path)
+    config, tensors, _ = load_pretrained(path)
+    trainer_state = _read_json(path / TRAINER_STATE_FILE, "trainer state")
+    if not isinstance(trainer_state.get("step"), int):
+        raise ConfigError(f"{path / TRAINER_STATE_FILE} has no integer 'step'")
+    if not (path / OPTIMIZER_FILE).is_file():
+        raise ConfigError(f"{path / OPTIMIZER_FILE} is missing: not a complete training checkpoint")
+    optimizer_state = _join_arrays(_read_safetensors(path / OPTIMIZER_FILE), trainer_state.get("optimizer", {}))
+    return config, tensors, optimizer_state, trainer_state
+
+
+def _split_arrays(state: Mapping[str, Any], path: str = "") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Separate a nested state dict into {'a/b/c': array} and the same nesting with only the non-array leaves."""
+    arrays: dict[str, np.ndarray] = {}
+    scalars: dict[str, Any] = {}
+    for key, value in state.items():
+        if "/" in key:
+            raise ValueError(f"optimizer state key {key!r} may not contain '/' (it separates nesting levels)")
+        if isinstance(value, Mapping):
+            nested_arrays, nested_scalars = _split_arrays(value, f"{path}{key}/")
+            arrays |= nested_arrays
+            scalars[key] = nested_scalars
+        elif isinstance(value, np.generic):
+            scalars[key] = value.item()
+        elif hasattr(value, "shape") and hasattr(value, "dtype"):
+            arrays[path + key] = _host_array(value)
+        else:
+            scalars[key] = value
+    return arrays, scalars
+
+
+def _join_arrays(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `_split_arrays`."""
+    state = json.loads(json.dumps(scalars))  # a deep copy we may fill in
+    for key_path, value in arrays.items():
+        *parents, leaf = key_path.split("/")
+        node = state
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return state
