@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -118,7 +119,7 @@ def gpt2_config_json(config: GPTConfig, dtype: np.dtype, extra_config: Mapping[s
 def _write_model_files(directory: Path, config: GPTConfig, tensors: Mapping[str, Any],
                        extra_config: Mapping[str, Any] | None) -> None:
     arrays = {_with_prefix(name): _host_array(value) for name, value in tensors.items()
-              if _with_prefix(name) != PREFIX + "lm_head.weight"}
+              if name.removeprefix(PREFIX) != "lm_head.weight"}  # tied to wte: transformers re-ties it on load
     if PREFIX + "wte.weight" not in arrays:
         raise ValueError("a GPT-2 checkpoint needs transformer.wte.weight")
     dtype = arrays[PREFIX + "wte.weight"].dtype
@@ -163,7 +164,9 @@ def _temporary_directory_beside(target: Path) -> Iterator[Path]:
     if target.exists() and not target.is_dir():
         raise ConfigError(f"cannot write a checkpoint to {target}: it is a file")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # Not tempfile.mkdtemp: its mode 0700 would stay with the published checkpoint; mkdir honours the umask.
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()
     try:
         yield staging
     finally:

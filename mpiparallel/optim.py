@@ -3,8 +3,9 @@
 The math lives in pure functions on arrays — `sgd_update` and `adamw_update` change one parameter array and its
 optimizer state in place and know nothing about names, models or ranks. The classes `SGD` and `AdamW` only
 decide which arrays to pass (every parameter, weight decay for ≥2-D weights) and keep the step count. ZeRO
-reuses the same functions on one rank's slice of a flat parameter/gradient vector: the update is elementwise,
-so updating slices and gathering them gives exactly the full update.
+reuses the same functions on one rank's slice of a flat parameter/gradient vector, one call per parameter
+segment in the slice (weight decay depends on the parameter): the update is elementwise, so updating slices and
+gathering them gives exactly the full update.
 
 `adamw_update` is PyTorch's torch.optim.AdamW (foreach=False, amsgrad=False) step for step:
 
