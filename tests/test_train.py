@@ -1,0 +1,148 @@
+"""`mpiparallel train` and `generate` end to end, and the serial model's learning behaviour."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models.gpt import GPT, GPTConfig
+from mpiparallel import optim
+
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4"]
+
+
+def mpiparallel(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpiparallel", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_log(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_training_on_the_default_corpus_lowers_the_loss_and_logs_every_step(tmp_path):
+    log = tmp_path / "log.jsonl"
+    result = mpiparallel("train", *TINY, "--steps", "40", "--lr", "3e-3", "--log-json", str(log),
+                         "--sample-tokens", "40")
+    assert result.returncode == 0, result.stderr
+    records = read_log(log)
+    assert [r["step"] for r in records] == list(range(40))
+    for record in records:
+        assert {"step", "loss", "lr", "tokens", "time_s", "comm_bytes"} <= set(record)
+        assert record["tokens"] == 4 * 32
+    first, last = np.mean([r["loss"] for r in records[:5]]), np.mean([r["loss"] for r in records[-5:]])
+    assert first > 5.0 and last < first - 1.0  # from ≈ ln 256 = 5.5 to clearly lower
+    assert "M parameters" in result.stdout and "step    40/40" in result.stdout
+
+
+def test_a_small_model_overfits_one_batch():
+    config = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT(config, seed=0, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, (4, 17))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    optimizer = optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        model.zero_grad()
+        loss = model.forward(inputs, targets)
+        model.backward()
+        optimizer.step()
+    assert loss < 0.05
+
+
+def test_save_then_generate_and_reload_round_trip(tmp_path):
+    saved = tmp_path / "model"
+    result = mpiparallel("train", *TINY, "--steps", "3", "--save", str(saved))
+    assert result.returncode == 0, result.stderr
+    assert (saved / "config.json").exists() and (saved / "model.safetensors").exists()
+    generated = mpiparallel("generate", "--init", str(saved), "--prompt", "The ", "--tokens", "20")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.startswith("The ")
+    again = mpiparallel("train", *TINY, "--steps", "2", "--init", str(saved), "--lr", "0", "--save",
+                        str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+    from mpiparallel import checkpoint
+
+    _, first, _ = checkpoint.load_pretrained(saved)
+    _, second, _ = checkpoint.load_pretrained(tmp_path / "again")
+    for name, value in first.items():  # lr 0: loading and saving changed nothing, bit for bit
+        np.testing.assert_array_equal(value, second[name])
+
+
+def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(tmp_path):
+    # The first run stops after 3 of 6 steps, as an interrupted job would (a constant schedule after warmup
+    # does not depend on --steps, so both runs see the same learning rates).
+    common = [*TINY, "--steps", "6", "--grad-clip", "1.0", "--warmup-steps", "2"]
+    straight = mpiparallel("train", *common, "--log-json", str(tmp_path / "straight.jsonl"),
+                           "--save", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    checkpoints = tmp_path / "checkpoints"
+    first_half = mpiparallel("train", *TINY, "--steps", "3", "--grad-clip", "1.0", "--warmup-steps", "2",
+                             "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3")
+    assert first_half.returncode == 0, first_half.stderr
+    resumed = mpiparallel("train", *common, "--checkpoint-dir", str(checkpoints), "--resume",
+                          "--log-json", str(tmp_path / "resumed.jsonl"), "--save", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in read_log(tmp_path / "resumed.jsonl")] == [3, 4, 5]
+    straight_losses = [r["loss"] for r in read_log(tmp_path / "straight.jsonl")][3:]
+    assert [r["loss"] for r in read_log(tmp_path / "resumed.jsonl")] == straight_losses
+    from mpiparallel import checkpoint
+
+    _, a, _ = checkpoint.load_pretrained(tmp_path / "straight")
+    _, b, _ = checkpoint.load_pretrained(tmp_path / "resumed")
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def _assert_one_clear_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert sum(line.startswith("Error") for line in output.splitlines()) == 1, output
+    assert "Traceback" not in output, output
+    for fragment in fragments:
+        assert fragment in output, output
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--n-embd", "30", "--n-head", "4"], ["divisible"]),
+    (["--init", "/nonexistent/model"], ["/nonexistent/model"]),
+    (["--data", "/nonexistent/data.txt"], ["/nonexistent/data.txt"]),
+    (["--tp", "2"], ["--tp 2", "one rank"]),
+], ids=["heads", "missing-init", "missing-data", "mesh"])
+def test_bad_input_gives_one_clear_error(args, fragments):
+    _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", *args), *fragments)
+
+
+def test_data_shorter_than_one_batch_is_an_error(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--data", str(short)), "tokens")
+
+
+def test_config_that_does_not_match_the_tensors_is_an_error(tmp_path):
+    saved = tmp_path / "model"
+    assert mpiparallel("train", *TINY, "--steps", "1", "--save", str(saved)).returncode == 0
+    config = json.loads((saved / "config.json").read_text())
+    config["n_positions"] = 16
+    (saved / "config.json").write_text(json.dumps(config))
+    _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--init", str(saved)), "wpe")
+
+
+def test_corrupt_checkpoint_is_an_error(tmp_path):
+    saved = tmp_path / "model"
+    assert mpiparallel("train", *TINY, "--steps", "1", "--save", str(saved)).returncode == 0
+    (saved / "model.safetensors").write_bytes(b"not a safetensors file")
+    _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--init", str(saved)), "safetensors")
+
+
+def test_seq_len_beyond_the_checkpoint_n_positions_is_an_error(tmp_path):
+    from mpiparallel import checkpoint
+
+    config = GPTConfig(vocab_size=256, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    checkpoint.save_pretrained(tmp_path / "short", config, GPT(config).state_dict())
+    _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--init", str(tmp_path / "short")),
+                            "n_positions")
