@@ -193,3 +193,15 @@ def test_generation_with_kv_cache_equals_recomputing_the_whole_sequence():
         if len(context) <= config.n_positions:  # before the first rebuild the cache must agree exactly
             assert token == expected
     assert len(generated) == 20 and all(0 <= t < 13 for t in generated)
+
+
+def test_embedding_gradient_accumulates_into_a_strided_gradient_view():
+    layer = Embedding(param("wte", 7, C), param("wpe", T, C))
+    layer.token.grad = np.zeros((C, 7)).T  # a view that is not C-contiguous, as a flat-buffer layout might give
+    tokens = np.array([[1, 1, 3, 1, 6], [0, 3, 3, 2, 1]])
+    dout = RNG.standard_normal((2, T, C))
+    layer.forward(tokens)
+    layer.backward(dout)
+    expected = np.zeros((7, C))
+    np.add.at(expected, tokens.reshape(-1), dout.reshape(-1, C))
+    np.testing.assert_allclose(layer.token.grad, expected, rtol=1e-14)
