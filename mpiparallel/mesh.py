@@ -1,0 +1,119 @@
+"""The process mesh: which world rank holds which coordinates, and one communicator per parallel axis.
+
+A run with dp·tp·pp·cp ranks places them innermost first as tp, cp, dp, pp (DESIGN.md's contract):
+
+    rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i
+
+so the ranks of one tensor-parallel group are neighbours (the chattiest axis gets the closest ranks: on a
+cluster, the same node) and pipeline stages are the farthest apart (they exchange the least). Each axis gets a
+`Communicator` holding the ranks that differ only in that coordinate:
+
+- `tp`, `cp`, `dp`, `pp`: the four axes;
+- `dp_cp`: data and context parallel together — the ranks whose gradients are summed (CP ranks see different
+  tokens of the same sequences, DP ranks different sequences);
+- `ep` and `expert_dp`: expert parallelism splits each DP group into dp/ep groups of ep consecutive DP ranks
+  (`ep`: the all-to-all of tokens to experts); `expert_dp` joins the ranks that hold the same experts, whose
+  expert gradients are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from collectives import Communicator
+
+from .errors import ConfigError
+
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the axes; `dp=None` means world / (tp·pp·cp)."""
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def resolve(self, world_size: int) -> MeshShape:
+        """The shape with dp filled in, after checking that it tiles `world_size` ranks."""
+        for axis in ("tp", "pp", "cp", "ep"):
+            if getattr(self, axis) < 1:
+                raise ConfigError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
+        model_parallel = self.tp * self.pp * self.cp
+        dp = self.dp
+        if dp is None:
+            if world_size % model_parallel:
+                raise ConfigError(f"{world_size} ranks cannot be split into tp·pp·cp = {self.tp}·{self.pp}·{self.cp}"
+                                  f" = {model_parallel} model-parallel groups")
+            dp = world_size // model_parallel
+        if dp < 1 or dp * model_parallel != world_size:
+            raise ConfigError(f"the mesh dp·tp·pp·cp = {dp}·{self.tp}·{self.pp}·{self.cp} = {dp * model_parallel} "
+                              f"ranks does not match the {world_size} ranks running")
+        if dp % self.ep:
+            raise ConfigError(f"--ep {self.ep} must divide the data-parallel size {dp}")
+        return MeshShape(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+def coordinates_of(rank: int, shape: MeshShape) -> Coordinates:
+    """Invert rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i."""
+    rank, tp_i = divmod(rank, shape.tp)
+    rank, cp_i = divmod(rank, shape.cp)
+    pp_i, dp_i = divmod(rank, shape.dp)
+    return Coordinates(pp=pp_i, dp=dp_i, cp=cp_i, tp=tp_i)
+
+
+def rank_of(coordinates: Coordinates, shape: MeshShape) -> int:
+    return ((coordinates.pp * shape.dp + coordinates.dp) * shape.cp + coordinates.cp) * shape.tp + coordinates.tp
+
+
+class Mesh:
+    """The mesh of this run: its shape, this rank's coordinates, and a Communicator per axis."""
+
+    def __init__(self, world: MPI.Comm | Communicator, shape: MeshShape) -> None:
+        self.world = Communicator.of(world)
+        self.shape = shape.resolve(self.world.size)
+        self.coordinates = coordinates_of(self.world.rank, self.shape)
+        c = self.coordinates
+        # Split colors: ranks with equal color form a group; the key orders them by the axis coordinate.
+        self.tp = self._split((c.pp, c.dp, c.cp), c.tp)
+        self.cp = self._split((c.pp, c.dp, c.tp), c.cp)
+        self.dp = self._split((c.pp, c.cp, c.tp), c.dp)
+        self.pp = self._split((c.dp, c.cp, c.tp), c.pp)
+        self.dp_cp = self._split((c.pp, c.tp), c.dp * self.shape.cp + c.cp)
+        ep = self.shape.ep
+        self.ep = self._split((c.pp, c.cp, c.tp, c.dp // ep), c.dp % ep)
+        self.expert_dp = self._split((c.pp, c.cp, c.tp, c.dp % ep), c.dp // ep)
+
+    def _split(self, color: tuple[int, ...], key: int) -> Communicator:
+        flat_color = 0
+        for part in color:  # a unique integer per color tuple (each part < world size)
+            flat_color = flat_color * self.world.size + part
+        return self.world.split(flat_color, key)
+
+    def communicators(self) -> dict[str, Communicator]:
+        """Axis name -> Communicator, for per-axis byte counts."""
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "ep": self.ep}
+
+    def describe(self) -> str:
+        """A table of every world rank's coordinates (for --show-mesh)."""
+        s = self.shape
+        lines = [f"mesh: dp {s.dp} × tp {s.tp} × pp {s.pp} × cp {s.cp} = {self.world.size} ranks"
+                 f"{f', ep {s.ep}' if s.ep > 1 else ''}; rank = ((pp·{s.dp} + dp)·{s.cp} + cp)·{s.tp} + tp",
+                 "  rank    pp    dp    cp    tp    ep"]
+        for rank in range(self.world.size):
+            c = coordinates_of(rank, s)
+            lines.append(f"  {rank:>4}  {c.pp:>4}  {c.dp:>4}  {c.cp:>4}  {c.tp:>4}  {c.dp % s.ep:>4}")
+        return "\n".join(lines)
