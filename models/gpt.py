@@ -75,6 +75,26 @@ def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: in
     return seeded_normal(seed, name, shape, std, np.dtype(dtype))
 
 
+class ParameterHooks:
+    """Called around each unit of `GPT.units()` in forward and backward; the base class does nothing.
+
+    Data parallelism starts a unit's gradient reduction in `after_backward`; ZeRO-3 gathers a unit's sharded
+    parameters in `before_forward`/`before_backward` and frees them in the `after_` calls.
+    """
+
+    def before_forward(self, unit: int) -> None:
+        pass
+
+    def after_forward(self, unit: int) -> None:
+        pass
+
+    def before_backward(self, unit: int) -> None:
+        pass
+
+    def after_backward(self, unit: int) -> None:
+        pass
+
+
 class GPT:
     """The serial GPT-2 model with hand-written backward."""
 
@@ -114,28 +134,56 @@ class GPT:
         if length > self.config.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
 
-    def hidden(self, tokens: Array) -> Array:
-        """The final-LayerNorm output (B, T, C) for token ids (B, T)."""
+    def units(self) -> list[list[Parameter]]:
+        """The parameters each stage of the computation uses, in forward order: the embedding, every block, and
+        the head (final LayerNorm plus the tied wte). Hooks are called per unit (see `ParameterHooks`)."""
+        embedding = [self.embedding.token, self.embedding.position]
+        blocks = [[p for p in self.params.values() if p.name.startswith(f"transformer.h.{i}.")]
+                  for i in range(self.config.n_layer)]
+        head = [self.ln_f.weight, self.ln_f.bias, self.head.token]
+        return [embedding, *blocks, head]
+
+    def hidden(self, tokens: Array, hooks: ParameterHooks | None = None) -> Array:
+        """The final-LayerNorm output (B, T, C) for token ids (B, T). It opens the head unit (ln_f belongs to
+        it) and leaves closing it (`after_forward`) to the caller, who runs the rest of the head."""
         self.check_tokens(tokens)
+        hooks = hooks or ParameterHooks()
+        hooks.before_forward(0)
         x = self.embedding.forward(tokens)
-        for block in self.blocks:
+        hooks.after_forward(0)
+        for i, block in enumerate(self.blocks, start=1):
+            hooks.before_forward(i)
             x = block.forward(x)
+            hooks.after_forward(i)
+        hooks.before_forward(len(self.blocks) + 1)
         return self.ln_f.forward(x)
 
-    def forward(self, tokens: Array, targets: Array, normalizer: float | None = None) -> float:
+    def forward(self, tokens: Array, targets: Array, normalizer: float | None = None,
+                hooks: ParameterHooks | None = None) -> float:
         """Cross-entropy of predicting `targets` from `tokens` (both (B, T)): sum of token losses / normalizer.
 
         `normalizer` defaults to the number of tokens here (a plain mean); pass the global batch's token count
         when this call is one microbatch or one data-parallel shard, so the pieces add up to the global mean.
         """
-        return self.head.forward(self.hidden(tokens), targets, normalizer or targets.size)
+        hooks = hooks or ParameterHooks()
+        loss = self.head.forward(self.hidden(tokens, hooks), targets, normalizer or targets.size)
+        hooks.after_forward(len(self.blocks) + 1)
+        return loss
 
-    def backward(self) -> None:
+    def backward(self, hooks: ParameterHooks | None = None) -> None:
         """Accumulate d(loss)/d(param) into every param.grad (after `forward`)."""
+        hooks = hooks or ParameterHooks()
+        last = len(self.blocks) + 1
+        hooks.before_backward(last)
         dx = self.ln_f.backward(self.head.backward())
-        for block in reversed(self.blocks):
-            dx = block.backward(dx)
+        hooks.after_backward(last)
+        for i in range(len(self.blocks), 0, -1):
+            hooks.before_backward(i)
+            dx = self.blocks[i - 1].backward(dx)
+            hooks.after_backward(i)
+        hooks.before_backward(0)
         self.embedding.backward(dx)
+        hooks.after_backward(0)
 
     def generate(self, prompt: Array, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  rng: np.random.Generator | None = None) -> Array:
