@@ -165,12 +165,22 @@ def softmax_backward(probs: Array, dprobs: Array, weighted_sum: Array | None = N
     return dprobs
 
 
+def query_blocks(queries: int, block: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of `block` queries covering 0 … queries−1."""
+    return [(start, min(start + block, queries)) for start in range(0, queries, block)]
+
+
 class CausalSelfAttention:
     """Multi-head causal self-attention: fused qkv projection, per-head softmax(q·kᵀ/√d)·v, output projection.
 
     The heads stay views into the projections' (B, T, 3, H, d) and (B, T, H, d) layouts: the matrix products
-    read and write them with strides, so no transpose is ever copied.
+    read and write them with strides, so no transpose is ever copied. Queries go in blocks of `query_block`
+    rows, and block [start, stop) multiplies only keys [0, stop): every later key is in its future, so skipping
+    them saves about half of q·kᵀ, the softmax passes and p·v, forward and backward (FlashAttention skips the
+    same blocks).
     """
+
+    query_block = 64
 
     def __init__(self, qkv: Linear, projection: Linear, n_head: int) -> None:
         self.qkv, self.projection, self.n_head = qkv, projection, n_head
@@ -186,8 +196,7 @@ class CausalSelfAttention:
         self.scale = 1.0 / math.sqrt(q.shape[-1])
         # the scale goes on q (B·H·T·d numbers) rather than on the scores (B·H·T·T); q is kept scaled
         self.q, self.k, self.v = q * self.scale, k, v
-        self.probs = causal_softmax(self.q @ k.transpose(0, 1, 3, 2))
-        self.merged = _weighted_values(self.probs, v)
+        self.merged, self.blocks = self._attend(self.q, k, v, offset=0)
         return self.projection.forward(self.merged)
 
     def forward_incremental(self, x: Array, cache: KVCache) -> Array:
@@ -195,11 +204,24 @@ class CausalSelfAttention:
         appending theirs to `cache`. Nothing is kept for backward."""
         q, k, v = self._split_heads(self.qkv.forward(x))
         keys, values = cache.append(k, v)
-        new, total = q.shape[2], keys.shape[2]
-        scores = q @ keys.transpose(0, 1, 3, 2)
-        scores *= 1.0 / math.sqrt(q.shape[-1])
-        probs = causal_softmax(scores, offset=total - new)
-        return self.projection.forward(_weighted_values(probs, values))
+        merged, _ = self._attend(q * (1.0 / math.sqrt(q.shape[-1])), keys, values, offset=keys.shape[2] - q.shape[2])
+        return self.projection.forward(merged)
+
+    def _attend(self, q: Array, k: Array, v: Array, offset: int) -> tuple[Array, list[tuple[int, int, Array]]]:
+        """softmax(q·kᵀ)·v of (B, H, t, d) queries (scale included) at positions offset … offset+t−1 over the keys
+        and values from position 0, merged to (B, t, H·d); also each query block's (start, stop, probabilities)."""
+        xp = get_array_module(q)
+        batch, n_head, queries, head_dim = q.shape
+        merged = xp.empty((batch, queries, n_head, head_dim), dtype=q.dtype)
+        heads = merged.transpose(0, 2, 1, 3)  # (B, H, t, d), written through by the products
+        blocks = []
+        for start, stop in query_blocks(queries, self.query_block):
+            keys = offset + stop
+            scores = q[:, :, start:stop] @ k[:, :, :keys].transpose(0, 1, 3, 2)
+            probs = causal_softmax(scores, offset=offset + start)
+            xp.matmul(probs, v[:, :, :keys], out=heads[:, :, start:stop])
+            blocks.append((start, stop, probs))
+        return merged.reshape(batch, queries, n_head * head_dim), blocks
 
     def backward_input(self, dout: Array) -> Array:
         dheads = self._backward_to_heads(self.projection.backward_input(dout))
@@ -220,28 +242,22 @@ class CausalSelfAttention:
         batch, length, channels = dmerged.shape
         head_dim = channels // self.n_head
         dheads = dmerged.reshape(batch, length, self.n_head, head_dim).transpose(0, 2, 1, 3)
-        dqkv = xp.empty((batch, length, 3, self.n_head, head_dim), dmerged.dtype)  # the qkv output's layout
+        # in the qkv output's layout; zeroed because every query block adds into the keys and values it saw
+        dqkv = xp.zeros((batch, length, 3, self.n_head, head_dim), dmerged.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
-        xp.matmul(self.probs.transpose(0, 1, 3, 2), dheads, out=dv)
-        dprobs = dheads @ self.v.transpose(0, 1, 3, 2)
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, C) instead of (B, H, T, T)
         weighted_sum = (dmerged * self.merged).reshape(batch, length, self.n_head, head_dim).sum(axis=-1)
-        dscores = softmax_backward(self.probs, dprobs, weighted_sum.transpose(0, 2, 1)[..., None])
-        xp.matmul(dscores, self.k, out=dq)
+        weighted_sum = weighted_sum.transpose(0, 2, 1)[..., None]
+        for start, stop, probs in self.blocks:
+            rows = slice(start, stop)
+            dv[:, :, :stop] += probs.transpose(0, 1, 3, 2) @ dheads[:, :, rows]
+            dprobs = dheads[:, :, rows] @ self.v[:, :, :stop].transpose(0, 1, 3, 2)
+            dscores = softmax_backward(probs, dprobs, weighted_sum[:, :, rows])
+            xp.matmul(dscores, self.k[:, :, :stop], out=dq[:, :, rows])
+            dk[:, :, :stop] += dscores.transpose(0, 1, 3, 2) @ self.q[:, :, rows]  # q holds the scale already
         dq *= self.scale
-        xp.matmul(dscores.transpose(0, 1, 3, 2), self.q, out=dk)  # q holds the scale already
         self._dqkv = dqkv.reshape(batch, length, 3 * channels)
         return self._dqkv
-
-
-def _weighted_values(probs: Array, values: Array) -> Array:
-    """probs @ values for every head (B, H, T, d), written straight into the merged (B, T, H·d) layout."""
-    xp = get_array_module(probs)
-    batch, n_head, length, _ = probs.shape
-    head_dim = values.shape[-1]
-    merged = xp.empty((batch, length, n_head, head_dim), dtype=values.dtype)
-    xp.matmul(probs, values, out=merged.transpose(0, 2, 1, 3))
-    return merged.reshape(batch, length, n_head * head_dim)
 
 
 class KVCache:

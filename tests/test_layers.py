@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 
 from models.gpt import GPT, GPTConfig
-from models.layers import GELU, MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, TiedHeadCrossEntropy
+from models.layers import (
+    GELU,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    Embedding,
+    KVCache,
+    LayerNorm,
+    Linear,
+    TiedHeadCrossEntropy,
+)
 from models.parameter import Parameter
 
 RNG = np.random.default_rng(1234)
@@ -205,3 +215,29 @@ def test_embedding_gradient_accumulates_into_a_strided_gradient_view():
     expected = np.zeros((7, C))
     np.add.at(expected, tokens.reshape(-1), dout.reshape(-1, C))
     np.testing.assert_allclose(layer.token.grad, expected, rtol=1e-14)
+
+
+def test_attention_in_query_blocks_matches_finite_differences_and_one_block():
+    layer, x = attention(), RNG.standard_normal((B, 7, C))
+    whole = layer.forward(x)
+    dout = RNG.standard_normal(whole.shape)
+    dx_whole = layer.backward(dout.copy())
+    grads_whole = [p.grad.copy() for p in parameters_of(layer)]
+    layer.query_block = 3  # blocks [0, 3), [3, 6), [6, 7): later blocks see more keys
+    for p in parameters_of(layer):
+        p.zero_grad()
+    np.testing.assert_allclose(layer.forward(x), whole, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(layer.backward(dout.copy()), dx_whole, rtol=1e-12, atol=1e-14)
+    for p, grad in zip(parameters_of(layer), grads_whole, strict=True):
+        np.testing.assert_allclose(p.grad, grad, rtol=1e-12, atol=1e-14)
+    check_layer(layer, x)
+
+
+def test_incremental_attention_in_query_blocks_equals_the_full_forward():
+    layer, x = attention(), RNG.standard_normal((B, 7, C))
+    layer.query_block = 2
+    expected = layer.forward(x)
+    cache = KVCache()
+    first = layer.forward_incremental(x[:, :4], cache)  # a prompt of 4 positions: two blocks
+    rest = layer.forward_incremental(x[:, 4:], cache)  # 3 new positions over 4 cached: offset 4
+    np.testing.assert_allclose(np.concatenate((first, rest), axis=1), expected, rtol=1e-12, atol=1e-14)
