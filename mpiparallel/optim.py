@@ -173,7 +173,8 @@ class AdamW(_Optimizer):
         self.exp_avg_sq = {p.name: get_array_module(p.data).zeros_like(p.data) for p in self.params}
 
     def update(self, param: Parameter, lr: float) -> None:
-        decay = self.weight_decay if weight_decay_applies(param.data.shape) else 0.0
+        # A ZeRO shard segment is a flat slice of a parameter: its `full_shape` says whether the parameter decays.
+        decay = self.weight_decay if weight_decay_applies(getattr(param, "full_shape", param.data.shape)) else 0.0
         adamw_update(param.data, param.grad, self.exp_avg[param.name], self.exp_avg_sq[param.name],
                      self.step_count, lr, self.beta1, self.beta2, self.eps, decay, self.scratch_like(param.data))
 

@@ -1,0 +1,411 @@
+"""Data parallelism: gradient buckets reduced while backward runs, and ZeRO stages 1, 2 and 3.
+
+Every data-parallel (DP) rank holds the same model and computes gradients on its own rows of the batch; the
+loss of each rank is its token losses divided by the *global* token count, so summing the ranks' gradients
+gives the gradient of the global mean loss. What differs between the stages is what each rank keeps and how
+the sum is formed (n DP ranks, G = P = the parameters' bytes, Adam keeping two moments):
+
+    stage       communication per step, bytes sent per rank          memory per rank (params, grads, moments)
+    DP          all-reduce of grads            2(n−1)/n·G            P + G + 2P
+    ZeRO-1      reduce-scatter grads + all-gather params  (n−1)/n·G + (n−1)/n·P = the same total
+                                                                     P + G + 2P/n
+    ZeRO-2      as ZeRO-1 (per microbatch)                           P + G/n + 2P/n
+    ZeRO-3      as ZeRO-2, plus an all-gather of each unit's params before its forward and again before its
+                backward: + 2(n−1)/n·P per microbatch                P/n + G/n + 2P/n
+
+Layout. Parameters are laid out in the order their gradients become final during backward (head first, the
+embedding last: the tied wte is final only after the embedding's backward) and grouped into buckets of about
+`bucket_mb`, never splitting a model unit (the embedding, one block, the head). Each bucket is one flat array,
+padded to a multiple of n; a rank owns the same 1/n slice of every bucket. `Parameter.data`/`.grad` become
+views into the flat arrays, so the layers write straight into the buffers that are communicated.
+
+Overlap. The engine is the model's `ParameterHooks`: when backward finishes a unit, every bucket whose
+gradients are now final starts its asynchronous reduction (all-reduce, or reduce-scatter for ZeRO), and every
+hook progresses the reductions in flight (`test()`), so communication runs while later layers compute;
+`finish_gradients()` waits for what is left. ZeRO-3 also gathers each unit's parameters before it runs,
+prefetching the next unit's, and frees them afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import collectives
+from collectives import Communicator
+from collectives.backend import Array, get_array_module
+from models.gpt import ParameterHooks
+from models.parameter import Parameter
+
+from .errors import ConfigError
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass
+class Bucket:
+    """A run of parameters sharing one flat gradient (and, for ZeRO, parameter) buffer."""
+
+    params: list[Parameter]
+    offsets: list[int]            # where each parameter starts in the flat buffer
+    size: int                     # elements used
+    padded: int                   # elements allocated: a multiple of the DP size
+    final_after: int              # its gradients are complete once backward has finished this unit
+    used_by: set[int] = field(default_factory=set)  # the units whose computation reads these parameters
+
+    def shard(self, rank: int, ranks: int) -> slice:
+        width = self.padded // ranks
+        return slice(rank * width, (rank + 1) * width)
+
+
+def build_buckets(units: list[list[Parameter]], bucket_bytes: int, ranks: int) -> list[Bucket]:
+    """Group the parameters, in the order their gradients become final, into buckets of ≥ bucket_bytes."""
+    final_unit = {}
+    for unit, params in enumerate(units):  # a parameter's gradient is final after its earliest unit's backward
+        for param in params:
+            final_unit.setdefault(id(param), (unit, param))
+    order = sorted(final_unit.values(), key=lambda pair: -pair[0])
+    buckets: list[Bucket] = []
+    current: list[tuple[int, Parameter]] = []
+    for position, (unit, param) in enumerate(order):
+        current.append((unit, param))
+        unit_ends = position + 1 == len(order) or order[position + 1][0] != unit
+        if unit_ends and sum(p.data.nbytes for _, p in current) >= bucket_bytes:
+            buckets.append(_bucket(current, ranks))
+            current = []
+    if current:
+        buckets.append(_bucket(current, ranks))
+    for bucket in buckets:
+        members = {id(p) for p in bucket.params}
+        bucket.used_by = {unit for unit, params in enumerate(units) if members & {id(p) for p in params}}
+    return buckets
+
+
+def _bucket(members: list[tuple[int, Parameter]], ranks: int) -> Bucket:
+    params = [param for _, param in members]
+    offsets = np.cumsum([0] + [p.data.size for p in params]).tolist()
+    size = offsets[-1]
+    return Bucket(params, offsets[:-1], size, -(-size // ranks) * ranks, min(unit for unit, _ in members))
+
+
+class ShardSegment:
+    """The part of one parameter that lies in this rank's shard of a bucket: what ZeRO's optimizer updates.
+
+    `data` and `grad` are 1-D views into the shard buffers; `full_shape` tells the optimizer the parameter's
+    real shape (AdamW decays only ≥2-D weights).
+    """
+
+    __slots__ = ("name", "data", "grad", "full_shape")
+
+    def __init__(self, name: str, data: Array, grad: Array, full_shape: tuple[int, ...]) -> None:
+        self.name, self.data, self.grad, self.full_shape = name, data, grad, full_shape
+
+
+class DataParallel(ParameterHooks):
+    """Data parallelism over `comm` for `model` (anything with `units()` and the ParameterHooks protocol).
+
+    Per step:
+        engine.zero_grad()
+        for i, (x, y) in enumerate(microbatches):
+            with engine.microbatch(last=i == len(microbatches) - 1):
+                loss += model.forward(x, y, normalizer, hooks=engine)
+                model.backward(hooks=engine)
+        engine.finish_gradients()
+        norm = optim.clip_grad_norm(engine.optimizer_parameters(), max_norm, engine.sum_over_ranks_if_sharded)
+        optimizer.step(lr)             # an optimizer built over engine.optimizer_parameters()
+        engine.after_update()
+    """
+
+    def __init__(self, model: Any, comm: Communicator, zero: int = 0, bucket_mb: float = 25.0,
+                 overlap: bool = True, algo: str = "auto") -> None:
+        if zero not in ZERO_STAGES:
+            raise ConfigError(f"--zero must be one of {ZERO_STAGES}, got {zero}")
+        if bucket_mb <= 0:
+            raise ConfigError(f"--bucket-mb must be positive, got {bucket_mb}")
+        self.model, self.comm, self.zero, self.overlap, self.algo = model, comm, zero, overlap, algo
+        self.units = model.units()
+        self.buckets = build_buckets(self.units, int(bucket_mb * 2**20), comm.size)
+        self.xp = get_array_module(self.buckets[0].params[0].data)
+        self.dtype = self.buckets[0].params[0].data.dtype
+        self._shapes = {id(p): tuple(p.data.shape) for bucket in self.buckets for p in bucket.params}
+        self._released = self.xp.empty(0, self.dtype)  # what a ZeRO-3 parameter points at between uses
+        self._in_flight: dict[int, Any] = {}       # bucket index -> handle of its gradient reduction
+        self._gathering: dict[int, Any] = {}       # bucket index -> handle of its parameter all-gather (ZeRO-3)
+        self._last_microbatch = True
+        self._lay_out_parameters()
+        self._lay_out_gradients()
+        self._segments = self._shard_segments() if zero else []
+
+    # -- layout ---------------------------------------------------------------------------------------------
+
+    def _shard(self, bucket: Bucket) -> slice:
+        return bucket.shard(self.comm.rank, self.comm.size)
+
+    def _lay_out_parameters(self) -> None:
+        """ZeRO: parameters become views of flat per-bucket buffers; ZeRO-3 keeps only this rank's shard.
+
+        Plain DP leaves the parameters where they are (only gradients are communicated)."""
+        self.flat_params: list[Array | None] = []
+        self.param_shards: list[Array] = []
+        if self.zero == 0:
+            return
+        for bucket in self.buckets:
+            flat = self.xp.zeros(bucket.padded, self.dtype)
+            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                flat[offset:offset + param.data.size] = param.data.reshape(-1)
+            if self.zero == 3:
+                self.param_shards.append(flat[self._shard(bucket)].copy())
+                self.flat_params.append(None)
+                self._release_parameters(bucket)
+            else:
+                self.flat_params.append(flat)
+                self.param_shards.append(flat[self._shard(bucket)])
+                self._point_parameters_at(bucket, flat)
+
+    def _lay_out_gradients(self) -> None:
+        """Full gradient buckets (DP, ZeRO-1) or per-rank accumulators of the reduced shard (ZeRO-2, ZeRO-3)."""
+        self.flat_grads: list[Array | None] = [None] * len(self.buckets)
+        self.grad_shards: list[Array] = []
+        for index, bucket in enumerate(self.buckets):
+            if self.zero >= 2:
+                self.grad_shards.append(self.xp.zeros(bucket.padded // self.comm.size, self.dtype))
+            else:
+                self._allocate_gradients(index)
+                if self.zero == 1:
+                    self.grad_shards.append(self.xp.zeros(bucket.padded // self.comm.size, self.dtype))
+
+    def _allocate_gradients(self, index: int) -> None:
+        bucket = self.buckets[index]
+        flat = self.xp.zeros(bucket.padded, self.dtype)
+        self.flat_grads[index] = flat
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            param.grad = flat[offset:offset + self._size(param)].reshape(self._shape(param))
+
+    def _free_gradients(self, index: int) -> None:
+        """ZeRO-2/3: the full gradient bucket exists only while backward fills it and it is being reduced."""
+        self.flat_grads[index] = None
+        for param in self.buckets[index].params:
+            param.grad = None
+
+    def _point_parameters_at(self, bucket: Bucket, flat: Array) -> None:
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            param.data = flat[offset:offset + self._size(param)].reshape(self._shape(param))
+
+    def _release_parameters(self, bucket: Bucket) -> None:
+        """ZeRO-3: drop the gathered parameters (the flat buffer goes when its last view does)."""
+        for param in bucket.params:
+            param.data = self._released
+
+    def _shape(self, param: Parameter) -> tuple[int, ...]:
+        """A parameter's full shape, also while ZeRO-3 has released its data."""
+        return self._shapes[id(param)]
+
+    def _size(self, param: Parameter) -> int:
+        return int(np.prod(self._shape(param), dtype=np.int64))
+
+    def _shard_segments(self) -> list[ShardSegment]:
+        """The pieces of parameters inside this rank's shards, as the optimizer's parameters (ZeRO)."""
+        segments = []
+        for index, bucket in enumerate(self.buckets):
+            shard = self._shard(bucket)
+            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                lo, hi = max(offset, shard.start), min(offset + self._size(param), shard.stop)
+                if lo < hi:
+                    local = slice(lo - shard.start, hi - shard.start)
+                    segments.append(ShardSegment(f"{param.name}[{lo - offset}:{hi - offset}]",
+                                                 self.param_shards[index][local], self.grad_shards[index][local],
+                                                 self._shape(param)))
+        return segments
+
+    # -- a step -----------------------------------------------------------------------------------------------
+
+    def optimizer_parameters(self) -> list:
+        """What the optimizer updates: the whole parameters (DP) or this rank's shard segments (ZeRO)."""
+        if self.zero == 0:
+            return [p for bucket in self.buckets for p in bucket.params]
+        return self._segments
+
+    def zero_grad(self) -> None:
+        for index, flat in enumerate(self.flat_grads):
+            if flat is not None:
+                flat[...] = 0
+            if self.zero >= 1:
+                self.grad_shards[index][...] = 0
+
+    @contextmanager
+    def microbatch(self, last: bool):
+        """Marks one forward + backward; DP and ZeRO-1 reduce gradients only in the last one."""
+        self._last_microbatch = last
+        yield
+
+    def _reduces_now(self) -> bool:
+        return self.zero >= 2 or self._last_microbatch
+
+    # hooks called by the model around each unit
+
+    def before_forward(self, unit: int) -> None:
+        if self.zero == 3:
+            self._gather_for(unit, backward=False)
+
+    def after_forward(self, unit: int) -> None:
+        if self.zero == 3:
+            self._release_after(unit, backward=False)
+
+    def before_backward(self, unit: int) -> None:
+        if self.zero == 3:
+            self._gather_for(unit, backward=True)
+        if self.zero >= 2:
+            for index, bucket in enumerate(self.buckets):
+                if unit in bucket.used_by:
+                    if index in self._in_flight:  # the previous microbatch's reduction still reads the buffer
+                        self._complete_reduction(index)
+                    if self.flat_grads[index] is None:
+                        self._allocate_gradients(index)
+        self._progress()
+
+    def after_backward(self, unit: int) -> None:
+        if self.zero == 3:
+            self._release_after(unit, backward=True)
+        if self.overlap and self._reduces_now():
+            for index, bucket in enumerate(self.buckets):
+                if bucket.final_after == unit:
+                    self._start_reduction(index)
+        self._progress()
+
+    def finish_gradients(self) -> None:
+        """Wait for every gradient reduction (starting those not overlapped)."""
+        for index in range(len(self.buckets)):
+            if index not in self._in_flight and (not self.overlap):
+                self._start_reduction(index)
+        for index in list(self._in_flight):
+            self._complete_reduction(index)
+
+    def after_update(self) -> None:
+        """ZeRO-1/2: all-gather the updated parameter shards into the full parameters."""
+        if self.zero in (1, 2):
+            handles = [collectives.all_gather_async(shard, self.comm, self.algo, out=flat)
+                       for shard, flat in zip(self.param_shards, self.flat_params, strict=True)]
+            for handle in handles:
+                handle.wait()
+
+    def sum_over_ranks_if_sharded(self) -> Callable[[float], float] | None:
+        """The clipping callback: with ZeRO each rank holds distinct gradient pieces, so their squares add up."""
+        if self.zero == 0:
+            return None
+        return lambda local: float(collectives.all_reduce(np.array([local]), self.comm, algo="mpi")[0])
+
+    # -- gradient reductions ---------------------------------------------------------------------------------
+
+    def _start_reduction(self, index: int) -> None:
+        flat = self.flat_grads[index]
+        if self.zero == 0:
+            handle = collectives.all_reduce_async(flat, self.comm, "sum", self.algo, out=flat)
+        else:
+            handle = collectives.reduce_scatter_async(flat, self.comm, "sum", self.algo)
+        self._in_flight[index] = handle
+
+    def _complete_reduction(self, index: int) -> None:
+        result = self._in_flight.pop(index).wait()
+        if self.zero >= 1:
+            self.grad_shards[index] += result
+        if self.zero >= 2:
+            self._free_gradients(index)
+
+    def _progress(self) -> None:
+        """Advance every reduction in flight; finish the ones that completed (ZeRO-2/3 frees their buffers)."""
+        for index, handle in list(self._in_flight.items()):
+            if handle.test() and self.zero >= 2:
+                self._complete_reduction(index)
+        for handle in self._gathering.values():
+            handle.test()
+
+    # -- ZeRO-3 parameter gathering --------------------------------------------------------------------------
+
+    def _visits(self) -> list[tuple[int, bool]]:
+        """The order units run in one microbatch: forward 0…U−1, then backward U−1…0."""
+        count = len(self.units)
+        return [(u, False) for u in range(count)] + [(u, True) for u in reversed(range(count))]
+
+    def _needed(self, unit: int) -> list[int]:
+        return [index for index, bucket in enumerate(self.buckets) if unit in bucket.used_by]
+
+    def _start_gather(self, index: int) -> None:
+        if index not in self._gathering and self.flat_params[index] is None:
+            self._gathering[index] = collectives.all_gather_async(self.param_shards[index], self.comm, self.algo)
+
+    def _gather_for(self, unit: int, backward: bool) -> None:
+        for index in self._needed(unit):
+            self._start_gather(index)
+        visits = self._visits()
+        position = visits.index((unit, backward))
+        if position + 1 < len(visits):  # prefetch what the next unit needs while this one computes
+            for index in self._needed(visits[position + 1][0]):
+                self._start_gather(index)
+        for index in self._needed(unit):
+            if index in self._gathering:
+                flat = self._gathering.pop(index).wait()
+                self.flat_params[index] = flat
+                self._point_parameters_at(self.buckets[index], flat)
+
+    def _release_after(self, unit: int, backward: bool) -> None:
+        visits = self._visits()
+        position = visits.index((unit, backward))
+        upcoming = set(self._needed(visits[position + 1][0])) if position + 1 < len(visits) else set()
+        for index in self._needed(unit):
+            if index not in upcoming and self.flat_params[index] is not None:
+                self.flat_params[index] = None
+                self._release_parameters(self.buckets[index])
+
+    # -- inspection ------------------------------------------------------------------------------------------
+
+    def full_parameters(self) -> dict[str, Array]:
+        """Every parameter's full value by name (ZeRO-3 gathers the shards; for checkpoints and tests)."""
+        values = {}
+        for index, bucket in enumerate(self.buckets):
+            if self.zero == 3:
+                flat = collectives.all_gather(self.param_shards[index], self.comm, algo="mpi")
+                values |= self._unflatten(bucket, flat)
+            else:
+                values |= {param.name: param.data.copy() for param in bucket.params}
+        return values
+
+    def _unflatten(self, bucket: Bucket, flat: Array) -> dict[str, Array]:
+        return {param.name: flat[offset:offset + self._size(param)].reshape(self._shape(param)).copy()
+                for param, offset in zip(bucket.params, bucket.offsets, strict=True)}
+
+    def release_all(self) -> None:
+        """ZeRO-3: free every gathered parameter (after a forward-only pass such as validation)."""
+        for index, bucket in enumerate(self.buckets):
+            if self.zero == 3 and self.flat_params[index] is not None:
+                self.flat_params[index] = None
+                self._release_parameters(bucket)
+
+    def full_gradients(self) -> dict[str, Array]:
+        """Every parameter's reduced gradient by name, gathered from the shards under ZeRO (tests, debugging)."""
+        grads = {}
+        for index, bucket in enumerate(self.buckets):
+            if self.zero == 0:
+                flat = self.flat_grads[index]
+            else:
+                flat = collectives.all_gather(self.grad_shards[index], self.comm, algo="mpi")
+            grads |= self._unflatten(bucket, flat)
+        return grads
+
+    def memory(self, optimizer: Any) -> dict[str, int]:
+        """Bytes this rank holds between steps in parameters, gradients and optimizer state, from the arrays."""
+        if self.zero == 3:
+            params = sum(s.nbytes for s in self.param_shards)
+        elif self.zero:
+            params = sum(f.nbytes for f in self.flat_params)
+        else:
+            params = sum(p.data.nbytes for b in self.buckets for p in b.params)
+        grads = (sum(s.nbytes for s in self.grad_shards) if self.zero >= 2 else
+                 sum(f.nbytes for f in self.flat_grads if f is not None) + sum(s.nbytes for s in self.grad_shards))
+        state = sum(a.nbytes for a in getattr(optimizer, "exp_avg", {}).values())
+        state += sum(a.nbytes for a in getattr(optimizer, "exp_avg_sq", {}).values())
+        return {"parameters": params, "gradients": grads, "optimizer_state": state}
+
