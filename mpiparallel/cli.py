@@ -270,11 +270,23 @@ def threads_option(command: Callable) -> Callable:
               help="Write one JSON object per step here (rank 0).")
 @click.option("--sample-tokens", type=click.IntRange(min=0), default=0,
               help="After training, print this many sampled bytes (byte-level models).")
-@click.option("--dp", type=click.IntRange(min=1), default=None, help="Data-parallel ranks (not yet: 1).")
+@click.option("--dp", type=click.IntRange(min=1), default=None,
+              help="Data-parallel ranks. [default: the ranks left over by tp·pp·cp]")
 @click.option("--tp", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks (not yet: 1).")
 @click.option("--pp", type=click.IntRange(min=1), default=1, help="Pipeline stages (not yet: 1).")
 @click.option("--cp", type=click.IntRange(min=1), default=1, help="Context-parallel ranks (not yet: 1).")
 @click.option("--ep", type=click.IntRange(min=1), default=1, help="Expert-parallel ranks (not yet: 1).")
+@click.option("--zero", type=click.IntRange(0, 3), default=0,
+              help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+@click.option("--microbatches", type=click.IntRange(min=1), default=1,
+              help="Split each DP rank's rows into this many microbatches (gradient accumulation).")
+@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=25.0,
+              help="Size of the gradient buckets reduced during backward, in MiB.")
+@click.option("--no-overlap", "overlap", flag_value=False, default=True,
+              help="Reduce gradients only after backward (to measure what overlap saves).")
+@click.option("--show-mesh", is_flag=True, help="Print which world rank holds which mesh coordinates.")
+@click.option("--memory-report", is_flag=True,
+              help="Print the bytes each rank holds in parameters, gradients, optimizer state and activations.")
 @threads_option
 @click.pass_context
 def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | None, tp: int, pp: int, cp: int,
@@ -290,6 +302,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train --data corpus.txt --n-layer 6 --n-embd 384 --n-head 6 --lr-schedule cosine \\
           --warmup-steps 50 --steps 2000 --eval-every 100 --save out/
       mpiparallel train --init out/ --steps 100 --log-json log.jsonl
+      mpiparallel train -n 2 --zero 3 --microbatches 2 --memory-report
     """
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)

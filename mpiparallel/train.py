@@ -21,10 +21,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
+import collectives
+from collectives import Communicator
 from models.gpt import GPT, GPTConfig
+from models.parameter import Parameter
 
 from . import checkpoint, data, optim
+from .data_parallel import DataParallel
 from .errors import ConfigError
+from .mesh import Mesh, MeshShape
 
 MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -61,55 +66,166 @@ class TrainSettings:
     log_json: str | None = None
     sample_tokens: int = 0
     mesh: tuple[tuple[str, int | None], ...] = ()
+    zero: int = 0
+    microbatches: int = 1
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    show_mesh: bool = False
+    memory_report: bool = False
 
 
 def run(settings: TrainSettings) -> int:
     """Train as `settings` says; return the exit status."""
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
-    _check_mesh(settings, world.Get_size())
+    mesh = _build_mesh(settings, MPI.COMM_WORLD)
+    is_root = mesh.world.rank == 0
+    if settings.show_mesh and is_root:
+        print(mesh.describe(), flush=True)
     model, config = _build_model(settings)
     tokens = _load_data(settings, config)
+    _check_batch(settings, mesh)
     train_tokens, validation_tokens = _split(settings, tokens)
-    optimizer = _build_optimizer(settings, model)
-    first_step = _resume(settings, model, optimizer)
-    reporter = Reporter(settings, config, is_root=world.Get_rank() == 0)
+    optimizer_state, first_step = _resume(settings, model)
+    engine = DataParallel(model, mesh.dp, zero=settings.zero, bucket_mb=settings.bucket_mb,
+                          overlap=settings.overlap)
+    optimizer = _build_optimizer(settings, engine.optimizer_parameters())
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    trainer = Trainer(model, engine, optimizer, mesh, settings)
+    reporter = Reporter(settings, config, is_root=is_root)
     for step in range(first_step, settings.steps):
-        record = train_step(model, optimizer, train_tokens, step, settings)
+        record = trainer.step(train_tokens, step)
         if _due(step, settings.eval_every, settings.steps):
-            record["val_loss"] = evaluate(model, validation_tokens, settings)
+            record["val_loss"] = trainer.evaluate(validation_tokens)
         reporter.step(record)
+        if settings.memory_report and step == first_step:
+            reporter.say_from_every_rank(trainer.memory_report(), mesh.world)
         if _due(step, settings.checkpoint_every, settings.steps) and settings.checkpoint_dir:
-            _save_training_checkpoint(settings, model, optimizer, step + 1)
+            trainer.save_training_checkpoint(step + 1)
     reporter.finish()
+    full = engine.full_parameters() if settings.save or settings.sample_tokens else None
     if settings.save:
-        checkpoint.save_pretrained(settings.save, config, model.state_dict())
+        if is_root:
+            checkpoint.save_pretrained(settings.save, config, full)
+        mesh.world.barrier()
         reporter.say(f"saved the model to {settings.save}")
-    if settings.sample_tokens and config.vocab_size == 256:
-        reporter.say(sample_text(model, prompt="\n", new_tokens=settings.sample_tokens, seed=settings.seed))
+    if settings.sample_tokens and config.vocab_size == 256 and is_root:
+        serial = GPT(config, dtype=np.dtype(settings.dtype))
+        serial.load_state_dict(full)
+        reporter.say(sample_text(serial, prompt="\n", new_tokens=settings.sample_tokens, seed=settings.seed))
     return 0
 
 
-def train_step(model: GPT, optimizer: Any, tokens: np.ndarray, step: int, settings: TrainSettings) -> dict:
-    """One optimizer step on the step's batch; returns the log record (loss before the update)."""
-    start = time.perf_counter()
-    inputs, targets = data.batch_for_step(tokens, step, settings.batch_size, settings.seq_len)
-    model.zero_grad()
-    loss = model.forward(inputs, targets)
-    model.backward()
-    grad_norm = optim.clip_grad_norm(model.parameters(), settings.grad_clip)
-    lr = optim.learning_rate(step, settings.lr, settings.lr_schedule, settings.warmup_steps, settings.steps)
-    optimizer.step(lr)
-    return {"step": step, "loss": loss, "lr": lr, "tokens": int(inputs.size), "time_s": time.perf_counter() - start,
-            "grad_norm": grad_norm, "comm_bytes": {}}
+class Trainer:
+    """One optimizer step over the mesh: each DP rank runs its rows of the batch, microbatch by microbatch, with
+    the data-parallel engine as the model's hooks; then clipping, the update, and the bookkeeping."""
+
+    def __init__(self, model: GPT, engine: DataParallel, optimizer: Any, mesh: Mesh,
+                 settings: TrainSettings) -> None:
+        self.model, self.engine, self.optimizer, self.mesh, self.settings = model, engine, optimizer, mesh, settings
+        self.activation_bytes = 0
+
+    def step(self, tokens: np.ndarray, step: int) -> dict:
+        """One optimizer step on the step's batch; returns the log record (loss before the update)."""
+        settings, engine, comm = self.settings, self.engine, self.mesh.dp
+        start, sent_before = time.perf_counter(), self._bytes_sent()
+        inputs, targets = data.batch_for_step(tokens, step, settings.batch_size, settings.seq_len)
+        pieces = data.microbatches(*data.rows_for_rank(inputs, targets, comm.rank, comm.size), settings.microbatches)
+        engine.zero_grad()
+        loss = 0.0
+        for i, (x, y) in enumerate(pieces):
+            with engine.microbatch(last=i == len(pieces) - 1):
+                loss += self.model.forward(x, y, normalizer=inputs.size, hooks=engine)
+                if i == 0:
+                    self.activation_bytes = activation_bytes(self.model)
+                self.model.backward(hooks=engine)
+        engine.finish_gradients()
+        grad_norm = optim.clip_grad_norm(engine.optimizer_parameters(), settings.grad_clip,
+                                         engine.sum_over_ranks_if_sharded())
+        lr = optim.learning_rate(step, settings.lr, settings.lr_schedule, settings.warmup_steps, settings.steps)
+        self.optimizer.step(lr)
+        engine.after_update()
+        sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
+        return {"step": step, "loss": _sum_over(comm, loss), "lr": lr, "tokens": int(inputs.size),
+                "time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
+
+    def evaluate(self, tokens: np.ndarray) -> float:
+        """Mean loss over the first `eval_batches` held-out batches, each DP rank taking its rows (no update)."""
+        settings, comm, losses = self.settings, self.mesh.dp, []
+        for i in range(settings.eval_batches):
+            inputs, targets = data.batch_for_step(tokens, i, settings.batch_size, settings.seq_len)
+            x, y = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
+            losses.append(_sum_over(comm, self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)))
+            self.engine.release_all()
+        return float(np.mean(losses))
+
+    def save_training_checkpoint(self, steps_done: int) -> None:
+        if self.settings.zero:
+            raise ConfigError("training checkpoints (--checkpoint-dir) do not support --zero yet: the optimizer "
+                              "state is sharded over the data-parallel ranks; use --save for the model")
+        tensors = self.engine.full_parameters()
+        if self.mesh.world.rank == 0:
+            checkpoint.save_training_checkpoint(self.settings.checkpoint_dir, steps_done, self.model.config,
+                                                tensors, self.optimizer.state_dict(),
+                                                {"settings": _jsonable(self.settings)})
+        self.mesh.world.barrier()
+
+    def memory_report(self) -> str:
+        """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
+        held = self.engine.memory(self.optimizer) | {"activations": self.activation_bytes}
+        n, itemsize = self.mesh.dp.size, np.dtype(self.settings.dtype).itemsize
+        count = self.model.config.parameter_count()
+        state_factor = 2 if self.settings.optimizer == "adamw" else 0
+        shards = {"parameters": n if self.settings.zero == 3 else 1,
+                  "gradients": n if self.settings.zero >= 2 else 1,
+                  "optimizer_state": n if self.settings.zero >= 1 else 1}
+        theory = {"parameters": count * itemsize / shards["parameters"],
+                  "gradients": count * itemsize / shards["gradients"],
+                  "optimizer_state": state_factor * count * itemsize / shards["optimizer_state"]}
+        lines = [f"rank {self.mesh.world.rank} (zero {self.settings.zero}, dp {n}, {self.settings.dtype}): "
+                 f"{count:,} parameters; mixed precision would need 16·N = {16 * count / 2**20:.1f} MiB "
+                 f"before ZeRO"]
+        for kind, measured in held.items():
+            expected = f"{theory[kind] / 2**20:10.2f} MiB" if kind in theory else "          -"
+            lines.append(f"  {kind:<16} {measured / 2**20:10.2f} MiB held   theory {expected}")
+        total = sum(v for k, v in held.items() if k in theory)
+        lines.append(f"  {'model states':<16} {total / 2**20:10.2f} MiB held   theory "
+                     f"{sum(theory.values()) / 2**20:10.2f} MiB")
+        return "\n".join(lines)
+
+    def _bytes_sent(self) -> dict[str, int]:
+        return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
 
 
-def evaluate(model: GPT, tokens: np.ndarray, settings: TrainSettings) -> float:
-    """Mean loss over the first `eval_batches` batches of the held-out tokens (no update)."""
-    losses = [model.forward(*data.batch_for_step(tokens, i, settings.batch_size, settings.seq_len))
-              for i in range(settings.eval_batches)]
-    return float(np.mean(losses))
+def _sum_over(comm: Communicator, value: float) -> float:
+    """A scalar summed over the ranks of `comm` (MPI's own all-reduce: bookkeeping stays out of the ledger)."""
+    return float(collectives.all_reduce(np.array([value]), comm, algo="mpi")[0])
+
+
+def activation_bytes(model: Any) -> int:
+    """Bytes of the arrays the model's layers keep for backward right now (parameters excluded)."""
+    parameters = {id(p.data) for p in model.parameters()} | {id(p.grad) for p in model.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def visit(obj: Any) -> None:
+        nonlocal total
+        for value in vars(obj).values():
+            if hasattr(value, "nbytes") and hasattr(value, "shape"):
+                base = value.base if value.base is not None else value
+                if id(base) not in seen and id(value) not in parameters:
+                    seen.add(id(base))
+                    total += base.nbytes
+            elif isinstance(value, list):
+                for item in value:
+                    if hasattr(item, "__dict__"):
+                        visit(item)
+            elif hasattr(value, "__dict__") and not isinstance(value, Parameter):
+                visit(value)
+
+    visit(model)
+    return total
 
 
 def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8,
@@ -122,12 +238,22 @@ def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature
 
 # -- setting up ---------------------------------------------------------------------------------------------
 
-def _check_mesh(settings: TrainSettings, world_size: int) -> None:
-    requested = {axis: size for axis, size in settings.mesh if size not in (None, 1)}
-    if requested or world_size != 1:
-        shown = ", ".join(f"--{axis} {size}" for axis, size in requested.items()) or f"{world_size} ranks"
-        raise ConfigError(f"this version trains on one rank only (mesh 1×1); got {shown}. Data, tensor, "
-                          f"pipeline, context and expert parallelism arrive with their own issues")
+def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
+    shape = MeshShape(**dict(settings.mesh))
+    mesh = Mesh(world, shape)
+    not_yet = {axis: getattr(mesh.shape, axis) for axis in ("tp", "pp", "cp", "ep") if getattr(mesh.shape, axis) > 1}
+    if not_yet:
+        shown = ", ".join(f"--{axis} {size}" for axis, size in not_yet.items())
+        raise ConfigError(f"{shown}: only data parallelism (--dp) is available in this version; tensor, pipeline, "
+                          f"context and expert parallelism arrive with their own issues")
+    return mesh
+
+
+def _check_batch(settings: TrainSettings, mesh: Mesh) -> None:
+    share = mesh.shape.dp * settings.microbatches
+    if settings.batch_size % share:
+        raise ConfigError(f"--batch-size {settings.batch_size} must be divisible by dp × microbatches = "
+                          f"{mesh.shape.dp} × {settings.microbatches} = {share}")
 
 
 def _build_model(settings: TrainSettings) -> tuple[GPT, GPTConfig]:
@@ -167,32 +293,28 @@ def _split(settings: TrainSettings, tokens: np.ndarray) -> tuple[np.ndarray, np.
     return train_tokens, validation_tokens
 
 
-def _build_optimizer(settings: TrainSettings, model: GPT) -> Any:
+def _build_optimizer(settings: TrainSettings, params: list) -> Any:
     if settings.optimizer == "sgd":
-        return optim.SGD(model.parameters(), lr=settings.lr)
-    return optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        return optim.SGD(params, lr=settings.lr)
+    return optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
-def _resume(settings: TrainSettings, model: GPT, optimizer: Any) -> int:
-    """Load the newest training checkpoint when --resume is given; return the first step to run."""
+def _resume(settings: TrainSettings, model: GPT) -> tuple[dict | None, int]:
+    """Load the newest training checkpoint into `model` when --resume is given.
+
+    Returns the optimizer state to restore (None when starting fresh) and the first step to run."""
     if not settings.resume:
-        return 0
+        return None, 0
     if not settings.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir (where the training checkpoints are)")
     latest = checkpoint.latest_training_checkpoint(settings.checkpoint_dir)
     if latest is None:
-        return 0  # nothing saved yet: start from the beginning, as a restarted job would want
+        return None, 0  # nothing saved yet: start from the beginning, as a restarted job would want
     config, tensors, optimizer_state, trainer_state = checkpoint.load_training_checkpoint(latest)
     if config != model.config:
         raise ConfigError(f"checkpoint {latest} holds a model of shape {config}, but this run builds {model.config}")
     model.load_state_dict(tensors)
-    optimizer.load_state_dict(optimizer_state)
-    return int(trainer_state["step"])
-
-
-def _save_training_checkpoint(settings: TrainSettings, model: GPT, optimizer: Any, steps_done: int) -> None:
-    checkpoint.save_training_checkpoint(settings.checkpoint_dir, steps_done, model.config, model.state_dict(),
-                                        optimizer.state_dict(), {"settings": _jsonable(settings)})
+    return optimizer_state, int(trainer_state["step"])
 
 
 def _due(step: int, every: int, steps: int) -> bool:
@@ -239,6 +361,12 @@ class Reporter:
             self.say(line)
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"the loss became {record['loss']} at step {step}; try a smaller --lr")
+
+    def say_from_every_rank(self, text: str, world: Communicator) -> None:
+        """Print each rank's text in rank order (gathered to rank 0, so lines never interleave)."""
+        texts = world.comm.gather(text, root=0)
+        if self.is_root:
+            self.say("\n".join(texts))
 
     def say(self, text: str) -> None:
         if self.is_root:

@@ -111,8 +111,9 @@ def _assert_one_clear_error(result: subprocess.CompletedProcess, *fragments: str
     (["--n-embd", "30", "--n-head", "4"], ["divisible"]),
     (["--init", "/nonexistent/model"], ["/nonexistent/model"]),
     (["--data", "/nonexistent/data.txt"], ["/nonexistent/data.txt"]),
-    (["--tp", "2"], ["--tp 2", "one rank"]),
-], ids=["heads", "missing-init", "missing-data", "mesh"])
+    (["-n", "2", "--tp", "2"], ["--tp 2", "only data parallelism"]),
+    (["--dp", "3"], ["does not match"]),
+], ids=["heads", "missing-init", "missing-data", "mesh", "dp-mismatch"])
 def test_bad_input_gives_one_clear_error(args, fragments):
     _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", *args), *fragments)
 
@@ -146,3 +147,28 @@ def test_seq_len_beyond_the_checkpoint_n_positions_is_an_error(tmp_path):
     checkpoint.save_pretrained(tmp_path / "short", config, GPT(config).state_dict())
     _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--init", str(tmp_path / "short")),
                             "n_positions")
+
+
+def test_batch_not_divisible_by_dp_times_microbatches_is_an_error():
+    _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "-n", "2", "--microbatches", "4"),
+                            "divisible by dp × microbatches")
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_data_parallel_training_from_the_command_line_equals_serial(tmp_path, zero):
+    common = [*TINY, "--steps", "3", "--dtype", "float64", "--grad-clip", "0.5", "--weight-decay", "0.1"]
+    serial = mpiparallel("train", *common, "--log-json", str(tmp_path / "serial.jsonl"), "--save",
+                         str(tmp_path / "serial"))
+    assert serial.returncode == 0, serial.stderr
+    parallel = mpiparallel("train", *common, "-n", "2", "--zero", str(zero), "--microbatches", "2", "--log-json",
+                           str(tmp_path / "dp.jsonl"), "--save", str(tmp_path / "dp"), "--bucket-mb", "0.01")
+    assert parallel.returncode == 0, parallel.stderr
+    for want, got in zip(read_log(tmp_path / "serial.jsonl"), read_log(tmp_path / "dp.jsonl"), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-9)
+        assert got["comm_bytes"]["dp"] > 0 and want["comm_bytes"]["dp"] == 0
+    from mpiparallel import checkpoint
+
+    _, a, _ = checkpoint.load_pretrained(tmp_path / "serial")
+    _, b, _ = checkpoint.load_pretrained(tmp_path / "dp")
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-9, atol=1e-12)
