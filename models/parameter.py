@@ -15,14 +15,21 @@ class Parameter:
     `name` is the GPT2LMHeadModel tensor name (`transformer.h.0.attn.c_attn.weight`), so checkpoints, gradient
     dumps and tests address parameters the way Hugging Face does. `grad` may be re-pointed at a view into a
     flat buffer (data-parallel buckets do that); layers only ever add into it in place.
+
+    `split` says how `data` is a shard of the full tensor: None when every rank holds all of it, else
+    (mesh axis, dim, blocks) — dimension `dim` of the full tensor is `blocks` equal blocks laid side by side
+    (1 for a plain split, 3 for GPT-2's fused [q | k | v] columns), each split evenly over the ranks of the axis
+    (zero-padded at its end when it does not divide); the shard holds its rank's piece of every block, in order.
+    `models.tensor_parallel.shard_tensor` and `gather_tensor` convert between the two.
     """
 
-    __slots__ = ("name", "data", "grad")
+    __slots__ = ("name", "data", "grad", "split")
 
-    def __init__(self, name: str, data: Array) -> None:
+    def __init__(self, name: str, data: Array, split: tuple[str, int, int] | None = None) -> None:
         self.name = name
         self.data = data
         self.grad = get_array_module(data).zeros_like(data)
+        self.split = split
 
     def zero_grad(self) -> None:
         self.grad[...] = 0

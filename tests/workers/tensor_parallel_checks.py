@@ -1,0 +1,175 @@
+"""Tensor-parallel checks run on every rank (see mpi_harness): the parallel model against the serial one, the
+bytes each block sends, and the activation memory sequence parallelism saves. Each returns JSON-able numbers;
+the assertions live in tests/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import collectives as C
+from models.gpt import GPT, GPTConfig, ParameterHooks, parameter_shapes
+from models.tensor_parallel import (
+    TensorParallelGPT,
+    full_state_dict,
+    gather_tensor,
+    reduce_replicated_gradients,
+)
+from mpiparallel.mesh import Mesh, MeshShape
+from mpiparallel.optim import AdamW
+
+SEED = 7
+
+
+def tiny_config(vocab_size: int = 64) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab_size, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+
+
+def batch(config: GPTConfig, batch_size: int, length: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same (tokens, targets) on every rank for a given step."""
+    window = np.random.default_rng([SEED, step]).integers(0, config.vocab_size, (batch_size, length + 1))
+    return window[:, :-1], window[:, 1:]
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    scale = float(np.abs(want).max()) if want.size else 0.0
+    return float(np.abs(got - want).max()) / max(scale, 1e-300) if want.size else 0.0
+
+
+def suite(checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Run several checks in one launch: {name: {"check": function name, **its arguments}} -> {name: result}."""
+    return {name: globals()[spec["check"]](**{k: v for k, v in spec.items() if k != "check"})
+            for name, spec in checks.items()}
+
+
+def compare_training(runs: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]]:
+    """Train the TP model (on a tp × dp mesh of this world) and the serial one side by side; per run, the worst
+    relative errors of loss, gathered gradients and gathered weights over `steps` AdamW steps."""
+    return [_compare_one(steps=steps, **run) for run in runs]
+
+
+def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, steps: int) -> dict[str, Any]:
+    mesh = Mesh(C.world(), MeshShape(tp=tp, dp=dp))
+    config = tiny_config(vocab_size)
+    batch_size, length = 2 * dp, 8
+    serial = GPT(config, seed=SEED, dtype=np.float64)
+    model = TensorParallelGPT(config, mesh.tp, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel)
+    shapes = parameter_shapes(config)
+    initial = full_state_dict(model)
+    report = {"initial_weights_exact": all(np.array_equal(initial[n], v) for n, v in serial.state_dict().items()),
+              "losses": [], "loss_error": 0.0, "grad_error": 0.0, "weight_error": 0.0,
+              "worst_grad": "", "checked_grads": 0}
+    serial_optimizer = AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rows = slice(mesh.coordinates.dp * batch_size // dp, (mesh.coordinates.dp + 1) * batch_size // dp)
+    for step in range(steps):
+        tokens, targets = batch(config, batch_size, length, step)
+        serial.zero_grad()
+        want_loss = serial.forward(tokens, targets)
+        serial.backward()
+        model.zero_grad()
+        local_loss = model.forward(tokens[rows], targets[rows], normalizer=batch_size * length)
+        model.backward()
+        reduce_replicated_gradients(model.sequence_parallel_parameters(), mesh.tp)
+        for param in model.parameters():  # data parallelism: sum the DP ranks' gradients
+            param.grad[...] = C.all_reduce(param.grad, mesh.dp)
+        loss = float(C.all_reduce(np.array([local_loss]), mesh.dp)[0])
+        report["losses"].append(loss)
+        report["loss_error"] = max(report["loss_error"], abs(loss - want_loss) / abs(want_loss))
+        for param, serial_param in zip(model.parameters(), serial.parameters(), strict=True):
+            error = relative_error(gather_tensor(param.grad, param.split, mesh.tp, shapes[param.name]),
+                                   serial_param.grad)
+            report["checked_grads"] += 1
+            if error >= report["grad_error"]:
+                report["grad_error"], report["worst_grad"] = error, param.name
+        serial_optimizer.step()
+        optimizer.step()
+        gathered = full_state_dict(model)
+        for name, value in serial.state_dict().items():
+            report["weight_error"] = max(report["weight_error"], relative_error(gathered[name], value))
+    return report
+
+
+class LedgerByUnit(ParameterHooks):
+    """Bytes sent on one communicator inside each unit's forward and backward, per collective."""
+
+    def __init__(self, comm: C.Communicator) -> None:
+        self.ledger = comm.ledger
+        self.forward: dict[int, dict[str, int]] = {}
+        self.backward: dict[int, dict[str, int]] = {}
+
+    def _snapshot(self) -> None:
+        self._before = dict(self.ledger.sent)
+
+    def _difference(self) -> dict[str, int]:
+        sent = {op: self.ledger.sent[op] - self._before.get(op, 0) for op in self.ledger.sent}
+        return {op: count for op, count in sent.items() if count}
+
+    def before_forward(self, unit: int) -> None:
+        self._snapshot()
+
+    def after_forward(self, unit: int) -> None:
+        self.forward[unit] = self._difference()
+
+    def before_backward(self, unit: int) -> None:
+        self._snapshot()
+
+    def after_backward(self, unit: int) -> None:
+        self.backward[unit] = self._difference()
+
+
+def ledger_and_memory(sequence_parallel: bool, batch_size: int = 2, length: int = 8) -> dict[str, Any]:
+    """With every TP collective on the ring: the bytes each unit sends forward and backward; and the bytes the
+    LayerNorms keep for backward, next to the serial model's."""
+    config = tiny_config()
+    tp_comm = C.world()
+    model = TensorParallelGPT(config, tp_comm, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
+                              algo="ring")
+    tokens, targets = batch(config, batch_size, length, step=0)
+    hooks = LedgerByUnit(tp_comm)
+    tp_comm.ledger.reset()
+    model.forward(tokens, targets, hooks=hooks)
+    forward_total = tp_comm.ledger.total_sent()
+    layer_norm_bytes = _layer_norm_bytes(model)
+    model.backward(hooks=hooks)
+    serial = GPT(config, seed=SEED, dtype=np.float64)
+    serial.forward(tokens, targets)
+    return {"forward": hooks.forward, "backward": hooks.backward, "forward_total": forward_total,
+            "backward_total": tp_comm.ledger.total_sent() - forward_total,
+            "layer_norm_bytes": layer_norm_bytes, "serial_layer_norm_bytes": _layer_norm_bytes(serial),
+            "hidden_bytes": int(model.hidden(tokens).nbytes), "serial_hidden_bytes": int(serial.hidden(tokens).nbytes)}
+
+
+def _layer_norm_bytes(model: GPT | TensorParallelGPT) -> int:
+    """Bytes of the arrays every LayerNorm keeps for backward (its normalized input and 1/std)."""
+    norms = [norm for block in model.blocks for norm in (block.ln_1, block.ln_2)] + [model.ln_f]
+    return sum(int(norm.normalized.nbytes + norm.rstd.nbytes) for norm in norms)
+
+
+def checkpoint_round_trip() -> dict[str, Any]:
+    """load_state_dict cuts full tensors into this rank's shards; full_state_dict gathers them back unchanged."""
+    config = tiny_config(vocab_size=61)
+    model = TensorParallelGPT(config, C.world(), seed=SEED, dtype=np.float64)
+    other = GPT(config, seed=SEED + 1, dtype=np.float64).state_dict()
+    model.load_state_dict({name.removeprefix("transformer."): value for name, value in other.items()})
+    gathered = full_state_dict(model)
+    return {"exact": all(np.array_equal(gathered[name], value) for name, value in other.items()),
+            "local_wte_rows": int(model.state_dict()["transformer.wte.weight"].shape[0])}
+
+
+def errors(indivisible_heads: dict[str, int]) -> dict[str, str]:
+    """The messages of the configurations tensor parallelism over this world cannot split: a model whose heads
+    do not divide by tp, and with sequence parallelism a sequence of 7 tokens."""
+    messages = {}
+    try:
+        TensorParallelGPT(GPTConfig(**indivisible_heads), C.world(), dtype=np.float64)
+    except ValueError as error:
+        messages["heads"] = str(error)
+    model = TensorParallelGPT(tiny_config(), C.world(), dtype=np.float64, sequence_parallel=True)
+    tokens, targets = batch(tiny_config(), 2, 7, step=0)
+    try:
+        model.forward(tokens, targets)
+    except ValueError as error:
+        messages["sequence"] = str(error)
+    return messages
