@@ -34,9 +34,9 @@ def ring_all_reduce_bytes(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n
 
 
-def training_runs(tp: int, dp: int, vocab_sizes: tuple[int, ...]) -> dict:
+def training_runs(tp: int, dp: int, vocab_sizes: tuple[int, ...], microbatches: int = 1) -> dict:
     return {f"train tp{tp} dp{dp} sp{int(sp)} vocab{v}": {"check": "compare_training", "runs": [
-        {"tp": tp, "dp": dp, "sequence_parallel": sp, "vocab_size": v}]}
+        {"tp": tp, "dp": dp, "sequence_parallel": sp, "vocab_size": v, "microbatches": microbatches}]}
         for sp in (False, True) for v in vocab_sizes}
 
 
@@ -54,7 +54,7 @@ def two_ranks() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    checks = {**training_runs(4, 1, (64, 61)), **training_runs(2, 2, (61,)), **ledger_checks(),
+    checks = {**training_runs(4, 1, (64, 61)), **training_runs(2, 2, (61,), microbatches=2), **ledger_checks(),
               "errors": {"check": "errors", "indivisible_heads": {"n_embd": 32, "n_head": 2, "vocab_size": 64}}}
     return run_on_ranks(4, "workers.tensor_parallel_checks:suite", checks=checks)
 
@@ -65,7 +65,7 @@ def results_of(two_ranks: list[dict], four_ranks: list[dict], world: int) -> lis
 
 TRAINING = [(2, 2, 1, sp, v) for sp in (False, True) for v in (64, 61)] + \
            [(4, 4, 1, sp, v) for sp in (False, True) for v in (64, 61)] + \
-           [(4, 2, 2, sp, 61) for sp in (False, True)]
+           [(4, 2, 2, sp, 61) for sp in (False, True)]  # each DP rank in 2 microbatches of 1 sequence
 
 
 @pytest.mark.parametrize("world, tp, dp, sp, vocab", TRAINING,

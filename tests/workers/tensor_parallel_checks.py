@@ -49,7 +49,8 @@ def compare_training(runs: list[dict[str, Any]], steps: int = 3) -> list[dict[st
     return [_compare_one(steps=steps, **run) for run in runs]
 
 
-def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, steps: int) -> dict[str, Any]:
+def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, steps: int,
+                 microbatches: int = 1) -> dict[str, Any]:
     mesh = Mesh(C.world(), MeshShape(tp=tp, dp=dp))
     config = tiny_config(vocab_size)
     batch_size, length = 2 * dp, 8
@@ -69,9 +70,11 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
         want_loss = serial.forward(tokens, targets)
         serial.backward()
         model.zero_grad()
-        local_loss = model.forward(tokens[rows], targets[rows], normalizer=batch_size * length)
-        model.backward()
-        reduce_replicated_gradients(model.sequence_parallel_parameters(), mesh.tp)
+        local_loss = 0.0
+        for microbatch in np.array_split(np.arange(rows.start, rows.stop), microbatches):
+            local_loss += model.forward(tokens[microbatch], targets[microbatch], normalizer=batch_size * length)
+            model.backward()
+        reduce_replicated_gradients(model.sequence_parallel_parameters(), mesh.tp)  # once, after the microbatches
         for param in model.parameters():  # data parallelism: sum the DP ranks' gradients
             param.grad[...] = C.all_reduce(param.grad, mesh.dp)
         loss = float(C.all_reduce(np.array([local_loss]), mesh.dp)[0])
