@@ -272,7 +272,10 @@ def threads_option(command: Callable) -> Callable:
               help="After training, print this many sampled bytes (byte-level models).")
 @click.option("--dp", type=click.IntRange(min=1), default=None,
               help="Data-parallel ranks. [default: the ranks left over by tp·pp·cp]")
-@click.option("--tp", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks (not yet: 1).")
+@click.option("--tp", type=click.IntRange(min=1), default=1,
+              help="Tensor-parallel ranks (Megatron: attention split by heads, MLP by columns, vocab-parallel "
+                   "embedding and cross-entropy).")
+@click.option("--sp", is_flag=True, help="Megatron sequence parallelism inside the tensor-parallel group.")
 @click.option("--pp", type=click.IntRange(min=1), default=1, help="Pipeline stages (not yet: 1).")
 @click.option("--cp", type=click.IntRange(min=1), default=1, help="Context-parallel ranks (not yet: 1).")
 @click.option("--ep", type=click.IntRange(min=1), default=1, help="Expert-parallel ranks (not yet: 1).")
@@ -303,6 +306,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
           --warmup-steps 50 --steps 2000 --eval-every 100 --save out/
       mpiparallel train --init out/ --steps 100 --log-json log.jsonl
       mpiparallel train -n 2 --zero 3 --microbatches 2 --memory-report
+      mpiparallel train -n 4 --tp 2 --sp --show-mesh
     """
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)

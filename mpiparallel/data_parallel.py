@@ -223,6 +223,10 @@ class DataParallel(ParameterHooks):
 
     # -- a step -----------------------------------------------------------------------------------------------
 
+    def parameter_count(self) -> int:
+        """Elements in this rank's model parameters (all of them, before any ZeRO sharding)."""
+        return sum(int(np.prod(shape, dtype=np.int64)) for shape in self._shapes.values())
+
     def optimizer_parameters(self) -> list:
         """What the optimizer updates: the whole parameters (DP) or this rank's shard segments (ZeRO)."""
         if self.zero == 0:

@@ -23,8 +23,14 @@ import numpy as np
 
 import collectives
 from collectives import Communicator
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, GPTConfig, parameter_shapes
 from models.parameter import Parameter
+from models.tensor_parallel import (
+    TensorParallelGPT,
+    check_tensor_parallel_shape,
+    gather_tensor,
+    reduce_replicated_gradients,
+)
 
 from . import checkpoint, data, optim
 from .data_parallel import DataParallel
@@ -72,6 +78,7 @@ class TrainSettings:
     overlap: bool = True
     show_mesh: bool = False
     memory_report: bool = False
+    sp: bool = False
 
 
 def run(settings: TrainSettings) -> int:
@@ -82,7 +89,7 @@ def run(settings: TrainSettings) -> int:
     is_root = mesh.world.rank == 0
     if settings.show_mesh and is_root:
         print(mesh.describe(), flush=True)
-    model, config = _build_model(settings)
+    model, config = _build_model(settings, mesh)
     tokens = _load_data(settings, config)
     _check_batch(settings, mesh)
     train_tokens, validation_tokens = _split(settings, tokens)
@@ -104,7 +111,7 @@ def run(settings: TrainSettings) -> int:
         if _due(step, settings.checkpoint_every, settings.steps) and settings.checkpoint_dir:
             trainer.save_training_checkpoint(step + 1)
     reporter.finish()
-    full = engine.full_parameters() if settings.save or settings.sample_tokens else None
+    full = trainer.full_model_tensors() if settings.save or settings.sample_tokens else None
     if settings.save:
         if is_root:
             checkpoint.save_pretrained(settings.save, config, full)
@@ -141,14 +148,51 @@ class Trainer:
                     self.activation_bytes = activation_bytes(self.model)
                 self.model.backward(hooks=engine)
         engine.finish_gradients()
-        grad_norm = optim.clip_grad_norm(engine.optimizer_parameters(), settings.grad_clip,
-                                         engine.sum_over_ranks_if_sharded())
+        if settings.sp:  # LayerNorm gradients were computed from this rank's slice of the sequence only
+            reduce_replicated_gradients(self._sequence_parallel_pieces(), self.mesh.tp)
+        grad_norm = self._clip_gradients()
         lr = optim.learning_rate(step, settings.lr, settings.lr_schedule, settings.warmup_steps, settings.steps)
         self.optimizer.step(lr)
         engine.after_update()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
         return {"step": step, "loss": _sum_over(comm, loss), "lr": lr, "tokens": int(inputs.size),
                 "time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
+
+    def _sequence_parallel_pieces(self) -> list:
+        """The optimizer's pieces (whole parameters, or ZeRO shard segments) of the parameters that --sp
+        leaves with partial gradients; the same pieces on every TP rank of this DP position."""
+        names = {p.name for p in self.model.sequence_parallel_parameters()}
+        return [piece for piece in self.engine.optimizer_parameters() if _base_name(piece) in names]
+
+    def _clip_gradients(self) -> float:
+        """Global gradient-norm clipping over the whole mesh; returns the norm before clipping.
+
+        Each TP rank holds a distinct slice of a split parameter but the same copy of a replicated one, and under
+        ZeRO each DP rank a distinct shard: Σ g² counts split pieces once per TP rank and replicated ones
+        divided by tp, then sums over TP (and over DP with ZeRO)."""
+        pieces = self.engine.optimizer_parameters()
+        split = {p.name for p in self.model.parameters() if getattr(p, "split", None) is not None}
+        tp = self.mesh.tp.size
+        local = (optim.local_sum_of_squares([p.grad for p in pieces if _base_name(p) in split])
+                 + optim.local_sum_of_squares([p.grad for p in pieces if _base_name(p) not in split]) / tp)
+        total = _sum_over(self.mesh.tp, local) if tp > 1 else local
+        total = _sum_over(self.mesh.dp, total) if self.settings.zero else total
+        norm = math.sqrt(total)
+        if self.settings.grad_clip > 0:
+            scale = self.settings.grad_clip / (norm + optim.CLIP_EPSILON)
+            if scale < 1:
+                for piece in pieces:
+                    piece.grad *= scale
+        return norm
+
+    def full_model_tensors(self) -> dict[str, np.ndarray]:
+        """The serial model's tensors by name: gathered over DP (ZeRO-3) and TP shards, padding removed."""
+        local = self.engine.full_parameters()
+        if self.mesh.tp.size == 1:
+            return local
+        shapes = parameter_shapes(self.model.config)
+        return {p.name: gather_tensor(local[p.name], p.split, self.mesh.tp, shapes[p.name])
+                for p in self.model.parameters()}
 
     def evaluate(self, tokens: np.ndarray) -> float:
         """Mean loss over the first `eval_batches` held-out batches, each DP rank taking its rows (no update)."""
@@ -161,9 +205,9 @@ class Trainer:
         return float(np.mean(losses))
 
     def save_training_checkpoint(self, steps_done: int) -> None:
-        if self.settings.zero:
-            raise ConfigError("training checkpoints (--checkpoint-dir) do not support --zero yet: the optimizer "
-                              "state is sharded over the data-parallel ranks; use --save for the model")
+        if self.settings.zero or self.mesh.tp.size > 1:
+            raise ConfigError("training checkpoints (--checkpoint-dir) do not support --zero or --tp yet: the "
+                              "optimizer state is sharded over ranks; use --save for the model")
         tensors = self.engine.full_parameters()
         if self.mesh.world.rank == 0:
             checkpoint.save_training_checkpoint(self.settings.checkpoint_dir, steps_done, self.model.config,
@@ -175,7 +219,7 @@ class Trainer:
         """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
         held = self.engine.memory(self.optimizer) | {"activations": self.activation_bytes}
         n, itemsize = self.mesh.dp.size, np.dtype(self.settings.dtype).itemsize
-        count = self.model.config.parameter_count()
+        count = self.engine.parameter_count()  # this rank's: a tensor-parallel slice of the model with --tp
         state_factor = 2 if self.settings.optimizer == "adamw" else 0
         shards = {"parameters": n if self.settings.zero == 3 else 1,
                   "gradients": n if self.settings.zero >= 2 else 1,
@@ -196,6 +240,11 @@ class Trainer:
 
     def _bytes_sent(self) -> dict[str, int]:
         return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
+
+
+def _base_name(piece: Any) -> str:
+    """A parameter's name, also for a ZeRO shard segment ("wte.weight[0:64]")."""
+    return piece.name.split("[", 1)[0]
 
 
 def _sum_over(comm: Communicator, value: float) -> float:
@@ -241,11 +290,13 @@ def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature
 def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     shape = MeshShape(**dict(settings.mesh))
     mesh = Mesh(world, shape)
-    not_yet = {axis: getattr(mesh.shape, axis) for axis in ("tp", "pp", "cp", "ep") if getattr(mesh.shape, axis) > 1}
+    not_yet = {axis: getattr(mesh.shape, axis) for axis in ("pp", "cp", "ep") if getattr(mesh.shape, axis) > 1}
     if not_yet:
         shown = ", ".join(f"--{axis} {size}" for axis, size in not_yet.items())
-        raise ConfigError(f"{shown}: only data parallelism (--dp) is available in this version; tensor, pipeline, "
-                          f"context and expert parallelism arrive with their own issues")
+        raise ConfigError(f"{shown}: only data and tensor parallelism (--dp, --tp, --sp) are available in this "
+                          f"version; pipeline, context and expert parallelism arrive with their own issues")
+    if settings.sp and mesh.shape.tp == 1:
+        raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")
     return mesh
 
 
@@ -256,21 +307,34 @@ def _check_batch(settings: TrainSettings, mesh: Mesh) -> None:
                           f"{mesh.shape.dp} × {settings.microbatches} = {share}")
 
 
-def _build_model(settings: TrainSettings) -> tuple[GPT, GPTConfig]:
+def _build_model(settings: TrainSettings, mesh: Mesh) -> tuple[Any, GPTConfig]:
+    """The serial GPT, or with --tp > 1 its tensor-parallel version (this rank's shards of the same weights)."""
     dtype = np.dtype(settings.dtype)
+    tensors = None
     if settings.init:
         config, tensors, _ = checkpoint.load_pretrained(settings.init)
-        model = GPT(config, seed=settings.seed, dtype=dtype)
-        model.load_state_dict(tensors)
     else:
         try:
             config = GPTConfig(vocab_size=settings.vocab_size, n_positions=max(settings.n_positions, settings.seq_len),
                                n_embd=settings.n_embd, n_layer=settings.n_layer, n_head=settings.n_head)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        model = GPT(config, seed=settings.seed, dtype=dtype)
     if settings.seq_len > config.n_positions:
         raise ConfigError(f"--seq-len {settings.seq_len} exceeds the model's n_positions ({config.n_positions})")
+    tp = mesh.shape.tp
+    if settings.sp and settings.seq_len % tp:
+        raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
+                          f"{settings.seq_len} must be divisible by {tp}")
+    if tp == 1:
+        model = GPT(config, seed=settings.seed, dtype=dtype)
+    else:
+        try:
+            check_tensor_parallel_shape(config, tp)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        model = TensorParallelGPT(config, mesh.tp, seed=settings.seed, dtype=dtype, sequence_parallel=settings.sp)
+    if tensors is not None:
+        model.load_state_dict(tensors)
     return model, config
 
 
