@@ -168,8 +168,8 @@ def test_parallel_training_from_the_command_line_equals_serial(tmp_path, mesh):
     serial = mpiparallel("train", *common, "--log-json", str(tmp_path / "serial.jsonl"), "--save",
                          str(tmp_path / "serial"))
     assert serial.returncode == 0, serial.stderr
-    parallel = mpiparallel("train", *common, *mesh, "--microbatches", "2", "--log-json",
-                           str(tmp_path / "parallel.jsonl"), "--save", str(tmp_path / "parallel"), "--bucket-mb", "0.01")
+    parallel = mpiparallel("train", *common, *mesh, "--microbatches", "2", "--bucket-mb", "0.01",
+                           "--log-json", str(tmp_path / "parallel.jsonl"), "--save", str(tmp_path / "parallel"))
     assert parallel.returncode == 0, parallel.stderr
     for want, got in zip(read_log(tmp_path / "serial.jsonl"), read_log(tmp_path / "parallel.jsonl"), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-9)
