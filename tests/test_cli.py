@@ -211,13 +211,16 @@ def test_bench_and_verify_report_a_broken_algorithm(run, tmp_path):
                                                      warmup_iters=0, algo="ring"))
         verify_status = verify.run(verify.VerifySettings(max_count=40, collectives=("all_gather",),
                                                          datatypes=("int32",)))
-        print("statuses", bench_status, verify_status)
+        from mpi4py import MPI
+        from pathlib import Path
+        # one file per rank: printed lines of two ranks can interleave
+        Path(__file__).with_name(f"status{MPI.COMM_WORLD.Get_rank()}").write_text(f"{bench_status} {verify_status}")
     """))
     status, out, err, _ = run(mpiexec(), "-n", "2", sys.executable, str(script), timeout=60)
     assert status == 0, out + err
     assert "Out of bounds values : 12 FAILED" in out  # one element per rank, 2 ranks x 2 modes x 3 sizes
     assert re.search(r"all_gather\s+ring\s+int32.*FAILED at count", out)
-    assert out.count("statuses 1 1") == 2
+    assert [(tmp_path / f"status{rank}").read_text() for rank in range(2)] == ["1 1", "1 1"]
 
 
 # -- errors -------------------------------------------------------------------------------------------------
