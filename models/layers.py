@@ -32,6 +32,14 @@ def row_sums(a: Array) -> Array:
     return sums.reshape(*a.shape[:-1], 1)
 
 
+def column_sums(a: Array) -> Array:
+    """Σ over every axis but the last (bias and LayerNorm gradients), as a vector-matrix product with ones: as
+    for row_sums, BLAS beats NumPy's sum(axis=0)."""
+    xp = get_array_module(a)
+    rows = a.reshape(-1, a.shape[-1])
+    return xp.ones(rows.shape[0], dtype=a.dtype) @ rows
+
+
 class Linear:
     """y = x @ weight + bias over the last axis (weight [in, out], Conv1D layout)."""
 
@@ -51,7 +59,7 @@ class Linear:
     def backward_weights(self, dout: Array) -> None:
         dout2d = dout.reshape(-1, dout.shape[-1])
         self.weight.grad += self.x.reshape(-1, self.x.shape[-1]).T @ dout2d
-        self.bias.grad += dout2d.sum(axis=0)
+        self.bias.grad += column_sums(dout2d)
 
     def backward(self, dout: Array) -> Array:
         self.backward_weights(dout)
@@ -93,9 +101,8 @@ class LayerNorm:
         return dx
 
     def backward_weights(self, dout: Array) -> None:
-        channels = dout.shape[-1]
-        self.weight.grad += (dout * self.normalized).reshape(-1, channels).sum(axis=0)
-        self.bias.grad += dout.reshape(-1, channels).sum(axis=0)
+        self.weight.grad += column_sums(dout * self.normalized)
+        self.bias.grad += column_sums(dout)
 
     def backward(self, dout: Array) -> Array:
         self.backward_weights(dout)
@@ -246,8 +253,8 @@ class CausalSelfAttention:
         dqkv = xp.zeros((batch, length, 3, self.n_head, head_dim), dmerged.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, C) instead of (B, H, T, T)
-        weighted_sum = (dmerged * self.merged).reshape(batch, length, self.n_head, head_dim).sum(axis=-1)
-        weighted_sum = weighted_sum.transpose(0, 2, 1)[..., None]
+        weighted_sum = row_sums((dmerged * self.merged).reshape(batch, length, self.n_head, head_dim))
+        weighted_sum = weighted_sum.transpose(0, 2, 1, 3)
         for start, stop, probs in self.blocks:
             rows = slice(start, stop)
             dv[:, :, :stop] += probs.transpose(0, 1, 3, 2) @ dheads[:, :, rows]
@@ -352,13 +359,12 @@ class Embedding:
         return None  # token ids have no gradient
 
     def backward_weights(self, dout: Array) -> None:
-        xp = get_array_module(dout)
         channels = dout.shape[-1]
         grad = self.token.grad
         if grad.flags.c_contiguous:
             # one scatter of B·T·C single numbers into the flat table: NumPy's add.at has a fast path for 1-D
             # targets, 5× faster than adding B·T rows into the 2-D table
-            entries = self.tokens.reshape(-1, 1) * channels + xp.arange(channels)
+            entries = self.tokens.reshape(-1, 1) * channels + get_array_module(self.tokens).arange(channels)
             scatter_add(grad.reshape(-1), entries.reshape(-1), dout.reshape(-1))
         else:  # a strided gradient view: reshape(-1) would scatter into a copy
             scatter_add(grad, self.tokens.reshape(-1), dout.reshape(-1, channels))
@@ -373,8 +379,9 @@ class TiedHeadCrossEntropy:
 
     `forward` returns the *sum* of the token losses divided by `normalizer` (the token count of the whole
     global batch), so the losses of microbatches and data-parallel ranks add up to the global mean with one
-    normalization. The logits never leave this layer: backward turns the cached probabilities into
-    d(logits) = (softmax − onehot(target)) / normalizer in place.
+    normalization. The logits never leave this layer: forward turns them, in place, straight into
+    d(logits) = (softmax − onehot(target)) / normalizer, which is all backward needs (one pass over the
+    B·T × vocab logits fewer than normalizing the probabilities and scaling them again later).
     """
 
     def __init__(self, token: Parameter) -> None:
@@ -384,35 +391,27 @@ class TiedHeadCrossEntropy:
         xp = get_array_module(x)
         self.x_shape = x.shape
         self.x2d = x.reshape(-1, x.shape[-1])
-        self.targets = targets.reshape(-1)
-        self.normalizer = normalizer
+        targets = targets.reshape(-1)
+        rows = xp.arange(len(targets))
         logits = self.x2d @ self.token.data.T
         logits -= logits.max(axis=-1, keepdims=True)
-        target_logits = logits[xp.arange(len(self.targets)), self.targets]
+        target_logits = logits[rows, targets]
         xp.exp(logits, out=logits)
-        sums = logits.sum(axis=-1)
-        logits /= sums[:, None]
-        self.probs, self.dlogits = logits, None
-        return float((xp.log(sums) - target_logits).sum()) / normalizer
+        sums = row_sums(logits)
+        logits /= sums * normalizer  # softmax / normalizer
+        logits[rows, targets] -= 1.0 / normalizer
+        self.dlogits = logits
+        return float((xp.log(sums[:, 0]) - target_logits).sum()) / normalizer
 
     def logits(self, x: Array) -> Array:
         """Plain logits for sampling (no loss)."""
         return x @ self.token.data.T
 
-    def _gradient_of_logits(self) -> Array:
-        """(softmax − onehot(target)) / normalizer, computed once in place of the cached probabilities."""
-        if self.dlogits is None:
-            dlogits = self.probs
-            dlogits[get_array_module(dlogits).arange(len(self.targets)), self.targets] -= 1.0
-            dlogits /= self.normalizer
-            self.dlogits, self.probs = dlogits, None
-        return self.dlogits
-
     def backward_input(self) -> Array:
-        return (self._gradient_of_logits() @ self.token.data).reshape(self.x_shape)
+        return (self.dlogits @ self.token.data).reshape(self.x_shape)
 
     def backward_weights(self) -> None:
-        self.token.grad += self._gradient_of_logits().T @ self.x2d
+        self.token.grad += self.dlogits.T @ self.x2d
 
     def backward(self) -> Array:
         dx = self.backward_input()

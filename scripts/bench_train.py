@@ -224,27 +224,25 @@ def step_gemms(config: GPTConfig, batch: int, length: int) -> list[tuple[tuple[i
     return gemms * config.n_layer + attention * config.n_layer + head
 
 
-def gemm_rate(config: GPTConfig, batch: int, length: int, dtype, repeats: int = 5) -> tuple[float, float]:
-    """(GFLOP/s, seconds) of NumPy running every GEMM of one step back to back, median of `repeats`."""
-    rng = np.random.default_rng(0)
-    operands = []
-    flops = 0.0
-    for a_shape, b_shape, transpose_a, transpose_b in step_gemms(config, batch, length):
-        a, b = rng.standard_normal(a_shape).astype(dtype), rng.standard_normal(b_shape).astype(dtype)
-        a_used = np.swapaxes(a, -1, -2) if transpose_a else a
-        b_used = np.swapaxes(b, -1, -2) if transpose_b else b
-        out = np.empty(np.broadcast_shapes(a_used.shape[:-2], b_used.shape[:-2]) + (a_used.shape[-2], b_used.shape[-1]),
-                       dtype)
-        operands.append((a_used, b_used, out))
-        flops += 2 * out.size * a_used.shape[-1]
-    times = []
-    for _ in range(repeats + 1):
+class StepGemms:
+    """Every GEMM of one step on random operands of the right shapes; `run()` times them back to back."""
+
+    def __init__(self, config: GPTConfig, batch: int, length: int, dtype) -> None:
+        rng = np.random.default_rng(0)
+        self.operands, self.flops = [], 0.0
+        for a_shape, b_shape, transpose_a, transpose_b in step_gemms(config, batch, length):
+            a, b = rng.standard_normal(a_shape).astype(dtype), rng.standard_normal(b_shape).astype(dtype)
+            a = np.swapaxes(a, -1, -2) if transpose_a else a
+            b = np.swapaxes(b, -1, -2) if transpose_b else b
+            out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), dtype)
+            self.operands.append((a, b, out))
+            self.flops += 2 * out.size * a.shape[-1]
+
+    def run(self) -> float:
         start = time.perf_counter()
-        for a, b, out in operands:
+        for a, b, out in self.operands:
             np.matmul(a, b, out=out)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
-    return flops / seconds / 1e9, seconds
+        return time.perf_counter() - start
 
 
 class LayerProfile:
@@ -336,9 +334,10 @@ def main() -> None:
           + (f", torch {torch.__version__} (attention {args.torch_attention}, AdamW {args.torch_optimizer})"
              if use_torch else " (torch not " + ("used)" if torch is not None else "installed)")))
 
-    ours_times, theirs_times = [], []
+    gemms = StepGemms(config, args.batch, args.seq, dtype)
+    ours_times, theirs_times, gemm_times = [], [], []
     max_difference = 0.0
-    for step in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps):  # ours, torch and the bare GEMMs take turns: noise hits all alike
         tokens, targets = window(data, step, args.batch, args.seq)
         start = time.perf_counter()
         ours_loss = ours_step(ours, ours_optimizer, tokens, targets)
@@ -351,25 +350,31 @@ def main() -> None:
             theirs_times.append(time.perf_counter() - start)
             max_difference = max(max_difference, abs(ours_loss - theirs_loss))
             line += f"  torch loss {theirs_loss:.6f}  |Δ| {abs(ours_loss - theirs_loss):.2e}"
+        gemm_times.append(gemms.run())
         if step < args.show_losses:
             print(line)
 
-    ours_seconds = statistics.median(ours_times[args.warmup:])
+    def median_after_warmup(times: list[float]) -> float:
+        return statistics.median(times[args.warmup:])
+
+    ours_seconds, gemm_seconds = median_after_warmup(ours_times), median_after_warmup(gemm_times)
     flops = model_flops(config, args.batch, args.seq)
-    rate, gemm_seconds = gemm_rate(config, args.batch, args.seq, dtype)
+    rate = gemms.flops / gemm_seconds
+    bound = flops / rate
     print(f"\nmodel FLOPs per step: {flops / 1e9:.2f} GFLOP (6·N·tokens + 12·L·T·C·tokens, N = "
           f"{(config.parameter_count() - config.n_positions * config.n_embd) / 1e6:.2f} M)")
-    print(f"NumPy GEMM rate on this step's matrix shapes: {rate:.1f} GFLOP/s "
-          f"-> matmul-bound step {flops / rate / 1e6:.1f} ms")
+    print(f"NumPy single-thread GEMM rate on this step's {len(gemms.operands)} matrix products: {rate / 1e9:.1f} "
+          f"GFLOP/s -> matmul-bound step (model FLOPs / rate) {bound * 1e3:.1f} ms")
     print(f"ours : {tokens_per_step / ours_seconds:9.0f} tokens/s  ({ours_seconds * 1e3:.1f} ms/step, median of "
-          f"{args.steps}; matmul-bound time is {flops / rate / 1e9 / ours_seconds:.0%} of it, "
-          f"{flops / ours_seconds / 1e9:.1f} GFLOP/s)")
+          f"{args.steps}; matmul-bound time is {bound / ours_seconds:.0%} of it, {flops / ours_seconds / 1e9:.1f} "
+          f"GFLOP/s)")
     if use_torch:
-        theirs_seconds = statistics.median(theirs_times[args.warmup:])
+        theirs_seconds = median_after_warmup(theirs_times)
         print(f"torch: {tokens_per_step / theirs_seconds:9.0f} tokens/s  ({theirs_seconds * 1e3:.1f} ms/step; "
-              f"matmul-bound time is {flops / rate / 1e9 / theirs_seconds:.0%} of it, "
-              f"{flops / theirs_seconds / 1e9:.1f} GFLOP/s)")
-        print(f"ratio ours/torch (tokens/s): {theirs_seconds / ours_seconds:.3f}")
+              f"matmul-bound time is {bound / theirs_seconds:.0%} of it, {flops / theirs_seconds / 1e9:.1f} GFLOP/s)")
+        step_ratios = [theirs / ours for ours, theirs in zip(ours_times, theirs_times, strict=True)]
+        print(f"ratio ours/torch (tokens/s): {theirs_seconds / ours_seconds:.3f} (median of per-step ratios "
+              f"{median_after_warmup(step_ratios):.3f})")
         print(f"largest loss difference over {len(ours_times)} steps: {max_difference:.2e}")
 
     if args.profile:
