@@ -9,8 +9,11 @@ at NumPy's measured single-thread GEMM rate.
 
 FLOPs per step (nanoGPT's / PaLM's count): 6·N·tokens + 12·L·T·C·tokens, where N = parameters without the
 position embedding (the tied token embedding counts once, as the LM head's GEMM), tokens = B·T, and the second
-term is attention's q·kᵀ and p·v (2·2·T·C per token and layer forward, ×3 with backward, no causal halving:
-both implementations multiply the full T×T score matrix).
+term is attention's q·kᵀ and p·v (2·2·T·C per token and layer forward, ×3 with backward) over the full T×T
+scores, as the convention has it; both implementations actually skip most of the masked half (ours in causal
+query blocks, torch's flash SDPA kernel likewise). The matmul-bound time is these FLOPs at the rate NumPy
+reaches on this step's GEMM shapes (timed between the steps), so it is the time a step would take if it were
+nothing but full-rate matrix products.
 
     python3 scripts/bench_train.py                         # GPT-2 4 layers, 256 wide, T=128, B=8, byte vocab
     python3 scripts/bench_train.py --layers 2 --steps 10 --profile
@@ -328,9 +331,9 @@ def main() -> None:
     if use_torch:
         theirs, theirs_optimizer = build_torch(ours, args.torch_attention, args.torch_optimizer)
     tokens_per_step = args.batch * args.seq
+    optimizer_name = "mpiparallel.optim.AdamW" if type(ours_optimizer) is not AdamW else "the script's AdamW"
     print(f"GPT-2 {args.layers} layers, n_embd {args.embd}, {args.heads} heads, T={args.seq}, B={args.batch}, "
-          f"vocab {args.vocab}, {args.dtype}, 1 thread; NumPy {np.__version__} ({type(ours_optimizer).__module__}"
-          f".AdamW)"
+          f"vocab {args.vocab}, {args.dtype}, 1 thread; NumPy {np.__version__} ({optimizer_name})"
           + (f", torch {torch.__version__} (attention {args.torch_attention}, AdamW {args.torch_optimizer})"
              if use_torch else " (torch not " + ("used)" if torch is not None else "installed)")))
 
