@@ -120,7 +120,7 @@ def run(settings: TrainSettings) -> int:
     if settings.sample_tokens and config.vocab_size == 256 and is_root:
         serial = GPT(config, dtype=np.dtype(settings.dtype))
         serial.load_state_dict(full)
-        reporter.say(sample_text(serial, prompt="\n", new_tokens=settings.sample_tokens, seed=settings.seed))
+        reporter.say(sample_text(serial, prompt="The ", new_tokens=settings.sample_tokens, seed=settings.seed))
     return 0
 
 
