@@ -72,7 +72,7 @@ import numpy as np
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
-from .gpt import GPTConfig, ParameterHooks, initial_value, parameter_shapes
+from .gpt import GPT, GPTConfig, initial_value, parameter_shapes
 from .layers import MLP, Block, CausalSelfAttention, LayerNorm, Linear
 from .parameter import Parameter
 
@@ -430,8 +430,10 @@ def reduce_replicated_gradients(params: list[Parameter], comm: Any, algo: str = 
 
 # -- the model -----------------------------------------------------------------------------------------------
 
-class TensorParallelGPT:
-    """GPT-2 over a TP group; the interface of `models.gpt.GPT` (forward, backward, parameters, units, hooks).
+class TensorParallelGPT(GPT):
+    """GPT-2 over a TP group: `models.gpt.GPT` with parallel layers in place of the serial ones.
+
+    Forward, backward, the hook calls and `units()` are inherited unchanged: only the layers differ.
 
     `forward` returns the same loss on every rank of the group (every rank holds the whole batch's tokens);
     `parameters()` and `state_dict()` are this rank's shards (`Parameter.split` says how each was cut);
@@ -474,20 +476,12 @@ class TensorParallelGPT:
                   RowParallelLinear(*weight_and_bias("mlp.c_proj"), group))
         return Block(LayerNorm(*weight_and_bias("ln_1")), attention, LayerNorm(*weight_and_bias("ln_2")), mlp)
 
-    def parameters(self) -> list[Parameter]:
-        """This rank's parameters (shards and replicas) in checkpoint order."""
-        return list(self.params.values())
-
     def sequence_parallel_parameters(self) -> list[Parameter]:
         """The parameters whose gradient is a partial sum over the TP group (see `reduce_replicated_gradients`):
         the LayerNorms' with SP, none without."""
         if not self.group.sequence_parallel:
             return []
         return [param for name, param in self.params.items() if ".ln_" in name]
-
-    def zero_grad(self) -> None:
-        for param in self.params.values():
-            param.zero_grad()
 
     def check_tokens(self, tokens: Array) -> None:
         length = tokens.shape[-1]
@@ -497,53 +491,8 @@ class TensorParallelGPT:
             raise ValueError(f"sequence parallelism splits the sequence over tp ranks: sequence length {length} "
                              f"must be divisible by tp ({self.group.size})")
 
-    def units(self) -> list[list[Parameter]]:
-        """The parameters of each stage in forward order, as `GPT.units()`: embedding, every block, head."""
-        embedding = [self.embedding.token, self.embedding.position]
-        blocks = [[p for p in self.params.values() if p.name.startswith(f"transformer.h.{i}.")]
-                  for i in range(self.config.n_layer)]
-        head = [self.ln_f.weight, self.ln_f.bias, self.head.token]
-        return [embedding, *blocks, head]
-
-    def hidden(self, tokens: Array, hooks: ParameterHooks | None = None) -> Array:
-        """The final LayerNorm's output for (B, T) token ids: (B, T, C), or with SP this rank's (B, T/n, C)
-        slice. Opens the head unit and leaves closing it to the caller, as `GPT.hidden`."""
-        self.check_tokens(tokens)
-        hooks = hooks or ParameterHooks()
-        hooks.before_forward(0)
-        x = self.embedding.forward(tokens)
-        hooks.after_forward(0)
-        for i, block in enumerate(self.blocks, start=1):
-            hooks.before_forward(i)
-            x = block.forward(x)
-            hooks.after_forward(i)
-        hooks.before_forward(len(self.blocks) + 1)
-        return self.ln_f.forward(x)
-
-    def forward(self, tokens: Array, targets: Array, normalizer: float | None = None,
-                hooks: ParameterHooks | None = None) -> float:
-        """Cross-entropy of `targets` given `tokens` (both (B, T), the same on every TP rank): the sum of the
-        token losses / normalizer (default: the token count), identical on every rank of the group."""
-        hooks = hooks or ParameterHooks()
-        loss = self.head.forward(self.hidden(tokens, hooks), targets, normalizer or targets.size)
-        hooks.after_forward(len(self.blocks) + 1)
-        return loss
-
-    def backward(self, hooks: ParameterHooks | None = None) -> None:
-        """Accumulate d(loss)/d(param) into every local param.grad; with SP, the LayerNorms' are partial sums
-        until `reduce_replicated_gradients`."""
-        hooks = hooks or ParameterHooks()
-        last = len(self.blocks) + 1
-        hooks.before_backward(last)
-        dx = self.ln_f.backward(self.head.backward())
-        hooks.after_backward(last)
-        for i in range(len(self.blocks), 0, -1):
-            hooks.before_backward(i)
-            dx = self.blocks[i - 1].backward(dx)
-            hooks.after_backward(i)
-        hooks.before_backward(0)
-        self.embedding.backward(dx)
-        hooks.after_backward(0)
+    def generate(self, *args: Any, **kwargs: Any) -> Array:
+        raise NotImplementedError("sample from the serial model: GPT(config).load_state_dict(full_state_dict(...))")
 
     def state_dict(self) -> dict[str, Array]:
         """Hugging Face name -> this rank's shard (`full_state_dict` gathers the serial tensors)."""
