@@ -27,8 +27,7 @@ that is running (`all_reduce`, `reduce_scatter`, ..., or `p2p` for direct calls)
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Generator
 from typing import Any
 
 from mpi4py import MPI
@@ -91,14 +90,6 @@ class Ledger:
                        "messages": self.messages[name]}
                 for name in sorted(set(self.sent) | set(self.received))}
 
-    @contextmanager
-    def recording_as(self, name: str) -> Iterator[None]:
-        """Attribute the traffic inside the block to operation `name`."""
-        previous, self.operation = self.operation, name
-        try:
-            yield
-        finally:
-            self.operation = previous
 
 
 def _byte_buffer(x: Array) -> list:

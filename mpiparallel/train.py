@@ -37,8 +37,6 @@ from .data_parallel import DataParallel
 from .errors import ConfigError
 from .mesh import Mesh, MeshShape
 
-MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
-
 
 @dataclass(frozen=True)
 class TrainSettings:
