@@ -20,8 +20,11 @@ import numpy as np
 
 try:  # CuPy is an optional extra: `pip install -e ".[gpu]"`.
     import cupy as _cupy
-except Exception:  # ImportError, or a CuPy build that finds no CUDA driver
+
+    _CUPY_IMPORT_ERROR = ""
+except Exception as _error:  # ImportError, or a CuPy build that finds no CUDA driver
     _cupy = None
+    _CUPY_IMPORT_ERROR = f"{type(_error).__name__}: {_error}"
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -38,14 +41,47 @@ def is_device_array(x: Array) -> bool:
     return _cupy is not None and isinstance(x, _cupy.ndarray)
 
 
+def gpu_unavailable_reason() -> str | None:
+    """Why GPU arrays cannot be used here, or None when CuPy imports and sees a CUDA device."""
+    if _cupy is None:
+        return f"CuPy is not installed or does not import ({_CUPY_IMPORT_ERROR}); pip install -e '.[gpu]'"
+    try:
+        count = _cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, or a driver older than CuPy's CUDA
+        return f"CuPy finds no CUDA device ({error})"
+    return None if count > 0 else "CuPy finds no CUDA device"
+
+
 def cupy_available() -> bool:
     """True when CuPy imports and sees at least one GPU."""
-    if _cupy is None:
-        return False
+    return gpu_unavailable_reason() is None
+
+
+def local_rank(comm: Any = None) -> int:
+    """This rank's index among the ranks on the same machine (a collective call over `comm`, COMM_WORLD default)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return _cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def bind_device(comm: Any = None) -> int:
+    """Make GPU (local rank mod GPU count) current for this process and return its id.
+
+    Ranks on one machine spread over its GPUs round robin, so several ranks share a GPU when there are more
+    ranks than GPUs (CUDA_VISIBLE_DEVICES still narrows what "its GPUs" means). Collective over `comm`.
+    """
+    reason = gpu_unavailable_reason()
+    rank = local_rank(comm)  # every rank takes part, also the one that then raises
+    if reason is not None:
+        raise RuntimeError(f"no GPU to run on: {reason}")
+    device = rank % _cupy.cuda.runtime.getDeviceCount()
+    _cupy.cuda.Device(device).use()
+    return device
 
 
 def synchronize(x: Array) -> None:
@@ -58,29 +94,60 @@ def synchronize(x: Array) -> None:
 def cuda_aware_mpi() -> bool:
     """Whether the MPI library accepts device pointers.
 
-    Order: the MPIPARALLEL_CUDA_AWARE override, MPI 4.1's `mpi_memory_alloc_kinds` info key, Open MPI's
-    extension query; otherwise assume not (host staging is slower but always correct).
+    Order: the MPIPARALLEL_CUDA_AWARE override, then what the library says of itself — MPI 4.1's
+    `mpi_memory_alloc_kinds` info key listing "cuda", Open MPI's `MPIX_Query_cuda_support()`, MPICH's
+    `MPIX_GPU_query_support(CUDA)`; otherwise assume not (host staging is slower but always correct).
     """
     override = os.environ.get("MPIPARALLEL_CUDA_AWARE")
     if override is not None:
         if override not in ("0", "1"):
             raise ValueError(f"MPIPARALLEL_CUDA_AWARE must be 0 or 1, got {override!r}")
         return override == "1"
+    return cuda_in_memory_alloc_kinds() or bool(_query_mpi_extension())
+
+
+def cuda_in_memory_alloc_kinds() -> bool:
+    """MPI 4.1: COMM_WORLD's info key `mpi_memory_alloc_kinds` (e.g. "mpi,system,cuda:device") names cuda."""
     from mpi4py import MPI
 
     try:
         kinds = MPI.COMM_WORLD.Get_info().Get("mpi_memory_alloc_kinds") or ""
-        if "cuda" in kinds:
-            return True
-    except Exception:
-        pass
-    query = getattr(MPI, "Query_cuda_support", None)
-    if query is not None:
+    except Exception:  # an MPI older than 4.1 may not know the key
+        return False
+    return any(kind.split(":")[0] == "cuda" for kind in kinds.split(","))
+
+
+def _query_mpi_extension() -> int:
+    """Ask the loaded MPI library's own extension, where it has one; 0 when it has none."""
+    import ctypes
+
+    library = _loaded_mpi_library()
+    if library is None:
+        return 0
+    if hasattr(library, "MPIX_Query_cuda_support"):  # Open MPI's mpi-ext.h
+        return int(library.MPIX_Query_cuda_support())
+    if hasattr(library, "MPIX_GPU_query_support"):  # MPICH ≥ 4: (MPIX_GPU_SUPPORT_CUDA = 0, int *supported)
+        supported = ctypes.c_int(0)
+        if library.MPIX_GPU_query_support(0, ctypes.byref(supported)) == 0:
+            return supported.value
+    return 0
+
+
+def _loaded_mpi_library() -> Any:
+    """The MPI shared library this process loaded (mpi4py opens it privately, so look it up by path)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi" in line}
+    except OSError:  # not Linux
+        return None
+    for path in sorted(paths, key=len):
         try:
-            return bool(query())
-        except Exception:
-            pass
-    return False
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
 
 
 def transfer_path() -> str:
