@@ -57,6 +57,14 @@ def cupy_available() -> bool:
     return gpu_unavailable_reason() is None
 
 
+def gpu_array_module() -> Any:
+    """The `cupy` module; RuntimeError with the reason when GPU arrays cannot be used here."""
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"no GPU to run on: {reason}")
+    return _cupy
+
+
 def local_rank(comm: Any = None) -> int:
     """This rank's index among the ranks on the same machine (a collective call over `comm`, COMM_WORLD default)."""
     from mpi4py import MPI
@@ -82,6 +90,18 @@ def bind_device(comm: Any = None) -> int:
     device = rank % _cupy.cuda.runtime.getDeviceCount()
     _cupy.cuda.Device(device).use()
     return device
+
+
+def to_host(x: Array) -> np.ndarray:
+    """A NumPy array with x's values: a device-to-host copy for GPU arrays, `x` itself for host arrays."""
+    return x.get() if is_device_array(x) else np.asarray(x)
+
+
+def like(reference: Array, value: Array) -> Array:
+    """`value` as an array of `reference`'s library (host-to-device or device-to-host copy only when needed)."""
+    if is_device_array(reference):
+        return _cupy.asarray(value)
+    return to_host(value)
 
 
 def synchronize(x: Array) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from collectives.backend import Array, get_array_module
+from collectives.backend import Array, get_array_module, like, to_host
 
 from .layers import MLP, Block, CausalSelfAttention, Embedding, KVCache, LayerNorm, Linear, TiedHeadCrossEntropy
 from .parameter import Parameter, seeded_normal
@@ -147,6 +147,7 @@ class GPT:
         """The final-LayerNorm output (B, T, C) for token ids (B, T). It opens the head unit (ln_f belongs to
         it) and leaves closing it (`after_forward`) to the caller, who runs the rest of the head."""
         self.check_tokens(tokens)
+        tokens = like(self.embedding.token.data, tokens)  # host token ids go to the weights' device
         hooks = hooks or ParameterHooks()
         hooks.before_forward(0)
         x = self.embedding.forward(tokens)
@@ -166,7 +167,8 @@ class GPT:
         when this call is one microbatch or one data-parallel shard, so the pieces add up to the global mean.
         """
         hooks = hooks or ParameterHooks()
-        loss = self.head.forward(self.hidden(tokens, hooks), targets, normalizer or targets.size)
+        hidden = self.hidden(tokens, hooks)
+        loss = self.head.forward(hidden, like(hidden, targets), normalizer or targets.size)
         hooks.after_forward(len(self.blocks) + 1)
         return loss
 
@@ -216,7 +218,7 @@ class GPT:
         for block, cache in zip(self.blocks, caches, strict=True):
             x = block.forward_incremental(x, cache)
         logits = self.head.logits(self.ln_f.forward(x[:, -1]))[0]
-        return logits.get() if hasattr(logits, "get") else np.asarray(logits)
+        return to_host(logits)
 
     def state_dict(self) -> dict[str, Array]:
         """Hugging Face name -> array (the tied lm_head.weight is not repeated)."""
@@ -232,7 +234,7 @@ class GPT:
             if tuple(value.shape) != tuple(param.data.shape):
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
                                  f"the model expects {tuple(param.data.shape)}")
-            param.data[...] = value
+            param.data[...] = like(param.data, value)
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:

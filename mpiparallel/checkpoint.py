@@ -38,6 +38,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from collectives.backend import to_host
 from models.gpt import GPTConfig, parameter_shapes
 
 from .errors import ConfigError
@@ -133,7 +134,7 @@ def _with_prefix(name: str) -> str:
 
 def _host_array(value: Any) -> np.ndarray:
     """A C-contiguous NumPy array (safetensors writes raw memory; CuPy arrays are copied to the host)."""
-    return np.asarray(value.get() if hasattr(value, "get") else value, order="C")
+    return np.ascontiguousarray(to_host(value))
 
 
 def _write_json(path: Path, content: Any) -> None:
@@ -145,7 +146,8 @@ def _write_json(path: Path, content: Any) -> None:
 
 def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
     # transformers refuses safetensors files whose metadata does not say which framework wrote them.
-    safetensors.numpy.save_file(arrays, str(path), metadata={"format": "pt"})
+    host = {name: to_host(array) for name, array in arrays.items()}  # GPU training hands over device arrays
+    safetensors.numpy.save_file(host, str(path), metadata={"format": "pt"})
     with open(path, "rb+") as file:
         _flush_to_disk(file)
 

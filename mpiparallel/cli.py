@@ -245,6 +245,9 @@ def threads_option(command: Callable) -> Callable:
               help="AdamW's decoupled weight decay, applied to weights of 2 or more dimensions.")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
               help="Parameters and compute.")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu",
+              help="Where parameters and compute live: NumPy on the CPU, or CuPy on the GPU of each rank's local "
+                   "rank (ranks share GPUs round robin). The report says how GPU buffers reach MPI.")
 @click.option("--grad-clip", type=click.FloatRange(min=0), default=0.0,
               help="Clip the global gradient norm to this (0: off).")
 @click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant",

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import numpy as np
 
 import collectives
-from collectives import Communicator
+from collectives import Communicator, backend
 from models.gpt import GPT, GPTConfig, parameter_shapes
 from models.parameter import Parameter
 from models.tensor_parallel import (
@@ -55,6 +55,7 @@ class TrainSettings:
     optimizer: str = "adamw"
     weight_decay: float = 0.0
     dtype: str = "float32"
+    device: str = "cpu"
     grad_clip: float = 0.0
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -84,10 +85,11 @@ def run(settings: TrainSettings) -> int:
     from mpi4py import MPI
 
     mesh = _build_mesh(settings, MPI.COMM_WORLD)
+    xp = _array_library(settings, mesh)
     is_root = mesh.world.rank == 0
     if settings.show_mesh and is_root:
         print(mesh.describe(), flush=True)
-    model, config = _build_model(settings, mesh)
+    model, config = _build_model(settings, mesh, xp)
     tokens = _load_data(settings, config)
     _check_batch(settings, mesh)
     train_tokens, validation_tokens = _split(settings, tokens)
@@ -99,6 +101,8 @@ def run(settings: TrainSettings) -> int:
         optimizer.load_state_dict(optimizer_state)
     trainer = Trainer(model, engine, optimizer, mesh, settings)
     reporter = Reporter(settings, config, is_root=is_root)
+    if settings.device == "gpu":
+        reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
     for step in range(first_step, settings.steps):
         record = trainer.step(train_tokens, step)
         if _due(step, settings.eval_every, settings.steps):
@@ -305,7 +309,18 @@ def _check_batch(settings: TrainSettings, mesh: Mesh) -> None:
                           f"{mesh.shape.dp} × {settings.microbatches} = {share}")
 
 
-def _build_model(settings: TrainSettings, mesh: Mesh) -> tuple[Any, GPTConfig]:
+def _array_library(settings: TrainSettings, mesh: Mesh) -> Any:
+    """NumPy, or CuPy with this rank bound to a GPU of its machine (--device gpu)."""
+    if settings.device == "cpu":
+        return np
+    reason = backend.gpu_unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"--device gpu: {reason}")
+    backend.bind_device(mesh.world.comm)
+    return backend.gpu_array_module()
+
+
+def _build_model(settings: TrainSettings, mesh: Mesh, xp: Any = np) -> tuple[Any, GPTConfig]:
     """The serial GPT, or with --tp > 1 its tensor-parallel version (this rank's shards of the same weights)."""
     dtype = np.dtype(settings.dtype)
     tensors = None
@@ -324,13 +339,14 @@ def _build_model(settings: TrainSettings, mesh: Mesh) -> tuple[Any, GPTConfig]:
         raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
                           f"{settings.seq_len} must be divisible by {tp}")
     if tp == 1:
-        model = GPT(config, seed=settings.seed, dtype=dtype)
+        model = GPT(config, seed=settings.seed, dtype=dtype, xp=xp)
     else:
         try:
             check_tensor_parallel_shape(config, tp)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        model = TensorParallelGPT(config, mesh.tp, seed=settings.seed, dtype=dtype, sequence_parallel=settings.sp)
+        model = TensorParallelGPT(config, mesh.tp, seed=settings.seed, dtype=dtype, sequence_parallel=settings.sp,
+                                  xp=xp)
     if tensors is not None:
         model.load_state_dict(tensors)
     return model, config

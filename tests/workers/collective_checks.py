@@ -59,13 +59,18 @@ def check_against_native(sizes: list[int], dtypes: list[str] | None = None, ops:
                          seed: int = 0, backend: str = "numpy") -> list[str]:
     """Every collective × hand-written algorithm × size × dtype × op agrees exactly with algo="mpi".
 
-    With backend="cupy" the inputs live on the GPU (ranks share device 0 on a one-GPU machine).
+    With backend="cupy" the inputs live on the GPU (ranks share device 0 on a one-GPU machine); with
+    backend="fake" in the CuPy test double's pretend device memory (tests/fake_cupy.py).
     """
     global _device
     if backend == "cupy":
         import cupy
 
         _device = cupy.asarray
+    elif backend == "fake":
+        from fake_cupy import install
+
+        _device = install().asarray
     comm = C.world()
     rng = np.random.default_rng(seed * 1000 + comm.rank)
     failures = Failures()

@@ -1,0 +1,70 @@
+"""The GPU code paths on the CuPy test double (tests/fake_cupy.py), so they are exercised without a GPU.
+
+The double is NumPy memory posing as device memory: it refuses host/device mixing as CuPy does, counts the
+bytes moved each way, and notices device buffers handed to MPI while device work is still queued. These tests
+check the backend's promises — stage through host memory when MPI is not CUDA-aware (exactly the bytes sent
+and received), synchronize before MPI sees a device buffer when it is — and that training on "GPU" arrays
+gives the CPU's losses and weights. What only a real GPU can show (CuPy itself, CUDA kernels, NCCL, speed)
+is in the GPU-only tests, which skip here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_cupy import FAKE, TRAFFIC
+from mpi_harness import run_on_ranks
+
+
+def test_the_double_refuses_mixing_host_and_device_arrays_like_cupy():
+    device = FAKE.asarray(np.arange(4.0))
+    with pytest.raises(TypeError, match="host"):
+        device + np.ones(4)
+    with pytest.raises(TypeError, match="host"):
+        device[...] = np.zeros(4)
+    with pytest.raises(TypeError, match="host"):
+        FAKE.concatenate(np.ones(2), device)
+    assert type(device * 2 + FAKE.ones(4)).__name__ == "DeviceArray"
+
+
+def test_the_double_counts_transfers_and_queued_work():
+    TRAFFIC.reset()
+    device = FAKE.asarray(np.arange(8.0))
+    assert TRAFFIC.to_device == 64 and TRAFFIC.queued > 0
+    host = (device * 3).get()
+    assert TRAFFIC.to_host == 64 and TRAFFIC.queued == 0  # get() blocks, as CuPy's does
+    assert isinstance(host, np.ndarray) and host.tolist() == [3.0 * i for i in range(8)]
+
+
+@pytest.mark.parametrize("cuda_aware", [False, True], ids=["host-staging", "cuda-aware"])
+def test_collectives_on_device_arrays_stage_or_synchronize(cuda_aware):
+    results = run_on_ranks(3, "workers.device_checks:collectives_on_device", timeout=240, cuda_aware=cuda_aware,
+                           sizes=[0, 1, 7, 1000])
+    for rank, result in enumerate(results):
+        assert not result["failures"], f"rank {rank}: {result['failures'][:5]}"
+        assert result["detector_fires"], "the double did not notice an unsynchronized device send"
+        traffic, ring = result["traffic"], result["staged"]
+        assert ring["correct"] and ring["result_on_device"]
+        if cuda_aware:  # device pointers straight to MPI, each after the stream was drained
+            assert traffic["device_buffers_given_to_mpi"] > 0
+            assert traffic["unsynchronized_mpi_calls"] == 0
+            assert ring["to_host"] == ring["to_device"] == 0
+        else:  # MPI never sees device memory; the ring copies exactly what it sends and receives
+            assert traffic["device_buffers_given_to_mpi"] == 0
+            assert ring["to_host"] == ring["sent"] > 0
+            assert ring["to_device"] == ring["received"] > 0
+
+
+@pytest.mark.parametrize("cuda_aware, runs", [
+    ("0", [{"mesh": {"dp": 2}}, {"mesh": {"dp": 2}, "zero": 3}, {"mesh": {"tp": 2}, "sp": True}]),
+    ("1", [{"mesh": {"dp": 2}, "zero": 2, "microbatches": 2}]),
+], ids=["host-staging", "cuda-aware"])
+def test_training_on_device_arrays_equals_cpu_training(cuda_aware, runs):
+    results = run_on_ranks(2, "workers.device_checks:training_on_device", timeout=300, steps=2, runs=runs,
+                           env={"MPIPARALLEL_CUDA_AWARE": cuda_aware})[0]
+    assert len(results) == len(runs)
+    for result in results:
+        what = result["options"]
+        np.testing.assert_allclose(result["gpu_losses"], result["cpu_losses"], rtol=1e-9, err_msg=str(what))
+        assert result["weights_on_device_saved"], what
+        assert result["weights_max_relative_difference"] <= 1e-9, what

@@ -1,0 +1,99 @@
+"""GPU code paths run on the CuPy test double (tests/fake_cupy.py): staging, synchronization, device training."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+from fake_cupy import TRAFFIC, CheckedIntracomm, install
+from mpi4py import MPI
+
+import collectives as C
+from workers import collective_checks
+
+
+def collectives_on_device(cuda_aware: bool, sizes: list[int]) -> dict:
+    """Every collective × algorithm on pretend device arrays vs native MPI, through a communicator that notices
+    device buffers handed to MPI with device work still queued. Returns failures and what the double counted."""
+    os.environ["MPIPARALLEL_CUDA_AWARE"] = "1" if cuda_aware else "0"
+    install()
+    world = C.Communicator(CheckedIntracomm(MPI.COMM_WORLD))
+    collective_checks.C.world = lambda: world  # the shared checks take their communicator from here
+    TRAFFIC.reset()
+    failures = collective_checks.check_against_native(sizes=sizes, dtypes=["float32", "int64"],
+                                                      ops=["sum", "max"], backend="fake")
+    counted = asdict(TRAFFIC)
+    return {"failures": failures, "traffic": counted, "staged": _staged_bytes_of_one_ring(world),
+            "detector_fires": _unsynchronized_send_is_noticed(world)}
+
+
+def _unsynchronized_send_is_noticed(world: C.Communicator) -> bool:
+    """The double's own check can fail: a device buffer sent right after a device operation is counted."""
+    fake = install()
+    y = fake.asarray(np.ones(4)) + 1  # queued device work, no synchronize
+    before = TRAFFIC.unsynchronized_mpi_calls
+    if world.size == 1:
+        return True
+    if world.rank == 0:
+        world.comm.Send([y, MPI.BYTE], 1, 7)
+        return TRAFFIC.unsynchronized_mpi_calls == before + 1
+    if world.rank == 1:
+        out = fake.empty(4)
+        fake.cuda.get_current_stream().synchronize()
+        world.comm.Recv([out, MPI.BYTE], 0, 7)
+    return TRAFFIC.unsynchronized_mpi_calls == before
+
+
+def _staged_bytes_of_one_ring(world: C.Communicator) -> dict:
+    """Bytes copied each way during one ring all-reduce, next to the bytes its ledger says it sent/received."""
+    fake = install()
+    x = fake.asarray(np.arange(1000, dtype=np.float64))
+    world.ledger.reset()
+    TRAFFIC.reset()
+    result = C.all_reduce(x, world, algo="ring")
+    return {"to_host": TRAFFIC.to_host, "to_device": TRAFFIC.to_device,
+            "sent": world.ledger.total_sent(), "received": world.ledger.total_received(),
+            "result_on_device": type(result).__name__ == "DeviceArray",
+            "correct": bool(np.array_equal(result.get(), np.arange(1000) * world.size))}
+
+
+def training_on_device(runs: list[dict], steps: int) -> list[dict]:
+    """Train each configuration on the CPU and on the pretend GPU; return both runs' losses and final weights'
+    largest relative difference (rank 0; the other ranks return None)."""
+    from mpiparallel import train
+
+    install()
+    results = []
+    for options in runs:
+        mesh = tuple(options.pop("mesh").items())
+        base = train.TrainSettings(n_layer=2, n_head=2, n_embd=16, seq_len=16, batch_size=4, steps=steps,
+                                   dtype="float64", lr=1e-2, mesh=mesh, **options)
+        cpu, gpu = _train(train, base), _train(train, replace(base, device="gpu"))
+        if gpu is not None:
+            results.append({"options": {**options, "mesh": dict(mesh)}, "cpu_losses": cpu[0], "gpu_losses": gpu[0],
+                            "weights_max_relative_difference": _max_relative_difference(cpu[1], gpu[1]),
+                            "weights_on_device_saved": sorted(gpu[1]) == sorted(cpu[1])})
+    return results  # filled on rank 0 only
+
+
+def _train(train, settings) -> tuple[list[float], dict] | None:
+    """Run `train.run` with a JSON log and --save into a directory shared by the ranks; rank 0 reads both."""
+    world = MPI.COMM_WORLD
+    directory = world.bcast(tempfile.mkdtemp(prefix="device-check-") if world.rank == 0 else None)
+    log, saved = Path(directory) / "log.jsonl", Path(directory) / "model"
+    train.run(replace(settings, log_json=str(log), save=str(saved)))
+    if world.rank != 0:
+        return None
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    from mpiparallel import checkpoint
+
+    _, tensors, _ = checkpoint.load_pretrained(str(saved))
+    return losses, tensors
+
+
+def _max_relative_difference(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(a[k])), 1e-300)) for k in a)
