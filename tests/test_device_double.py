@@ -68,3 +68,16 @@ def test_training_on_device_arrays_equals_cpu_training(cuda_aware, runs):
         np.testing.assert_allclose(result["gpu_losses"], result["cpu_losses"], rtol=1e-9, err_msg=str(what))
         assert result["weights_on_device_saved"], what
         assert result["weights_max_relative_difference"] <= 1e-9, what
+
+
+def test_parallel_equals_serial_workers_run_on_device_arrays():
+    """The equivalence workers themselves on device arrays (scripts/gpu_check.sh runs them with real CuPy):
+    ZeRO-3 data parallelism and TP+SP against the NumPy serial model."""
+    fake = {"MPIPARALLEL_TEST_ARRAYS": "fake"}
+    for rank, failures in enumerate(run_on_ranks(2, "workers.data_parallel_checks:check_equals_serial", env=fake,
+                                                 zero=3, microbatch_count=2)):
+        assert not failures, f"rank {rank}: {failures[:3]}"
+    report = run_on_ranks(2, "workers.tensor_parallel_checks:compare_training", env=fake,
+                          runs=[{"tp": 2, "dp": 1, "sequence_parallel": True, "vocab_size": 61}])[0][0]
+    assert report["initial_weights_exact"] and report["checked_grads"] > 0
+    assert max(report["loss_error"], report["grad_error"], report["weight_error"]) <= 1e-9, report

@@ -9,11 +9,14 @@ from models.gpt import GPT, GPTConfig
 from mpiparallel import data, optim
 from mpiparallel.data_parallel import DataParallel
 
+from .arrays import host, parallel_array_module
+
 CONFIG = GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2)
 BATCH, LENGTH, LR, CLIP = 8, 8, 1e-2, 0.5
 
 
 def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    got, want = host(got), host(want)
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
@@ -56,7 +59,7 @@ def check_equals_serial(zero: int, microbatch_count: int, overlap: bool = True, 
     comm = C.world()
     serial = GPT(CONFIG, seed=3, dtype=np.float64)
     serial_optimizer = optim.AdamW(serial.parameters(), lr=LR, weight_decay=0.1)
-    model = GPT(CONFIG, seed=3, dtype=np.float64)
+    model = GPT(CONFIG, seed=3, dtype=np.float64, xp=parallel_array_module())
     engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, overlap=overlap)  # ≈4 KB: several buckets
     optimizer = optim.AdamW(engine.optimizer_parameters(), lr=LR, weight_decay=0.1)
     tokens, failures = _tokens(), []
@@ -74,7 +77,7 @@ def check_equals_serial(zero: int, microbatch_count: int, overlap: bool = True, 
         for name, want in serial.state_dict().items():
             if (error := _relative_error(weights[name], want)) > 1e-9:
                 failures.append(f"{tag}: weight {name} relative error {error:.2e}")
-        checksum = np.array([float(np.sum(w)) for w in weights.values()])
+        checksum = np.array([float(host(w).sum()) for w in weights.values()])
         every = C.all_gather(checksum[None], comm, algo="mpi")
         if not (every == every[0]).all():
             failures.append(f"{tag}: DP replicas hold different weights")

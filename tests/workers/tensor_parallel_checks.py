@@ -19,6 +19,8 @@ from models.tensor_parallel import (
 from mpiparallel.mesh import Mesh, MeshShape
 from mpiparallel.optim import AdamW
 
+from .arrays import host, parallel_array_module
+
 SEED = 7
 
 
@@ -33,6 +35,7 @@ def batch(config: GPTConfig, batch_size: int, length: int, step: int) -> tuple[n
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    got, want = host(got), host(want)
     scale = float(np.abs(want).max()) if want.size else 0.0
     return float(np.abs(got - want).max()) / max(scale, 1e-300) if want.size else 0.0
 
@@ -55,10 +58,11 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
     config = tiny_config(vocab_size)
     batch_size, length = 2 * dp, 8
     serial = GPT(config, seed=SEED, dtype=np.float64)
-    model = TensorParallelGPT(config, mesh.tp, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel)
+    model = TensorParallelGPT(config, mesh.tp, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
+                              xp=parallel_array_module())
     shapes = parameter_shapes(config)
     initial = full_state_dict(model)
-    report = {"initial_weights_exact": all(np.array_equal(initial[n], v) for n, v in serial.state_dict().items()),
+    report = {"initial_weights_exact": all(np.array_equal(host(initial[n]), v) for n, v in serial.state_dict().items()),
               "losses": [], "loss_error": 0.0, "grad_error": 0.0, "weight_error": 0.0,
               "worst_grad": "", "checked_grads": 0}
     serial_optimizer = AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1)
