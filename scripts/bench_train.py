@@ -19,6 +19,13 @@ nothing but full-rate matrix products.
     python3 scripts/bench_train.py --layers 2 --steps 10 --profile
 
 torch is only needed for the comparison (`pip install torch`); without it the script reports ours alone.
+
+On a GPU (`--device gpu`, needs CuPy; torch on CUDA for the comparison) the same step runs on CuPy arrays against
+PyTorch eager on the same GPU, both in float32 with full-precision matrix products unless `--tf32`, and the
+report adds MFU: model FLOPs per second over the GPU's peak for that precision (`--peak-tflops`, or a table of
+known GPUs). GPT-2 124M as in the GPU issue:
+
+    python3 scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from collectives.backend import to_host  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 try:
@@ -104,9 +112,52 @@ class AdamW:
             p.data -= scratch
 
 
-def build_ours(config: GPTConfig, dtype) -> tuple[GPT, object]:
+class Device:
+    """Where both models run: the CPU (NumPy, torch on CPU) or the GPU (CuPy, torch on CUDA); `sync()` waits for
+    queued GPU work so wall-clock times cover it."""
+
+    def __init__(self, kind: str, tf32: bool) -> None:
+        self.kind, self.xp, self.torch_device = kind, np, "cpu"
+        if kind == "gpu":
+            from collectives import backend
+
+            reason = backend.gpu_unavailable_reason()
+            if reason is not None:
+                sys.exit(f"--device gpu: {reason}")
+            self.xp = backend.gpu_array_module()
+            self.torch_device = "cuda" if torch is not None and torch.cuda.is_available() else None
+            if torch is not None:
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                torch.backends.cudnn.allow_tf32 = tf32
+
+    def sync(self) -> None:
+        if self.kind == "gpu":
+            self.xp.cuda.get_current_stream().synchronize()
+            if self.torch_device == "cuda":
+                torch.cuda.synchronize()
+
+    def name(self) -> str:
+        if self.kind == "cpu":
+            return "CPU, 1 thread"
+        name = self.xp.cuda.runtime.getDeviceProperties(0)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# Dense peak TFLOP/s by GPU name fragment and precision (vendor datasheets; SXM boards).
+PEAK_TFLOPS = {"H200": {"float32": 67.0, "tf32": 494.7}, "H100": {"float32": 67.0, "tf32": 494.7},
+               "A100": {"float32": 19.5, "tf32": 156.0}}
+
+
+def peak_tflops(device: Device, precision: str, given: float | None) -> float | None:
+    if given is not None:
+        return given
+    name = device.name() if device.kind == "gpu" else ""
+    return next((peaks[precision] for fragment, peaks in PEAK_TFLOPS.items() if fragment in name), None)
+
+
+def build_ours(config: GPTConfig, dtype, xp=np) -> tuple[GPT, object]:
     """Our model and optimizer: mpiparallel.optim.AdamW when the package has it, else the inline one above."""
-    model = GPT(config, seed=0, dtype=dtype)
+    model = GPT(config, seed=0, dtype=dtype, xp=xp)
     try:
         from mpiparallel.optim import AdamW as ProjectAdamW
     except ImportError:
@@ -141,7 +192,7 @@ if torch is not None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 scores = (q @ k.transpose(-2, -1)) * (1.0 / (q.shape[-1] ** 0.5))
-                mask = torch.ones(length, length, dtype=torch.bool).triu(1)
+                mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
                 y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
             return self.attn_proj(y.transpose(1, 2).reshape(batch, length, channels))
 
@@ -152,7 +203,7 @@ if torch is not None:
     class TorchGPT(nn.Module):
         """nanoGPT-style GPT-2 from torch.nn primitives, weights copied from ours (Linear holds Conv1D's transpose)."""
 
-        def __init__(self, ours: GPT, attention: str) -> None:
+        def __init__(self, ours: GPT, attention: str, device: str = "cpu") -> None:
             super().__init__()
             config = ours.config
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -163,9 +214,10 @@ if torch is not None:
             self.to(dtype)
             with torch.no_grad():
                 for name, ours_name in self.names().items():
-                    value = torch.from_numpy(np.ascontiguousarray(ours.params[ours_name].data))
+                    value = torch.from_numpy(np.ascontiguousarray(to_host(ours.params[ours_name].data)))
                     linear_weight = value.ndim == 2 and not name.startswith(("wte", "wpe"))
                     self.get_parameter(name).copy_(value.T if linear_weight else value)
+            self.to(device)
 
         def names(self) -> dict[str, str]:
             """torch parameter name -> our Hugging Face name."""
@@ -180,15 +232,15 @@ if torch is not None:
             return mapping
 
         def forward(self, tokens, targets):
-            positions = torch.arange(tokens.shape[1])
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = self.wte(tokens) + self.wpe(positions)
             for block in self.h:
                 x = block(x)
             logits = self.ln_f(x) @ self.wte.weight.T  # tied LM head
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
-    def build_torch(ours: GPT, attention: str, optimizer: str):
-        model = TorchGPT(ours, attention)
+    def build_torch(ours: GPT, attention: str, optimizer: str, device: str = "cpu"):
+        model = TorchGPT(ours, attention, device)
         kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[optimizer]
         return model, torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                         **kind)
@@ -230,21 +282,23 @@ def step_gemms(config: GPTConfig, batch: int, length: int) -> list[tuple[tuple[i
 class StepGemms:
     """Every GEMM of one step on random operands of the right shapes; `run()` times them back to back."""
 
-    def __init__(self, config: GPTConfig, batch: int, length: int, dtype) -> None:
-        rng = np.random.default_rng(0)
-        self.operands, self.flops = [], 0.0
+    def __init__(self, config: GPTConfig, batch: int, length: int, dtype, device: Device) -> None:
+        rng, xp = np.random.default_rng(0), device.xp
+        self.operands, self.flops, self.device = [], 0.0, device
         for a_shape, b_shape, transpose_a, transpose_b in step_gemms(config, batch, length):
             a, b = rng.standard_normal(a_shape).astype(dtype), rng.standard_normal(b_shape).astype(dtype)
-            a = np.swapaxes(a, -1, -2) if transpose_a else a
-            b = np.swapaxes(b, -1, -2) if transpose_b else b
-            out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), dtype)
+            a = xp.swapaxes(xp.asarray(a), -1, -2) if transpose_a else xp.asarray(a)
+            b = xp.swapaxes(xp.asarray(b), -1, -2) if transpose_b else xp.asarray(b)
+            out = xp.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), dtype)
             self.operands.append((a, b, out))
             self.flops += 2 * out.size * a.shape[-1]
 
     def run(self) -> float:
+        self.device.sync()
         start = time.perf_counter()
         for a, b, out in self.operands:
-            np.matmul(a, b, out=out)
+            self.device.xp.matmul(a, b, out=out)
+        self.device.sync()
         return time.perf_counter() - start
 
 
@@ -303,7 +357,10 @@ class LayerProfile:
         print(f"{'optimizer + zero_grad + rest':38s} {'':9s} {'':9s} {1 - covered / step_seconds:7.1%}")
 
 
-def main() -> None:
+PRESETS = {"gpt2-124m": {"layers": 12, "embd": 768, "heads": 12, "seq": 1024, "vocab": 50257}}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--embd", type=int, default=256)
@@ -320,36 +377,54 @@ def main() -> None:
     parser.add_argument("--torch-optimizer", choices=("fused", "foreach", "loop"), default="fused")
     parser.add_argument("--no-torch", action="store_true", help="time ours alone")
     parser.add_argument("--profile", action="store_true", help="also time each of our layers (separate steps)")
-    args = parser.parse_args()
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: ours on CuPy, torch on CUDA, on the same GPU")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (overrides --layers ... --vocab)")
+    parser.add_argument("--tf32", action="store_true", help="GPU: TF32 matrix products in both (CUPY_TF32=1)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the GPU's peak for MFU [default: looked up by GPU name for float32 or TF32]")
+    args = parser.parse_args(argv)
+    for name, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, name, value)
+    if args.tf32:
+        os.environ["CUPY_TF32"] = "1"  # read by CuPy when it runs a float32 matrix product
+    device = Device(args.device, args.tf32)
 
     dtype = np.dtype(args.dtype)
     config = GPTConfig(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers,
                        n_head=args.heads)
     data = byte_batches(args.batch, args.seq) % args.vocab
-    ours, ours_optimizer = build_ours(config, dtype)
-    use_torch = torch is not None and not args.no_torch
+    ours, ours_optimizer = build_ours(config, dtype, device.xp)
+    use_torch = torch is not None and not args.no_torch and device.torch_device is not None
     if use_torch:
-        theirs, theirs_optimizer = build_torch(ours, args.torch_attention, args.torch_optimizer)
+        theirs, theirs_optimizer = build_torch(ours, args.torch_attention, args.torch_optimizer, device.torch_device)
     tokens_per_step = args.batch * args.seq
     optimizer_name = "mpiparallel.optim.AdamW" if type(ours_optimizer) is not AdamW else "the script's AdamW"
+    library = f"NumPy {np.__version__}" if args.device == "cpu" else f"CuPy {device.xp.__version__}"
     print(f"GPT-2 {args.layers} layers, n_embd {args.embd}, {args.heads} heads, T={args.seq}, B={args.batch}, "
-          f"vocab {args.vocab}, {args.dtype}, 1 thread; NumPy {np.__version__} ({optimizer_name})"
+          f"vocab {args.vocab}, {args.dtype}{', TF32' if args.tf32 else ''}, {device.name()}; {library} "
+          f"({optimizer_name})"
           + (f", torch {torch.__version__} (attention {args.torch_attention}, AdamW {args.torch_optimizer})"
              if use_torch else " (torch not " + ("used)" if torch is not None else "installed)")))
 
-    gemms = StepGemms(config, args.batch, args.seq, dtype)
+    gemms = StepGemms(config, args.batch, args.seq, dtype, device)
     ours_times, theirs_times, gemm_times = [], [], []
     max_difference = 0.0
     for step in range(args.warmup + args.steps):  # ours, torch and the bare GEMMs take turns: noise hits all alike
         tokens, targets = window(data, step, args.batch, args.seq)
+        device.sync()
         start = time.perf_counter()
         ours_loss = ours_step(ours, ours_optimizer, tokens, targets)
+        device.sync()
         ours_times.append(time.perf_counter() - start)
         line = f"step {step:3d}  ours loss {ours_loss:.6f}"
         if use_torch:
-            torch_tokens, torch_targets = torch.from_numpy(tokens), torch.from_numpy(targets)
+            torch_tokens = torch.from_numpy(tokens).to(device.torch_device)
+            torch_targets = torch.from_numpy(targets).to(device.torch_device)
+            device.sync()
             start = time.perf_counter()
             theirs_loss = torch_step(theirs, theirs_optimizer, torch_tokens, torch_targets)
+            device.sync()
             theirs_times.append(time.perf_counter() - start)
             max_difference = max(max_difference, abs(ours_loss - theirs_loss))
             line += f"  torch loss {theirs_loss:.6f}  |Δ| {abs(ours_loss - theirs_loss):.2e}"
@@ -366,7 +441,8 @@ def main() -> None:
     bound = flops / rate
     print(f"\nmodel FLOPs per step: {flops / 1e9:.2f} GFLOP (6·N·tokens + 12·L·T·C·tokens, N = "
           f"{(config.parameter_count() - config.n_positions * config.n_embd) / 1e6:.2f} M)")
-    print(f"NumPy single-thread GEMM rate on this step's {len(gemms.operands)} matrix products: {rate / 1e9:.1f} "
+    gemm_library = "NumPy single-thread" if args.device == "cpu" else "CuPy"
+    print(f"{gemm_library} GEMM rate on this step's {len(gemms.operands)} matrix products: {rate / 1e9:.1f} "
           f"GFLOP/s -> matmul-bound step (model FLOPs / rate) {bound * 1e3:.1f} ms")
     print(f"ours : {tokens_per_step / ours_seconds:9.0f} tokens/s  ({ours_seconds * 1e3:.1f} ms/step, median of "
           f"{args.steps}; matmul-bound time is {bound / ours_seconds:.0%} of it, {flops / ours_seconds / 1e9:.1f} "
@@ -379,6 +455,9 @@ def main() -> None:
         print(f"ratio ours/torch (tokens/s): {theirs_seconds / ours_seconds:.3f} (median of per-step ratios "
               f"{median_after_warmup(step_ratios):.3f})")
         print(f"largest loss difference over {len(ours_times)} steps: {max_difference:.2e}")
+    if args.device == "gpu":
+        report_mfu(flops, ours_seconds, theirs_seconds if use_torch else None,
+                   peak_tflops(device, "tf32" if args.tf32 else args.dtype, args.peak_tflops))
 
     if args.profile:
         profile = LayerProfile()
@@ -390,6 +469,17 @@ def main() -> None:
             ours_step(ours, ours_optimizer, tokens, targets)
             times.append(time.perf_counter() - start)
         profile.report(args.steps, sum(times) / len(times))
+
+
+def report_mfu(flops: float, ours_seconds: float, theirs_seconds: float | None, peak: float | None) -> None:
+    """Model FLOPs utilization: achieved model FLOP/s over the GPU's dense peak for the precision used."""
+    if peak is None:
+        print("MFU: unknown peak for this GPU and precision; give --peak-tflops")
+        return
+    line = f"MFU (peak {peak:.1f} TFLOP/s): ours {flops / ours_seconds / 1e12 / peak:.1%}"
+    if theirs_seconds is not None:
+        line += f", torch {flops / theirs_seconds / 1e12 / peak:.1%}"
+    print(line)
 
 
 if __name__ == "__main__":

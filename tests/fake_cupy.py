@@ -169,6 +169,7 @@ class ElementwiseKernel:
         TRAFFIC.queued += 1
         names = {**self._MATH, **{n: _plain(a) for n, a in zip(self.inputs, args, strict=False)}}
         given = list(args[len(self.inputs):])
+        names |= {n: _plain(a) for n, a in zip(self.outputs, given, strict=False)}  # outputs are readable too
         for statement in self.statements:
             target, expression = (part.strip() for part in statement.split("=", 1))
             target = re.sub(r"^(T|float|double|const)\s+", "", target)
@@ -212,7 +213,8 @@ def _module() -> types.ModuleType:
     module.ElementwiseKernel = ElementwiseKernel
     module.fuse = lambda *a, **k: (lambda f: f)
 
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+    module.__version__ = "0 (test double)"
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"Fake GPU"})
     module.cuda = types.SimpleNamespace(
         runtime=runtime,
         get_current_stream=lambda: _STREAM,

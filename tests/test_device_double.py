@@ -10,6 +10,10 @@ is in the GPU-only tests, which skip here.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from fake_cupy import FAKE, TRAFFIC
@@ -81,3 +85,15 @@ def test_parallel_equals_serial_workers_run_on_device_arrays():
                           runs=[{"tp": 2, "dp": 1, "sequence_parallel": True, "vocab_size": 61}])[0][0]
     assert report["initial_weights_exact"] and report["checked_grads"] > 0
     assert max(report["loss_error"], report["grad_error"], report["weight_error"]) <= 1e-9, report
+
+
+def test_training_benchmark_runs_its_gpu_path_on_device_arrays():
+    root = Path(__file__).resolve().parent.parent
+    program = ("import sys; sys.path[:0] = ['tests', 'scripts']; from fake_cupy import install; install(); "
+               "import bench_train; bench_train.main(sys.argv[1:])")
+    result = subprocess.run([sys.executable, "-c", program, "--device", "gpu", "--layers", "1", "--embd", "32",
+                             "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
+                             "--peak-tflops", "1"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Fake GPU; CuPy" in result.stdout
+    assert "ours :" in result.stdout and "MFU (peak 1.0 TFLOP/s): ours" in result.stdout, result.stdout
