@@ -19,6 +19,8 @@ import pytest
 from fake_cupy import FAKE, TRAFFIC
 from mpi_harness import run_on_ranks
 
+from collectives import backend
+
 
 def test_the_double_refuses_mixing_host_and_device_arrays_like_cupy():
     device = FAKE.asarray(np.arange(4.0))
@@ -97,3 +99,12 @@ def test_training_benchmark_runs_its_gpu_path_on_device_arrays():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Fake GPU; CuPy" in result.stdout
     assert "ours :" in result.stdout and "MFU (peak 1.0 TFLOP/s): ours" in result.stdout, result.stdout
+
+
+@pytest.mark.skipif(backend.cupy_available(), reason="checks the no-GPU refusal; on a GPU the script really runs")
+def test_gpu_check_script_refuses_clearly_without_a_gpu(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), str(tmp_path / "report")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "no GPU to check" in result.stderr and result.stdout == ""
