@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 
-from collectives.backend import Array, get_array_module, scatter_add
+from collectives.backend import Array, get_array_module, is_device_array, scatter_add
 
+from . import kernels
 from .parameter import Parameter
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -75,6 +76,8 @@ class LayerNorm:
         self.weight, self.bias = weight, bias
 
     def forward(self, x: Array) -> Array:
+        if is_device_array(x):
+            return self._forward_device(x)
         xp = get_array_module(x)
         channels = x.shape[-1]
         centered = x - row_sums(x) / channels
@@ -87,8 +90,20 @@ class LayerNorm:
         out += self.bias.data
         return out
 
+    def _forward_device(self, x: Array) -> Array:
+        """Mean and variance as CuPy reductions, then normalize and affine in one fused pass (four on NumPy)."""
+        xp = get_array_module(x)
+        mean = x.mean(axis=-1, keepdims=True)
+        self.rstd = 1.0 / xp.sqrt(x.var(axis=-1, keepdims=True) + self.eps)
+        result = kernels.LAYER_NORM_FORWARD(x=x, mean=mean, rstd=self.rstd, weight=self.weight.data,
+                                            bias=self.bias.data)
+        self.normalized = result["normalized"]
+        return result["out"]
+
     def backward_input(self, dout: Array) -> Array:
         # dx = rstd · (dnorm − mean(dnorm) − norm · mean(dnorm · norm)), with dnorm = dout · weight
+        if is_device_array(dout):
+            return self._backward_input_device(dout)
         xp = get_array_module(dout)
         channels = dout.shape[-1]
         dnorm = dout * self.weight.data
@@ -99,6 +114,16 @@ class LayerNorm:
         dx -= xp.multiply(self.normalized, mean_dnorm_norm, out=work)
         dx *= self.rstd
         return dx
+
+    def _backward_input_device(self, dout: Array) -> Array:
+        """The two row means as GEMVs with the weight (Σ dout·w, Σ dout·normalized·w), then dx in one fused pass."""
+        channels = dout.shape[-1]
+        row_shape = (*dout.shape[:-1], 1)
+        weight = self.weight.data
+        mean_dnorm = (dout.reshape(-1, channels) @ weight).reshape(row_shape) / channels
+        mean_dnorm_norm = ((dout * self.normalized).reshape(-1, channels) @ weight).reshape(row_shape) / channels
+        return kernels.LAYER_NORM_BACKWARD(dout=dout, weight=weight, normalized=self.normalized, rstd=self.rstd,
+                                           mean_dnorm=mean_dnorm, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
     def backward_weights(self, dout: Array) -> None:
         self.weight.grad += column_sums(dout * self.normalized)
@@ -119,6 +144,10 @@ class GELU:
     """
 
     def forward(self, x: Array) -> Array:
+        if is_device_array(x):  # one fused pass; backward recomputes the gate from x, so a and h are not kept
+            self.x = x
+            self.out = kernels.GELU_FORWARD(x=x)["out"]
+            return self.out
         xp = get_array_module(x)
         self.x = x
         a = x * x
@@ -133,6 +162,8 @@ class GELU:
         return self.out
 
     def backward_input(self, dout: Array) -> Array:
+        if is_device_array(dout):
+            return kernels.GELU_BACKWARD(x=self.x, dout=dout)["dx"]
         # du/dx = √(2/π)·(1 + 3·0.044715·x²) = 3a − 2√(2/π), and 2·x·(1 − h) = 2·(x − out)
         slope = self.a * 6.0
         slope -= 4.0 * GELU_SCALE
@@ -155,8 +186,17 @@ def causal_softmax(scores: Array, offset: int = 0) -> Array:
     xp = get_array_module(scores)
     queries, keys = scores.shape[-2:]
     scores += xp.triu(xp.full((queries, keys), -xp.inf, dtype=scores.dtype), k=offset + 1)  # the future: −inf
+    if is_device_array(scores):
+        return _normalized_exp_device(scores)
     scores -= scores.max(axis=-1, keepdims=True)  # stable: the largest exponent is e^0
     xp.exp(scores, out=scores)
+    scores /= row_sums(scores)
+    return scores
+
+
+def _normalized_exp_device(scores: Array) -> Array:
+    """exp(s − row max) / row sum in place, the shift and the exponential fused into one pass."""
+    kernels.SOFTMAX_EXP(scores=scores, row_max=scores.max(axis=-1, keepdims=True), exps=scores)
     scores /= row_sums(scores)
     return scores
 
@@ -167,6 +207,9 @@ def softmax_backward(probs: Array, dprobs: Array, weighted_sum: Array | None = N
     `weighted_sum` is Σ dp·p over the last axis (keepdims), for callers that have a cheaper way to it."""
     if weighted_sum is None:
         weighted_sum = row_sums(dprobs * probs)
+    if is_device_array(dprobs):
+        fused = kernels.SOFTMAX_BACKWARD(probs=probs, dprobs=dprobs, weighted_sum=weighted_sum, dscores=dprobs)
+        return fused["dscores"]
     dprobs -= weighted_sum
     dprobs *= probs
     return dprobs
@@ -394,9 +437,12 @@ class TiedHeadCrossEntropy:
         targets = targets.reshape(-1)
         rows = xp.arange(len(targets))
         logits = self.x2d @ self.token.data.T
-        logits -= logits.max(axis=-1, keepdims=True)
-        target_logits = logits[rows, targets]
-        xp.exp(logits, out=logits)
+        if is_device_array(logits):
+            target_logits = _shifted_exp_device(logits, rows, targets)
+        else:
+            logits -= logits.max(axis=-1, keepdims=True)
+            target_logits = logits[rows, targets]
+            xp.exp(logits, out=logits)
         sums = row_sums(logits)
         logits /= sums * normalizer  # softmax / normalizer
         logits[rows, targets] -= 1.0 / normalizer
@@ -417,3 +463,11 @@ class TiedHeadCrossEntropy:
         dx = self.backward_input()
         self.backward_weights()
         return dx
+
+
+def _shifted_exp_device(logits: Array, rows: Array, targets: Array) -> Array:
+    """logits ← exp(logits − row max) in one fused pass; returns the shifted target logits, read before it."""
+    row_max = logits.max(axis=-1, keepdims=True)
+    target_logits = logits[rows, targets] - row_max[:, 0]
+    kernels.SOFTMAX_EXP(scores=logits, row_max=row_max, exps=logits)
+    return target_logits

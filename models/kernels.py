@@ -1,0 +1,316 @@
+"""Fused elementwise GPU kernels (GELU, LayerNorm, softmax, AdamW), written once and checkable on a CPU.
+
+Why fuse: on a GPU every array operation is one kernel launch and one trip through memory. GELU, LayerNorm's
+normalize-and-affine, softmax's shift-and-exponential and the AdamW step are chains of such operations, so each
+chain becomes one `cupy.ElementwiseKernel` that reads and writes every element once. Reductions (row maxima, row
+sums, means, variances) stay CuPy reductions or GEMVs; the kernels take their per-row results as broadcast inputs.
+
+Why as data: a kernel is its parameters plus statements `(target, expression)`, and every expression is text that
+C and Python read alike — names, literals with a decimal point, + - * /, unary minus, parentheses and the
+functions in `FUNCTIONS`. `cuda_source()` joins the statements into the CUDA C loop body; `evaluate_numpy()` runs
+the very same text with NumPy. So a CPU test of `evaluate_numpy` checks the math of the text the GPU compiles.
+
+Parameters use CuPy's syntax: `T name` has the arrays' dtype (a Python scalar passed for it is converted to that
+dtype), `float64 name` a fixed one. Kernels are pure functions of their inputs; "in place" is a way of calling
+them: pass an input array again as the output it is paired with in `in_place`. That is safe in CUDA because each
+element's thread reads the input element before it writes the output element (checked: no statement after the
+output's first assignment reads the input), and CuPy's ElementwiseKernel does not copy aliased arguments.
+
+Precision: in float64 a kernel agrees with the NumPy code to rounding (the CUDA math library and the compiler's
+fused multiply-adds differ in the last bits). In float32 the locals and outputs are float, but C evaluates any
+operation with a literal or a double in double precision before rounding to float: more accurate, not identical.
+
+Communication: none.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from collectives.backend import Array, get_array_module, is_device_array
+
+FUNCTIONS = {"tanh": np.tanh, "exp": np.exp, "sqrt": np.sqrt}
+"""The functions expressions may call: CUDA's math functions (overloaded for float and double) and their NumPy
+ufuncs."""
+
+LOCAL_TYPE = "T"
+"""C type of the kernel's own intermediate variables: the arrays' dtype (CuPy typedefs the placeholder)."""
+
+FLOAT_TYPES = ("T", "float32", "float64")
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_LITERAL = re.compile(r"[0-9]+\.[0-9]*([eE][+-]?[0-9]+)?")
+_ALLOWED_CHARACTERS = re.compile(r"[A-Za-z0-9_.+\-*/() ]*")
+_OPERATORS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+_RESERVED = {"i", "T", "auto", "bool", "break", "case", "char", "const", "continue", "default", "do", "double",
+             "else", "enum", "extern", "float", "for", "goto", "if", "int", "long", "register", "return", "short",
+             "signed", "sizeof", "static", "struct", "switch", "typedef", "union", "unsigned", "void", "volatile",
+             "while", "half"}
+"""Names a parameter or variable may not take: CuPy's loop index `i`, the type placeholder, C keywords."""
+
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
+"""GPT-2's tanh approximation constants (the same values as models.layers uses)."""
+
+
+def literal(value: float) -> str:
+    """`value` written so that C and Python read the same double: repr round-trips, and the decimal point keeps C
+    from reading an integer (integer division would silently truncate)."""
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"kernel literals are finite and non-negative (use unary minus), got {value}")
+    mantissa, _, exponent = repr(float(value)).partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return mantissa + (f"e{exponent}" if exponent else "")
+
+
+def parse_params(text: str) -> tuple[tuple[str, str], ...]:
+    """CuPy's parameter list "T x, float64 lr" as ((type, name), …), checked for what these kernels support."""
+    params = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        words = item.split()
+        if len(words) != 2 or words[0] not in FLOAT_TYPES:
+            raise ValueError(f"parameter {item!r}: expected '<type> <name>' with type one of {FLOAT_TYPES}")
+        params.append((words[0], _checked_name(words[1], "parameter")))
+    return tuple(params)
+
+
+def _checked_name(name: str, what: str) -> str:
+    if not _IDENTIFIER.fullmatch(name) or name in _RESERVED or name in FUNCTIONS:
+        raise ValueError(f"{what} name {name!r} is not a plain identifier free in both C and Python")
+    return name
+
+
+def names_read(expression: str, known: set[str]) -> set[str]:
+    """The variables `expression` reads, after checking it is in the C-and-Python subset; raises ValueError."""
+    if not _ALLOWED_CHARACTERS.fullmatch(expression) or "--" in expression or "++" in expression:
+        raise ValueError(f"{expression!r}: only names, literals, + - * /, parentheses and spaces are allowed "
+                         "(and no '--' or '++', which C reads as decrement/increment)")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as error:
+        raise ValueError(f"{expression!r} does not parse: {error.msg}") from None
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    read = set()
+    for node in ast.walk(tree):
+        _check_node(node, expression, called)
+        if isinstance(node, ast.Name) and id(node) not in called:
+            if node.id not in known:
+                raise ValueError(f"{expression!r} reads {node.id!r}, which is neither a parameter nor set before")
+            read.add(node.id)
+    return read
+
+
+def _check_node(node: ast.AST, expression: str, called: set[int]) -> None:
+    if isinstance(node, (ast.Expression, ast.Load, ast.USub, *_OPERATORS)):
+        return
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _OPERATORS):
+        return
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return
+    if isinstance(node, ast.Name):
+        if (node.id in FUNCTIONS) != (id(node) in called):
+            role = "function" if id(node) in called else "value"
+            raise ValueError(f"{expression!r}: {node.id!r} cannot be used as a {role}")
+        return
+    if isinstance(node, ast.Call):
+        if node.keywords or len(node.args) != 1:
+            raise ValueError(f"{expression!r}: functions take exactly one positional argument")
+        return
+    if isinstance(node, ast.Constant):
+        text = ast.get_source_segment(expression, node) or ""
+        if not isinstance(node.value, float) or not _LITERAL.fullmatch(text):
+            raise ValueError(f"{expression!r}: literal {text!r} must be written with a decimal point, like 2.0")
+        return
+    raise ValueError(f"{expression!r}: {type(node).__name__} is not allowed in a kernel expression")
+
+
+class FusedKernel:
+    """One elementwise kernel: inputs, outputs and statements, runnable by CuPy and by NumPy.
+
+    `kernel(**arrays)` runs it on CuPy arrays (one `cupy.ElementwiseKernel`, built on first use; CuPy compiles it
+    per dtype), writing into the outputs that are passed — all of them or none, as CuPy requires — and returns
+    {output name: array}. `evaluate_numpy(**arrays)` computes the outputs from NumPy arrays as new arrays.
+    `in_place` maps outputs to the inputs they may overwrite (the same array passed for both).
+    """
+
+    def __init__(self, name: str, inputs: str, outputs: str, statements: Sequence[tuple[str, str]],
+                 in_place: dict[str, str] | None = None) -> None:
+        self.name = _checked_name(name, "kernel")
+        self.inputs, self.outputs = parse_params(inputs), parse_params(outputs)
+        self.statements = tuple(statements)
+        self.in_place = dict(in_place or {})
+        self._reads = self._check_statements()
+        self._check_in_place()
+        self._codes = [compile(expression, f"<{name}: {target}>", "eval") for target, expression in self.statements]
+        self._compiled: dict[str, Any] = {}
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.outputs)
+
+    def _check_statements(self) -> list[set[str]]:
+        """Every name is a parameter or set before, inputs are never assigned, outputs always are; returns the
+        names each statement reads."""
+        params = self.input_names + self.output_names
+        if len(set(params)) != len(params):
+            raise ValueError(f"{self.name}: parameter names repeat: {params}")
+        if LOCAL_TYPE not in {ctype for ctype, _ in self.inputs + self.outputs}:
+            raise ValueError(f"{self.name}: some parameter must have the placeholder type {LOCAL_TYPE}")
+        known, reads = set(self.input_names), []
+        for target, expression in self.statements:
+            reads.append(names_read(expression, known))  # reading an output before setting it reads garbage
+            if target in self.input_names:
+                raise ValueError(f"{self.name}: statement assigns the input {target!r} (inputs are const)")
+            known.add(_checked_name(target, "statement target"))
+        unwritten = [name for name in self.output_names if name not in known]
+        if unwritten:
+            raise ValueError(f"{self.name}: outputs {unwritten} are never assigned")
+        return reads
+
+    def _check_in_place(self) -> None:
+        """An output may share memory with its paired input only if nothing reads the input after the output's
+        first assignment (it would read the new value)."""
+        for output, source in self.in_place.items():
+            if output not in self.output_names or source not in self.input_names:
+                raise ValueError(f"{self.name}: in_place pairs an output with an input, got {output!r}: {source!r}")
+            first = next(k for k, (target, _) in enumerate(self.statements) if target == output)
+            for (target, _), read in zip(self.statements[first + 1:], self._reads[first + 1:], strict=True):
+                if source in read:
+                    raise ValueError(f"{self.name}: {target} reads {source!r} after {output!r}, which may alias it, "
+                                     "was written")
+
+    def cuda_source(self) -> str:
+        """The `operation` of the ElementwiseKernel: one C statement per line, locals declared at first use."""
+        declared = set(self.input_names + self.output_names)
+        lines = []
+        for target, expression in self.statements:
+            declaration = "" if target in declared else f"{LOCAL_TYPE} "
+            declared.add(target)
+            lines.append(f"{declaration}{target} = {expression};")
+        return "\n".join(lines)
+
+    def evaluate_numpy(self, **arrays: Array) -> dict[str, np.ndarray]:
+        """The outputs computed from the statement text with NumPy, as new arrays (broadcast like CuPy does)."""
+        self._check_arguments(arrays, required=self.input_names, allowed=self.input_names)
+        namespace = dict(arrays)
+        for (target, _), code in zip(self.statements, self._codes, strict=True):
+            namespace[target] = eval(code, {"__builtins__": {}, **FUNCTIONS}, namespace)  # text checked above
+        shape = np.broadcast_shapes(*(np.shape(value) for value in arrays.values()))
+        return {name: np.array(np.broadcast_to(namespace[name], shape), dtype=self._dtype(ctype, arrays))
+                for ctype, name in self.outputs}
+
+    def __call__(self, **arrays: Array) -> dict[str, Array]:
+        """Run on CuPy arrays; outputs passed (all or none) are written, the others allocated."""
+        given = tuple(name for name in self.output_names if name in arrays)
+        self._check_arguments(arrays, required=self.input_names + (self.output_names if given else ()),
+                              allowed=self.input_names + self.output_names)
+        self._check_aliasing(arrays)
+        device_arrays = [a for a in arrays.values() if is_device_array(a)]
+        if not device_arrays:
+            raise TypeError(f"{self.name} runs on CuPy arrays; NumPy arrays go through evaluate_numpy")
+        kernel = self._elementwise_kernel(get_array_module(device_arrays[0]))
+        results = kernel(*(arrays[name] for name in self.input_names + given))
+        return dict(zip(self.output_names, results if isinstance(results, tuple) else (results,), strict=True))
+
+    def _check_aliasing(self, arrays: dict[str, Array]) -> None:
+        """The same array as an input and an output is allowed only for the declared `in_place` pairs."""
+        for output in self.output_names:
+            for source in self.input_names:
+                if output in arrays and arrays[output] is arrays[source] and self.in_place.get(output) != source:
+                    raise ValueError(f"{self.name}: {output} aliases input {source}, which is not an in-place pair")
+
+    def declarations(self) -> tuple[str, str]:
+        """The `in_params` and `out_params` strings of the ElementwiseKernel ("T x, T dout", "T dx")."""
+        def declare(params: tuple[tuple[str, str], ...]) -> str:
+            return ", ".join(f"{ctype} {name}" for ctype, name in params)
+
+        return declare(self.inputs), declare(self.outputs)
+
+    def _elementwise_kernel(self, cupy: Any) -> Any:
+        """The cupy.ElementwiseKernel, built once per array module (CuPy compiles it per dtype on first launch)."""
+        if cupy.__name__ not in self._compiled:
+            self._compiled[cupy.__name__] = cupy.ElementwiseKernel(*self.declarations(), self.cuda_source(),
+                                                                   f"mpiparallel_{self.name}")
+        return self._compiled[cupy.__name__]
+
+    def _check_arguments(self, arrays: dict[str, Array], required: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+        missing = [name for name in required if name not in arrays]
+        unknown = [name for name in arrays if name not in allowed]
+        if missing or unknown:
+            raise TypeError(f"{self.name}: missing arguments {missing}, unknown arguments {unknown}")
+
+    def _dtype(self, ctype: str, arrays: dict[str, Array]) -> np.dtype:
+        """What CuPy makes of a parameter type: a fixed dtype, or the dtype of the arrays passed for T."""
+        if ctype != LOCAL_TYPE:
+            return np.dtype(ctype)
+        bound = [arrays[name] for kind, name in self.inputs if kind == LOCAL_TYPE and hasattr(arrays[name], "dtype")]
+        return np.result_type(*bound)
+
+    def __repr__(self) -> str:
+        return f"FusedKernel({self.name}: {', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernels. Each statement follows the NumPy code of models.layers / mpiparallel.optim operation by operation
+# (same operands, same order), so evaluate_numpy reproduces that code to the last bit.
+# ---------------------------------------------------------------------------------------------------------------
+
+_GELU_GATE = (
+    # a = √(2/π)·(1 + 0.044715·x²), gate h = (1 + tanh(a·x))/2, as GELU.forward computes them
+    ("a", f"x * x * {literal(GELU_SCALE * GELU_CUBIC)} + {literal(GELU_SCALE)}"),
+    ("gate", "tanh(a * x) * 0.5 + 0.5"),
+)
+
+GELU_FORWARD = FusedKernel("gelu_forward", "T x", "T out", [*_GELU_GATE, ("out", "x * gate")])
+"""out = x·h: one pass instead of seven. Nothing but x is kept: GELU_BACKWARD recomputes the gate."""
+
+GELU_BACKWARD = FusedKernel("gelu_backward", "T x, T dout", "T dx", [
+    *_GELU_GATE,
+    ("out", "x * gate"),
+    # dx = dout·(h + (x − out)·h·(6a − 4√(2/π))), GELU.backward_input's formula
+    ("dx", f"((a * 6.0 - {literal(4.0 * GELU_SCALE)}) * gate * (x - out) + gate) * dout"),
+])
+"""dx from x and dout in one pass: recomputing tanh is cheaper on a GPU than keeping and re-reading a and h."""
+
+LAYER_NORM_FORWARD = FusedKernel("layer_norm_forward", "T x, T mean, T rstd, T weight, T bias",
+                                 "T normalized, T out", [
+                                     ("normalized", "(x - mean) * rstd"),
+                                     ("out", "normalized * weight + bias"),
+                                 ])
+"""Normalize and affine from the per-row mean and 1/std; writes `normalized`, which backward keeps."""
+
+LAYER_NORM_BACKWARD = FusedKernel("layer_norm_backward",
+                                  "T dout, T weight, T normalized, T rstd, T mean_dnorm, T mean_dnorm_norm", "T dx", [
+                                      ("dx", "(dout * weight - mean_dnorm - normalized * mean_dnorm_norm) * rstd"),
+                                  ])
+"""dx = rstd·(dnorm − mean(dnorm) − normalized·mean(dnorm·normalized)), dnorm = dout·weight, from the row means."""
+
+SOFTMAX_EXP = FusedKernel("softmax_exp", "T scores, T row_max", "T exps", [("exps", "exp(scores - row_max)")],
+                          in_place={"exps": "scores"})
+"""exp(scores − row max), masked −inf entries becoming 0; the caller divides by the row sums."""
+
+SOFTMAX_BACKWARD = FusedKernel("softmax_backward", "T probs, T dprobs, T weighted_sum", "T dscores", [
+    ("dscores", "(dprobs - weighted_sum) * probs"),
+], in_place={"dscores": "dprobs"})
+"""d(scores) = p·(dp − Σ dp·p) from the row sums Σ dp·p."""
+
+ADAMW = FusedKernel("adamw", "T param, T grad, T exp_avg, T exp_avg_sq, T decay, T beta1, T beta2, T step_size, "
+                    "T sqrt_bias_correction2, T eps", "T new_param, T new_exp_avg, T new_exp_avg_sq", [
+                        ("new_exp_avg", "exp_avg * beta1 + grad * (1.0 - beta1)"),
+                        ("new_exp_avg_sq", "exp_avg_sq * beta2 + grad * (1.0 - beta2) * grad"),
+                        ("new_param", "param * decay - new_exp_avg / (sqrt(new_exp_avg_sq) / sqrt_bias_correction2"
+                                      " + eps) * step_size"),
+                    ], in_place={"new_param": "param", "new_exp_avg": "exp_avg", "new_exp_avg_sq": "exp_avg_sq"})
+"""One AdamW step: reads p, g, m, v once and writes p, m, v once (in place when called so). decay = 1 − lr·wd (1
+without decay), step_size = lr / (1 − β1^t), sqrt_bias_correction2 = √(1 − β2^t): see
+mpiparallel.optim.adamw_kernel_scalars."""
