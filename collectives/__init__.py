@@ -8,6 +8,8 @@
 Algorithms live one family per module (ring, recursive, bruck, pairwise, tree), each a generator of
 communication steps with its α-β-γ cost in the docstring; `api` checks arguments and dispatches; `cost_model`
 picks an algorithm for algo="auto"; `native` is the MPI library's own collective (algo="mpi"), the reference.
+`nccl` runs NVIDIA's NCCL on CuPy arrays with the same meaning, the GPU reference (`from collectives import nccl`;
+it imports CuPy only when a communicator is built).
 """
 
 from .api import (

@@ -115,8 +115,12 @@ def main() -> None:
 @click.option("--algo", default="auto",
               help="Algorithm: auto (the cost model's choice per size), mpi (the library's own), or a "
                    "hand-written one; a wrong name lists the valid ones.")
-@click.option("--compare", type=click.Choice(["mpi"]), default=None,
-              help="Also time the MPI library's own collective, interleaved per size, and print the ratio.")
+@click.option("--compare", type=click.Choice(["mpi", "nccl"]), default=None,
+              help="Also time the MPI library's own collective, or NCCL's (on GPU buffers), interleaved per "
+                   "size, and print its busbw and the ratio of its time to ours.")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default=None,
+              help="Where the buffers live: NumPy arrays, or CuPy arrays on each rank's GPU (local rank mod GPU "
+                   "count); timings wait for the GPU. [default: gpu with --compare nccl, else cpu]")
 @click.option("--calibrate", is_flag=True,
               help="Measure the cost model's alpha, beta and gamma first and save them for algo=auto.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -126,8 +130,8 @@ def main() -> None:
 @click.pass_context
 def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbytes: int, maxbytes: int,
           stepfactor: int | None, stepbytes: int | None, iters: int, warmup_iters: int, check: int, datatype: str,
-          op: str, root: int, algo: str, compare: str | None, calibrate: bool, json_path: Path | None,
-          plot_path: Path | None) -> None:
+          op: str, root: int, algo: str, compare: str | None, device: str | None, calibrate: bool,
+          json_path: Path | None, plot_path: Path | None) -> None:
     """Bandwidth benchmark of one collective, printed as nccl-tests prints it.
 
     COLLECTIVE is one of all_reduce, reduce_scatter, all_gather, alltoall, broadcast, reduce, sendrecv.
@@ -137,9 +141,14 @@ def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbyte
     the largest buffer (the gathered output of all_gather, the whole input of reduce_scatter and alltoall);
     `count` is the elements per rank. With --calibrate and no COLLECTIVE it only calibrates.
 
+    --device gpu runs on GPU buffers (our collectives through MPI: CUDA-aware, or staged through host
+    memory); --compare nccl (which implies --device gpu) adds NCCL's busbw and vs-nccl = NCCL time / ours.
+    Ranks that share a GPU need NCCL >= 2.30; NCCL_MULTI_RANK_GPU_ENABLE=1 is set for them when unset.
+
     \b
     Examples:
       mpiparallel bench all_reduce -n 4 --compare mpi
+      mpiparallel bench all_reduce -n 2 --compare nccl -e 256M
       mpiparallel bench all_gather -n 2 -b 1K -e 16M -d double --algo ring
       mpiexec -n 8 mpiparallel bench reduce_scatter -o max --json rs.json --plot rs.png
     """
@@ -151,6 +160,9 @@ def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbyte
         raise click.BadParameter("must be positive", param_hint="'-i' / '--stepbytes'")
     if minbytes > maxbytes:
         raise click.UsageError(f"-b/--minbytes ({minbytes}) is larger than -e/--maxbytes ({maxbytes})")
+    if compare == "nccl" and device == "cpu":
+        raise click.BadParameter("--compare nccl times NCCL on GPU buffers; leave out --device or pass --device gpu",
+                                 param_hint="'--device'")
     _check_plotting(plot_path)
     launch.ensure_world_size(ranks, _argv(ctx))
 
@@ -163,8 +175,9 @@ def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbyte
     settings = benchmark.BenchSettings(
         collective=collective, minbytes=minbytes, maxbytes=maxbytes, stepfactor=stepfactor or 2,
         stepbytes=stepbytes, iters=iters, warmup_iters=warmup_iters, check=bool(check),
-        datatype=DATATYPES[datatype.lower()], op=op, root=root, algo=algo, compare_mpi=compare == "mpi",
-        calibrate=calibrate, json_path=json_path, plot_path=plot_path)
+        datatype=DATATYPES[datatype.lower()], op=op, root=root, algo=algo, compare=compare,
+        device=device or ("gpu" if compare == "nccl" else "cpu"), calibrate=calibrate, json_path=json_path,
+        plot_path=plot_path)
     ctx.exit(benchmark.run(settings))
 
 
@@ -183,7 +196,12 @@ VERIFY_DATATYPES = ("float16", "float32", "float64", "int32", "int64")
 
 @main.command(context_settings={"show_default": True})
 @click.option("--against", type=click.Choice(["mpi", "nccl"]), default="mpi",
-              help="Reference library whose collectives define the right answer.")
+              help="Reference library whose collectives define the right answer: the MPI library's own "
+                   "collectives, or NVIDIA's NCCL through CuPy (on GPU buffers).")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default=None,
+              help="Where the buffers live: NumPy arrays, or CuPy arrays on each rank's GPU (local rank mod GPU "
+                   "count), our collectives still talking through MPI. [default: gpu with --against nccl, "
+                   "else cpu]")
 @ranks_option
 @click.option("--max-count", type=click.IntRange(min=0), default=(1 << 20) + 3,
               help="Largest count in the size sweep (elements per rank block).")
@@ -193,8 +211,8 @@ VERIFY_DATATYPES = ("float16", "float32", "float64", "int32", "int64")
               help="Verify only this datatype (repeatable). [default: all]")
 @click.option("--seed", type=int, default=0, help="Seed of every rank's random inputs.")
 @click.pass_context
-def verify(ctx: click.Context, against: str, ranks: int | None, max_count: int, collectives: tuple[str, ...],
-           datatypes: tuple[str, ...], seed: int) -> None:
+def verify(ctx: click.Context, against: str, device: str | None, ranks: int | None, max_count: int,
+           collectives: tuple[str, ...], datatypes: tuple[str, ...], seed: int) -> None:
     """Check every hand-written algorithm against a reference library, element for element.
 
     Runs each collective x algorithm x datatype x op (x root for broadcast and reduce) over a sweep of
@@ -203,16 +221,25 @@ def verify(ctx: click.Context, against: str, ranks: int | None, max_count: int, 
     one row per collective, algorithm, datatype and op, with #wrong = mismatched output elements (plus input
     elements the call modified) summed over ranks and sizes. Exits 0 iff no row is wrong.
 
+    --against nccl runs on GPU buffers: our collectives (through MPI, CUDA-aware or staged through host
+    memory) against NCCL's on the same CuPy arrays. It needs CuPy with NCCL and a GPU on every rank; ranks
+    that share a GPU need NCCL >= 2.30, and NCCL_MULTI_RANK_GPU_ENABLE=1 is set for them when unset.
+
     \b
     Examples:
       mpiparallel verify --against mpi -n 4
       mpiexec -n 3 mpiparallel verify --max-count 10000 --collective all_reduce -d float16
+      mpiparallel verify --against nccl -n 2 --max-count 100000
+      mpiparallel verify --against mpi --device gpu -n 2
     """
+    if against == "nccl" and device == "cpu":
+        raise click.BadParameter("NCCL runs on GPU buffers only; leave out --device or pass --device gpu",
+                                 param_hint="'--device'")
     launch.ensure_world_size(ranks, _argv(ctx))
 
     from . import verify as verification
 
-    settings = verification.VerifySettings(against=against, max_count=max_count,
+    settings = verification.VerifySettings(against=against, device=device, max_count=max_count,
                                            collectives=collectives or VERIFY_COLLECTIVES,
                                            datatypes=datatypes or VERIFY_DATATYPES, seed=seed)
     ctx.exit(verification.run(settings))

@@ -6,37 +6,53 @@ counts — 0, 1, small odd counts, counts not divisible by the rank count, up to
 result with the reference library's on the same input. Inputs are random integers (each rank draws its own
 from a seeded generator), small enough that every sum and product is exact in every datatype, so the two
 results must be equal bit for bit: `#wrong` counts differing output elements, plus input elements the call
-modified (the API promises not to), summed over ranks.
+modified (the API promises not to), summed over ranks. Averages get multiples of the rank count, so that
+the average itself is exact, whether a library divides the sum or (as NCCL does for floats) each input.
 
 "count" means: the elements of x for all_reduce, broadcast and reduce; one rank's block for reduce_scatter
 and all_to_all (x has count·n elements) and all_gather (x has count); the largest row count a rank sends to
 one destination for all_to_allv (rows of two elements, the per-destination counts drawn at random).
 
 References are pluggable: a `Reference` runs the seven collectives with another library. `MPIReference`
-calls the MPI library's own collectives (algo="mpi"). NCCL is not available yet.
+calls the MPI library's own collectives (algo="mpi"); `NCCLReference` calls NVIDIA's NCCL through
+`collectives.nccl` (CuPy's binding), on the same GPU arrays.
+
+Devices: --device cpu runs on NumPy arrays, --device gpu on CuPy arrays (each rank bound to GPU local rank
+mod GPU count), where our collectives still talk through MPI — with device pointers if the MPI library is
+CUDA-aware, else through pinned host buffers (the preamble says which). --against nccl implies --device gpu.
+Without a usable GPU on some rank, a GPU run stops before it starts with one message naming the reason.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import Communicator
+from collectives import Communicator, backend, nccl
 
 from .errors import ConfigError
 from .launch import mpi_library
 
-Array = np.ndarray
+Array = Any  # numpy.ndarray, or cupy.ndarray with --device gpu
 
 
 class Reference:
     """The collectives of a reference library: same meaning as `collectives`, results to trust."""
 
     name = "reference"
+
+    def describe(self) -> str | None:
+        """A line for the report's preamble, or None."""
+        return None
+
+    def close(self) -> None:
+        """Free what the library holds (called after the last check)."""
 
     def all_reduce(self, x: Array, op: str) -> Array:
         raise NotImplementedError
@@ -90,11 +106,101 @@ class MPIReference(Reference):
         return collectives.reduce(x, self.comm, root=root, op=op, algo="mpi")
 
 
+class NCCLReference(Reference):
+    """NVIDIA's NCCL on CuPy arrays (`collectives.nccl`): ncclAllReduce, ncclReduceScatter, ..., and grouped
+    ncclSend/ncclRecv for the all-to-alls, which NCCL does not have. Pass `nccl_comm` to use one built
+    elsewhere (another library object, a test double); by default one is built over `comm` with CuPy's NCCL."""
+
+    name = "nccl"
+
+    def __init__(self, comm: Communicator, nccl_comm: nccl.NcclComm | None = None) -> None:
+        self.comm = nccl_comm if nccl_comm is not None else nccl.NcclComm(comm)
+
+    def describe(self) -> str:
+        shared = (f"; ranks share a GPU: {nccl.MULTI_RANK_GPU}={os.environ.get(nccl.MULTI_RANK_GPU, '')}"
+                  if self.comm.ranks_share_a_device else "")
+        return f"# reference: NCCL {self.comm.version()} through cupy.cuda.nccl{shared}"
+
+    def close(self) -> None:
+        self.comm.close()
+
+    def all_reduce(self, x: Array, op: str) -> Array:
+        return nccl.all_reduce(x, self.comm, op=op)
+
+    def reduce_scatter(self, x: Array, op: str) -> Array:
+        return nccl.reduce_scatter(x, self.comm, op=op)
+
+    def all_gather(self, x: Array) -> Array:
+        return nccl.all_gather(x, self.comm)
+
+    def all_to_all(self, x: Array) -> Array:
+        return nccl.all_to_all(x, self.comm)
+
+    def all_to_allv(self, x: Array, send_counts: Sequence[int]) -> tuple[Array, list[int]]:
+        return nccl.all_to_allv(x, send_counts, self.comm)
+
+    def broadcast(self, x: Array, root: int) -> Array:
+        return nccl.broadcast(x, self.comm, root=root)
+
+    def reduce(self, x: Array, root: int, op: str) -> Array | None:
+        return nccl.reduce(x, self.comm, root=root, op=op)
+
+
+REFERENCES: dict[str, Callable[[Communicator], Reference]] = {"mpi": MPIReference, "nccl": NCCLReference}
+
+
 def reference_for(name: str, comm: Communicator) -> Reference:
-    if name == "mpi":
-        return MPIReference(comm)
-    raise ConfigError(f"verify --against {name} is not available yet: only the MPI reference is implemented "
-                      f"(verifying against NCCL needs GPU arrays and a CuPy NCCL communicator)")
+    if name not in REFERENCES:
+        raise ConfigError(f"verify --against {name}: unknown reference; valid: {', '.join(REFERENCES)}")
+    return REFERENCES[name](comm)
+
+
+# -- devices ------------------------------------------------------------------------------------------------
+
+def gpu_problem(comm: Communicator, need_nccl: bool) -> str | None:
+    """Why some rank cannot run on a GPU (or NCCL), the same answer on every rank; None when all can.
+
+    Collective: each rank asks its own machine, and all ranks then report the first problem found, so that
+    every rank stops together (a rank stopping alone would leave the others waiting).
+    """
+    mine = nccl.nccl_unavailable_reason() if need_nccl else backend.gpu_unavailable_reason()
+    reasons = comm.comm.allgather(mine)
+    problems = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
+    if not problems:
+        return None
+    rank, reason = problems[0]
+    return reason if len(set(reasons)) == 1 else f"rank {rank}: {reason}"
+
+
+def use_gpu(comm: Communicator, what: str, need_nccl: bool = False) -> int:
+    """Stop every rank with one ConfigError unless all can use a GPU; then bind each to its GPU (returned)."""
+    problem = gpu_problem(comm, need_nccl)
+    if problem is not None:
+        raise ConfigError(f"{what} needs {'NCCL on ' if need_nccl else ''}a GPU on every rank: {problem}")
+    return backend.bind_device(comm.comm)
+
+
+def resolve_device(against: str, device: str | None) -> str:
+    """--device, defaulting to where the reference runs: the GPU for NCCL, the CPU for MPI."""
+    if against == "nccl" and device == "cpu":
+        raise ConfigError("verify --against nccl runs on GPU buffers only; leave out --device or pass --device gpu")
+    return device or ("gpu" if against == "nccl" else "cpu")
+
+
+def array_module(device: str) -> Any:
+    """NumPy for --device cpu, CuPy for --device gpu."""
+    if device == "cpu":
+        return np
+    import cupy
+
+    return cupy
+
+
+def to_host(result: Any) -> Any:
+    """A result with every GPU array copied to a NumPy array (tuples of all_to_allv included)."""
+    if isinstance(result, tuple):
+        return tuple(to_host(part) for part in result)
+    return result.get() if backend.is_device_array(result) else result
 
 
 # -- the cases ----------------------------------------------------------------------------------------------
@@ -102,6 +208,7 @@ def reference_for(name: str, comm: Communicator) -> Reference:
 @dataclass(frozen=True)
 class VerifySettings:
     against: str = "mpi"
+    device: str | None = None  # None: where the reference runs (gpu for nccl, cpu for mpi)
     max_count: int = (1 << 20) + 3
     collectives: Sequence[str] = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv",
                                   "broadcast", "reduce")
@@ -161,6 +268,8 @@ def make_input(case: Case, rank: int, n: int, seed: int) -> tuple[Array, list[in
         shape = (case.count,)
     if case.op == "prod":
         values = rng.choice([-2, -1, 1, 2], size=shape)  # |product| ≤ 2^n: exact, or ±inf on both sides
+    elif case.op == "avg":
+        values = rng.integers(-8, 9, size=shape) * n  # |sum| ≤ 8n², exact in float16 up to 16 ranks
     elif case.op is not None:
         values = rng.integers(-8, 9, size=shape)  # sums stay far below float16's 2048 exact-integer limit
     else:
@@ -195,18 +304,22 @@ def mismatches(ours: object, theirs: object) -> int:
         return mismatches(ours[0], theirs[0]) + (0 if list(ours[1]) == list(theirs[1]) else 1)
     if ours is None or theirs is None:
         return 0 if ours is None and theirs is None else 1
+    ours, theirs = to_host(ours), to_host(theirs)
     if ours.shape != theirs.shape or ours.dtype != theirs.dtype:
         return max(ours.size, theirs.size, 1)
     return int(np.count_nonzero(ours != theirs))
 
 
-def wrong_elements(case: Case, comm: Communicator, reference: Reference, seed: int) -> int:
-    """This rank's wrong elements for one case: result differences plus input elements that changed."""
-    x, send_counts = make_input(case, comm.rank, comm.size, seed)
-    untouched = x.copy()
+def wrong_elements(case: Case, comm: Communicator, reference: Reference, seed: int, xp: Any = np) -> int:
+    """This rank's wrong elements for one case: result differences plus input elements that changed.
+
+    `xp` (NumPy or CuPy) is where the inputs live; each library gets its own copy of the same input.
+    """
+    host_input, send_counts = make_input(case, comm.rank, comm.size, seed)
+    x = xp.array(host_input)
     ours = OURS[case.collective](x, case, comm, send_counts)
-    modified_input = int(np.count_nonzero(x != untouched))
-    theirs = THEIRS[case.collective](reference, untouched, case, send_counts)
+    modified_input = int(np.count_nonzero(to_host(x) != host_input))
+    theirs = THEIRS[case.collective](reference, xp.array(host_input), case, send_counts)
     return mismatches(ours, theirs) + modified_input
 
 
@@ -226,12 +339,12 @@ def _say(comm: Communicator, text: str) -> None:
 
 
 def check_row(comm: Communicator, reference: Reference, settings: VerifySettings, counts: list[int],
-              row: tuple, first_number: int) -> tuple[int, list[str]]:
+              row: tuple, first_number: int, xp: Any = np) -> tuple[int, list[str]]:
     """Run every count (and root) of one row; returns (#wrong summed over ranks, the failing cases)."""
     collective, algo, dtype, op, roots = row
     cases = [Case(collective, algo, dtype, op, root, count, first_number + i)
              for i, (root, count) in enumerate((root, count) for root in roots for count in counts)]
-    wrong = np.array([wrong_elements(case, comm, reference, settings.seed) for case in cases], np.int64)
+    wrong = np.array([wrong_elements(case, comm, reference, settings.seed, xp) for case in cases], np.int64)
     comm.comm.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
     failing = [f"count {c.count}" + ("" if c.root is None else f" root {c.root}")
                for c, w in zip(cases, wrong, strict=True) if w]
@@ -248,15 +361,36 @@ def _failures(failing: list[str], shown: int = 4) -> str:
 def run(settings: VerifySettings) -> int:
     """Check every row on every rank; rank 0 prints the table. Returns 0 iff nothing was wrong."""
     comm = collectives.world()
+    device = resolve_device(settings.against, settings.device)
+    if device == "gpu":
+        what = "verify --against nccl" if settings.against == "nccl" else "verify --device gpu"
+        use_gpu(comm, what, need_nccl=settings.against == "nccl")
     reference = reference_for(settings.against, comm)
+    status = check_all(comm, reference, settings, device)
+    reference.close()  # not on error: freeing NCCL while peers are stuck in a call could hang instead of abort
+    return status
+
+
+def device_line(device: str) -> str:
+    if device == "cpu":
+        return "# device: cpu (NumPy arrays)"
+    return f"# device: gpu (CuPy arrays); our collectives reach MPI by {backend.transfer_path()}"
+
+
+def check_all(comm: Communicator, reference: Reference, settings: VerifySettings, device: str) -> int:
+    """Print the preamble and every row of the table; returns 0 iff no row is wrong."""
+    xp = array_module(device)
     counts = count_sweep(settings.max_count, comm.size)
     _say(comm, f"# mpiparallel verify --against {reference.name}: {comm.size} ranks, {mpi_library()}, "
                f"seed {settings.seed}")
+    _say(comm, device_line(device))
+    if reference.describe():
+        _say(comm, reference.describe())
     _say(comm, f"# counts: {' '.join(map(str, counts))}")
     _say(comm, "#" + _format([name for name, _ in _COLUMNS])[1:])
     rows = wrong_rows = cases = 0
     for row in rows_to_check(settings, comm.size):
-        wrong, failing = check_row(comm, reference, settings, counts, row, first_number=cases)
+        wrong, failing = check_row(comm, reference, settings, counts, row, first_number=cases, xp=xp)
         collective, algo, dtype, op, roots = row
         row_cases = len(counts) * len(roots)
         shown_roots = "-" if roots == [None] else ",".join(map(str, roots))

@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 import pytest
 
+from collectives import backend, nccl
 from mpiparallel.cli import ByteSize
 from mpiparallel.launch import launched_by_mpi, relaunch_command
 
@@ -230,7 +231,6 @@ def test_bench_and_verify_report_a_broken_algorithm(run, tmp_path):
     ([], ["bench", "all_reduce", "-n", "2", "-d", "badtype"], "'badtype' is not one of"),
     (["-n", "2"], ["bench", "all_reduce", "-n", "3"], "-n 3 asks for 3 ranks"),
     (["-n", "2"], ["bench", "broadcast", "--root", "2"], "--root 2 is not a rank"),
-    (["-n", "2"], ["verify", "--against", "nccl"], "not available yet"),
 ])
 def test_a_bad_argument_is_reported_once_and_fails_every_rank(run, launcher, arguments, message):
     command = [mpiexec(), *launcher, *PROGRAM] if launcher else PROGRAM
@@ -259,3 +259,66 @@ def test_an_exception_on_one_rank_aborts_the_whole_job_quickly(run, tmp_path):
     assert (out + err).count("rank 1 failed: RuntimeError: rank-local failure on purpose") == 1
     assert "Traceback" not in out + err
     assert seconds < 15
+
+
+# -- GPU buffers and NCCL -------------------------------------------------------------------------------------
+
+GPU_REASON = backend.gpu_unavailable_reason()
+NCCL_REASON = nccl.nccl_unavailable_reason()
+
+
+@pytest.mark.skipif(NCCL_REASON is None, reason="this machine has a GPU with NCCL: the commands would run")
+@pytest.mark.parametrize("launcher, arguments, reason", [
+    ([], ["verify", "--against", "nccl", "-n", "2"], NCCL_REASON),
+    (["-n", "2"], ["verify", "--against", "mpi", "--device", "gpu"], GPU_REASON),
+    ([], ["bench", "all_reduce", "--compare", "nccl", "-n", "2"], NCCL_REASON),
+    ([], ["bench", "all_reduce", "--device", "gpu", "-n", "2"], GPU_REASON),
+])
+def test_gpu_commands_without_a_usable_gpu_stop_with_one_message_naming_the_reason(run, launcher, arguments,
+                                                                                    reason):
+    if reason is None:
+        pytest.skip("this machine has a GPU: only the NCCL commands would fail")
+    command = [mpiexec(), *launcher, *PROGRAM] if launcher else PROGRAM
+    status, out, err, seconds = run(*command, *arguments, timeout=60)
+    assert status != 0
+    assert (out + err).count(reason) == 1, out + err
+    assert [line.startswith("Error:") for line in (out + err).splitlines()] == [True], out + err
+    assert "Traceback" not in out + err and seconds < 30
+
+
+@pytest.mark.parametrize("arguments", [["verify", "--against", "nccl", "--device", "cpu"],
+                                       ["bench", "all_reduce", "--compare", "nccl", "--device", "cpu"]])
+def test_nccl_on_cpu_buffers_is_a_usage_error(run, arguments):
+    status, out, err, _ = run(*PROGRAM, *arguments, "-n", "2", timeout=30)
+    assert status == 2
+    assert (out + err).count("GPU buffers") == 1 and "Traceback" not in out + err
+
+
+@pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
+@pytest.mark.parametrize("ranks", ["2", "4"])
+def test_verify_against_nccl_on_gpu_finds_no_wrong_element(run, monkeypatch, ranks):
+    monkeypatch.setenv(nccl.MULTI_RANK_GPU, "1")  # several ranks on one GPU need it (NCCL >= 2.30)
+    status, out, err, _ = run(*PROGRAM, "verify", "--against", "nccl", "-n", ranks, "--max-count", "1000",
+                              timeout=600)
+    assert status == 0, out + err
+    assert "# reference: NCCL" in out and "# device: gpu" in out and "all OK" in out
+    assert {row[-1] for row in table_rows(out)} == {"0"}
+
+
+@pytest.mark.skipif(GPU_REASON is not None, reason=f"needs CuPy and a GPU: {GPU_REASON}")
+def test_verify_against_mpi_on_gpu_buffers_finds_no_wrong_element(run):
+    status, out, err, _ = run(*PROGRAM, "verify", "--against", "mpi", "--device", "gpu", "-n", "2",
+                              "--max-count", "1000", timeout=600)
+    assert status == 0, out + err
+    assert "# device: gpu" in out and "all OK" in out
+
+
+@pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
+def test_bench_compare_nccl_on_gpu_prints_the_table(run, monkeypatch):
+    monkeypatch.setenv(nccl.MULTI_RANK_GPU, "1")
+    status, out, err, _ = run(*PROGRAM, "bench", "all_reduce", "--compare", "nccl", "--device", "gpu", "-n", "2",
+                              "-e", "1M", "--iters", "5", "-w", "2", timeout=300)
+    assert status == 0, out + err
+    rows = table_rows(out)
+    assert len(rows) == 18 and all(len(row) == 18 for row in rows)
+    assert "nccl-bw" in out and "vs-nccl" in out and "# Out of bounds values : 0 OK" in out
