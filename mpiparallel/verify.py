@@ -189,11 +189,7 @@ def resolve_device(against: str, device: str | None) -> str:
 
 def array_module(device: str) -> Any:
     """NumPy for --device cpu, CuPy for --device gpu."""
-    if device == "cpu":
-        return np
-    import cupy
-
-    return cupy
+    return np if device == "cpu" else backend.gpu_array_module()
 
 
 def to_host(result: Any) -> Any:

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from collectives.backend import to_host  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.layers import CausalSelfAttention  # noqa: E402
 
 try:
     import torch
@@ -381,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="gpu: ours on CuPy, torch on CUDA, on the same GPU")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (overrides --layers ... --vocab)")
     parser.add_argument("--tf32", action="store_true", help="GPU: TF32 matrix products in both (CUPY_TF32=1)")
+    parser.add_argument("--query-block", type=int, default=None,
+                        help="our attention's query block (rows per causal block; larger: fewer, bigger GEMMs) "
+                             "[default: models.layers' value]")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak for MFU [default: looked up by GPU name for float32 or TF32]")
     args = parser.parse_args(argv)
@@ -389,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.tf32:
         os.environ["CUPY_TF32"] = "1"  # read by CuPy when it runs a float32 matrix product
     device = Device(args.device, args.tf32)
+    if args.query_block is not None:
+        CausalSelfAttention.query_block = args.query_block
 
     dtype = np.dtype(args.dtype)
     config = GPTConfig(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers,
@@ -403,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     library = f"NumPy {np.__version__}" if args.device == "cpu" else f"CuPy {device.xp.__version__}"
     print(f"GPT-2 {args.layers} layers, n_embd {args.embd}, {args.heads} heads, T={args.seq}, B={args.batch}, "
           f"vocab {args.vocab}, {args.dtype}{', TF32' if args.tf32 else ''}, {device.name()}; {library} "
+          f"(query block {CausalSelfAttention.query_block}) "
           f"({optimizer_name})"
           + (f", torch {torch.__version__} (attention {args.torch_attention}, AdamW {args.torch_optimizer})"
              if use_torch else " (torch not " + ("used)" if torch is not None else "installed)")))

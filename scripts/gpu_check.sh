@@ -91,6 +91,8 @@ step train-gpt2-124m-fp32 'GPT-2|ours|torch|ratio|MFU|difference' \
     "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10 --warmup 2
 step train-gpt2-124m-tf32 'GPT-2|ours|torch|ratio|MFU|difference' \
     "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10 --warmup 2 --tf32
+step train-gpt2-124m-fp32-qblock256 'GPT-2|ours|torch|ratio|MFU|difference' \
+    "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10 --warmup 2 --query-block 256
 step train-cli-dp2-zero3 'GPT-2|GPU|step|saved|Error' \
     "$PYTHON" -m mpiparallel train --device gpu -n 2 --zero 3 --steps 20 --n-layer 4 --n-embd 256 --n-head 4 \
     --seq-len 256 --batch-size 8 --log-json "$REPORT/train-cli-dp2-zero3.jsonl"

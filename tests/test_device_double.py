@@ -10,6 +10,8 @@ is in the GPU-only tests, which skip here.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_cupy import FAKE, TRAFFIC
-from mpi_harness import run_on_ranks
+from mpi_harness import mpiexec_path, run_on_ranks
 
 from collectives import backend
 
@@ -108,3 +110,28 @@ def test_gpu_check_script_refuses_clearly_without_a_gpu(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "no GPU to check" in result.stderr and result.stdout == ""
+
+
+def _cli_on_fake_gpu(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    """`mpiparallel ARGS` on `ranks` ranks with the CuPy double installed in every rank (killed on a hang)."""
+    root = Path(__file__).resolve().parent.parent
+    program = ("import sys; sys.path.insert(0, 'tests'); from fake_cupy import install; install(); "
+               "from mpiparallel.cli import main; main(sys.argv[1:])")
+    process = subprocess.Popen([mpiexec_path(), "-n", str(ranks), sys.executable, "-c", program, *args], cwd=root,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def test_verify_and_bench_run_their_gpu_paths_on_device_arrays():
+    verify = _cli_on_fake_gpu(2, "verify", "--against", "mpi", "--device", "gpu", "--max-count", "100",
+                              "-d", "float32", "-d", "int64")
+    assert verify.returncode == 0, verify.stdout[-3000:]
+    assert "host staging" in verify.stdout and "all OK" in verify.stdout
+    bench = _cli_on_fake_gpu(2, "bench", "all_reduce", "--device", "gpu", "--compare", "mpi", "-e", "64K")
+    assert bench.returncode == 0, bench.stdout[-3000:]
+    assert "# Out of bounds values : 0 OK" in bench.stdout
