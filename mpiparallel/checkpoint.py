@@ -146,8 +146,7 @@ def _write_json(path: Path, content: Any) -> None:
 
 def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
     # transformers refuses safetensors files whose metadata does not say which framework wrote them.
-    host = {name: to_host(array) for name, array in arrays.items()}  # GPU training hands over device arrays
-    safetensors.numpy.save_file(host, str(path), metadata={"format": "pt"})
+    safetensors.numpy.save_file(arrays, str(path), metadata={"format": "pt"})
     with open(path, "rb+") as file:
         _flush_to_disk(file)
 

@@ -40,22 +40,40 @@ def mpiexec_path() -> str:
     return found
 
 
+class Hang(AssertionError):
+    """A command ran past its timeout; its whole process group (mpiexec and every rank) was killed."""
+
+
+def run_with_timeout(command: list[str], timeout: float, merge_output: bool = False,
+                **popen_options: Any) -> subprocess.CompletedProcess:
+    """Run `command` in its own process group; past `timeout` seconds kill the group and raise Hang.
+
+    Killing the group, not just the child, is what stops the ranks that mpiexec started."""
+    stderr = subprocess.STDOUT if merge_output else subprocess.PIPE
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+                               **popen_options)
+    try:
+        stdout, errors = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, errors = process.communicate()
+        tail = f"{stdout[-2000:]}\n{(errors or '')[-2000:]}"
+        raise Hang(f"{' '.join(command)} hung: killed after {timeout} s\n{tail}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, errors)
+
+
 def run_on_ranks(n: int, target: str, timeout: float = 120, env: dict[str, str] | None = None,
                  **kwargs: Any) -> list[Any]:
     """Call `target` ("module:function") on `n` ranks with `kwargs`; return the per-rank results."""
     with tempfile.TemporaryDirectory(prefix="mpitest-") as results_dir:
         command = [mpiexec_path(), "-n", str(n), sys.executable, str(WORKER), results_dir, target,
                    json.dumps(kwargs)]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                   start_new_session=True)
         try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            raise RankFailure(f"{target} on {n} ranks hung: killed after {timeout} s\n{output[-3000:]}") from None
-        return _collect(Path(results_dir), n, target, process.returncode, output)
+            finished = run_with_timeout(command, timeout, merge_output=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        except Hang as hang:
+            raise RankFailure(f"{target} on {n} ranks: {hang}") from None
+        return _collect(Path(results_dir), n, target, finished.returncode, finished.stdout)
 
 
 def _collect(results_dir: Path, n: int, target: str, returncode: int, output: str) -> list[Any]:

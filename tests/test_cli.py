@@ -9,8 +9,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import click
 import pytest
+from mpi_harness import run_with_timeout
 
 from collectives import backend, nccl
 from mpiparallel.cli import ByteSize
@@ -47,15 +46,8 @@ def run(tmp_path):
 
     def run_command(*command: str, timeout: float) -> tuple[int, str, str, float]:
         start = time.monotonic()
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env=clean_environment(tmp_path), cwd=tmp_path, start_new_session=True)
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            pytest.fail(f"{' '.join(command)} hung: killed after {timeout} s\n{stdout[-2000:]}\n{stderr[-2000:]}")
-        return process.returncode, stdout, stderr, time.monotonic() - start
+        finished = run_with_timeout(list(command), timeout, env=clean_environment(tmp_path), cwd=tmp_path)
+        return finished.returncode, finished.stdout, finished.stderr, time.monotonic() - start
 
     return run_command
 

@@ -10,8 +10,6 @@ is in the GPU-only tests, which skip here.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_cupy import FAKE, TRAFFIC
-from mpi_harness import mpiexec_path, run_on_ranks
+from mpi_harness import mpiexec_path, run_on_ranks, run_with_timeout
 
 from collectives import backend
 
@@ -117,14 +115,8 @@ def _cli_on_fake_gpu(ranks: int, *args: str) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parent.parent
     program = ("import sys; sys.path.insert(0, 'tests'); from fake_cupy import install; install(); "
                "from mpiparallel.cli import main; main(sys.argv[1:])")
-    process = subprocess.Popen([mpiexec_path(), "-n", str(ranks), sys.executable, "-c", program, *args], cwd=root,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, output)
+    return run_with_timeout([mpiexec_path(), "-n", str(ranks), sys.executable, "-c", program, *args], 180,
+                       merge_output=True, cwd=root)
 
 
 def test_verify_and_bench_run_their_gpu_paths_on_device_arrays():

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from mpi_harness import run_with_timeout
 
 from models.gpt import GPT, GPTConfig
 from mpiparallel import optim
@@ -19,16 +18,7 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", 
 
 def mpiparallel(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the command line; on timeout kill its whole process group (mpiexec and every rank) and fail."""
-    command = [sys.executable, "-m", "mpiparallel", *args]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{' '.join(command)} hung: killed after {timeout} s\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_with_timeout([sys.executable, "-m", "mpiparallel", *args], timeout)
 
 
 def read_log(path) -> list[dict]:

@@ -41,6 +41,19 @@ def _host(a):
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
 
 
+def error_messages(attempts: dict) -> dict[str, str]:
+    """Call each attempt; its ValueError's message, or "NO ERROR" when it raised none."""
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as error:
+            messages[name] = str(error)
+        else:
+            messages[name] = "NO ERROR"
+    return messages
+
+
 class Failures(list):
     def expect_equal(self, got: np.ndarray | None, want: np.ndarray | None, what: str) -> None:
         got, want = _host(got), _host(want)
@@ -220,15 +233,7 @@ def check_errors_are_clear() -> dict[str, str]:
         "string_dtype": lambda: C.all_reduce(np.array(["a"]), comm),
         "async_mpi": lambda: C.all_reduce_async(x, comm, algo="mpi"),
     }
-    messages = {}
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-        except ValueError as error:
-            messages[name] = str(error)
-        else:
-            messages[name] = "NO ERROR"
-    return messages
+    return error_messages(attempts)
 
 
 def mismatched_shapes() -> str:

@@ -17,6 +17,7 @@ import collectives as C
 from collectives import backend as backend_module
 from collectives import nccl
 from workers.collective_checks import Failures
+from workers.collective_checks import error_messages as messages_of
 
 STREAM = 0x5EED  # the test double's "current stream": every call must pass it on
 REDUCIBLE = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64")
@@ -229,15 +230,7 @@ def error_messages(s: Session) -> dict[str, str]:
         "root": lambda: nccl.broadcast(x, s.nccl, root=n),
         "send_counts": lambda: nccl.all_to_allv(x, [1] * n, s.nccl),
     }
-    messages = {}
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-        except ValueError as error:
-            messages[name] = str(error)
-        else:
-            messages[name] = "NO ERROR"
-    return messages
+    return messages_of(attempts)
 
 
 def _check_other_communicators(failures: Failures) -> dict:
