@@ -1,7 +1,18 @@
 """GPT-2: token + position embeddings, n_layer pre-LayerNorm blocks, final LayerNorm, LM head tied to wte.
 
-The model owns its parameters (by Hugging Face name) and its layers. `forward(tokens, targets)` returns the
-loss and keeps the activations; `backward()` fills every `param.grad`. Initialization is normal(0, 0.02),
+The model is a row of units — the embedding (unit 0), each block (units 1 … n_layer) and the head (final
+LayerNorm, tied LM head and cross-entropy: unit n_layer + 1) — and runs any contiguous range of them, so a
+pipeline stage is a range and the whole model the range that covers all:
+
+    loss, saved = model.forward(tokens, targets)                     # every unit
+    model.backward(saved)                                            # fills every param.grad
+    x, saved_a = model.forward(tokens, units=range(0, a))            # a first stage: hands x on
+    loss, saved_b = model.forward(x, targets, units=range(a, end))   # the last stage
+    dx = model.backward(saved_b)                                     # d(x), for the first stage
+    model.backward(saved_a, dx)
+
+The model holds no activations: `saved` (one per microbatch and range) does, and `backward_input` /
+`backward_weights` split backward as the layers do (`models.layers`). Initialization is normal(0, 0.02),
 residual projections normal(0, 0.02/√(2·n_layer)), biases 0, LayerNorm 1/0 — each tensor drawn from a generator
 seeded by (seed, its name), so every parallel layout of the model starts from the same numbers.
 """
@@ -16,8 +27,21 @@ import numpy as np
 
 from collectives.backend import Array, get_array_module, like, to_host
 
-from .layers import MLP, Block, CausalSelfAttention, Embedding, KVCache, LayerNorm, Linear, TiedHeadCrossEntropy
-from .parameter import Parameter, seeded_normal
+from .layers import (
+    MLP,
+    QUERY_BLOCK,
+    RECOMPUTE_MODES,
+    Block,
+    CausalSelfAttention,
+    Embedding,
+    KVCache,
+    LayerNorm,
+    Linear,
+    LMHead,
+    Saved,
+    TiedHeadCrossEntropy,
+)
+from .parameter import Parameter, seeded_normal, shard_tensor
 
 
 @dataclass(frozen=True)
@@ -76,10 +100,12 @@ def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: in
 
 
 class ParameterHooks:
-    """Called around each unit of `GPT.units()` in forward and backward; the base class does nothing.
+    """Called around each unit in forward and backward; the base class does nothing.
 
-    Data parallelism starts a unit's gradient reduction in `after_backward`; ZeRO-3 gathers a unit's sharded
-    parameters in `before_forward`/`before_backward` and frees them in the `after_` calls.
+    `before_backward(u)` comes before unit u's first backward pass, `after_backward(u)` once its weight
+    gradients are complete. Data parallelism starts a unit's gradient reduction in `after_backward`; ZeRO-3
+    gathers a unit's sharded parameters in `before_forward`/`before_backward` and frees them in the `after_`
+    calls.
     """
 
     def before_forward(self, unit: int) -> None:
@@ -95,31 +121,62 @@ class ParameterHooks:
         pass
 
 
-class GPT:
-    """The serial GPT-2 model with hand-written backward."""
+NO_HOOKS = ParameterHooks()
 
-    def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np) -> None:
+
+class GPT:
+    """The serial GPT-2 model with hand-written backward.
+
+    `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
+    `query_block` the attention's query block length; neither changes the numbers.
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
+                 recompute: str = "none", query_block: int = QUERY_BLOCK) -> None:
         self.config = config
         self.params = {name: Parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)))
                        for name, shape in parameter_shapes(config).items()}
         p = self.params
-        self.embedding = Embedding(p["transformer.wte.weight"], p["transformer.wpe.weight"])
-        self.blocks = [self._block(i) for i in range(config.n_layer)]
-        self.ln_f = LayerNorm(p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
-        self.head = TiedHeadCrossEntropy(p["transformer.wte.weight"])
+        self._assemble(Embedding(p["transformer.wte.weight"], p["transformer.wpe.weight"]),
+                       LMHead(self._layer_norm("transformer.ln_f"), TiedHeadCrossEntropy(p["transformer.wte.weight"])),
+                       recompute, query_block)
+
+    # -- construction (the tensor-parallel model overrides the three layer factories) ---------------------------
+
+    def _assemble(self, embedding: Any, head: LMHead, recompute: str, query_block: int) -> None:
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.recompute, self.query_block = recompute, query_block
+        self.embedding, self.head = embedding, head
+        self.blocks = [self._block(i) for i in range(self.config.n_layer)]
+        self.units = [self.embedding, *self.blocks, self.head]
+        self.sequence_shards = 1  # how many pieces the sequence is cut into between the layers (SP: tp)
 
     def _block(self, i: int) -> Block:
-        def weight_and_bias(name: str) -> tuple[Parameter, Parameter]:
-            return self.params[f"transformer.h.{i}.{name}.weight"], self.params[f"transformer.h.{i}.{name}.bias"]
+        prefix = f"transformer.h.{i}"
+        attention = CausalSelfAttention(self._column_parallel(f"{prefix}.attn.c_attn"),
+                                        self._row_parallel(f"{prefix}.attn.c_proj"), self._local_heads(),
+                                        self.query_block, keep_probabilities=self.recompute != "selective")
+        mlp = MLP(self._column_parallel(f"{prefix}.mlp.c_fc"), self._row_parallel(f"{prefix}.mlp.c_proj"))
+        return Block(self._layer_norm(f"{prefix}.ln_1"), attention, self._layer_norm(f"{prefix}.ln_2"), mlp,
+                     recompute_full=self.recompute == "full")
 
-        def linear(name: str) -> Linear:
-            return Linear(*weight_and_bias(name))
+    def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter]:
+        return self.params[f"{prefix}.weight"], self.params[f"{prefix}.bias"]
 
-        def layer_norm(name: str) -> LayerNorm:
-            return LayerNorm(*weight_and_bias(name))
+    def _layer_norm(self, prefix: str) -> LayerNorm:
+        return LayerNorm(*self._weight_and_bias(prefix))
 
-        attention = CausalSelfAttention(linear("attn.c_attn"), linear("attn.c_proj"), self.config.n_head)
-        return Block(layer_norm("ln_1"), attention, layer_norm("ln_2"), MLP(linear("mlp.c_fc"), linear("mlp.c_proj")))
+    def _column_parallel(self, prefix: str) -> Any:
+        return Linear(*self._weight_and_bias(prefix))
+
+    def _row_parallel(self, prefix: str) -> Any:
+        return Linear(*self._weight_and_bias(prefix))
+
+    def _local_heads(self) -> int:
+        return self.config.n_head
+
+    # -- parameters ------------------------------------------------------------------------------------------
 
     def parameters(self) -> list[Parameter]:
         """Parameters in checkpoint order."""
@@ -129,63 +186,89 @@ class GPT:
         for param in self.params.values():
             param.zero_grad()
 
+    def unit_parameters(self) -> list[list[Parameter]]:
+        """The parameters each unit uses, in forward order: the embedding, every block, and the head (final
+        LayerNorm plus the tied wte). Hooks are called per unit (see `ParameterHooks`)."""
+        embedding = [self.embedding.token, self.embedding.position]
+        blocks = [[p for p in self.params.values() if p.name.startswith(f"transformer.h.{i}.")]
+                  for i in range(self.config.n_layer)]
+        head = [self.head.ln_f.weight, self.head.ln_f.bias, self.embedding.token]
+        return [embedding, *blocks, head]
+
     def check_tokens(self, tokens: Array) -> None:
         length = tokens.shape[-1]
         if length > self.config.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
+        if length % self.sequence_shards:
+            raise ValueError(f"sequence parallelism splits the sequence over tp ranks: sequence length {length} "
+                             f"must be divisible by tp ({self.sequence_shards})")
 
-    def units(self) -> list[list[Parameter]]:
-        """The parameters each stage of the computation uses, in forward order: the embedding, every block, and
-        the head (final LayerNorm plus the tied wte). Hooks are called per unit (see `ParameterHooks`)."""
-        embedding = [self.embedding.token, self.embedding.position]
-        blocks = [[p for p in self.params.values() if p.name.startswith(f"transformer.h.{i}.")]
-                  for i in range(self.config.n_layer)]
-        head = [self.ln_f.weight, self.ln_f.bias, self.head.token]
-        return [embedding, *blocks, head]
+    # -- forward and backward over a range of units ------------------------------------------------------------
 
-    def hidden(self, tokens: Array, hooks: ParameterHooks | None = None) -> Array:
-        """The final-LayerNorm output (B, T, C) for token ids (B, T). It opens the head unit (ln_f belongs to
-        it) and leaves closing it (`after_forward`) to the caller, who runs the rest of the head."""
-        self.check_tokens(tokens)
-        tokens = like(self.embedding.token.data, tokens)  # host token ids go to the weights' device
-        hooks = hooks or ParameterHooks()
-        hooks.before_forward(0)
-        x = self.embedding.forward(tokens)
-        hooks.after_forward(0)
-        for i, block in enumerate(self.blocks, start=1):
-            hooks.before_forward(i)
-            x = block.forward(x)
-            hooks.after_forward(i)
-        hooks.before_forward(len(self.blocks) + 1)
-        return self.ln_f.forward(x)
+    @property
+    def unit_count(self) -> int:
+        return len(self.units)
 
-    def forward(self, tokens: Array, targets: Array, normalizer: float | None = None,
-                hooks: ParameterHooks | None = None) -> float:
-        """Cross-entropy of predicting `targets` from `tokens` (both (B, T)): sum of token losses / normalizer.
+    def forward(self, inputs: Array, targets: Array | None = None, normalizer: float | None = None,
+                hooks: ParameterHooks = NO_HOOKS, units: range | None = None) -> tuple[Any, Saved]:
+        """Run `units` (default: all) forward; return their output and the saved state for backward.
 
-        `normalizer` defaults to the number of tokens here (a plain mean); pass the global batch's token count
-        when this call is one microbatch or one data-parallel shard, so the pieces add up to the global mean.
+        `inputs` are (B, T) token ids when the range starts with the embedding, else the (B, T, C) activation the
+        previous unit produced. When the range ends with the head, the output is the cross-entropy of predicting
+        `targets`: sum of token losses / `normalizer` (default: the tokens here — pass the global batch's token
+        count when this is one microbatch or one data-parallel shard, so the pieces add up to the global mean);
+        otherwise it is the activation to hand to the next range.
         """
-        hooks = hooks or ParameterHooks()
-        hidden = self.hidden(tokens, hooks)
-        loss = self.head.forward(hidden, like(hidden, targets), normalizer or targets.size)
-        hooks.after_forward(len(self.blocks) + 1)
-        return loss
+        units = range(self.unit_count) if units is None else units
+        saved = Saved(units=units, per_unit={})
+        x = inputs
+        for unit in units:
+            hooks.before_forward(unit)
+            x, saved.per_unit[unit] = self._forward_unit(unit, x, targets, normalizer)
+            hooks.after_forward(unit)
+        return x, saved
 
-    def backward(self, hooks: ParameterHooks | None = None) -> None:
-        """Accumulate d(loss)/d(param) into every param.grad (after `forward`)."""
-        hooks = hooks or ParameterHooks()
-        last = len(self.blocks) + 1
-        hooks.before_backward(last)
-        dx = self.ln_f.backward(self.head.backward())
-        hooks.after_backward(last)
-        for i in range(len(self.blocks), 0, -1):
-            hooks.before_backward(i)
-            dx = self.blocks[i - 1].backward(dx)
-            hooks.after_backward(i)
-        hooks.before_backward(0)
-        self.embedding.backward(dx)
-        hooks.after_backward(0)
+    def _forward_unit(self, unit: int, x: Array, targets: Array | None, normalizer: float | None) -> Any:
+        if unit == 0:
+            self.check_tokens(x)
+            return self.embedding.forward(like(self.embedding.token.data, x))  # host token ids go to the device
+        if unit < self.unit_count - 1:
+            return self.blocks[unit - 1].forward(x)
+        if targets is None:
+            raise ValueError("the head unit computes the loss: give the targets")
+        return self.head.forward(x, like(x, targets), normalizer or targets.size)
+
+    def backward_input(self, saved: Saved, dout: Array | None = None,
+                       hooks: ParameterHooks = NO_HOOKS) -> Array | None:
+        """The input passes of `saved`'s units, last to first, from d(output) `dout` (None when the range ends
+        with the loss); returns d(range input) (None when it starts with the embedding). Weight gradients wait
+        for `backward_weights`."""
+        for unit in reversed(saved.units):
+            hooks.before_backward(unit)
+            dout = self.units[unit].backward_input(saved.per_unit[unit], dout)
+        return dout
+
+    def backward_weights(self, saved: Saved, hooks: ParameterHooks = NO_HOOKS) -> None:
+        """The weight passes of `saved`'s units (after `backward_input`); frees the saved state."""
+        for unit in reversed(saved.units):
+            self.units[unit].backward_weights(saved.per_unit.pop(unit))
+            hooks.after_backward(unit)
+
+    def backward(self, saved: Saved, dout: Array | None = None, hooks: ParameterHooks = NO_HOOKS) -> Array | None:
+        """Both passes, unit by unit, so each unit's gradients are final as early as possible (data-parallel
+        reductions start while earlier units still compute). Returns d(range input)."""
+        for unit in reversed(saved.units):
+            hooks.before_backward(unit)
+            dout = self.units[unit].backward(saved.per_unit.pop(unit), dout)
+            hooks.after_backward(unit)
+        return dout
+
+    def logits(self, tokens: Array) -> Array:
+        """Next-token logits (B, T, vocab) for token ids (B, T); no loss, nothing kept."""
+        x, _ = self.forward(tokens, units=range(self.unit_count - 1))
+        return self.head.logits(x)
+
+    # -- inference -------------------------------------------------------------------------------------------
 
     def generate(self, prompt: Array, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  rng: np.random.Generator | None = None) -> Array:
@@ -214,27 +297,34 @@ class GPT:
     def _next_logits(self, tokens: list[int], caches: list[KVCache]) -> np.ndarray:
         """Feed `tokens` through the cached model; return the next-token logits as a NumPy vector."""
         xp = get_array_module(self.params["transformer.wte.weight"].data)
-        x = self.embedding.forward(xp.asarray([tokens]), start=caches[0].length)
+        x, _ = self.embedding.forward(xp.asarray([tokens]), start=caches[0].length)
         for block, cache in zip(self.blocks, caches, strict=True):
             x = block.forward_incremental(x, cache)
-        logits = self.head.logits(self.ln_f.forward(x[:, -1]))[0]
-        return to_host(logits)
+        return to_host(self.head.logits(x[:, -1])[0])
+
+    # -- state -----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Array]:
-        """Hugging Face name -> array (the tied lm_head.weight is not repeated)."""
+        """Hugging Face name -> this rank's array (the whole tensor in the serial model; the tied lm_head.weight
+        is not repeated)."""
         return {name: param.data for name, param in self.params.items()}
 
+    def axis_ranks(self) -> dict[str, tuple[int, int]]:
+        """Mesh axis -> (this rank's coordinate, axis size) for the axes that shard this model's parameters."""
+        return {}
+
     def load_state_dict(self, tensors: dict[str, Array]) -> None:
-        """Copy values in by name; names may omit the `transformer.` prefix. Every parameter must be present."""
+        """Copy in full (serial) tensors by name, each cut to this rank's shard; names may omit `transformer.`.
+        Every parameter must be present."""
         by_short_name = {name.removeprefix("transformer."): value for name, value in tensors.items()}
         for name, param in self.params.items():
             value = by_short_name.get(name.removeprefix("transformer."))
             if value is None:
                 raise ValueError(f"checkpoint has no tensor {name}")
-            if tuple(value.shape) != tuple(param.data.shape):
+            if tuple(value.shape) != param.full_shape:
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                                 f"the model expects {tuple(param.data.shape)}")
-            param.data[...] = like(param.data, value)
+                                 f"the model expects {param.full_shape}")
+            param.data[...] = shard_tensor(like(param.data, value), param.placement, self.axis_ranks())
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:

@@ -1,28 +1,113 @@
-"""GPT-2 layers with hand-written forward and backward passes.
+"""GPT-2 layers with hand-written forward and backward passes, and no hidden state.
 
-Every layer is a small class: `forward(x)` computes the output and keeps what backward needs; `backward(dout)`
-returns the gradient with respect to the input and adds the parameter gradients into `param.grad`. Backward
-is split in two, callable separately, because zero-bubble pipeline schedules and overlapped tensor-parallel
-communication need exactly that split:
+Every layer follows one protocol (llm.c's, with the saved activations handed back to the caller):
 
-- `backward_input(dout)`  -> d(input)       (on the critical path: the previous layer waits for it)
-- `backward_weights(dout)`                  (accumulates d(weights); can be deferred)
+    out, saved = layer.forward(x)            # `saved`: what backward will need, held by the caller
+    dx = layer.backward_input(saved, dout)   # d(input); on the critical path (the previous layer waits for it)
+    layer.backward_weights(saved)            # adds d(weights) into param.grad; may run later; frees `saved`
+    dx = layer.backward(saved, dout)         # both, in that order
 
-`backward(dout)` does both. Activations are (B, T, C) arrays: batch, sequence, channels. Linear weights use
-GPT-2's Conv1D layout [in, out], so y = x @ W + b. The same code runs on NumPy and CuPy arrays.
+A layer object holds only its parameters and settings, so any number of microbatches may be in flight through
+it, each with its own `saved`, and a microbatch's weight pass may run after later microbatches' input passes
+(zero-bubble pipeline schedules). `backward_input` records in `saved` the output gradients the weight pass needs
+and drops what only it needed; `backward_weights` empties `saved`. Layers never modify `dout` in place.
+
+Activations are (B, T, C) arrays: batch, sequence, channels. Linear weights use GPT-2's Conv1D layout [in, out],
+so y = x @ W + b. The same code runs on NumPy and CuPy arrays (the device branches call fused kernels).
+
+Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads, NumPy path;
+`block_activation_elements` is the formula, and the tests measure it):
+
+    LayerNorm ×2             normalized input h, 1/std 1 per token                  2·(bsh + bs)
+    LayerNorm outputs ×2     the inputs of c_attn and c_fc                         2·bsh
+    c_attn output            q (scaled in place), k, v                             3·bsh
+    attention output         the input of c_proj                                   bsh
+    softmax probabilities    per query block of q rows, over its ≤ stop keys       a·b·Σ_blocks q·stop ≈ a·b·s²/2
+    GELU                     input, a, gate, output (the input of c_proj)           16·bsh
+
+`--recompute selective` keeps no probabilities and recomputes them per query block in backward; `--recompute
+full` keeps only the block's input (bsh) and reruns the block's forward at the start of its backward.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+from typing import Any
 
 from collectives.backend import Array, get_array_module, is_device_array, scatter_add
 
 from . import kernels
+from .kernels import GELU_CUBIC, GELU_SCALE
 from .parameter import Parameter
 
-GELU_SCALE = math.sqrt(2.0 / math.pi)
-GELU_CUBIC = 0.044715
+RECOMPUTE_MODES = ("none", "selective", "full")
+QUERY_BLOCK = 64
+"""Attention's default query block: rows of q per causal block (larger: fewer, bigger matrix products)."""
+
+
+class Saved(SimpleNamespace):
+    """What one forward call of a layer keeps for its backward: arrays, and the `Saved` of its sublayers."""
+
+    def clear(self) -> None:
+        """Drop everything (the last backward pass has run)."""
+        vars(self).clear()
+
+    def nbytes(self) -> int:
+        """Bytes of the distinct arrays held (views of one buffer count once)."""
+        return distinct_bytes(self)
+
+
+def distinct_bytes(*states: Any) -> int:
+    """Bytes of the distinct array buffers reachable from `states` (Saved objects, lists, tuples, dicts)."""
+    seen: set[int] = set()
+    total = 0
+    pending = list(states)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, Saved):
+            pending.extend(vars(value).values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif hasattr(value, "nbytes") and getattr(value, "ndim", 0) > 0:
+            base = value.base if value.base is not None else value
+            if id(base) not in seen:
+                seen.add(id(base))
+                total += base.nbytes
+    return total
+
+
+def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp: int = 1,
+                              sequence_parallel: bool = False, recompute: str = "none",
+                              query_block: int = QUERY_BLOCK) -> int:
+    """Elements one transformer block saves per microbatch after its forward (NumPy path), on one rank.
+
+    With tensor parallelism over n = tp ranks, the column-parallel layers see the whole input: without SP that
+    is the LayerNorm outputs themselves (b·s·h, replicated); with SP each rank keeps its sequence slice of the
+    LayerNorms (÷ n) plus the all-gathered inputs of c_attn and c_fc (b·s·h each). The heads and the MLP's 4h
+    hidden units are split (÷ n). So, with S = b·s·h, t = b·s:
+
+        none, tp only:   4S + 2t + 20S/n + probabilities/n
+        none, tp + sp:   2S + (22S + 2t)/n + probabilities/n
+        selective:       the same without the probabilities
+        full:            the block's input: S (tp only) or S/n (sp)
+
+    and probabilities = b·a·Σ over query blocks [start, stop) of (stop − start)·stop (≈ b·a·s²/2).
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    activation, tokens, n = batch * seq * hidden, batch * seq, tp
+    if recompute == "full":
+        return activation // n if sequence_parallel else activation
+    probabilities = 0
+    if recompute == "none":
+        pairs = sum((stop - start) * stop for start, stop in query_blocks(seq, query_block))
+        probabilities = batch * (heads // n) * pairs
+    if sequence_parallel:
+        return 2 * activation + (22 * activation + 2 * tokens) // n + probabilities
+    return 4 * activation + 2 * tokens + 20 * activation // n + probabilities
 
 
 def row_sums(a: Array) -> Array:
@@ -41,33 +126,45 @@ def column_sums(a: Array) -> Array:
     return xp.ones(rows.shape[0], dtype=a.dtype) @ rows
 
 
-class Linear:
+class Layer:
+    """The protocol's joint backward: the input pass, then the weight pass."""
+
+    def backward(self, saved: Saved, dout: Array | None) -> Array | None:
+        dx = self.backward_input(saved, dout)
+        self.backward_weights(saved)
+        return dx
+
+    def backward_input(self, saved: Saved, dout: Array | None) -> Array | None:
+        raise NotImplementedError
+
+    def backward_weights(self, saved: Saved) -> None:
+        raise NotImplementedError
+
+
+class Linear(Layer):
     """y = x @ weight + bias over the last axis (weight [in, out], Conv1D layout)."""
 
     def __init__(self, weight: Parameter, bias: Parameter) -> None:
         self.weight, self.bias = weight, bias
 
-    def forward(self, x: Array) -> Array:
-        self.x = x
+    def forward(self, x: Array) -> tuple[Array, Saved]:
         out = x.reshape(-1, x.shape[-1]) @ self.weight.data
         out += self.bias.data
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out.reshape(*x.shape[:-1], out.shape[-1]), Saved(x=x)
 
-    def backward_input(self, dout: Array) -> Array:
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        saved.dout = dout
         dx = dout.reshape(-1, dout.shape[-1]) @ self.weight.data.T
         return dx.reshape(*dout.shape[:-1], dx.shape[-1])
 
-    def backward_weights(self, dout: Array) -> None:
-        dout2d = dout.reshape(-1, dout.shape[-1])
-        self.weight.grad += self.x.reshape(-1, self.x.shape[-1]).T @ dout2d
-        self.bias.grad += column_sums(dout2d)
-
-    def backward(self, dout: Array) -> Array:
-        self.backward_weights(dout)
-        return self.backward_input(dout)
+    def backward_weights(self, saved: Saved) -> None:
+        x, dout = saved.x, saved.dout.reshape(-1, saved.dout.shape[-1])
+        self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dout
+        self.bias.grad += column_sums(dout)
+        saved.clear()
 
 
-class LayerNorm:
+class LayerNorm(Layer):
     """y = (x − mean) / sqrt(var + eps) · weight + bias over the last axis (eps 1e-5, biased variance)."""
 
     eps = 1e-5
@@ -75,81 +172,74 @@ class LayerNorm:
     def __init__(self, weight: Parameter, bias: Parameter) -> None:
         self.weight, self.bias = weight, bias
 
-    def forward(self, x: Array) -> Array:
+    def forward(self, x: Array) -> tuple[Array, Saved]:
         if is_device_array(x):
             return self._forward_device(x)
         xp = get_array_module(x)
         channels = x.shape[-1]
-        centered = x - row_sums(x) / channels
-        variance = row_sums(centered * centered) / channels
+        normalized = x - row_sums(x) / channels
+        variance = row_sums(normalized * normalized) / channels
         variance += self.eps
-        self.rstd = 1.0 / xp.sqrt(variance, out=variance)
-        self.normalized = centered
-        self.normalized *= self.rstd
-        out = self.normalized * self.weight.data
+        rstd = 1.0 / xp.sqrt(variance, out=variance)
+        normalized *= rstd
+        out = normalized * self.weight.data
         out += self.bias.data
-        return out
+        return out, Saved(normalized=normalized, rstd=rstd)
 
-    def _forward_device(self, x: Array) -> Array:
+    def _forward_device(self, x: Array) -> tuple[Array, Saved]:
         """Mean and variance as CuPy reductions, then normalize and affine in one fused pass (four on NumPy)."""
         xp = get_array_module(x)
         mean = x.mean(axis=-1, keepdims=True)
-        self.rstd = 1.0 / xp.sqrt(x.var(axis=-1, keepdims=True) + self.eps)
-        result = kernels.LAYER_NORM_FORWARD(x=x, mean=mean, rstd=self.rstd, weight=self.weight.data,
-                                            bias=self.bias.data)
-        self.normalized = result["normalized"]
-        return result["out"]
+        rstd = 1.0 / xp.sqrt(x.var(axis=-1, keepdims=True) + self.eps)
+        result = kernels.LAYER_NORM_FORWARD(x=x, mean=mean, rstd=rstd, weight=self.weight.data, bias=self.bias.data)
+        return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
 
-    def backward_input(self, dout: Array) -> Array:
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
         # dx = rstd · (dnorm − mean(dnorm) − norm · mean(dnorm · norm)), with dnorm = dout · weight
+        saved.dout = dout
         if is_device_array(dout):
-            return self._backward_input_device(dout)
+            return self._backward_input_device(saved, dout)
         xp = get_array_module(dout)
         channels = dout.shape[-1]
         dnorm = dout * self.weight.data
-        work = dnorm * self.normalized
+        work = dnorm * saved.normalized
         mean_dnorm_norm = row_sums(work) / channels
         dx = dnorm
         dx -= row_sums(dnorm) / channels
-        dx -= xp.multiply(self.normalized, mean_dnorm_norm, out=work)
-        dx *= self.rstd
+        dx -= xp.multiply(saved.normalized, mean_dnorm_norm, out=work)
+        dx *= saved.rstd
         return dx
 
-    def _backward_input_device(self, dout: Array) -> Array:
+    def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
         """The two row means as GEMVs with the weight (Σ dout·w, Σ dout·normalized·w), then dx in one fused pass."""
         channels = dout.shape[-1]
         row_shape = (*dout.shape[:-1], 1)
         weight = self.weight.data
         mean_dnorm = (dout.reshape(-1, channels) @ weight).reshape(row_shape) / channels
-        mean_dnorm_norm = ((dout * self.normalized).reshape(-1, channels) @ weight).reshape(row_shape) / channels
-        return kernels.LAYER_NORM_BACKWARD(dout=dout, weight=weight, normalized=self.normalized, rstd=self.rstd,
+        mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ weight).reshape(row_shape) / channels
+        return kernels.LAYER_NORM_BACKWARD(dout=dout, weight=weight, normalized=saved.normalized, rstd=saved.rstd,
                                            mean_dnorm=mean_dnorm, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
-    def backward_weights(self, dout: Array) -> None:
-        self.weight.grad += column_sums(dout * self.normalized)
-        self.bias.grad += column_sums(dout)
-
-    def backward(self, dout: Array) -> Array:
-        self.backward_weights(dout)
-        return self.backward_input(dout)
+    def backward_weights(self, saved: Saved) -> None:
+        self.weight.grad += column_sums(saved.dout * saved.normalized)
+        self.bias.grad += column_sums(saved.dout)
+        saved.clear()
 
 
-class GELU:
+class GELU(Layer):
     """GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 
     Written as x·h with the gate h = (1 + tanh u)/2 and u = x·a, a = √(2/π)·(1 + 0.044715·x²). Forward keeps
     a, h and the output, so the derivative h + 2·x·h·(1 − h)·du/dx = h + (x − out)·h·(6a − 4√(2/π)) costs
     seven elementwise passes in backward instead of re-deriving tanh terms from x (each pass over the 4C-wide
-    hidden activations costs as much as a small GEMM).
+    hidden activations costs as much as a small GEMM). No weights: the input pass frees what it kept.
     """
 
-    def forward(self, x: Array) -> Array:
+    def forward(self, x: Array) -> tuple[Array, Saved]:
         if is_device_array(x):  # one fused pass; backward recomputes the gate from x, so a and h are not kept
-            self.x = x
-            self.out = kernels.GELU_FORWARD(x=x)["out"]
-            return self.out
+            out = kernels.GELU_FORWARD(x=x)["out"]
+            return out, Saved(x=x, out=out)
         xp = get_array_module(x)
-        self.x = x
         a = x * x
         a *= GELU_SCALE * GELU_CUBIC
         a += GELU_SCALE
@@ -157,27 +247,26 @@ class GELU:
         xp.tanh(gate, out=gate)
         gate *= 0.5
         gate += 0.5
-        self.a, self.gate = a, gate
-        self.out = x * gate
-        return self.out
+        out = x * gate
+        return out, Saved(x=x, a=a, gate=gate, out=out)
 
-    def backward_input(self, dout: Array) -> Array:
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
         if is_device_array(dout):
-            return kernels.GELU_BACKWARD(x=self.x, dout=dout)["dx"]
+            dx = kernels.GELU_BACKWARD(x=saved.x, dout=dout)["dx"]
+            saved.clear()
+            return dx
         # du/dx = √(2/π)·(1 + 3·0.044715·x²) = 3a − 2√(2/π), and 2·x·(1 − h) = 2·(x − out)
-        slope = self.a * 6.0
+        slope = saved.a * 6.0
         slope -= 4.0 * GELU_SCALE
-        slope *= self.gate
-        slope *= get_array_module(dout).subtract(self.x, self.out)
-        slope += self.gate
+        slope *= saved.gate
+        slope *= get_array_module(dout).subtract(saved.x, saved.out)
+        slope += saved.gate
         slope *= dout
+        saved.clear()
         return slope
 
-    def backward_weights(self, dout: Array) -> None:
-        pass
-
-    def backward(self, dout: Array) -> Array:
-        return self.backward_input(dout)
+    def backward_weights(self, saved: Saved) -> None:
+        saved.clear()
 
 
 def causal_softmax(scores: Array, offset: int = 0) -> Array:
@@ -220,20 +309,25 @@ def query_blocks(queries: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, queries)) for start in range(0, queries, block)]
 
 
-class CausalSelfAttention:
+class CausalSelfAttention(Layer):
     """Multi-head causal self-attention: fused qkv projection, per-head softmax(q·kᵀ/√d)·v, output projection.
 
-    The heads stay views into the projections' (B, T, 3, H, d) and (B, T, H, d) layouts: the matrix products
-    read and write them with strides, so no transpose is ever copied. Queries go in blocks of `query_block`
-    rows, and block [start, stop) multiplies only keys [0, stop): every later key is in its future, so skipping
-    them saves about half of q·kᵀ, the softmax passes and p·v, forward and backward (FlashAttention skips the
-    same blocks).
+    The heads stay views into the projection's (B, T, 3, H, d) output: the matrix products read and write them
+    with strides, so no transpose is ever copied, and q is scaled by 1/√d in place there (B·H·T·d numbers rather
+    than the B·H·T·T scores). Queries go in blocks of `query_block` rows, and block [start, stop) multiplies only
+    keys [0, stop): every later key is in its future, so skipping them saves about half of q·kᵀ, the softmax
+    passes and p·v, forward and backward (FlashAttention skips the same blocks).
+
+    `keep_probabilities=False` is selective recomputation: forward keeps no softmax probabilities (no term in
+    s²) and backward recomputes each query block's from the kept q and k, one block at a time.
     """
 
-    query_block = 64
-
-    def __init__(self, qkv: Linear, projection: Linear, n_head: int) -> None:
+    def __init__(self, qkv: Any, projection: Any, n_head: int, query_block: int = QUERY_BLOCK,
+                 keep_probabilities: bool = True) -> None:
+        if query_block < 1:
+            raise ValueError(f"query_block must be at least 1, got {query_block}")
         self.qkv, self.projection, self.n_head = qkv, projection, n_head
+        self.query_block, self.keep_probabilities = query_block, keep_probabilities
 
     def _split_heads(self, qkv: Array) -> tuple[Array, Array, Array]:
         batch, length, three_channels = qkv.shape
@@ -241,73 +335,78 @@ class CausalSelfAttention:
         heads = qkv.reshape(batch, length, 3, self.n_head, head_dim).transpose(2, 0, 3, 1, 4)
         return heads[0], heads[1], heads[2]  # each (B, H, T, head_dim)
 
-    def forward(self, x: Array) -> Array:
-        q, k, v = self._split_heads(self.qkv.forward(x))
-        self.scale = 1.0 / math.sqrt(q.shape[-1])
-        # the scale goes on q (B·H·T·d numbers) rather than on the scores (B·H·T·T); q is kept scaled
-        self.q, self.k, self.v = q * self.scale, k, v
-        self.merged, self.blocks = self._attend(self.q, k, v, offset=0)
-        return self.projection.forward(self.merged)
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        qkv, qkv_saved = self.qkv.forward(x)
+        q, k, v = self._split_heads(qkv)
+        q *= 1.0 / math.sqrt(q.shape[-1])
+        merged, probs = self._attend(q, k, v, offset=0, keep=self.keep_probabilities)
+        out, projection_saved = self.projection.forward(merged)
+        return out, Saved(qkv=qkv_saved, projection=projection_saved, q=q, k=k, v=v, merged=merged, probs=probs)
 
     def forward_incremental(self, x: Array, cache: KVCache) -> Array:
         """Inference: attention of the new positions `x` (B, t, C) over the cached keys and values and their own,
         appending theirs to `cache`. Nothing is kept for backward."""
-        q, k, v = self._split_heads(self.qkv.forward(x))
+        q, k, v = self._split_heads(self.qkv.forward(x)[0])
         keys, values = cache.append(k, v)
-        merged, _ = self._attend(q * (1.0 / math.sqrt(q.shape[-1])), keys, values, offset=keys.shape[2] - q.shape[2])
-        return self.projection.forward(merged)
+        q = q * (1.0 / math.sqrt(q.shape[-1]))
+        merged, _ = self._attend(q, keys, values, offset=keys.shape[2] - q.shape[2], keep=False)
+        return self.projection.forward(merged)[0]
 
-    def _attend(self, q: Array, k: Array, v: Array, offset: int) -> tuple[Array, list[tuple[int, int, Array]]]:
+    def _attend(self, q: Array, k: Array, v: Array, offset: int, keep: bool) -> tuple[Array, list[Array] | None]:
         """softmax(q·kᵀ)·v of (B, H, t, d) queries (scale included) at positions offset … offset+t−1 over the keys
-        and values from position 0, merged to (B, t, H·d); also each query block's (start, stop, probabilities)."""
+        and values from position 0, merged to (B, t, H·d); also each query block's probabilities if `keep`."""
         xp = get_array_module(q)
         batch, n_head, queries, head_dim = q.shape
         merged = xp.empty((batch, queries, n_head, head_dim), dtype=q.dtype)
         heads = merged.transpose(0, 2, 1, 3)  # (B, H, t, d), written through by the products
-        blocks = []
+        kept = [] if keep else None
         for start, stop in query_blocks(queries, self.query_block):
-            keys = offset + stop
-            scores = q[:, :, start:stop] @ k[:, :, :keys].transpose(0, 1, 3, 2)
-            probs = causal_softmax(scores, offset=offset + start)
-            xp.matmul(probs, v[:, :, :keys], out=heads[:, :, start:stop])
-            blocks.append((start, stop, probs))
-        return merged.reshape(batch, queries, n_head * head_dim), blocks
+            probs = self._probabilities(q, k, start, stop, offset)
+            xp.matmul(probs, v[:, :, :offset + stop], out=heads[:, :, start:stop])
+            if keep:
+                kept.append(probs)
+        return merged.reshape(batch, queries, n_head * head_dim), kept
 
-    def backward_input(self, dout: Array) -> Array:
-        dheads = self._backward_to_heads(self.projection.backward_input(dout))
-        return self.qkv.backward_input(dheads)
+    @staticmethod
+    def _probabilities(q: Array, k: Array, start: int, stop: int, offset: int = 0) -> Array:
+        """Causal softmax of query rows [start, stop) over keys [0, offset + stop)."""
+        scores = q[:, :, start:stop] @ k[:, :, :offset + stop].transpose(0, 1, 3, 2)
+        return causal_softmax(scores, offset=offset + start)
 
-    def backward_weights(self, dout: Array) -> None:
-        self.projection.backward_weights(dout)
-        self.qkv.backward_weights(self._dqkv)
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        dqkv = self._backward_to_qkv(saved, self.projection.backward_input(saved.projection, dout))
+        for name in ("q", "k", "v", "merged", "probs"):  # only the input pass needed them
+            delattr(saved, name)
+        return self.qkv.backward_input(saved.qkv, dqkv)
 
-    def backward(self, dout: Array) -> Array:
-        dx = self.backward_input(dout)
-        self.backward_weights(dout)
-        return dx
+    def backward_weights(self, saved: Saved) -> None:
+        self.projection.backward_weights(saved.projection)
+        self.qkv.backward_weights(saved.qkv)
+        saved.clear()
 
-    def _backward_to_heads(self, dmerged: Array) -> Array:
-        """d(qkv) from d(merged heads); kept for backward_weights of the qkv projection."""
+    def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
+        """d(qkv), in the projection output's layout, from d(merged heads)."""
         xp = get_array_module(dmerged)
         batch, length, channels = dmerged.shape
         head_dim = channels // self.n_head
         dheads = dmerged.reshape(batch, length, self.n_head, head_dim).transpose(0, 2, 1, 3)
-        # in the qkv output's layout; zeroed because every query block adds into the keys and values it saw
+        # zeroed because every query block adds into the keys and values it saw
         dqkv = xp.zeros((batch, length, 3, self.n_head, head_dim), dmerged.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, C) instead of (B, H, T, T)
-        weighted_sum = row_sums((dmerged * self.merged).reshape(batch, length, self.n_head, head_dim))
+        weighted_sum = row_sums((dmerged * saved.merged).reshape(batch, length, self.n_head, head_dim))
         weighted_sum = weighted_sum.transpose(0, 2, 1, 3)
-        for start, stop, probs in self.blocks:
+        q, k, v = saved.q, saved.k, saved.v
+        for index, (start, stop) in enumerate(query_blocks(length, self.query_block)):
             rows = slice(start, stop)
+            probs = saved.probs[index] if saved.probs is not None else self._probabilities(q, k, start, stop)
             dv[:, :, :stop] += probs.transpose(0, 1, 3, 2) @ dheads[:, :, rows]
-            dprobs = dheads[:, :, rows] @ self.v[:, :, :stop].transpose(0, 1, 3, 2)
+            dprobs = dheads[:, :, rows] @ v[:, :, :stop].transpose(0, 1, 3, 2)
             dscores = softmax_backward(probs, dprobs, weighted_sum[:, :, rows])
-            xp.matmul(dscores, self.k[:, :, :stop], out=dq[:, :, rows])
-            dk[:, :, :stop] += dscores.transpose(0, 1, 3, 2) @ self.q[:, :, rows]  # q holds the scale already
-        dq *= self.scale
-        self._dqkv = dqkv.reshape(batch, length, 3 * channels)
-        return self._dqkv
+            xp.matmul(dscores, k[:, :, :stop], out=dq[:, :, rows])
+            dk[:, :, :stop] += dscores.transpose(0, 1, 3, 2) @ q[:, :, rows]  # q holds the scale already
+        dq *= 1.0 / math.sqrt(head_dim)
+        return dqkv.reshape(batch, length, 3 * channels)
 
 
 class KVCache:
@@ -331,112 +430,122 @@ class KVCache:
         return 0 if self.keys is None else self.keys.shape[2]
 
 
-class MLP:
+class MLP(Layer):
     """c_fc (C -> 4C), GELU, c_proj (4C -> C)."""
 
-    def __init__(self, expand: Linear, contract: Linear) -> None:
+    def __init__(self, expand: Any, contract: Any) -> None:
         self.expand, self.gelu, self.contract = expand, GELU(), contract
 
-    def forward(self, x: Array) -> Array:
-        return self.contract.forward(self.gelu.forward(self.expand.forward(x)))
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        hidden, expand = self.expand.forward(x)
+        activated, gelu = self.gelu.forward(hidden)
+        out, contract = self.contract.forward(activated)
+        return out, Saved(expand=expand, gelu=gelu, contract=contract)
 
-    def backward_input(self, dout: Array) -> Array:
-        self._dhidden = self.gelu.backward_input(self.contract.backward_input(dout))
-        return self.expand.backward_input(self._dhidden)
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        dactivated = self.contract.backward_input(saved.contract, dout)
+        dhidden = self.gelu.backward_input(saved.gelu, dactivated)
+        return self.expand.backward_input(saved.expand, dhidden)
 
-    def backward_weights(self, dout: Array) -> None:
-        self.contract.backward_weights(dout)
-        self.expand.backward_weights(self._dhidden)
-
-    def backward(self, dout: Array) -> Array:
-        dx = self.backward_input(dout)
-        self.backward_weights(dout)
-        return dx
+    def backward_weights(self, saved: Saved) -> None:
+        self.contract.backward_weights(saved.contract)
+        self.expand.backward_weights(saved.expand)
+        saved.clear()
 
 
-class Block:
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(·))."""
+class Block(Layer):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(·)).
 
-    def __init__(self, ln_1: LayerNorm, attn: CausalSelfAttention, ln_2: LayerNorm, mlp: MLP) -> None:
+    `recompute_full=True` is full activation recomputation: forward keeps only the block's input, and the input
+    pass first reruns the forward from it (including any communication the layers do) to rebuild the rest."""
+
+    def __init__(self, ln_1: LayerNorm, attn: CausalSelfAttention, ln_2: LayerNorm, mlp: MLP,
+                 recompute_full: bool = False) -> None:
         self.ln_1, self.attn, self.ln_2, self.mlp = ln_1, attn, ln_2, mlp
+        self.recompute_full = recompute_full
 
-    def forward(self, x: Array) -> Array:
-        x = x + self.attn.forward(self.ln_1.forward(x))
-        return x + self.mlp.forward(self.ln_2.forward(x))
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        out, saved = self._forward(x)
+        return (out, Saved(x=x)) if self.recompute_full else (out, saved)
+
+    def _forward(self, x: Array) -> tuple[Array, Saved]:
+        normed, ln_1 = self.ln_1.forward(x)
+        attended, attn = self.attn.forward(normed)
+        middle = x + attended
+        normed, ln_2 = self.ln_2.forward(middle)
+        transformed, mlp = self.mlp.forward(normed)
+        return middle + transformed, Saved(ln_1=ln_1, attn=attn, ln_2=ln_2, mlp=mlp)
 
     def forward_incremental(self, x: Array, cache: KVCache) -> Array:
-        x = x + self.attn.forward_incremental(self.ln_1.forward(x), cache)
-        return x + self.mlp.forward(self.ln_2.forward(x))
+        x = x + self.attn.forward_incremental(self.ln_1.forward(x)[0], cache)
+        return x + self.mlp.forward(self.ln_2.forward(x)[0])[0]
 
-    def backward_input(self, dout: Array) -> Array:
-        self._dmlp_in = self.mlp.backward_input(dout)
-        dmid = dout + self.ln_2.backward_input(self._dmlp_in)
-        self._dmid = dmid
-        self._dattn_in = self.attn.backward_input(dmid)
-        return dmid + self.ln_1.backward_input(self._dattn_in)
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        if self.recompute_full:
+            rebuilt = self._forward(saved.x)[1]
+            saved.clear()
+            vars(saved).update(vars(rebuilt))
+        dmiddle = dout + self.ln_2.backward_input(saved.ln_2, self.mlp.backward_input(saved.mlp, dout))
+        return dmiddle + self.ln_1.backward_input(saved.ln_1, self.attn.backward_input(saved.attn, dmiddle))
 
-    def backward_weights(self, dout: Array) -> None:
-        self.mlp.backward_weights(dout)
-        self.ln_2.backward_weights(self._dmlp_in)
-        self.attn.backward_weights(self._dmid)
-        self.ln_1.backward_weights(self._dattn_in)
-
-    def backward(self, dout: Array) -> Array:
-        dx = self.backward_input(dout)
-        self.backward_weights(dout)
-        return dx
+    def backward_weights(self, saved: Saved) -> None:
+        self.mlp.backward_weights(saved.mlp)
+        self.ln_2.backward_weights(saved.ln_2)
+        self.attn.backward_weights(saved.attn)
+        self.ln_1.backward_weights(saved.ln_1)
+        saved.clear()
 
 
-class Embedding:
+class Embedding(Layer):
     """x = wte[tokens] + wpe[positions]."""
 
     def __init__(self, token: Parameter, position: Parameter) -> None:
         self.token, self.position = token, position
 
-    def forward(self, tokens: Array, start: int = 0) -> Array:
+    def forward(self, tokens: Array, start: int = 0) -> tuple[Array, Saved]:
         """Embed (B, T) token ids sitting at positions start … start+T−1."""
-        self.tokens = tokens
-        return self.token.data[tokens] + self.position.data[start:start + tokens.shape[-1]]
+        x = self.token.data[tokens] + self.position.data[start:start + tokens.shape[-1]]
+        return x, Saved(tokens=tokens, start=start)
 
-    def backward_input(self, dout: Array) -> None:
+    def backward_input(self, saved: Saved, dout: Array) -> None:
+        saved.dout = dout
         return None  # token ids have no gradient
 
-    def backward_weights(self, dout: Array) -> None:
+    def backward_weights(self, saved: Saved) -> None:
+        tokens, dout = saved.tokens, saved.dout
         channels = dout.shape[-1]
         grad = self.token.grad
         if grad.flags.c_contiguous:
             # one scatter of B·T·C single numbers into the flat table: NumPy's add.at has a fast path for 1-D
             # targets, 5× faster than adding B·T rows into the 2-D table
-            entries = self.tokens.reshape(-1, 1) * channels + get_array_module(self.tokens).arange(channels)
+            entries = tokens.reshape(-1, 1) * channels + get_array_module(tokens).arange(channels)
             scatter_add(grad.reshape(-1), entries.reshape(-1), dout.reshape(-1))
         else:  # a strided gradient view: reshape(-1) would scatter into a copy
-            scatter_add(grad, self.tokens.reshape(-1), dout.reshape(-1, channels))
-        self.position.grad[:dout.shape[-2]] += dout.sum(axis=0)
-
-    def backward(self, dout: Array) -> None:
-        self.backward_weights(dout)
+            scatter_add(grad, tokens.reshape(-1), dout.reshape(-1, channels))
+        self.position.grad[saved.start:saved.start + dout.shape[-2]] += dout.sum(axis=0)
+        saved.clear()
 
 
-class TiedHeadCrossEntropy:
+class TiedHeadCrossEntropy(Layer):
     """logits = x @ wteᵀ (the LM head shares the token embedding), then softmax cross-entropy.
 
     `forward` returns the *sum* of the token losses divided by `normalizer` (the token count of the whole
     global batch), so the losses of microbatches and data-parallel ranks add up to the global mean with one
     normalization. The logits never leave this layer: forward turns them, in place, straight into
     d(logits) = (softmax − onehot(target)) / normalizer, which is all backward needs (one pass over the
-    B·T × vocab logits fewer than normalizing the probabilities and scaling them again later).
+    B·T × vocab logits fewer than normalizing the probabilities and scaling them again later). The loss is the
+    root of backward: `backward_input` takes no output gradient (pass None).
     """
 
     def __init__(self, token: Parameter) -> None:
         self.token = token
 
-    def forward(self, x: Array, targets: Array, normalizer: float) -> float:
+    def forward(self, x: Array, targets: Array, normalizer: float) -> tuple[float, Saved]:
         xp = get_array_module(x)
-        self.x_shape = x.shape
-        self.x2d = x.reshape(-1, x.shape[-1])
+        x2d = x.reshape(-1, x.shape[-1])
         targets = targets.reshape(-1)
         rows = xp.arange(len(targets))
-        logits = self.x2d @ self.token.data.T
+        logits = x2d @ self.token.data.T
         if is_device_array(logits):
             target_logits = _shifted_exp_device(logits, rows, targets)
         else:
@@ -446,23 +555,43 @@ class TiedHeadCrossEntropy:
         sums = row_sums(logits)
         logits /= sums * normalizer  # softmax / normalizer
         logits[rows, targets] -= 1.0 / normalizer
-        self.dlogits = logits
-        return float((xp.log(sums[:, 0]) - target_logits).sum()) / normalizer
+        loss = float((xp.log(sums[:, 0]) - target_logits).sum()) / normalizer
+        return loss, Saved(x2d=x2d, x_shape=x.shape, dlogits=logits)
 
     def logits(self, x: Array) -> Array:
         """Plain logits for sampling (no loss)."""
         return x @ self.token.data.T
 
-    def backward_input(self) -> Array:
-        return (self.dlogits @ self.token.data).reshape(self.x_shape)
+    def backward_input(self, saved: Saved, dout: None = None) -> Array:
+        return (saved.dlogits @ self.token.data).reshape(saved.x_shape)
 
-    def backward_weights(self) -> None:
-        self.token.grad += self.dlogits.T @ self.x2d
+    def backward_weights(self, saved: Saved) -> None:
+        self.token.grad += saved.dlogits.T @ saved.x2d
+        saved.clear()
 
-    def backward(self) -> Array:
-        dx = self.backward_input()
-        self.backward_weights()
-        return dx
+
+class LMHead(Layer):
+    """The model's last unit: the final LayerNorm, then the tied LM head and its cross-entropy (`loss`)."""
+
+    def __init__(self, ln_f: LayerNorm, loss: Any) -> None:
+        self.ln_f, self.loss = ln_f, loss
+
+    def forward(self, x: Array, targets: Array, normalizer: float) -> tuple[float, Saved]:
+        normed, ln_f = self.ln_f.forward(x)
+        loss, cross_entropy = self.loss.forward(normed, targets, normalizer)
+        return loss, Saved(ln_f=ln_f, cross_entropy=cross_entropy)
+
+    def logits(self, x: Array) -> Array:
+        """Next-token logits for sampling."""
+        return self.loss.logits(self.ln_f.forward(x)[0])
+
+    def backward_input(self, saved: Saved, dout: None = None) -> Array:
+        return self.ln_f.backward_input(saved.ln_f, self.loss.backward_input(saved.cross_entropy))
+
+    def backward_weights(self, saved: Saved) -> None:
+        self.loss.backward_weights(saved.cross_entropy)
+        self.ln_f.backward_weights(saved.ln_f)
+        saved.clear()
 
 
 def _shifted_exp_device(logits: Array, rows: Array, targets: Array) -> Array:

@@ -39,8 +39,8 @@ replaces — and backward the same. Once per step besides: the embedding (forwar
 reduce-scatter forward, all-gather backward), the head's input (backward all-reduce of S; SP: all-gather forward,
 reduce-scatter backward), the cross-entropy (all-reduce of the row maxima, b·s elements, and one of the row
 sums of exponentials together with the target logits, 2·b·s) and, with SP, one all-reduce of the LayerNorm
-gradients ((4·n_layer + 2)·h elements, `reduce_replicated_gradients`). Weights per rank: 12h²/n per block plus
-V·h/n for the embedding.
+gradients ((4·n_layer + 2)·h elements, `models.parameter.reduce_partial_gradients`). Weights per rank: 12h²/n
+per block plus V·h/n for the embedding.
 
 Choices, and why:
 - Our collectives split along axis 0, activations are (B, T, C) and SP splits T, so the SP wrappers copy to a
@@ -52,8 +52,8 @@ Choices, and why:
 - With SP the head all-gathers the final LayerNorm's output and runs the vocab-parallel cross-entropy on the
   whole sequence; its d(input) is reduce-scattered back to the slices.
 - With SP a LayerNorm's weight and bias see only this rank's slice of the sequence, so their gradients are
-  partial sums: call `reduce_replicated_gradients(model.sequence_parallel_parameters(), tp_comm)` once per
-  optimizer step, after the last microbatch's backward (Megatron does this when it finishes the gradients; it
+  partial sums (their placement on "tp" is `Partial`): call `reduce_partial_gradients(pieces, {"tp": comm})`
+  once per optimizer step, after the last microbatch's backward (Megatron does this when it finishes the gradients; it
   must not run per microbatch, or the gradient accumulated so far would be summed n times). It commutes with the
   data-parallel gradient reduction (both are sums over disjoint rank sets). The row-parallel biases and wpe are
   added to sequence slices too, but their gradients are summed from the all-gathered d(output) the layer needs
@@ -73,8 +73,8 @@ from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
 from .gpt import GPT, GPTConfig, initial_value, parameter_shapes
-from .layers import MLP, Block, CausalSelfAttention, LayerNorm, Linear
-from .parameter import Parameter
+from .layers import QUERY_BLOCK, Layer, Linear, LMHead, Saved
+from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
 
 TP_AXIS = "tp"
 
@@ -175,7 +175,7 @@ class TensorParallelGroup:
 
 # -- parallel linear layers -----------------------------------------------------------------------------------
 
-class ColumnParallelLinear:
+class ColumnParallelLinear(Layer):
     """y_r = x @ W[:, columns_r] + b[columns_r]: rank r computes its columns of the output from the whole input.
 
     The local math is `models.layers.Linear` on the shard; the input enters through `into_column_parallel`
@@ -185,96 +185,86 @@ class ColumnParallelLinear:
     def __init__(self, weight: Parameter, bias: Parameter, group: TensorParallelGroup) -> None:
         self.local, self.group = Linear(weight, bias), group
 
-    def forward(self, x: Array) -> Array:
+    def forward(self, x: Array) -> tuple[Array, Saved]:
         return self.local.forward(self.group.into_column_parallel(x))
 
-    def backward_input(self, dout: Array) -> Array:
-        return self.group.into_column_parallel_backward(self.local.backward_input(dout))
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        return self.group.into_column_parallel_backward(self.local.backward_input(saved, dout))
 
-    def backward_weights(self, dout: Array) -> None:
-        self.local.backward_weights(dout)  # the input it saw is the gathered one: no communication
-
-    def backward(self, dout: Array) -> Array:
-        self.backward_weights(dout)
-        return self.backward_input(dout)
+    def backward_weights(self, saved: Saved) -> None:
+        self.local.backward_weights(saved)  # the input it saw is the gathered one: no communication
 
 
-class RowParallelLinear:
+class RowParallelLinear(Layer):
     """y = Σ_r x_r @ W[rows_r, :] + b: rank r multiplies its slice of the input features by its rows of W; the
     partial products leave through `out_of_row_parallel` (TP: all-reduce; SP: reduce-scatter), then the
     replicated bias is added once — which is why `Linear`, whose forward adds the bias, is not reused here.
 
     Backward: the gradient of every partial product is the whole d(output) (TP: held by every rank; SP:
-    all-gathered). `backward_input` fetches it and `backward_weights` reuses it, so call them in that order (as
-    every layer in models.layers). The bias gradient is summed from that whole d(output), so it is complete on
-    every rank even when the bias was added to a sequence slice.
+    all-gathered). The input pass fetches it and keeps it for the weight pass. The bias gradient is summed from
+    that whole d(output), so it is complete on every rank even when the bias was added to a sequence slice.
     """
 
     def __init__(self, weight: Parameter, bias: Parameter, group: TensorParallelGroup) -> None:
         self.weight, self.bias, self.group = weight, bias, group
 
-    def forward(self, x: Array) -> Array:
-        self.x = x
+    def forward(self, x: Array) -> tuple[Array, Saved]:
         partial = x.reshape(-1, x.shape[-1]) @ self.weight.data
         out = self.group.out_of_row_parallel(partial.reshape(*x.shape[:-1], partial.shape[-1]))
         out += self.bias.data
-        return out
+        return out, Saved(x=x)
 
-    def backward_input(self, dout: Array) -> Array:
-        self._dpartial = self.group.out_of_row_parallel_backward(dout)
-        dx = self._dpartial.reshape(-1, dout.shape[-1]) @ self.weight.data.T
-        return dx.reshape(*self.x.shape)
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        saved.dpartial = self.group.out_of_row_parallel_backward(dout)
+        dx = saved.dpartial.reshape(-1, dout.shape[-1]) @ self.weight.data.T
+        return dx.reshape(*saved.x.shape)
 
-    def backward_weights(self, dout: Array) -> None:
-        dpartial = self._dpartial.reshape(-1, dout.shape[-1])
-        self.weight.grad += self.x.reshape(-1, self.x.shape[-1]).T @ dpartial
+    def backward_weights(self, saved: Saved) -> None:
+        x, dpartial = saved.x, saved.dpartial.reshape(-1, saved.dpartial.shape[-1])
+        self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dpartial
         self.bias.grad += dpartial.sum(axis=0)
-
-    def backward(self, dout: Array) -> Array:
-        dx = self.backward_input(dout)
-        self.backward_weights(dout)
-        return dx
+        saved.clear()
 
 
 # -- vocab-parallel embedding and cross-entropy ---------------------------------------------------------------
 
-class VocabParallelEmbedding:
+class VocabParallelEmbedding(Layer):
     """x = wte[tokens] + wpe[positions] with wte split by vocabulary rows.
 
     Each rank looks up the tokens in its slice [vocab_start, vocab_start + V/n) and writes zeros for the
     others; the partial embeddings leave like a row-parallel layer's output (TP: all-reduce of b·s·h; SP:
     reduce-scatter to this rank's sequence slice), then wpe is added to the positions this rank holds.
-    Backward: the whole d(x) (SP: all-gathered) is scattered into this rank's wte rows, and summed into wpe.
+    Backward: the whole d(x) (SP: all-gathered, in the weight pass) is scattered into this rank's wte rows, and
+    summed into wpe.
     """
 
     def __init__(self, token: Parameter, position: Parameter, group: TensorParallelGroup, vocab_start: int) -> None:
         self.token, self.position, self.group, self.vocab_start = token, position, group, vocab_start
 
-    def forward(self, tokens: Array) -> Array:
+    def forward(self, tokens: Array) -> tuple[Array, Saved]:
         xp = get_array_module(tokens)
         local = tokens - self.vocab_start
-        self.elsewhere = (local < 0) | (local >= self.token.data.shape[0])  # another rank's tokens
-        self.rows = xp.where(self.elsewhere, 0, local)
-        partial = self.token.data[self.rows]
-        partial[self.elsewhere] = 0
+        elsewhere = (local < 0) | (local >= self.token.data.shape[0])  # another rank's tokens
+        rows = xp.where(elsewhere, 0, local)
+        partial = self.token.data[rows]
+        partial[elsewhere] = 0
         x = self.group.out_of_row_parallel(partial)
         x += self.position.data[self.group.sequence_positions(tokens.shape[-1])]
-        return x
+        return x, Saved(rows=rows, elsewhere=elsewhere)
 
-    def backward_input(self, dout: Array) -> None:
+    def backward_input(self, saved: Saved, dout: Array) -> None:
+        saved.dout = dout
         return None  # token ids have no gradient
 
-    def backward_weights(self, dout: Array) -> None:
-        dpartial = self.group.out_of_row_parallel_backward(dout)  # (B, T, C): the whole sequence
-        here = ~self.elsewhere
-        scatter_add(self.token.grad, self.rows[here], dpartial[here])
+    def backward_weights(self, saved: Saved) -> None:
+        dpartial = self.group.out_of_row_parallel_backward(saved.dout)  # (B, T, C): the whole sequence
+        here = ~saved.elsewhere
+        scatter_add(self.token.grad, saved.rows[here], dpartial[here])
         self.position.grad[:dpartial.shape[-2]] += dpartial.sum(axis=0)
-
-    def backward(self, dout: Array) -> None:
-        self.backward_weights(dout)
+        saved.clear()
 
 
-class VocabParallelCrossEntropy:
+class VocabParallelCrossEntropy(Layer):
     """The LM head tied to the vocab-parallel wte, and softmax cross-entropy that never gathers the logits.
 
     Rank r computes its V/n columns of the logits, x @ wte_rᵀ, from the whole input (TP: f = copy_to_tp;
@@ -291,113 +281,71 @@ class VocabParallelCrossEntropy:
         self.token, self.group, self.vocab_start = token, group, vocab_start
         self.padding = slice(max(vocab_size - vocab_start, 0), token.data.shape[0])
 
-    def forward(self, x: Array, targets: Array, normalizer: float) -> float:
+    def forward(self, x: Array, targets: Array, normalizer: float) -> tuple[float, Saved]:
         xp = get_array_module(x)
         x = self.group.into_column_parallel(x)
-        self.x_shape, self.x2d = x.shape, x.reshape(-1, x.shape[-1])
-        self.normalizer = normalizer
-        logits = self.x2d @ self.token.data.T  # (B·T, V/n): this rank's columns
+        x2d = x.reshape(-1, x.shape[-1])
+        logits = x2d @ self.token.data.T  # (B·T, V/n): this rank's columns
         logits[:, self.padding] = -xp.inf
         logits -= self.group.all_reduce(logits.max(axis=-1), op="max")[:, None]
-        self._locate_targets(targets.reshape(-1))
+        target_rows, target_columns = self._locate_targets(targets.reshape(-1))
         target_logits = xp.zeros(len(logits), logits.dtype)
-        target_logits[self.target_rows] = logits[self.target_rows, self.target_columns]
+        target_logits[target_rows] = logits[target_rows, target_columns]
         xp.exp(logits, out=logits)
         sums, target_logits = self.group.all_reduce(xp.stack([logits.sum(axis=-1), target_logits]))
         logits /= sums[:, None]
-        self.probs, self.dlogits = logits, None
-        return float((xp.log(sums) - target_logits).sum()) / normalizer
+        saved = Saved(x_shape=x.shape, x2d=x2d, probs=logits, dlogits=None, normalizer=normalizer,
+                      target_rows=target_rows, target_columns=target_columns)
+        return float((xp.log(sums) - target_logits).sum()) / normalizer, saved
 
-    def _locate_targets(self, targets: Array) -> None:
+    def _locate_targets(self, targets: Array) -> tuple[Array, Array]:
         """The tokens whose target is in this rank's vocabulary slice, and that target's column here."""
         xp = get_array_module(targets)
         local = targets - self.vocab_start
         here = (local >= 0) & (local < self.token.data.shape[0])
-        self.target_rows = xp.nonzero(here)[0]
-        self.target_columns = local[here]
+        return xp.nonzero(here)[0], local[here]
 
-    def _gradient_of_logits(self) -> Array:
+    @staticmethod
+    def _gradient_of_logits(saved: Saved) -> Array:
         """(softmax − onehot(target)) / normalizer on this rank's columns, in place of the probabilities."""
-        if self.dlogits is None:
-            dlogits = self.probs
-            dlogits[self.target_rows, self.target_columns] -= 1.0
-            dlogits /= self.normalizer
-            self.dlogits, self.probs = dlogits, None
-        return self.dlogits
+        if saved.dlogits is None:
+            dlogits = saved.probs
+            dlogits[saved.target_rows, saved.target_columns] -= 1.0
+            dlogits /= saved.normalizer
+            saved.dlogits, saved.probs = dlogits, None
+        return saved.dlogits
 
-    def backward_input(self) -> Array:
-        dpartial = (self._gradient_of_logits() @ self.token.data).reshape(self.x_shape)
+    def backward_input(self, saved: Saved, dout: None = None) -> Array:
+        dpartial = (self._gradient_of_logits(saved) @ self.token.data).reshape(saved.x_shape)
         return self.group.into_column_parallel_backward(dpartial)
 
-    def backward_weights(self) -> None:
-        self.token.grad += self._gradient_of_logits().T @ self.x2d
-
-    def backward(self) -> Array:
-        dx = self.backward_input()
-        self.backward_weights()
-        return dx
+    def backward_weights(self, saved: Saved) -> None:
+        self.token.grad += self._gradient_of_logits(saved).T @ saved.x2d
+        saved.clear()
 
 
 # -- how the serial tensors are split ------------------------------------------------------------------------
 
-_SPLITS = {  # name suffix -> (dim, blocks); every other parameter is replicated
-    "wte.weight": (0, 1),  # vocabulary rows
-    "attn.c_attn.weight": (1, 3),  # the columns of q, k and v: each C wide, head-major, so split each by heads
-    "attn.c_attn.bias": (0, 3),
-    "attn.c_proj.weight": (0, 1),  # rows = the heads' outputs
-    "mlp.c_fc.weight": (1, 1),  # columns = hidden units
-    "mlp.c_fc.bias": (0, 1),
-    "mlp.c_proj.weight": (0, 1),  # rows = hidden units
+_SPLITS = {  # name suffix -> how the tp axis cuts it; every other parameter is replicated
+    "wte.weight": Sharded(0),  # vocabulary rows
+    "attn.c_attn.weight": Sharded(1, 3),  # the columns of q, k and v: each C wide, head-major, so split each by heads
+    "attn.c_attn.bias": Sharded(0, 3),
+    "attn.c_proj.weight": Sharded(0),  # rows = the heads' outputs
+    "mlp.c_fc.weight": Sharded(1),  # columns = hidden units
+    "mlp.c_fc.bias": Sharded(0),
+    "mlp.c_proj.weight": Sharded(0),  # rows = hidden units
 }
 
 
-def tensor_parallel_split(name: str) -> tuple[str, int, int] | None:
-    """The shard spec (`Parameter.split`) of the parameter called `name` under tensor parallelism."""
-    for suffix, (dim, blocks) in _SPLITS.items():
+def tensor_parallel_placement(name: str, sequence_parallel: bool = False) -> dict[str, Placement]:
+    """How the tp axis holds the parameter called `name`: sharded (see `_SPLITS`); with SP the LayerNorms'
+    gradients are partial sums (each rank normalizes only its sequence slice); everything else replicated."""
+    for suffix, sharded in _SPLITS.items():
         if name.endswith(suffix):
-            return (TP_AXIS, dim, blocks)
-    return None
-
-
-def padded_length(length: int, blocks: int, size: int) -> int:
-    """`length` split into `blocks` equal blocks, each padded to a multiple of `size`: the padded total."""
-    per_block = length // blocks
-    return blocks * (-(-per_block // size) * size)
-
-
-def shard_tensor(full: Array, split: tuple[str, int, int] | None, rank: int, size: int) -> Array:
-    """Rank `rank`'s shard of the full tensor (a copy): its piece of every block of dimension `dim`, after
-    zero-padding each block to a multiple of `size` (only the vocabulary ever needs it)."""
-    xp = get_array_module(full)
-    if split is None:
-        return full.copy()
-    _, dim, blocks = split
-    moved = xp.moveaxis(full, dim, 0)
-    rest = moved.shape[1:]
-    by_block = moved.reshape(blocks, moved.shape[0] // blocks, *rest)
-    padded = padded_length(moved.shape[0], blocks, size) // blocks
-    if padded > by_block.shape[1]:
-        padding = xp.zeros((blocks, padded - by_block.shape[1], *rest), full.dtype)
-        by_block = xp.concatenate([by_block, padding], axis=1)
-    piece = padded // size
-    shard = by_block[:, rank * piece:(rank + 1) * piece].reshape(blocks * piece, *rest)
-    return xp.ascontiguousarray(xp.moveaxis(shard, 0, dim))
-
-
-def gather_tensor(shard: Array, split: tuple[str, int, int] | None, comm: Any, shape: tuple[int, ...]) -> Array:
-    """The full tensor of serial `shape` from every rank's shard (one all-gather; padding dropped), on every rank.
-    The inverse of `shard_tensor`."""
-    xp = get_array_module(shard)
-    if split is None:
-        return shard.copy()
-    comm = Communicator.of(comm)
-    _, dim, blocks = split
-    moved = xp.ascontiguousarray(xp.moveaxis(shard, dim, 0))
-    rest, piece = moved.shape[1:], moved.shape[0] // blocks
-    gathered = all_gather(moved, comm).reshape(comm.size, blocks, piece, *rest)
-    by_block = gathered.swapaxes(0, 1).reshape(blocks, comm.size * piece, *rest)
-    full = by_block[:, :shape[dim] // blocks].reshape(shape[dim], *rest)
-    return xp.ascontiguousarray(xp.moveaxis(full, 0, dim))
+            return {TP_AXIS: sharded}
+    if sequence_parallel and (".ln_" in name):
+        return {TP_AXIS: PARTIAL}
+    return {}
 
 
 def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
@@ -411,39 +359,27 @@ def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
         raise ValueError("tensor parallelism needs " + " and ".join(problems))
 
 
-def reduce_replicated_gradients(params: list[Parameter], comm: Any, algo: str = "auto") -> None:
-    """Sum over the TP group the gradients of replicated parameters that each rank computed from its sequence
-    slice only (with SP: the LayerNorms, `TensorParallelGPT.sequence_parallel_parameters()`).
-
-    One all-reduce of their concatenation (2(n−1)/n of (4·n_layer + 2)·h elements). Call it once per optimizer
-    step, after every microbatch's backward: it sums whatever `grad` holds, so a second call double-counts.
-    """
-    if not params:
-        return
-    xp = get_array_module(params[0].grad)
-    total = all_reduce(xp.concatenate([param.grad.reshape(-1) for param in params]), comm, algo=algo)
-    offset = 0
-    for param in params:
-        param.grad[...] = total[offset:offset + param.grad.size].reshape(param.grad.shape)
-        offset += param.grad.size
-
-
 # -- the model -----------------------------------------------------------------------------------------------
 
 class TensorParallelGPT(GPT):
     """GPT-2 over a TP group: `models.gpt.GPT` with parallel layers in place of the serial ones.
 
-    Forward, backward, the hook calls and `units()` are inherited unchanged: only the layers differ.
+    Forward, backward (over any range of units), the hook calls and state loading are inherited unchanged:
+    only the layer factories differ.
 
     `forward` returns the same loss on every rank of the group (every rank holds the whole batch's tokens);
-    `parameters()` and `state_dict()` are this rank's shards (`Parameter.split` says how each was cut);
+    `parameters()` and `state_dict()` are this rank's shards (`Parameter.placement` says how each was cut);
     `full_state_dict` gathers the serial tensors. The initial values are the serial model's (drawn whole from
     `models.gpt.initial_value`, then cut), so every tp starts from, and computes, the same numbers. `algo`
     picks the algorithm of every TP collective ("ring" makes the byte counts exactly the textbook's).
+
+    With SP the LayerNorms' gradients are partial sums over the group (placement `Partial` on "tp"): sum them
+    once per optimizer step, after the last microbatch's backward (`reduce_partial_gradients`).
     """
 
     def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
-                 sequence_parallel: bool = False, algo: str = "auto", xp: Any = np) -> None:
+                 sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
+                 query_block: int = QUERY_BLOCK) -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
@@ -452,70 +388,39 @@ class TensorParallelGPT(GPT):
                        for name, shape in parameter_shapes(config).items()}
         p = self.params
         vocab_start = self.group.rank * p["transformer.wte.weight"].data.shape[0]
-        self.embedding = VocabParallelEmbedding(p["transformer.wte.weight"], p["transformer.wpe.weight"],
-                                                self.group, vocab_start)
-        self.blocks = [self._block(i) for i in range(config.n_layer)]
-        self.ln_f = LayerNorm(p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
-        self.head = VocabParallelCrossEntropy(p["transformer.wte.weight"], self.group, vocab_start,
-                                              config.vocab_size)
+        embedding = VocabParallelEmbedding(p["transformer.wte.weight"], p["transformer.wpe.weight"], self.group,
+                                           vocab_start)
+        loss = VocabParallelCrossEntropy(p["transformer.wte.weight"], self.group, vocab_start, config.vocab_size)
+        self._assemble(embedding, LMHead(self._layer_norm("transformer.ln_f"), loss), recompute, query_block)
+        self.sequence_shards = tp if sequence_parallel else 1
 
     def _shard(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
-        split = tensor_parallel_split(name)
-        return Parameter(name, xp.asarray(shard_tensor(full, split, self.group.rank, self.group.size)), split)
+        placement = tensor_parallel_placement(name, self.group.sequence_parallel)
+        shard = shard_tensor(full, placement, self.axis_ranks())
+        return Parameter(name, xp.asarray(shard), placement, full_shape=full.shape)
 
-    def _block(self, i: int) -> Block:
-        def weight_and_bias(name: str) -> tuple[Parameter, Parameter]:
-            return self.params[f"transformer.h.{i}.{name}.weight"], self.params[f"transformer.h.{i}.{name}.bias"]
+    def axis_ranks(self) -> dict[str, tuple[int, int]]:
+        return {TP_AXIS: (self.group.rank, self.group.size)}
 
-        group = self.group
-        # the serial attention and MLP classes, with parallel linears in place of theirs (same methods)
-        attention = CausalSelfAttention(ColumnParallelLinear(*weight_and_bias("attn.c_attn"), group),
-                                        RowParallelLinear(*weight_and_bias("attn.c_proj"), group),
-                                        self.config.n_head // group.size)
-        mlp = MLP(ColumnParallelLinear(*weight_and_bias("mlp.c_fc"), group),
-                  RowParallelLinear(*weight_and_bias("mlp.c_proj"), group))
-        return Block(LayerNorm(*weight_and_bias("ln_1")), attention, LayerNorm(*weight_and_bias("ln_2")), mlp)
+    def _column_parallel(self, prefix: str) -> ColumnParallelLinear:
+        return ColumnParallelLinear(*self._weight_and_bias(prefix), self.group)
 
-    def sequence_parallel_parameters(self) -> list[Parameter]:
-        """The parameters whose gradient is a partial sum over the TP group (see `reduce_replicated_gradients`):
-        the LayerNorms' with SP, none without."""
-        if not self.group.sequence_parallel:
-            return []
-        return [param for name, param in self.params.items() if ".ln_" in name]
+    def _row_parallel(self, prefix: str) -> RowParallelLinear:
+        return RowParallelLinear(*self._weight_and_bias(prefix), self.group)
 
-    def check_tokens(self, tokens: Array) -> None:
-        length = tokens.shape[-1]
-        if length > self.config.n_positions:
-            raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
-        if self.group.sequence_parallel and length % self.group.size:
-            raise ValueError(f"sequence parallelism splits the sequence over tp ranks: sequence length {length} "
-                             f"must be divisible by tp ({self.group.size})")
+    def _local_heads(self) -> int:
+        return self.config.n_head // self.group.size
 
     def generate(self, *args: Any, **kwargs: Any) -> Array:
         raise NotImplementedError("sample from the serial model: GPT(config).load_state_dict(full_state_dict(...))")
 
-    def state_dict(self) -> dict[str, Array]:
-        """Hugging Face name -> this rank's shard (`full_state_dict` gathers the serial tensors)."""
-        return {name: param.data for name, param in self.params.items()}
-
-    def load_state_dict(self, tensors: dict[str, Array]) -> None:
-        """Copy in full (serial) tensors by name, keeping this rank's shards; names may omit `transformer.`."""
-        by_short_name = {name.removeprefix("transformer."): value for name, value in tensors.items()}
-        shapes = parameter_shapes(self.config)
-        for name, param in self.params.items():
-            value = by_short_name.get(name.removeprefix("transformer."))
-            if value is None:
-                raise ValueError(f"checkpoint has no tensor {name}")
-            if tuple(value.shape) != shapes[name]:
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                                 f"the model expects {shapes[name]}")
-            param.data[...] = shard_tensor(get_array_module(param.data).asarray(value), param.split,
-                                           self.group.rank, self.group.size)
+    def logits(self, tokens: Array) -> Array:
+        raise NotImplementedError("the vocab-parallel head never gathers the logits; use the serial model")
 
 
 def full_state_dict(model: TensorParallelGPT, comm: Any = None) -> dict[str, Array]:
     """The serial model's state dict (names and shapes of `GPT.state_dict()`, vocabulary padding dropped),
     gathered on every rank of the TP group `comm` (default: the model's): one all-gather per sharded tensor."""
-    comm = model.comm if comm is None else comm
-    shapes = parameter_shapes(model.config)
-    return {name: gather_tensor(param.data, param.split, comm, shapes[name]) for name, param in model.params.items()}
+    comms = {TP_AXIS: model.comm if comm is None else comm}
+    return {name: gather_tensor(param.data, param.placement, comms, param.full_shape)
+            for name, param in model.params.items()}

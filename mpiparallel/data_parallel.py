@@ -28,7 +28,6 @@ prefetching the next unit's, and frees them afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +38,13 @@ import collectives
 from collectives import Communicator
 from collectives.backend import Array, get_array_module
 from models.gpt import ParameterHooks
-from models.parameter import Parameter
+from models.layers import distinct_bytes
+from models.parameter import PARTIAL, FlatShard, Parameter
 
 from .errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
+DP_AXIS = "dp"
 
 
 @dataclass
@@ -99,10 +100,13 @@ class ShardSegment:
     real shape (AdamW decays only ≥2-D weights).
     """
 
-    __slots__ = ("name", "data", "grad", "full_shape")
+    __slots__ = ("name", "data", "grad", "full_shape", "placement", "parameter")
 
-    def __init__(self, name: str, data: Array, grad: Array, full_shape: tuple[int, ...]) -> None:
-        self.name, self.data, self.grad, self.full_shape = name, data, grad, full_shape
+    def __init__(self, parameter: Parameter, start: int, stop: int, data: Array, grad: Array,
+                 full_shape: tuple[int, ...]) -> None:
+        self.name, self.data, self.grad, self.full_shape = f"{parameter.name}[{start}:{stop}]", data, grad, full_shape
+        self.parameter = parameter
+        self.placement = parameter.placement | {DP_AXIS: FlatShard(start, stop)}
 
 
 class DataParallel(ParameterHooks):
@@ -112,12 +116,15 @@ class DataParallel(ParameterHooks):
         engine.zero_grad()
         for i, (x, y) in enumerate(microbatches):
             with engine.microbatch(last=i == len(microbatches) - 1):
-                loss += model.forward(x, y, normalizer, hooks=engine)
-                model.backward(hooks=engine)
+                loss_i, saved = model.forward(x, y, normalizer, hooks=engine)
+                model.backward(saved, hooks=engine)
         engine.finish_gradients()
-        norm = optim.clip_grad_norm(engine.optimizer_parameters(), max_norm, engine.sum_over_ranks_if_sharded)
+        ... clip over engine.optimizer_parameters() (each piece's placement says which ranks count it)
         optimizer.step(lr)             # an optimizer built over engine.optimizer_parameters()
         engine.after_update()
+
+    Every parameter's placement gains `Partial` on "dp" (each rank's gradient is its rows' share); ZeRO's
+    optimizer pieces carry `FlatShard` on "dp" instead.
     """
 
     def __init__(self, model: Any, comm: Communicator, zero: int = 0, bucket_mb: float = 25.0,
@@ -127,7 +134,10 @@ class DataParallel(ParameterHooks):
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb must be positive, got {bucket_mb}")
         self.model, self.comm, self.zero, self.overlap, self.algo = model, comm, zero, overlap, algo
-        self.units = model.units()
+        self.units = model.unit_parameters()
+        for params in self.units:
+            for param in params:
+                param.placement[DP_AXIS] = PARTIAL
         self.buckets = build_buckets(self.units, int(bucket_mb * 2**20), comm.size)
         self.xp = get_array_module(self.buckets[0].params[0].data)
         self.dtype = self.buckets[0].params[0].data.dtype
@@ -175,8 +185,8 @@ class DataParallel(ParameterHooks):
                 self.grad_shards.append(self.xp.zeros(bucket.padded // self.comm.size, self.dtype))
             else:
                 self._allocate_gradients(index)
-                if self.zero == 1:
-                    self.grad_shards.append(self.xp.zeros(bucket.padded // self.comm.size, self.dtype))
+                if self.zero == 1:  # the reduced shard overwrites this rank's part of the full buffer
+                    self.grad_shards.append(self.flat_grads[index][self._shard(bucket)])
 
     def _allocate_gradients(self, index: int) -> None:
         bucket = self.buckets[index]
@@ -216,9 +226,8 @@ class DataParallel(ParameterHooks):
                 lo, hi = max(offset, shard.start), min(offset + self._size(param), shard.stop)
                 if lo < hi:
                     local = slice(lo - shard.start, hi - shard.start)
-                    segments.append(ShardSegment(f"{param.name}[{lo - offset}:{hi - offset}]",
-                                                 self.param_shards[index][local], self.grad_shards[index][local],
-                                                 self._shape(param)))
+                    segments.append(ShardSegment(param, lo - offset, hi - offset, self.param_shards[index][local],
+                                                 self.grad_shards[index][local], self._shape(param)))
         return segments
 
     # -- a step -----------------------------------------------------------------------------------------------
@@ -296,12 +305,6 @@ class DataParallel(ParameterHooks):
             for handle in handles:
                 handle.wait()
 
-    def sum_over_ranks_if_sharded(self) -> Callable[[float], float] | None:
-        """The clipping callback: with ZeRO each rank holds distinct gradient pieces, so their squares add up."""
-        if self.zero == 0:
-            return None
-        return lambda local: float(collectives.all_reduce(np.array([local]), self.comm, algo="mpi")[0])
-
     # -- gradient reductions ---------------------------------------------------------------------------------
 
     def _start_reduction(self, index: int) -> None:
@@ -314,7 +317,9 @@ class DataParallel(ParameterHooks):
 
     def _complete_reduction(self, index: int) -> None:
         result = self._in_flight.pop(index).wait()
-        if self.zero >= 1:
+        if self.zero == 1:  # reduced once per step, from the last microbatch's full buffer
+            self.grad_shards[index][...] = result
+        elif self.zero >= 2:  # reduced every microbatch, accumulated here
             self.grad_shards[index] += result
         if self.zero >= 2:
             self._free_gradients(index)
@@ -407,9 +412,42 @@ class DataParallel(ParameterHooks):
             params = sum(f.nbytes for f in self.flat_params)
         else:
             params = sum(p.data.nbytes for b in self.buckets for p in b.params)
-        grads = (sum(s.nbytes for s in self.grad_shards) if self.zero >= 2 else
-                 sum(f.nbytes for f in self.flat_grads if f is not None) + sum(s.nbytes for s in self.grad_shards))
+        grads = distinct_bytes(self.flat_grads, self.grad_shards)  # ZeRO-1's shards are views of the buffers
         state = sum(a.nbytes for a in getattr(optimizer, "exp_avg", {}).values())
         state += sum(a.nbytes for a in getattr(optimizer, "exp_avg_sq", {}).values())
         return {"parameters": params, "gradients": grads, "optimizer_state": state}
 
+
+    # -- optimizer state by parameter (checkpoints) ------------------------------------------------------------
+
+    def gather_pieces(self, values: dict[str, Array]) -> dict[str, Array]:
+        """Per-piece arrays (keyed like `optimizer_parameters()`, e.g. AdamW's moments) as whole-parameter arrays
+        by parameter name, on every rank: under ZeRO one all-gather of each bucket's shards over DP."""
+        if self.zero == 0:
+            return {name: value.copy() for name, value in values.items()}
+        whole = {}
+        for index, bucket in enumerate(self.buckets):
+            shard = self.xp.zeros(bucket.padded // self.comm.size, self.dtype)
+            for segment in self._segments_of(index):
+                shard[self._local_range(index, segment)] = values[segment.name]
+            whole |= self._unflatten(bucket, collectives.all_gather(shard, self.comm, algo="mpi"))
+        return whole
+
+    def scatter_pieces(self, whole: dict[str, Array]) -> dict[str, Array]:
+        """The inverse of `gather_pieces`: this rank's pieces of whole-parameter arrays (no communication)."""
+        if self.zero == 0:
+            return dict(whole)
+        return {segment.name: whole[segment.parameter.name].reshape(-1)[segment.placement[DP_AXIS].start:
+                                                                        segment.placement[DP_AXIS].stop]
+                for segment in self._segments}
+
+    def _segments_of(self, index: int) -> list[ShardSegment]:
+        members = {id(param) for param in self.buckets[index].params}
+        return [segment for segment in self._segments if id(segment.parameter) in members]
+
+    def _local_range(self, index: int, segment: ShardSegment) -> slice:
+        """Where `segment` lies in this rank's shard of bucket `index`."""
+        bucket = self.buckets[index]
+        offset = bucket.offsets[bucket.params.index(segment.parameter)] - self._shard(bucket).start
+        flat = segment.placement[DP_AXIS]
+        return slice(offset + flat.start, offset + flat.stop)

@@ -233,26 +233,29 @@ def local_sum_of_squares(grads: Sequence[Array]) -> float:
 
 
 def global_grad_norm(params: Sequence[Parameter],
-                     reduce_sum_of_squares: Callable[[float], float] | None = None) -> float:
+                     reduce_sum_of_squares: Callable[[float], float] | None = None,
+                     counts: Callable[[Any], bool] | None = None) -> float:
     """The L2 norm of all gradients together.
 
-    `reduce_sum_of_squares` receives this rank's sum of squares and returns the sum over every rank that holds
-    a distinct piece of the gradient (an all-reduce over those ranks); leave it out when grads are whole.
+    `reduce_sum_of_squares` receives this rank's sum of squares and returns the sum over every rank (an
+    all-reduce); leave it out when grads are whole. `counts(param)` says whether this rank's copy of a
+    gradient is the one counted in that sum (replicas must count once); default: all.
     """
-    total = local_sum_of_squares([param.grad for param in params])
+    total = local_sum_of_squares([param.grad for param in params if counts is None or counts(param)])
     if reduce_sum_of_squares is not None:
         total = float(reduce_sum_of_squares(total))
     return math.sqrt(total)
 
 
 def clip_grad_norm(params: Sequence[Parameter], max_norm: float,
-                   reduce_sum_of_squares: Callable[[float], float] | None = None) -> float:
+                   reduce_sum_of_squares: Callable[[float], float] | None = None,
+                   counts: Callable[[Any], bool] | None = None) -> float:
     """Scale every grad by min(1, max_norm / (norm + 1e-6)) in place; return the norm before clipping.
 
     That is torch.nn.utils.clip_grad_norm_'s coefficient. max_norm ≤ 0 turns clipping off (the norm is still
     computed and returned, for logging).
     """
-    norm = global_grad_norm(params, reduce_sum_of_squares)
+    norm = global_grad_norm(params, reduce_sum_of_squares, counts)
     if max_norm <= 0:
         return norm
     clip_coef = max_norm / (norm + CLIP_EPSILON)

@@ -6,8 +6,11 @@ update. Around it: validation loss every `--eval-every` steps on held-out data, 
 `--checkpoint-every` steps (and `--resume` from the newest), a Hugging Face directory at the end (`--save`),
 one JSON line per step (`--log-json`), and a progress line on rank 0.
 
-The mesh is 1×1 for now: the parallel axes arrive with their issues, and until then any other mesh is
-rejected with a clear message rather than silently trained serially.
+The mesh: data parallelism with ZeRO 0–3 (`data_parallel`) and tensor/sequence parallelism
+(`models.tensor_parallel`), in any combination; pipeline, context and expert parallelism are refused with a clear
+message until they exist. Everything that depends on how a parameter is spread over the mesh — which axes its
+gradient is summed over, which rank counts it in the global norm, what each rank holds, how checkpoints gather
+and cut it — is derived from its placement record (`models.parameter`).
 """
 
 from __future__ import annotations
@@ -16,26 +19,24 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 import numpy as np
 
 import collectives
 from collectives import Communicator, backend
-from models.gpt import GPT, GPTConfig, parameter_shapes
-from models.parameter import Parameter
-from models.tensor_parallel import (
-    TensorParallelGPT,
-    check_tensor_parallel_shape,
-    gather_tensor,
-    reduce_replicated_gradients,
-)
+from models.gpt import GPT, GPTConfig
+from models.parameter import counts_once, gather_tensor, local_shape, reduce_partial_gradients, shard_tensor
+from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
 from . import checkpoint, data, optim
 from .data_parallel import DataParallel
 from .errors import ConfigError
 from .mesh import Mesh, MeshShape
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+"""The optimizer state that is one array per parameter piece (AdamW's moments)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class TrainSettings:
     show_mesh: bool = False
     memory_report: bool = False
     sp: bool = False
+    recompute: str = "none"
 
 
 def run(settings: TrainSettings) -> int:
@@ -97,9 +99,9 @@ def run(settings: TrainSettings) -> int:
     engine = DataParallel(model, mesh.dp, zero=settings.zero, bucket_mb=settings.bucket_mb,
                           overlap=settings.overlap)
     optimizer = _build_optimizer(settings, engine.optimizer_parameters())
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
     trainer = Trainer(model, engine, optimizer, mesh, settings)
+    if optimizer_state is not None:
+        trainer.load_optimizer_state(optimizer_state)
     reporter = Reporter(settings, config, is_root=is_root)
     if settings.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
@@ -145,13 +147,14 @@ class Trainer:
         loss = 0.0
         for i, (x, y) in enumerate(pieces):
             with engine.microbatch(last=i == len(pieces) - 1):
-                loss += self.model.forward(x, y, normalizer=inputs.size, hooks=engine)
+                microbatch_loss, saved = self.model.forward(x, y, normalizer=inputs.size, hooks=engine)
+                loss += microbatch_loss
                 if i == 0:
-                    self.activation_bytes = activation_bytes(self.model)
-                self.model.backward(hooks=engine)
+                    self.activation_bytes = saved.nbytes()
+                self.model.backward(saved, hooks=engine)
         engine.finish_gradients()
-        if settings.sp:  # LayerNorm gradients were computed from this rank's slice of the sequence only
-            reduce_replicated_gradients(self._sequence_parallel_pieces(), self.mesh.tp)
+        # the data-parallel engine summed over dp; any other axis with partial gradients (tp under --sp) here
+        reduce_partial_gradients(engine.optimizer_parameters(), {"tp": self.mesh.tp})
         grad_norm = self._clip_gradients()
         lr = optim.learning_rate(step, settings.lr, settings.lr_schedule, settings.warmup_steps, settings.steps)
         self.optimizer.step(lr)
@@ -160,41 +163,30 @@ class Trainer:
         return {"step": step, "loss": _sum_over(comm, loss), "lr": lr, "tokens": int(inputs.size),
                 "time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
 
-    def _sequence_parallel_pieces(self) -> list:
-        """The optimizer's pieces (whole parameters, or ZeRO shard segments) of the parameters that --sp
-        leaves with partial gradients; the same pieces on every TP rank of this DP position."""
-        names = {p.name for p in self.model.sequence_parallel_parameters()}
-        return [piece for piece in self.engine.optimizer_parameters() if _base_name(piece) in names]
-
     def _clip_gradients(self) -> float:
         """Global gradient-norm clipping over the whole mesh; returns the norm before clipping.
 
-        Each TP rank holds a distinct slice of a split parameter but the same copy of a replicated one, and under
-        ZeRO each DP rank a distinct shard: Σ g² counts split pieces once per TP rank and replicated ones
-        divided by tp, then sums over TP (and over DP with ZeRO)."""
-        pieces = self.engine.optimizer_parameters()
-        split = {p.name for p in self.model.parameters() if getattr(p, "split", None) is not None}
-        tp = self.mesh.tp.size
-        local = (optim.local_sum_of_squares([p.grad for p in pieces if _base_name(p) in split])
-                 + optim.local_sum_of_squares([p.grad for p in pieces if _base_name(p) not in split]) / tp)
-        total = _sum_over(self.mesh.tp, local) if tp > 1 else local
-        total = _sum_over(self.mesh.dp, total) if self.settings.zero else total
-        norm = math.sqrt(total)
-        if self.settings.grad_clip > 0:
-            scale = self.settings.grad_clip / (norm + optim.CLIP_EPSILON)
-            if scale < 1:
-                for piece in pieces:
-                    piece.grad *= scale
-        return norm
+        One all-reduce over every rank of Σ g² over the pieces this rank counts: by their placement, a piece
+        sharded over an axis (tp shards, ZeRO segments) counts on every rank of it, a replica only once."""
+        coordinates = asdict(self.mesh.coordinates)
+        return optim.clip_grad_norm(self.engine.optimizer_parameters(), self.settings.grad_clip,
+                                    lambda local: _sum_over(self.mesh.world, local),
+                                    counts=lambda piece: counts_once(piece.placement, coordinates))
 
     def full_model_tensors(self) -> dict[str, np.ndarray]:
         """The serial model's tensors by name: gathered over DP (ZeRO-3) and TP shards, padding removed."""
-        local = self.engine.full_parameters()
-        if self.mesh.tp.size == 1:
-            return local
-        shapes = parameter_shapes(self.model.config)
-        return {p.name: gather_tensor(local[p.name], p.split, self.mesh.tp, shapes[p.name])
-                for p in self.model.parameters()}
+        return self._gather_over_model_axes(self.engine.full_parameters())
+
+    def _gather_over_model_axes(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Whole-parameter arrays of this rank's shards (by parameter name) -> the serial tensors."""
+        comms = {"tp": self.mesh.tp}
+        return {name: gather_tensor(tensors[name], param.placement, comms, param.full_shape)
+                for name, param in self.model.params.items()}
+
+    def _cut_for_this_rank(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of `_gather_over_model_axes`."""
+        return {name: shard_tensor(tensors[name], param.placement, self.model.axis_ranks())
+                for name, param in self.model.params.items()}
 
     def evaluate(self, tokens: np.ndarray) -> float:
         """Mean loss over the first `eval_batches` held-out batches, each DP rank taking its rows (no update)."""
@@ -202,26 +194,36 @@ class Trainer:
         for i in range(settings.eval_batches):
             inputs, targets = data.batch_for_step(tokens, i, settings.batch_size, settings.seq_len)
             x, y = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
-            losses.append(_sum_over(comm, self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)))
+            losses.append(_sum_over(comm, self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)[0]))
             self.engine.release_all()
         return float(np.mean(losses))
 
     def save_training_checkpoint(self, steps_done: int) -> None:
-        if self.settings.zero or self.mesh.tp.size > 1:
-            raise ConfigError("training checkpoints (--checkpoint-dir) do not support --zero or --tp yet: the "
-                              "optimizer state is sharded over ranks; use --save for the model")
-        tensors = self.engine.full_parameters()
+        """Gather parameters and optimizer state to whole tensors and write them from rank 0 (any mesh)."""
+        tensors = self.full_model_tensors()
+        state = self.optimizer.state_dict()
+        for key in MOMENT_KEYS:
+            if key in state:
+                state[key] = self._gather_over_model_axes(self.engine.gather_pieces(state[key]))
         if self.mesh.world.rank == 0:
             checkpoint.save_training_checkpoint(self.settings.checkpoint_dir, steps_done, self.model.config,
-                                                tensors, self.optimizer.state_dict(),
-                                                {"settings": _jsonable(self.settings)})
+                                                tensors, state, {"settings": _jsonable(self.settings)})
         self.mesh.world.barrier()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Restore a checkpoint's optimizer state (whole tensors by parameter name) into this rank's pieces."""
+        state = dict(state)
+        for key in MOMENT_KEYS:
+            if key in state:
+                state[key] = self.engine.scatter_pieces(self._cut_for_this_rank(state[key]))
+        self.optimizer.load_state_dict(state)
 
     def memory_report(self) -> str:
         """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
         held = self.engine.memory(self.optimizer) | {"activations": self.activation_bytes}
         n, itemsize = self.mesh.dp.size, np.dtype(self.settings.dtype).itemsize
-        count = self.engine.parameter_count()  # this rank's: a tensor-parallel slice of the model with --tp
+        sizes = {"tp": self.mesh.tp.size}  # from the placements: this rank's shard of every parameter
+        count = sum(math.prod(local_shape(p.full_shape, p.placement, sizes)) for p in self.model.parameters())
         state_factor = 2 if self.settings.optimizer == "adamw" else 0
         shards = {"parameters": n if self.settings.zero == 3 else 1,
                   "gradients": n if self.settings.zero >= 2 else 1,
@@ -244,39 +246,9 @@ class Trainer:
         return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
 
 
-def _base_name(piece: Any) -> str:
-    """A parameter's name, also for a ZeRO shard segment ("wte.weight[0:64]")."""
-    return piece.name.split("[", 1)[0]
-
-
 def _sum_over(comm: Communicator, value: float) -> float:
     """A scalar summed over the ranks of `comm` (MPI's own all-reduce: bookkeeping stays out of the ledger)."""
     return float(collectives.all_reduce(np.array([value]), comm, algo="mpi")[0])
-
-
-def activation_bytes(model: Any) -> int:
-    """Bytes of the arrays the model's layers keep for backward right now (parameters excluded)."""
-    parameters = {id(p.data) for p in model.parameters()} | {id(p.grad) for p in model.parameters()}
-    seen: set[int] = set()
-    total = 0
-
-    def visit(obj: Any) -> None:
-        nonlocal total
-        for value in vars(obj).values():
-            if hasattr(value, "nbytes") and hasattr(value, "shape"):
-                base = value.base if value.base is not None else value
-                if id(base) not in seen and id(value) not in parameters:
-                    seen.add(id(base))
-                    total += base.nbytes
-            elif isinstance(value, list):
-                for item in value:
-                    if hasattr(item, "__dict__"):
-                        visit(item)
-            elif hasattr(value, "__dict__") and not isinstance(value, Parameter):
-                visit(value)
-
-    visit(model)
-    return total
 
 
 def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8,
@@ -339,14 +311,14 @@ def _build_model(settings: TrainSettings, mesh: Mesh, xp: Any = np) -> tuple[Any
         raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
                           f"{settings.seq_len} must be divisible by {tp}")
     if tp == 1:
-        model = GPT(config, seed=settings.seed, dtype=dtype, xp=xp)
+        model = GPT(config, seed=settings.seed, dtype=dtype, xp=xp, recompute=settings.recompute)
     else:
         try:
             check_tensor_parallel_shape(config, tp)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         model = TensorParallelGPT(config, mesh.tp, seed=settings.seed, dtype=dtype, sequence_parallel=settings.sp,
-                                  xp=xp)
+                                  xp=xp, recompute=settings.recompute)
     if tensors is not None:
         model.load_state_dict(tensors)
     return model, config

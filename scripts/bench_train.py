@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from collectives.backend import to_host  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
-from models.layers import CausalSelfAttention  # noqa: E402
+from models.layers import QUERY_BLOCK, RECOMPUTE_MODES  # noqa: E402
 
 try:
     import torch
@@ -156,9 +156,10 @@ def peak_tflops(device: Device, precision: str, given: float | None) -> float | 
     return next((peaks[precision] for fragment, peaks in PEAK_TFLOPS.items() if fragment in name), None)
 
 
-def build_ours(config: GPTConfig, dtype, xp=np) -> tuple[GPT, object]:
+def build_ours(config: GPTConfig, dtype, xp=np, query_block: int = QUERY_BLOCK,
+               recompute: str = "none") -> tuple[GPT, object]:
     """Our model and optimizer: mpiparallel.optim.AdamW when the package has it, else the inline one above."""
-    model = GPT(config, seed=0, dtype=dtype, xp=xp)
+    model = GPT(config, seed=0, dtype=dtype, xp=xp, query_block=query_block, recompute=recompute)
     try:
         from mpiparallel.optim import AdamW as ProjectAdamW
     except ImportError:
@@ -168,8 +169,8 @@ def build_ours(config: GPTConfig, dtype, xp=np) -> tuple[GPT, object]:
 
 def ours_step(model: GPT, optimizer, tokens: np.ndarray, targets: np.ndarray) -> float:
     model.zero_grad()
-    loss = model.forward(tokens, targets)
-    model.backward()
+    loss, saved = model.forward(tokens, targets)
+    model.backward(saved)
     optimizer.step()
     return loss
 
@@ -382,9 +383,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="gpu: ours on CuPy, torch on CUDA, on the same GPU")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (overrides --layers ... --vocab)")
     parser.add_argument("--tf32", action="store_true", help="GPU: TF32 matrix products in both (CUPY_TF32=1)")
-    parser.add_argument("--query-block", type=int, default=None,
-                        help="our attention's query block (rows per causal block; larger: fewer, bigger GEMMs) "
-                             "[default: models.layers' value]")
+    parser.add_argument("--query-block", type=int, default=QUERY_BLOCK,
+                        help="our attention's query block (rows per causal block; larger: fewer, bigger GEMMs)")
+    parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                        help="our activation recomputation mode (the same numbers, more compute, less memory)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak for MFU [default: looked up by GPU name for float32 or TF32]")
     args = parser.parse_args(argv)
@@ -393,14 +395,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.tf32:
         os.environ["CUPY_TF32"] = "1"  # read by CuPy when it runs a float32 matrix product
     device = Device(args.device, args.tf32)
-    if args.query_block is not None:
-        CausalSelfAttention.query_block = args.query_block
 
     dtype = np.dtype(args.dtype)
     config = GPTConfig(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers,
                        n_head=args.heads)
     data = byte_batches(args.batch, args.seq) % args.vocab
-    ours, ours_optimizer = build_ours(config, dtype, device.xp)
+    ours, ours_optimizer = build_ours(config, dtype, device.xp, args.query_block, args.recompute)
     use_torch = torch is not None and not args.no_torch and device.torch_device is not None
     if use_torch:
         theirs, theirs_optimizer = build_torch(ours, args.torch_attention, args.torch_optimizer, device.torch_device)
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     library = f"NumPy {np.__version__}" if args.device == "cpu" else f"CuPy {device.xp.__version__}"
     print(f"GPT-2 {args.layers} layers, n_embd {args.embd}, {args.heads} heads, T={args.seq}, B={args.batch}, "
           f"vocab {args.vocab}, {args.dtype}{', TF32' if args.tf32 else ''}, {device.name()}; {library} "
-          f"(query block {CausalSelfAttention.query_block}) "
+          f"(query block {args.query_block}, recompute {args.recompute}) "
           f"({optimizer_name})"
           + (f", torch {torch.__version__} (attention {args.torch_attention}, AdamW {args.torch_optimizer})"
              if use_torch else " (torch not " + ("used)" if torch is not None else "installed)")))

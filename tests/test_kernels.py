@@ -74,14 +74,14 @@ def layer_norm() -> LayerNorm:
 
 def test_gelu_forward_kernel_equals_gelu_layer():
     x = 3 * RNG.standard_normal((B, T, 4 * C))
-    assert_matches(kernels.GELU_FORWARD.evaluate_numpy(x=x)["out"], GELU().forward(x), "gelu forward")
+    assert_matches(kernels.GELU_FORWARD.evaluate_numpy(x=x)["out"], GELU().forward(x)[0], "gelu forward")
 
 
 def gelu_backward_error(kernel: FusedKernel) -> float:
     x, dout = 3 * RNG.standard_normal((B, T, 4 * C)), RNG.standard_normal((B, T, 4 * C))
     layer = GELU()
-    layer.forward(x)
-    return relative_error(kernel.evaluate_numpy(x=x, dout=dout)["dx"], layer.backward(dout.copy()))
+    saved = layer.forward(x)[1]
+    return relative_error(kernel.evaluate_numpy(x=x, dout=dout)["dx"], layer.backward(saved, dout.copy()))
 
 
 def test_gelu_backward_kernel_recomputes_gelu_backward_from_x():
@@ -90,21 +90,21 @@ def test_gelu_backward_kernel_recomputes_gelu_backward_from_x():
 
 def test_layer_norm_forward_kernel_equals_layer_norm_given_mean_and_rstd():
     ln, x = layer_norm(), 2 * RNG.standard_normal((B, T, C)) + 1
-    out = ln.forward(x)
-    fused = kernels.LAYER_NORM_FORWARD.evaluate_numpy(x=x, mean=row_sums(x) / C, rstd=ln.rstd,
+    out, saved = ln.forward(x)
+    fused = kernels.LAYER_NORM_FORWARD.evaluate_numpy(x=x, mean=row_sums(x) / C, rstd=saved.rstd,
                                                       weight=ln.weight.data, bias=ln.bias.data)
-    assert_matches(fused["normalized"], ln.normalized, "normalized")
+    assert_matches(fused["normalized"], saved.normalized, "normalized")
     assert_matches(fused["out"], out, "layer norm out")
 
 
 def test_layer_norm_backward_kernel_equals_layer_norm_given_row_means():
     ln, x, dout = layer_norm(), RNG.standard_normal((B, T, C)), RNG.standard_normal((B, T, C))
-    ln.forward(x)
+    saved = ln.forward(x)[1]
     dnorm = dout * ln.weight.data
     dx = kernels.LAYER_NORM_BACKWARD.evaluate_numpy(
-        dout=dout, weight=ln.weight.data, normalized=ln.normalized, rstd=ln.rstd,
-        mean_dnorm=row_sums(dnorm) / C, mean_dnorm_norm=row_sums(dnorm * ln.normalized) / C)["dx"]
-    assert_matches(dx, ln.backward_input(dout.copy()), "layer norm dx")
+        dout=dout, weight=ln.weight.data, normalized=saved.normalized, rstd=saved.rstd,
+        mean_dnorm=row_sums(dnorm) / C, mean_dnorm_norm=row_sums(dnorm * saved.normalized) / C)["dx"]
+    assert_matches(dx, ln.backward_input(saved, dout.copy()), "layer norm dx")
 
 
 @pytest.mark.parametrize("offset", [0, 3])
@@ -129,12 +129,12 @@ def test_softmax_exp_kernel_gives_the_cross_entropy_gradient():
     wte, x = RNG.standard_normal((VOCAB, C)), RNG.standard_normal((B, T, C))
     targets, normalizer = RNG.integers(0, VOCAB, (B, T)), 37.0
     head = TiedHeadCrossEntropy(Parameter("wte", wte))
-    head.forward(x, targets, normalizer)
+    saved = head.forward(x, targets, normalizer)[1]
     logits = x.reshape(-1, C) @ wte.T
     exps = kernels.SOFTMAX_EXP.evaluate_numpy(scores=logits, row_max=logits.max(axis=-1, keepdims=True))["exps"]
     expected = exps / (row_sums(exps) * normalizer)
     expected[np.arange(B * T), targets.reshape(-1)] -= 1.0 / normalizer
-    assert_matches(head.dlogits, expected, "d(logits)")
+    assert_matches(saved.dlogits, expected, "d(logits)")
 
 
 def adamw_error(kernel: FusedKernel, weight_decay: float) -> float:
@@ -323,9 +323,8 @@ def build(kind: str, to) -> object:
         return LayerNorm(param(f"{name}.weight", C, offset=1.0), param(f"{name}.bias", C))
 
     def attention() -> CausalSelfAttention:
-        layer = CausalSelfAttention(linear("c_attn", C, 3 * C), linear("c_proj", C, C), H)
-        layer.query_block = 3  # several query blocks: causal_softmax with offsets, partial key ranges
-        return layer
+        # several query blocks: causal_softmax with offsets, partial key ranges
+        return CausalSelfAttention(linear("c_attn", C, 3 * C), linear("c_proj", C, C), H, query_block=3)
 
     def mlp() -> MLP:
         return MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C))
@@ -349,13 +348,15 @@ def parameters_of(layer) -> list[Parameter]:
 def test_layer_on_device_equals_numpy_layer(xp, kind):
     cpu, device = build(kind, np.asarray), build(kind, xp.asarray)
     x, dout = RNG.standard_normal((B, T, C)), RNG.standard_normal((B, T, C))
-    assert_matches(device.forward(xp.asarray(x)), cpu.forward(x), f"{kind} forward")
-    assert_matches(device.backward(xp.asarray(dout)), cpu.backward(dout.copy()), f"{kind} dx")
+    (device_out, device_saved), (cpu_out, cpu_saved) = device.forward(xp.asarray(x)), cpu.forward(x)
+    assert_matches(device_out, cpu_out, f"{kind} forward")
+    if kind == "layernorm":  # kept for backward and read by memory accounting
+        assert_matches(device_saved.normalized, cpu_saved.normalized, "normalized")
+        assert_matches(device_saved.rstd, cpu_saved.rstd, "rstd")
+    assert_matches(device.backward(device_saved, xp.asarray(dout)), cpu.backward(cpu_saved, dout.copy()),
+                   f"{kind} dx")
     for p_device, p_cpu in zip(parameters_of(device), parameters_of(cpu), strict=True):
         assert_matches(p_device.grad, p_cpu.grad, f"{kind} d{p_cpu.name}")
-    if kind == "layernorm":  # kept for backward and read by memory accounting
-        assert_matches(device.normalized, cpu.normalized, "normalized")
-        assert_matches(device.rstd, cpu.rstd, "rstd")
 
 
 @pytest.mark.parametrize("offset", [0, 2])
@@ -375,9 +376,10 @@ def test_softmax_and_its_backward_on_device_equal_numpy(xp, offset):
 def test_cross_entropy_head_on_device_equals_numpy(xp):
     wte, x, targets = RNG.standard_normal((VOCAB, C)), RNG.standard_normal((B, T, C)), RNG.integers(0, VOCAB, (B, T))
     cpu, device = TiedHeadCrossEntropy(Parameter("wte", wte)), TiedHeadCrossEntropy(Parameter("wte", xp.asarray(wte)))
-    loss = cpu.forward(x, targets, 20.0)
-    assert abs(device.forward(xp.asarray(x), xp.asarray(targets), 20.0) - loss) <= TOLERANCE * abs(loss)
-    assert_matches(device.backward(), cpu.backward(), "head dx")
+    loss, cpu_saved = cpu.forward(x, targets, 20.0)
+    device_loss, device_saved = device.forward(xp.asarray(x), xp.asarray(targets), 20.0)
+    assert abs(device_loss - loss) <= TOLERANCE * abs(loss)
+    assert_matches(device.backward(device_saved, None), cpu.backward(cpu_saved, None), "head dx")
     assert_matches(device.token.grad, cpu.token.grad, "head dwte")
 
 
@@ -404,11 +406,11 @@ def test_gpt_training_step_on_device_equals_numpy(xp):
     tokens, targets = RNG.integers(0, VOCAB, (B, T)), RNG.integers(0, VOCAB, (B, T))
     optimizers = [AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) for model in (cpu, device)]
     for step in range(2):
-        loss = cpu.forward(tokens, targets)
-        device_loss = device.forward(xp.asarray(tokens), xp.asarray(targets))
+        loss, cpu_saved = cpu.forward(tokens, targets)
+        device_loss, device_saved = device.forward(xp.asarray(tokens), xp.asarray(targets))
         assert abs(device_loss - loss) <= 1e-10 * abs(loss), f"step {step} loss"
-        cpu.backward()
-        device.backward()
+        cpu.backward(cpu_saved)
+        device.backward(device_saved)
         for name, param in cpu.params.items():
             assert_matches(device.params[name].grad, param.grad, f"step {step} d{name}", tolerance=1e-10)
         for optimizer, model in zip(optimizers, (cpu, device), strict=True):

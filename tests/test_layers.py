@@ -79,16 +79,16 @@ def assert_close(analytic: np.ndarray, numeric: np.ndarray, what: str) -> None:
 
 def check_layer(layer, x: np.ndarray) -> None:
     """d(sum(forward(x) · R)) by backward versus finite differences, for x and every parameter."""
-    weights = RNG.standard_normal(layer.forward(x).shape)
+    out, saved = layer.forward(x)
+    weights = RNG.standard_normal(out.shape)
 
     def loss() -> float:
-        return float((layer.forward(x) * weights).sum())
+        return float((layer.forward(x)[0] * weights).sum())
 
-    loss()
     params = parameters_of(layer)
     for p in params:
         p.zero_grad()
-    dx = layer.backward(weights.copy())
+    dx = layer.backward(saved, weights.copy())
     picks, numeric = numeric_gradient(loss, x)
     assert_close(dx.reshape(-1)[picks], numeric, f"{type(layer).__name__} input")
     for p in params:
@@ -108,15 +108,16 @@ def test_backward_matches_finite_differences(make):
                          ids=["linear", "attention", "block", "mlp"])
 def test_input_and_weight_gradients_can_be_computed_separately(make):
     layer, x = make(), RNG.standard_normal((B, T, C))
-    dout = RNG.standard_normal(layer.forward(x).shape)
+    out, saved = layer.forward(x)
+    dout = RNG.standard_normal(out.shape)
     params = parameters_of(layer)
-    dx_together = layer.backward(dout.copy())
+    dx_together = layer.backward(saved, dout.copy())
     together = [p.grad.copy() for p in params]
     for p in params:
         p.zero_grad()
-    layer.forward(x)
-    dx_apart = layer.backward_input(dout.copy())
-    layer.backward_weights(dout.copy())
+    saved = layer.forward(x)[1]
+    dx_apart = layer.backward_input(saved, dout.copy())
+    layer.backward_weights(saved)
     np.testing.assert_array_equal(dx_apart, dx_together)
     for p, grad in zip(params, together, strict=True):
         np.testing.assert_array_equal(p.grad, grad)
@@ -124,18 +125,17 @@ def test_input_and_weight_gradients_can_be_computed_separately(make):
 
 def test_attention_is_causal():
     layer, x = attention(), RNG.standard_normal((B, T, C))
-    before = layer.forward(x)
+    before = layer.forward(x)[0]
     changed = x.copy()
     changed[:, -1] += 1.0  # the last position may not influence earlier ones
-    np.testing.assert_allclose(layer.forward(changed)[:, :-1], before[:, :-1], rtol=0, atol=1e-14)
+    np.testing.assert_allclose(layer.forward(changed)[0][:, :-1], before[:, :-1], rtol=0, atol=1e-14)
 
 
 def test_embedding_gradient_accumulates_repeated_tokens():
     layer = Embedding(param("wte", 7, C), param("wpe", T, C))
     tokens = np.array([[1, 1, 3, 1, 6], [0, 3, 3, 2, 1]])
     dout = RNG.standard_normal((2, T, C))
-    layer.forward(tokens)
-    layer.backward(dout)
+    layer.backward(layer.forward(tokens)[1], dout)
     expected = np.zeros((7, C))
     for b in range(2):
         for t in range(T):
@@ -148,14 +148,14 @@ def test_cross_entropy_matches_finite_differences_and_log_softmax():
     vocab = 11
     head = TiedHeadCrossEntropy(param("wte", vocab, C))
     x, targets = RNG.standard_normal((B, T, C)), RNG.integers(0, vocab, (B, T))
-    loss = head.forward(x, targets, normalizer=B * T)
+    loss, saved = head.forward(x, targets, normalizer=B * T)
     logits = x.reshape(-1, C) @ head.token.data.T
     log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     assert loss == pytest.approx(-log_probs[np.arange(B * T), targets.reshape(-1)].mean(), rel=1e-12)
-    dx = head.backward()
-    picks, numeric = numeric_gradient(lambda: head.forward(x, targets, B * T), x)
+    dx = head.backward(saved, None)
+    picks, numeric = numeric_gradient(lambda: head.forward(x, targets, B * T)[0], x)
     assert_close(dx.reshape(-1)[picks], numeric, "cross-entropy input")
-    picks, numeric = numeric_gradient(lambda: head.forward(x, targets, B * T), head.token.data)
+    picks, numeric = numeric_gradient(lambda: head.forward(x, targets, B * T)[0], head.token.data)
     assert_close(head.token.grad.reshape(-1)[picks], numeric, "cross-entropy wte")
 
 
@@ -165,10 +165,9 @@ def test_whole_model_gradients_match_finite_differences():
     for p in model.parameters():  # move away from the all-ones/zeros init so every path carries gradient
         p.data += 0.1 * RNG.standard_normal(p.data.shape)
     tokens, targets = RNG.integers(0, 13, (2, 6)), RNG.integers(0, 13, (2, 6))
-    model.forward(tokens, targets)
-    model.backward()
+    model.backward(model.forward(tokens, targets)[1])
     for p in model.parameters():
-        picks, numeric = numeric_gradient(lambda: model.forward(tokens, targets), p.data, samples=6)
+        picks, numeric = numeric_gradient(lambda: model.forward(tokens, targets)[0], p.data, samples=6)
         assert_close(p.grad.reshape(-1)[picks], numeric, p.name)
 
 
@@ -176,7 +175,7 @@ def test_loss_at_initialization_is_about_ln_vocab():
     config = GPTConfig(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=4)
     model = GPT(config, seed=0)
     tokens = RNG.integers(0, 256, (4, 32))
-    assert model.forward(tokens, np.roll(tokens, -1, axis=1)) == pytest.approx(math.log(256), rel=0.02)
+    assert model.forward(tokens, np.roll(tokens, -1, axis=1))[0] == pytest.approx(math.log(256), rel=0.02)
 
 
 def test_initialization_depends_only_on_the_seed():
@@ -194,14 +193,14 @@ def test_generation_with_kv_cache_equals_recomputing_the_whole_sequence():
     model = GPT(config, seed=1, dtype=np.float64)
     prompt = [3, 1, 4, 1, 5]
     generated = model.generate(np.array(prompt), new_tokens=20, temperature=0)  # passes n_positions: cache rebuilt
-    context = list(prompt)
+    context, window_start, rebuilds = list(prompt), 0, 0
     for token in generated:
-        window = np.array([context[-config.n_positions:]])
-        hidden = model.hidden(window)
-        expected = int(np.argmax(model.head.logits(hidden[0, -1])))
-        context.append(expected)
-        if len(context) <= config.n_positions:  # before the first rebuild the cache must agree exactly
-            assert token == expected
+        if len(context) - window_start > config.n_positions:  # the cache is rebuilt from the latest half
+            window_start, rebuilds = len(context) - config.n_positions // 2, rebuilds + 1
+        expected = int(np.argmax(model.logits(np.array([context[window_start:]]))[0, -1]))
+        assert token == expected
+        context.append(token)
+    assert rebuilds == 1  # the context passes n_positions = 16 at its 17th token (5 prompt + 12 new)
     assert len(generated) == 20 and all(0 <= t < 13 for t in generated)
 
 
@@ -210,8 +209,7 @@ def test_embedding_gradient_accumulates_into_a_strided_gradient_view():
     layer.token.grad = np.zeros((C, 7)).T  # a view that is not C-contiguous, as a flat-buffer layout might give
     tokens = np.array([[1, 1, 3, 1, 6], [0, 3, 3, 2, 1]])
     dout = RNG.standard_normal((2, T, C))
-    layer.forward(tokens)
-    layer.backward(dout)
+    layer.backward(layer.forward(tokens)[1], dout)
     expected = np.zeros((7, C))
     np.add.at(expected, tokens.reshape(-1), dout.reshape(-1, C))
     np.testing.assert_allclose(layer.token.grad, expected, rtol=1e-14)
@@ -219,24 +217,25 @@ def test_embedding_gradient_accumulates_into_a_strided_gradient_view():
 
 def test_attention_in_query_blocks_matches_finite_differences_and_one_block():
     layer, x = attention(), RNG.standard_normal((B, 7, C))
-    whole = layer.forward(x)
+    whole, saved = layer.forward(x)
     dout = RNG.standard_normal(whole.shape)
-    dx_whole = layer.backward(dout.copy())
+    dx_whole = layer.backward(saved, dout.copy())
     grads_whole = [p.grad.copy() for p in parameters_of(layer)]
-    layer.query_block = 3  # blocks [0, 3), [3, 6), [6, 7): later blocks see more keys
+    layer = CausalSelfAttention(layer.qkv, layer.projection, H, query_block=3)  # [0, 3), [3, 6), [6, 7)
     for p in parameters_of(layer):
         p.zero_grad()
-    np.testing.assert_allclose(layer.forward(x), whole, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(layer.backward(dout.copy()), dx_whole, rtol=1e-12, atol=1e-14)
+    out, saved = layer.forward(x)
+    np.testing.assert_allclose(out, whole, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(layer.backward(saved, dout.copy()), dx_whole, rtol=1e-12, atol=1e-14)
     for p, grad in zip(parameters_of(layer), grads_whole, strict=True):
         np.testing.assert_allclose(p.grad, grad, rtol=1e-12, atol=1e-14)
     check_layer(layer, x)
 
 
 def test_incremental_attention_in_query_blocks_equals_the_full_forward():
-    layer, x = attention(), RNG.standard_normal((B, 7, C))
-    layer.query_block = 2
-    expected = layer.forward(x)
+    x = RNG.standard_normal((B, 7, C))
+    layer = CausalSelfAttention(linear("c_attn", C, 3 * C), linear("c_proj", C, C), H, query_block=2)
+    expected = layer.forward(x)[0]
     cache = KVCache()
     first = layer.forward_incremental(x[:, :4], cache)  # a prompt of 4 positions: two blocks
     rest = layer.forward_incremental(x[:, 4:], cache)  # 3 new positions over 4 cached: offset 4

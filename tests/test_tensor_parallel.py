@@ -15,13 +15,12 @@ from mpi4py import MPI
 from mpi_harness import run_on_ranks
 
 from models.gpt import GPT, GPTConfig
+from models.parameter import gather_tensor, shard_tensor
 from models.tensor_parallel import (
     TensorParallelGPT,
     check_tensor_parallel_shape,
     full_state_dict,
-    gather_tensor,
-    shard_tensor,
-    tensor_parallel_split,
+    tensor_parallel_placement,
 )
 
 TOLERANCE = 1e-9
@@ -148,17 +147,17 @@ def test_qkv_shard_holds_the_ranks_heads_of_q_k_and_v():
     heads, head_dim, tp = 4, 2, 2
     channels = heads * head_dim
     full = np.arange(channels * 3 * channels, dtype=np.float64).reshape(channels, 3 * channels)
-    split = tensor_parallel_split("transformer.h.0.attn.c_attn.weight")
+    placement = tensor_parallel_placement("transformer.h.0.attn.c_attn.weight")
     for rank in range(tp):
         columns = [part * channels + head * head_dim + i for part in range(3)  # q, k, v
                    for head in range(rank * heads // tp, (rank + 1) * heads // tp) for i in range(head_dim)]
-        np.testing.assert_array_equal(shard_tensor(full, split, rank, tp), full[:, columns])
+        np.testing.assert_array_equal(shard_tensor(full, placement, {"tp": (rank, tp)}), full[:, columns])
 
 
 def test_vocabulary_is_padded_with_zero_rows_on_the_last_rank():
     full = np.arange(5 * 3, dtype=np.float64).reshape(5, 3) + 1
-    split = tensor_parallel_split("transformer.wte.weight")
-    shards = [shard_tensor(full, split, rank, 4) for rank in range(4)]
+    placement = tensor_parallel_placement("transformer.wte.weight")
+    shards = [shard_tensor(full, placement, {"tp": (rank, 4)}) for rank in range(4)]
     assert [s.shape for s in shards] == [(2, 3)] * 4
     np.testing.assert_array_equal(np.concatenate(shards)[:5], full)
     assert not np.concatenate(shards)[5:].any()
@@ -169,11 +168,12 @@ def test_one_rank_tensor_parallel_model_is_the_serial_model():
     tokens = np.random.default_rng(0).integers(0, 61, (2, 9))
     serial = GPT(config, seed=3, dtype=np.float64)
     model = TensorParallelGPT(config, MPI.COMM_SELF, seed=3, dtype=np.float64, sequence_parallel=True)
-    assert model.forward(tokens[:, :-1], tokens[:, 1:]) == pytest.approx(serial.forward(tokens[:, :-1], tokens[:, 1:]),
-                                                                         rel=TOLERANCE)
-    serial.backward()
-    model.backward()
+    (loss, saved), (serial_loss, serial_saved) = model.forward(tokens[:, :-1], tokens[:, 1:]), serial.forward(
+        tokens[:, :-1], tokens[:, 1:])
+    assert loss == pytest.approx(serial_loss, rel=TOLERANCE)
+    serial.backward(serial_saved)
+    model.backward(saved)
     for param, serial_param in zip(model.parameters(), serial.parameters(), strict=True):
-        gathered = gather_tensor(param.grad, param.split, MPI.COMM_SELF, serial_param.grad.shape)
+        gathered = gather_tensor(param.grad, param.placement, {"tp": MPI.COMM_SELF}, serial_param.grad.shape)
         np.testing.assert_allclose(gathered, serial_param.grad, rtol=TOLERANCE, atol=1e-14)
     assert all(np.array_equal(v, serial.state_dict()[k]) for k, v in full_state_dict(model).items())

@@ -6,6 +6,7 @@ import numpy as np
 
 import collectives as C
 from models.gpt import GPT, GPTConfig
+from models.parameter import counts_once
 from mpiparallel import data, optim
 from mpiparallel.data_parallel import DataParallel
 
@@ -26,8 +27,8 @@ def _tokens() -> np.ndarray:
 
 def _serial_step(model: GPT, optimizer: optim.AdamW, inputs, targets) -> tuple[float, dict]:
     model.zero_grad()
-    loss = model.forward(inputs, targets)
-    model.backward()
+    loss, saved = model.forward(inputs, targets)
+    model.backward(saved)
     grads = {p.name: p.grad.copy() for p in model.parameters()}
     optim.clip_grad_norm(model.parameters(), CLIP)
     optimizer.step()
@@ -43,11 +44,14 @@ def _parallel_step(model: GPT, engine: DataParallel, optimizer: optim.AdamW, inp
     pieces = data.microbatches(*rows, microbatch_count)
     for i, (x, y) in enumerate(pieces):
         with engine.microbatch(last=i == len(pieces) - 1):
-            loss += model.forward(x, y, normalizer=BATCH * LENGTH, hooks=engine)
-            model.backward(hooks=engine)
+            microbatch_loss, saved = model.forward(x, y, normalizer=BATCH * LENGTH, hooks=engine)
+            loss += microbatch_loss
+            model.backward(saved, hooks=engine)
     engine.finish_gradients()
     grads = engine.full_gradients()
-    optim.clip_grad_norm(engine.optimizer_parameters(), CLIP, engine.sum_over_ranks_if_sharded())
+    optim.clip_grad_norm(engine.optimizer_parameters(), CLIP,
+                         lambda local: float(C.all_reduce(np.array([local]), comm, algo="mpi")[0]),
+                         counts=lambda piece: counts_once(piece.placement, {"dp": comm.rank}))
     optimizer.step()
     engine.after_update()
     total = float(C.all_reduce(np.array([loss]), comm, algo="mpi")[0])
@@ -93,7 +97,7 @@ def ledger_of_one_step(zero: int) -> dict:
     inputs, targets = data.batch_for_step(_tokens(), 0, BATCH, LENGTH)
     comm.ledger.reset()
     _parallel_step(model, engine, optimizer, inputs, targets, microbatch_count=1)
-    last_unit = len(model.units()) - 1
+    last_unit = len(model.unit_parameters()) - 1
     return {"sent": dict(comm.ledger.sent),
             "bucket_bytes": [b.padded * 8 for b in engine.buckets],
             "used_by": [sorted(b.used_by) for b in engine.buckets],

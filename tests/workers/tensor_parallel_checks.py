@@ -9,13 +9,10 @@ from typing import Any
 import numpy as np
 
 import collectives as C
-from models.gpt import GPT, GPTConfig, ParameterHooks, parameter_shapes
-from models.tensor_parallel import (
-    TensorParallelGPT,
-    full_state_dict,
-    gather_tensor,
-    reduce_replicated_gradients,
-)
+from models.gpt import GPT, GPTConfig, ParameterHooks
+from models.layers import Saved
+from models.parameter import gather_tensor, reduce_partial_gradients
+from models.tensor_parallel import TensorParallelGPT, full_state_dict
 from mpiparallel.mesh import Mesh, MeshShape
 from mpiparallel.optim import AdamW
 
@@ -60,7 +57,6 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
     serial = GPT(config, seed=SEED, dtype=np.float64)
     model = TensorParallelGPT(config, mesh.tp, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
                               xp=parallel_array_module())
-    shapes = parameter_shapes(config)
     initial = full_state_dict(model)
     report = {"initial_weights_exact": all(np.array_equal(host(initial[n]), v) for n, v in serial.state_dict().items()),
               "losses": [], "loss_error": 0.0, "grad_error": 0.0, "weight_error": 0.0,
@@ -71,21 +67,22 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
     for step in range(steps):
         tokens, targets = batch(config, batch_size, length, step)
         serial.zero_grad()
-        want_loss = serial.forward(tokens, targets)
-        serial.backward()
+        want_loss, saved = serial.forward(tokens, targets)
+        serial.backward(saved)
         model.zero_grad()
         local_loss = 0.0
         for microbatch in np.array_split(np.arange(rows.start, rows.stop), microbatches):
-            local_loss += model.forward(tokens[microbatch], targets[microbatch], normalizer=batch_size * length)
-            model.backward()
-        reduce_replicated_gradients(model.sequence_parallel_parameters(), mesh.tp)  # once, after the microbatches
+            loss, saved = model.forward(tokens[microbatch], targets[microbatch], normalizer=batch_size * length)
+            local_loss += loss
+            model.backward(saved)
+        reduce_partial_gradients(model.parameters(), {"tp": mesh.tp})  # once, after the microbatches
         for param in model.parameters():  # data parallelism: sum the DP ranks' gradients
             param.grad[...] = C.all_reduce(param.grad, mesh.dp)
         loss = float(C.all_reduce(np.array([local_loss]), mesh.dp)[0])
         report["losses"].append(loss)
         report["loss_error"] = max(report["loss_error"], abs(loss - want_loss) / abs(want_loss))
         for param, serial_param in zip(model.parameters(), serial.parameters(), strict=True):
-            error = relative_error(gather_tensor(param.grad, param.split, mesh.tp, shapes[param.name]),
+            error = relative_error(gather_tensor(param.grad, param.placement, {"tp": mesh.tp}, param.full_shape),
                                    serial_param.grad)
             report["checked_grads"] += 1
             if error >= report["grad_error"]:
@@ -136,21 +133,25 @@ def ledger_and_memory(sequence_parallel: bool, batch_size: int = 2, length: int 
     tokens, targets = batch(config, batch_size, length, step=0)
     hooks = LedgerByUnit(tp_comm)
     tp_comm.ledger.reset()
-    model.forward(tokens, targets, hooks=hooks)
+    saved = model.forward(tokens, targets, hooks=hooks)[1]
     forward_total = tp_comm.ledger.total_sent()
-    layer_norm_bytes = _layer_norm_bytes(model)
-    model.backward(hooks=hooks)
+    layer_norm_bytes = _layer_norm_bytes(saved)
+    model.backward(saved, hooks=hooks)
     serial = GPT(config, seed=SEED, dtype=np.float64)
-    serial.forward(tokens, targets)
+    before_head = range(serial.unit_count - 1)
     return {"forward": hooks.forward, "backward": hooks.backward, "forward_total": forward_total,
             "backward_total": tp_comm.ledger.total_sent() - forward_total,
-            "layer_norm_bytes": layer_norm_bytes, "serial_layer_norm_bytes": _layer_norm_bytes(serial),
-            "hidden_bytes": int(model.hidden(tokens).nbytes), "serial_hidden_bytes": int(serial.hidden(tokens).nbytes)}
+            "layer_norm_bytes": layer_norm_bytes,
+            "serial_layer_norm_bytes": _layer_norm_bytes(serial.forward(tokens, targets)[1]),
+            "hidden_bytes": int(model.forward(tokens, units=before_head)[0].nbytes),
+            "serial_hidden_bytes": int(serial.forward(tokens, units=before_head)[0].nbytes)}
 
 
-def _layer_norm_bytes(model: GPT | TensorParallelGPT) -> int:
+def _layer_norm_bytes(saved: Saved) -> int:
     """Bytes of the arrays every LayerNorm keeps for backward (its normalized input and 1/std)."""
-    norms = [norm for block in model.blocks for norm in (block.ln_1, block.ln_2)] + [model.ln_f]
+    units = saved.per_unit
+    norms = [units[u].ln_1 for u in range(1, len(units) - 1)] + [units[u].ln_2 for u in range(1, len(units) - 1)]
+    norms.append(units[len(units) - 1].ln_f)
     return sum(int(norm.normalized.nbytes + norm.rstd.nbytes) for norm in norms)
 
 
