@@ -47,6 +47,7 @@ def ledger_checks() -> dict:
 def two_ranks() -> list[dict]:
     checks = {**training_runs(2, 1, (64, 61)), **ledger_checks(),
               "checkpoint": {"check": "checkpoint_round_trip"},
+              **{f"stateless sp{int(sp)}": {"check": "stateless", "sequence_parallel": sp} for sp in (False, True)},
               "errors": {"check": "errors", "indivisible_heads": {"n_embd": 24, "n_head": 3, "vocab_size": 64}}}
     return run_on_ranks(2, "workers.tensor_parallel_checks:suite", checks=checks)
 
@@ -124,6 +125,26 @@ def test_sequence_parallel_divides_layer_norm_and_residual_memory_by_tp(two_rank
         assert plain["layer_norm_bytes"] == plain["serial_layer_norm_bytes"]
         assert sequence_parallel["layer_norm_bytes"] * world == sequence_parallel["serial_layer_norm_bytes"]
         assert sequence_parallel["hidden_bytes"] * world == sequence_parallel["serial_hidden_bytes"]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_microbatches_in_flight_deferred_weight_passes_and_ranges_equal_one_at_a_time(two_ranks, sp):
+    for rank in two_ranks:
+        report = rank[f"stateless sp{int(sp)}"]
+        checked = [key for key in report if key.startswith(("in_flight", "ranges"))]
+        assert len(checked) == 6
+        for key in checked:
+            assert report[key] <= 1e-12, key
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_recomputation_equals_none_and_saves_the_formulas_bytes(two_ranks, sp):
+    for rank in two_ranks:
+        report = rank[f"stateless sp{int(sp)}"]
+        for mode in ("none", "selective", "full"):
+            assert report[f"recompute_{mode}"] <= 1e-12, mode
+            assert report["saved_bytes"][mode] == [report["formula_bytes"][mode]] * 2, mode
+        assert report["formula_bytes"]["full"] < report["formula_bytes"]["selective"] < report["formula_bytes"]["none"]
 
 
 def test_full_state_dict_gathers_what_load_state_dict_cut(two_ranks):

@@ -10,7 +10,7 @@ import numpy as np
 
 import collectives as C
 from models.gpt import GPT, GPTConfig, ParameterHooks
-from models.layers import Saved
+from models.layers import Saved, block_activation_elements
 from models.parameter import gather_tensor, reduce_partial_gradients
 from models.tensor_parallel import TensorParallelGPT, full_state_dict
 from mpiparallel.mesh import Mesh, MeshShape
@@ -181,3 +181,76 @@ def errors(indivisible_heads: dict[str, int]) -> dict[str, str]:
     except ValueError as error:
         messages["sequence"] = str(error)
     return messages
+
+
+def _perturbed(config: GPTConfig, sequence_parallel: bool, **options: Any) -> TensorParallelGPT:
+    """The TP model with every weight moved off its ones/zeros init (the same move on every rank)."""
+    model = TensorParallelGPT(config, C.world(), seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
+                              **options)
+    serial = GPT(config, seed=SEED, dtype=np.float64)
+    moved = {name: value + 0.05 * np.random.default_rng(len(name)).standard_normal(value.shape)
+             for name, value in serial.state_dict().items()}
+    model.load_state_dict(moved)
+    return model
+
+
+def _gathered_gradients(model: TensorParallelGPT) -> dict[str, np.ndarray]:
+    return {p.name: host(gather_tensor(p.grad, p.placement, {"tp": model.comm}, p.full_shape))
+            for p in model.parameters()}
+
+
+def _worst(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
+    return max(relative_error(got[name], value) for name, value in want.items())
+
+
+def _one_at_a_time(model: TensorParallelGPT, pieces: list, normalizer: int) -> tuple[float, dict]:
+    model.zero_grad()
+    loss = 0.0
+    for tokens, targets in pieces:
+        piece_loss, saved = model.forward(tokens, targets, normalizer)
+        loss += piece_loss
+        model.backward(saved)
+    reduce_partial_gradients(model.parameters(), {"tp": model.comm})
+    return loss, _gathered_gradients(model)
+
+
+def stateless(sequence_parallel: bool) -> dict[str, Any]:
+    """Microbatches in flight with weight passes deferred (reverse and scrambled order), two ranges of units with
+    the boundary handed over, and recomputation: worst relative errors against one microbatch at a time; and each
+    recompute mode's saved bytes per block next to `block_activation_elements`."""
+    config = GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=4)
+    tokens, targets = batch(config, 6, 8, step=1)
+    model = _perturbed(config, sequence_parallel)
+    report: dict[str, Any] = {}
+    for count, order in ((1, [0]), (3, [2, 1, 0]), (3, [1, 2, 0])):
+        pieces = list(zip(np.array_split(tokens, count), np.array_split(targets, count), strict=True))
+        want_loss, want = _one_at_a_time(model, pieces, tokens.size)
+        model.zero_grad()
+        forwards = [model.forward(x, y, tokens.size) for x, y in pieces]
+        for i in order:
+            model.backward_input(forwards[i][1])
+        for i in reversed(order):
+            model.backward_weights(forwards[i][1])
+        reduce_partial_gradients(model.parameters(), {"tp": model.comm})
+        loss = sum(loss for loss, _ in forwards)
+        report[f"in_flight_{count}_{order}"] = max(abs(loss - want_loss) / want_loss,
+                                                   _worst(_gathered_gradients(model), want))
+    want_loss, want = _one_at_a_time(model, [(tokens, targets)], tokens.size)
+    for cut in (1, 2, 3):
+        model.zero_grad()
+        boundary, first = model.forward(tokens, units=range(cut))
+        loss, second = model.forward(boundary, targets, units=range(cut, model.unit_count))
+        model.backward(first, model.backward(second))
+        reduce_partial_gradients(model.parameters(), {"tp": model.comm})
+        report[f"ranges_cut_at_{cut}"] = max(abs(loss - want_loss) / want_loss,
+                                             _worst(_gathered_gradients(model), want))
+    report["saved_bytes"], report["formula_bytes"] = {}, {}
+    for mode in ("none", "selective", "full"):
+        recomputing = _perturbed(config, sequence_parallel, recompute=mode, query_block=3)
+        loss, got = _one_at_a_time(recomputing, [(tokens, targets)], tokens.size)
+        report[f"recompute_{mode}"] = max(abs(loss - want_loss) / want_loss, _worst(got, want))
+        saved = recomputing.forward(tokens, targets)[1]
+        report["saved_bytes"][mode] = [saved.per_unit[u].nbytes() for u in range(1, config.n_layer + 1)]
+        report["formula_bytes"][mode] = 8 * block_activation_elements(
+            6, 8, config.n_embd, config.n_head, C.world().size, sequence_parallel, mode, query_block=3)
+    return report
