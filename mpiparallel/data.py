@@ -5,12 +5,12 @@ one token per byte (vocabulary 256; UTF-8 text becomes its UTF-8 bytes). Without
 Python's own documentation, `pydoc_data.topics` (about half a megabyte of English prose and code), so a first
 run needs no download.
 
-Batches (the DESIGN contract, as llm.c's dataloader): with B sequences of T tokens per step there are
-K = ⌊(N − 1) / (B·T)⌋ full batches in N tokens. Step s reads the window tok[j·B·T : j·B·T + B·T + 1] with
-j = s mod K; the inputs are its first B·T tokens as a (B, T) array and the targets the same window shifted by
-one token. Every rank computes the same global batch from the step number alone — no communication, no
-shuffling state to checkpoint — and then keeps its rows (`rows_for_rank`) and splits them into microbatches
-(`microbatches`).
+Batches (a fixed order that resumed runs and every mesh rely on, as llm.c's dataloader): with B sequences of T
+tokens per step there are K = ⌊(N − 1) / (B·T)⌋ full batches in N tokens. Step s reads the window
+tok[j·B·T : j·B·T + B·T + 1] with j = s mod K; the inputs are its first B·T tokens as a (B, T) array and the
+targets the same window shifted by one token. Every rank computes the same global batch from the step number
+alone — no communication, no shuffling state to checkpoint — and then keeps its rows (`rows_for_rank`) and
+splits them into microbatches (`microbatches`).
 """
 
 from __future__ import annotations

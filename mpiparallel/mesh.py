@@ -1,6 +1,7 @@
 """The process mesh: which world rank holds which coordinates, and one communicator per parallel axis.
 
-A run with dp·tp·pp·cp ranks places them innermost first as tp, cp, dp, pp (DESIGN.md's contract):
+A run with dp·tp·pp·cp ranks places them innermost first as tp, cp, dp, pp (a fixed layout that scripts and
+checkpoints rely on):
 
     rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i
 

@@ -1,4 +1,4 @@
-"""Token files, the default corpus and llm.c's batch order, as the DESIGN data contract states them."""
+"""Token files, the default corpus and llm.c's batch order, as `mpiparallel.data` states them."""
 
 from __future__ import annotations
 

@@ -87,3 +87,8 @@ def test_zero_shrinks_what_each_rank_holds():
     assert memory[1]["parameters"] == pytest.approx(full["parameters"], rel=0.05)
     assert memory[2]["gradients"] * ranks == pytest.approx(full["gradients"], rel=0.05)
     assert memory[3]["parameters"] * ranks == pytest.approx(full["parameters"], rel=0.05)
+    # ZeRO-1 keeps one full gradient buffer and writes the reduced shard into it, so its model states are the
+    # textbook P + G + 2P/n (3P at 2 ranks, 75 % of plain DP's 4P; 2.5P here at 4 ranks)
+    assert memory[1]["gradients"] == pytest.approx(full["gradients"], rel=0.05)
+    total = {zero: sum(memory[zero].values()) for zero in (0, 1)}
+    assert total[1] / total[0] == pytest.approx((1 + 1 + 2 / ranks) / 4, rel=0.05)
