@@ -27,6 +27,7 @@ import numpy as np
 import collectives
 from collectives import Communicator, backend
 from models.gpt import GPT, GPTConfig
+from models.layers import block_activation_elements
 from models.parameter import counts_once, gather_tensor, local_shape, reduce_partial_gradients, shard_tensor
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
@@ -135,7 +136,8 @@ class Trainer:
     def __init__(self, model: GPT, engine: DataParallel, optimizer: Any, mesh: Mesh,
                  settings: TrainSettings) -> None:
         self.model, self.engine, self.optimizer, self.mesh, self.settings = model, engine, optimizer, mesh, settings
-        self.activation_bytes = 0
+        self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
+        self.block_activation_bytes = 0  # of that, one transformer block's
 
     def step(self, tokens: np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
@@ -151,6 +153,7 @@ class Trainer:
                 loss += microbatch_loss
                 if i == 0:
                     self.activation_bytes = saved.nbytes()
+                    self.block_activation_bytes = saved.per_unit[1].nbytes() if self.model.blocks else 0
                 self.model.backward(saved, hooks=engine)
         engine.finish_gradients()
         # the data-parallel engine summed over dp; any other axis with partial gradients (tp under --sp) here
@@ -240,7 +243,18 @@ class Trainer:
         total = sum(v for k, v in held.items() if k in theory)
         lines.append(f"  {'model states':<16} {total / 2**20:10.2f} MiB held   theory "
                      f"{sum(theory.values()) / 2**20:10.2f} MiB")
+        lines.append(f"  {'one block':<16} {self.block_activation_bytes / 2**20:10.2f} MiB saved  formula "
+                     f"{self._block_activation_formula() / 2**20:10.2f} MiB (per microbatch, --recompute "
+                     f"{self.settings.recompute})")
         return "\n".join(lines)
+
+    def _block_activation_formula(self) -> int:
+        """`models.layers.block_activation_elements` for this run's microbatch, in bytes."""
+        settings, config = self.settings, self.model.config
+        rows = settings.batch_size // (self.mesh.dp.size * settings.microbatches)
+        return np.dtype(settings.dtype).itemsize * block_activation_elements(
+            rows, settings.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.sp,
+            settings.recompute, self.model.query_block)
 
     def _bytes_sent(self) -> dict[str, int]:
         return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
