@@ -36,7 +36,7 @@ from mpi4py import MPI
 import collectives
 from collectives import Communicator, backend, nccl
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .launch import mpi_library
 
 Array = Any  # numpy.ndarray, or cupy.ndarray with --device gpu

@@ -51,7 +51,7 @@ from collectives import Communicator, backend, nccl
 from collectives.blocks import finish_average
 from collectives.cost_model import calibrate, choose, model_for, save_calibration
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .launch import mpi_library
 from .verify import array_module, to_host, use_gpu
 
