@@ -19,6 +19,15 @@ import numpy as np
 from mpi4py import MPI
 
 from . import native
+from .arguments import (
+    check_has_axis,
+    check_root,
+    check_rows_split_evenly,
+    check_send_counts,
+    flat,
+    output_array,
+    row_offsets,
+)
 from .backend import Array, get_array_module
 from .blocks import OPS, check_op, finish_average, reducer
 from .bruck import bruck_all_gather, bruck_all_to_all
@@ -104,16 +113,16 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
     """
     comm = Communicator.of(comm)
     algo = _prepare(comm, "all_to_allv", x, None, algo)
-    send_counts = _check_counts(send_counts, x, comm.size)
+    send_counts = check_send_counts(send_counts, x, comm.size)
     recv_counts = [int(c) for c in all_to_all(np.asarray(send_counts, np.int64), comm,
                                               algo="mpi" if algo == "mpi" else "pairwise")]
     xp, row = get_array_module(x), int(np.prod(x.shape[1:], dtype=np.int64))
     out = xp.empty((sum(recv_counts), *x.shape[1:]), x.dtype)
-    src, dst = _flat(x), out.reshape(-1)
+    src, dst = flat(x), out.reshape(-1)
     if algo == "mpi":
         native.mpi_all_to_allv(src, [c * row for c in send_counts], dst, [c * row for c in recv_counts], comm.comm)
     else:
-        steps = pairwise_all_to_allv(src, _offsets(send_counts, row), dst, _offsets(recv_counts, row),
+        steps = pairwise_all_to_allv(src, row_offsets(send_counts, row), dst, row_offsets(recv_counts, row),
                                      comm.rank, comm.size)
         comm.run(steps, "all_to_allv")
     return out, recv_counts
@@ -122,12 +131,12 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
 def broadcast(x: Array, comm: Any, root: int = 0, algo: str = "auto", out: Array | None = None) -> Array:
     """Every rank returns root's `x`; the others' `x` only gives the shape and dtype (as in MPI_Bcast)."""
     comm = Communicator.of(comm)
-    _check_root(root, comm.size)
+    check_root(root, comm.size)
     algo = _prepare(comm, "broadcast", x, None, algo, root=root)
-    out = _output(x, out, x.shape)
+    out = output_array(x, out, x.shape)
     buf = out.reshape(-1)
     if comm.rank == root:
-        buf[...] = _flat(x)
+        buf[...] = flat(x)
     if comm.size == 1 or buf.size == 0:
         pass
     elif algo == "mpi":
@@ -142,10 +151,10 @@ def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "aut
     """Reduction of `x` over ranks, returned on `root`; other ranks return None (their `out`, if given, is
     used as scratch space)."""
     comm = Communicator.of(comm)
-    _check_root(root, comm.size)
+    check_root(root, comm.size)
     algo = _prepare(comm, "reduce", x, op, algo, root=root)
-    result = _output(x, out, x.shape)  # off the root it is the accumulator the tree algorithms need
-    src, dst = _flat(x), result.reshape(-1)
+    result = output_array(x, out, x.shape)  # off the root it is the accumulator the tree algorithms need
+    src, dst = flat(x), result.reshape(-1)
     if comm.size == 1 or src.size == 0:
         dst[...] = src
     elif algo == "mpi":
@@ -188,8 +197,8 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
     """
     comm = Communicator.of(comm)
     algo = _prepare(comm, name, x, op, algo, asynchronous=asynchronous)
-    out = _output(x, out, out_shape)
-    src, dst = _flat(x), _flat(out)
+    out = output_array(x, out, out_shape)
+    src, dst = flat(x), flat(out)
     if comm.size == 1 or src.size == 0:
         dst[...] = src
         return comm.start(iter(()), name, out) if asynchronous else out
@@ -213,51 +222,12 @@ def _then_divide(steps: Steps, result: Array, size: int) -> Steps:
     finish_average(result, size)
 
 
-def _flat(x: Array) -> Array:
-    """A 1-D view of `x` (a contiguous copy first if `x` is strided)."""
-    if not x.flags.c_contiguous:
-        x = get_array_module(x).ascontiguousarray(x)
-    return x.reshape(-1)
-
-
-def _output(x: Array, out: Array | None, shape: tuple) -> Array:
-    """A new array of `shape`, or `out` after checking that it fits."""
-    if out is None:
-        return get_array_module(x).empty(shape, x.dtype)
-    if tuple(out.shape) != tuple(shape) or out.dtype != x.dtype:
-        raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                         f"expected shape {tuple(shape)} and dtype {x.dtype}")
-    if not out.flags.c_contiguous:
-        raise ValueError("out must be C-contiguous")
-    return out
-
-
-def _offsets(counts: Sequence[int], row: int) -> list[int]:
-    offsets = [0]
-    for count in counts:
-        offsets.append(offsets[-1] + count * row)
-    return offsets
-
-
-def _check_counts(send_counts: Sequence[int], x: Array, size: int) -> list[int]:
-    counts = [int(c) for c in send_counts]
-    if len(counts) != size or any(c < 0 for c in counts):
-        raise ValueError(f"send_counts must hold {size} non-negative row counts (one per rank), got {counts}")
-    if sum(counts) != x.shape[0]:
-        raise ValueError(f"send_counts add up to {sum(counts)} rows but x has {x.shape[0]}")
-    return counts
-
-
-def _check_root(root: int, size: int) -> None:
-    if not 0 <= root < size:
-        raise ValueError(f"root must be a rank in 0..{size - 1}, got {root}")
-
-
 _CHECK_ARGUMENTS = os.environ.get("MPIPARALLEL_CHECK", "0") not in ("", "0")
 _MAX_DIMS = 8
 
 
 _SPLIT_ALONG_AXIS0 = ("reduce_scatter", "all_to_all")  # x.shape[0] must divide by the rank count
+_ANY_SHAPE = ("all_reduce", "broadcast", "reduce")  # 0-d arrays too: nothing is split or concatenated
 
 
 def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str, *, root: int = 0,
@@ -273,10 +243,10 @@ def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str,
         check_op(op)
         if x.dtype.kind not in "fiu":
             raise ValueError(f"{name} reduces float and integer arrays; got dtype {x.dtype}")
-    if x.ndim == 0 and name not in ("all_reduce", "broadcast", "reduce"):
-        raise ValueError(f"{name} needs an array with at least one axis, got a 0-d array")
-    if name in _SPLIT_ALONG_AXIS0 and x.shape[0] % comm.size:
-        raise ValueError(f"{name} needs x.shape[0] divisible by the {comm.size} ranks; got shape {tuple(x.shape)}")
+    if name in _SPLIT_ALONG_AXIS0:
+        check_rows_split_evenly(x, comm.size, name)
+    elif name not in _ANY_SHAPE:
+        check_has_axis(x, name)
     if _CHECK_ARGUMENTS:
         _check_agreement(comm, name, x, op, algo, root)
     if algo != "auto":
