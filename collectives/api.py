@@ -5,13 +5,16 @@ input untouched unless `out=` is given, and returns a new array of the same back
 hand-written algorithm, "mpi" for the MPI library's own collective (the reference), or "auto" for the one the
 α-β-γ cost model predicts fastest for this message size and rank count (`cost_model`).
 
-Set MPIPARALLEL_CHECK=1 to have every call first compare its arguments (shape, dtype, op, algo, root) across
-ranks and raise a clear `CollectiveMismatchError` on all ranks instead of hanging or corrupting data.
+The communicator's settings apply to every call: with `check_arguments` (MPIPARALLEL_CHECK=1) each call first
+compares its arguments (shape, dtype, op, algo, root) across ranks and raises a clear `CollectiveMismatchError`
+on all ranks instead of hanging or corrupting data; the pipelined algorithms cut messages at its
+`segment_bytes` (MPIPARALLEL_SEGMENT_BYTES). See `Communicator`.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,7 +62,7 @@ ALGORITHMS: dict[str, dict[str, Callable[..., Steps] | None]] = {
 
 
 class CollectiveMismatchError(ValueError):
-    """Ranks called a collective with arguments that do not agree (raised on every rank, MPIPARALLEL_CHECK=1)."""
+    """Ranks called a collective with arguments that do not agree (raised on every rank, with check_arguments)."""
 
 
 def algorithms(collective: str) -> list[str]:
@@ -142,7 +145,7 @@ def broadcast(x: Array, comm: Any, root: int = 0, algo: str = "auto", out: Array
     elif algo == "mpi":
         native.mpi_broadcast(buf, comm.comm, root)
     else:
-        comm.run(ALGORITHMS["broadcast"][algo](buf, comm.rank, comm.size, root), "broadcast")
+        comm.run(_steps(comm, "broadcast", algo, buf, comm.rank, comm.size, root), "broadcast")
     return out
 
 
@@ -160,7 +163,7 @@ def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "aut
     elif algo == "mpi":
         native.mpi_reduce(src, dst, comm.comm, root, op)
     else:
-        steps = ALGORITHMS["reduce"][algo](src, dst, comm.rank, comm.size, root, reducer(op, src))
+        steps = _steps(comm, "reduce", algo, src, dst, comm.rank, comm.size, root, reducer(op, src))
         comm.run(steps, "reduce")
         if op == "avg" and comm.rank == root:
             finish_average(dst, comm.size)
@@ -207,7 +210,7 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
         _NATIVE[name](src, dst, comm.comm, *reduction)
         return out
     reduction = () if op is None else (reducer(op, src),)
-    steps = ALGORITHMS[name][algo](src, dst, comm.rank, comm.size, *reduction)
+    steps = _steps(comm, name, algo, src, dst, comm.rank, comm.size, *reduction)
     if op == "avg":
         steps = _then_divide(steps, dst, comm.size)
     if asynchronous:
@@ -216,13 +219,26 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
     return out
 
 
+def _steps(comm: Communicator, name: str, algo: str, *arguments: Any) -> Steps:
+    """The steps of hand-written algorithm `algo` of `name`, cut at the communicator's `segment_bytes` if it
+    pipelines (declares a `segment_bytes` keyword)."""
+    algorithm = ALGORITHMS[name][algo]
+    if _takes_segment_bytes(algorithm):
+        return algorithm(*arguments, segment_bytes=comm.segment_bytes)
+    return algorithm(*arguments)
+
+
+@functools.cache
+def _takes_segment_bytes(algorithm: Callable[..., Steps]) -> bool:
+    return "segment_bytes" in inspect.signature(algorithm).parameters
+
+
 def _then_divide(steps: Steps, result: Array, size: int) -> Steps:
     """The algorithm's steps, then the one division that turns a sum into an average (op="avg")."""
     yield from steps
     finish_average(result, size)
 
 
-_CHECK_ARGUMENTS = os.environ.get("MPIPARALLEL_CHECK", "0") not in ("", "0")
 _MAX_DIMS = 8
 
 
@@ -247,7 +263,7 @@ def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str,
         check_rows_split_evenly(x, comm.size, name)
     elif name not in _ANY_SHAPE:
         check_has_axis(x, name)
-    if _CHECK_ARGUMENTS:
+    if comm.check_arguments:
         _check_agreement(comm, name, x, op, algo, root)
     if algo != "auto":
         return algo
@@ -274,7 +290,7 @@ def _describe(row: np.ndarray) -> str:
 def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int) -> None:
     """Gather every rank's description of this call and raise on all ranks if they differ."""
     if x.ndim > _MAX_DIMS:
-        raise ValueError(f"MPIPARALLEL_CHECK supports arrays of up to {_MAX_DIMS} dimensions")
+        raise ValueError(f"check_arguments (MPIPARALLEL_CHECK) supports arrays of up to {_MAX_DIMS} dimensions")
     row = np.full(6 + _MAX_DIMS, -1, np.int64)
     row[:6] = (list(ALGORITHMS).index(name), OPS.index(op) if op else -1, algorithms(name).index(algo),
                ord(x.dtype.char), x.ndim, root)
@@ -286,7 +302,8 @@ def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, al
     if (rows == rows[0]).all():
         return
     lines = [f"  rank {r}: {_describe(rows[r])}" for r in range(comm.size)]
-    raise CollectiveMismatchError(f"ranks disagree on a {name} call (MPIPARALLEL_CHECK=1):\n" + "\n".join(lines))
+    raise CollectiveMismatchError(f"ranks disagree on a {name} call (check_arguments, MPIPARALLEL_CHECK=1):\n"
+                                  + "\n".join(lines))
 
 
 def world() -> Communicator:
