@@ -5,13 +5,16 @@ input untouched unless `out=` is given, and returns a new array of the same back
 hand-written algorithm, "mpi" for the MPI library's own collective (the reference), or "auto" for the one the
 α-β-γ cost model predicts fastest for this message size and rank count (`cost_model`).
 
-Set MPIPARALLEL_CHECK=1 to have every call first compare its arguments (shape, dtype, op, algo, root) across
-ranks and raise a clear `CollectiveMismatchError` on all ranks instead of hanging or corrupting data.
+The communicator's settings apply to every call: with `check_arguments` (MPIPARALLEL_CHECK=1) each call first
+compares its arguments (shape, dtype, op, algo, root) across ranks and raises a clear `CollectiveMismatchError`
+on all ranks instead of hanging or corrupting data; the pipelined algorithms cut messages at its
+`segment_bytes` (MPIPARALLEL_SEGMENT_BYTES). See `Communicator`.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +22,15 @@ import numpy as np
 from mpi4py import MPI
 
 from . import native
+from .arguments import (
+    check_has_axis,
+    check_root,
+    check_rows_split_evenly,
+    check_send_counts,
+    flat,
+    output_array,
+    row_offsets,
+)
 from .backend import Array, get_array_module
 from .blocks import OPS, check_op, finish_average, reducer
 from .bruck import bruck_all_gather, bruck_all_to_all
@@ -50,7 +62,7 @@ ALGORITHMS: dict[str, dict[str, Callable[..., Steps] | None]] = {
 
 
 class CollectiveMismatchError(ValueError):
-    """Ranks called a collective with arguments that do not agree (raised on every rank, MPIPARALLEL_CHECK=1)."""
+    """Ranks called a collective with arguments that do not agree (raised on every rank, with check_arguments)."""
 
 
 def algorithms(collective: str) -> list[str]:
@@ -104,16 +116,16 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
     """
     comm = Communicator.of(comm)
     algo = _prepare(comm, "all_to_allv", x, None, algo)
-    send_counts = _check_counts(send_counts, x, comm.size)
+    send_counts = check_send_counts(send_counts, x, comm.size)
     recv_counts = [int(c) for c in all_to_all(np.asarray(send_counts, np.int64), comm,
                                               algo="mpi" if algo == "mpi" else "pairwise")]
     xp, row = get_array_module(x), int(np.prod(x.shape[1:], dtype=np.int64))
     out = xp.empty((sum(recv_counts), *x.shape[1:]), x.dtype)
-    src, dst = _flat(x), out.reshape(-1)
+    src, dst = flat(x), out.reshape(-1)
     if algo == "mpi":
         native.mpi_all_to_allv(src, [c * row for c in send_counts], dst, [c * row for c in recv_counts], comm.comm)
     else:
-        steps = pairwise_all_to_allv(src, _offsets(send_counts, row), dst, _offsets(recv_counts, row),
+        steps = pairwise_all_to_allv(src, row_offsets(send_counts, row), dst, row_offsets(recv_counts, row),
                                      comm.rank, comm.size)
         comm.run(steps, "all_to_allv")
     return out, recv_counts
@@ -122,18 +134,18 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
 def broadcast(x: Array, comm: Any, root: int = 0, algo: str = "auto", out: Array | None = None) -> Array:
     """Every rank returns root's `x`; the others' `x` only gives the shape and dtype (as in MPI_Bcast)."""
     comm = Communicator.of(comm)
-    _check_root(root, comm.size)
+    check_root(root, comm.size)
     algo = _prepare(comm, "broadcast", x, None, algo, root=root)
-    out = _output(x, out, x.shape)
+    out = output_array(x, out, x.shape)
     buf = out.reshape(-1)
     if comm.rank == root:
-        buf[...] = _flat(x)
+        buf[...] = flat(x)
     if comm.size == 1 or buf.size == 0:
         pass
     elif algo == "mpi":
         native.mpi_broadcast(buf, comm.comm, root)
     else:
-        comm.run(ALGORITHMS["broadcast"][algo](buf, comm.rank, comm.size, root), "broadcast")
+        comm.run(_steps(comm, "broadcast", algo, buf, comm.rank, comm.size, root), "broadcast")
     return out
 
 
@@ -142,16 +154,16 @@ def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "aut
     """Reduction of `x` over ranks, returned on `root`; other ranks return None (their `out`, if given, is
     used as scratch space)."""
     comm = Communicator.of(comm)
-    _check_root(root, comm.size)
+    check_root(root, comm.size)
     algo = _prepare(comm, "reduce", x, op, algo, root=root)
-    result = _output(x, out, x.shape)  # off the root it is the accumulator the tree algorithms need
-    src, dst = _flat(x), result.reshape(-1)
+    result = output_array(x, out, x.shape)  # off the root it is the accumulator the tree algorithms need
+    src, dst = flat(x), result.reshape(-1)
     if comm.size == 1 or src.size == 0:
         dst[...] = src
     elif algo == "mpi":
         native.mpi_reduce(src, dst, comm.comm, root, op)
     else:
-        steps = ALGORITHMS["reduce"][algo](src, dst, comm.rank, comm.size, root, reducer(op, src))
+        steps = _steps(comm, "reduce", algo, src, dst, comm.rank, comm.size, root, reducer(op, src))
         comm.run(steps, "reduce")
         if op == "avg" and comm.rank == root:
             finish_average(dst, comm.size)
@@ -188,8 +200,8 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
     """
     comm = Communicator.of(comm)
     algo = _prepare(comm, name, x, op, algo, asynchronous=asynchronous)
-    out = _output(x, out, out_shape)
-    src, dst = _flat(x), _flat(out)
+    out = output_array(x, out, out_shape)
+    src, dst = flat(x), flat(out)
     if comm.size == 1 or src.size == 0:
         dst[...] = src
         return comm.start(iter(()), name, out) if asynchronous else out
@@ -198,7 +210,7 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
         _NATIVE[name](src, dst, comm.comm, *reduction)
         return out
     reduction = () if op is None else (reducer(op, src),)
-    steps = ALGORITHMS[name][algo](src, dst, comm.rank, comm.size, *reduction)
+    steps = _steps(comm, name, algo, src, dst, comm.rank, comm.size, *reduction)
     if op == "avg":
         steps = _then_divide(steps, dst, comm.size)
     if asynchronous:
@@ -207,57 +219,31 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
     return out
 
 
+def _steps(comm: Communicator, name: str, algo: str, *arguments: Any) -> Steps:
+    """The steps of hand-written algorithm `algo` of `name`, cut at the communicator's `segment_bytes` if it
+    pipelines (declares a `segment_bytes` keyword)."""
+    algorithm = ALGORITHMS[name][algo]
+    if _takes_segment_bytes(algorithm):
+        return algorithm(*arguments, segment_bytes=comm.segment_bytes)
+    return algorithm(*arguments)
+
+
+@functools.cache
+def _takes_segment_bytes(algorithm: Callable[..., Steps]) -> bool:
+    return "segment_bytes" in inspect.signature(algorithm).parameters
+
+
 def _then_divide(steps: Steps, result: Array, size: int) -> Steps:
     """The algorithm's steps, then the one division that turns a sum into an average (op="avg")."""
     yield from steps
     finish_average(result, size)
 
 
-def _flat(x: Array) -> Array:
-    """A 1-D view of `x` (a contiguous copy first if `x` is strided)."""
-    if not x.flags.c_contiguous:
-        x = get_array_module(x).ascontiguousarray(x)
-    return x.reshape(-1)
-
-
-def _output(x: Array, out: Array | None, shape: tuple) -> Array:
-    """A new array of `shape`, or `out` after checking that it fits."""
-    if out is None:
-        return get_array_module(x).empty(shape, x.dtype)
-    if tuple(out.shape) != tuple(shape) or out.dtype != x.dtype:
-        raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                         f"expected shape {tuple(shape)} and dtype {x.dtype}")
-    if not out.flags.c_contiguous:
-        raise ValueError("out must be C-contiguous")
-    return out
-
-
-def _offsets(counts: Sequence[int], row: int) -> list[int]:
-    offsets = [0]
-    for count in counts:
-        offsets.append(offsets[-1] + count * row)
-    return offsets
-
-
-def _check_counts(send_counts: Sequence[int], x: Array, size: int) -> list[int]:
-    counts = [int(c) for c in send_counts]
-    if len(counts) != size or any(c < 0 for c in counts):
-        raise ValueError(f"send_counts must hold {size} non-negative row counts (one per rank), got {counts}")
-    if sum(counts) != x.shape[0]:
-        raise ValueError(f"send_counts add up to {sum(counts)} rows but x has {x.shape[0]}")
-    return counts
-
-
-def _check_root(root: int, size: int) -> None:
-    if not 0 <= root < size:
-        raise ValueError(f"root must be a rank in 0..{size - 1}, got {root}")
-
-
-_CHECK_ARGUMENTS = os.environ.get("MPIPARALLEL_CHECK", "0") not in ("", "0")
 _MAX_DIMS = 8
 
 
 _SPLIT_ALONG_AXIS0 = ("reduce_scatter", "all_to_all")  # x.shape[0] must divide by the rank count
+_ANY_SHAPE = ("all_reduce", "broadcast", "reduce")  # 0-d arrays too: nothing is split or concatenated
 
 
 def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str, *, root: int = 0,
@@ -273,11 +259,11 @@ def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str,
         check_op(op)
         if x.dtype.kind not in "fiu":
             raise ValueError(f"{name} reduces float and integer arrays; got dtype {x.dtype}")
-    if x.ndim == 0 and name not in ("all_reduce", "broadcast", "reduce"):
-        raise ValueError(f"{name} needs an array with at least one axis, got a 0-d array")
-    if name in _SPLIT_ALONG_AXIS0 and x.shape[0] % comm.size:
-        raise ValueError(f"{name} needs x.shape[0] divisible by the {comm.size} ranks; got shape {tuple(x.shape)}")
-    if _CHECK_ARGUMENTS:
+    if name in _SPLIT_ALONG_AXIS0:
+        check_rows_split_evenly(x, comm.size, name)
+    elif name not in _ANY_SHAPE:
+        check_has_axis(x, name)
+    if comm.check_arguments:
         _check_agreement(comm, name, x, op, algo, root)
     if algo != "auto":
         return algo
@@ -304,7 +290,7 @@ def _describe(row: np.ndarray) -> str:
 def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int) -> None:
     """Gather every rank's description of this call and raise on all ranks if they differ."""
     if x.ndim > _MAX_DIMS:
-        raise ValueError(f"MPIPARALLEL_CHECK supports arrays of up to {_MAX_DIMS} dimensions")
+        raise ValueError(f"check_arguments (MPIPARALLEL_CHECK) supports arrays of up to {_MAX_DIMS} dimensions")
     row = np.full(6 + _MAX_DIMS, -1, np.int64)
     row[:6] = (list(ALGORITHMS).index(name), OPS.index(op) if op else -1, algorithms(name).index(algo),
                ord(x.dtype.char), x.ndim, root)
@@ -316,7 +302,8 @@ def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, al
     if (rows == rows[0]).all():
         return
     lines = [f"  rank {r}: {_describe(rows[r])}" for r in range(comm.size)]
-    raise CollectiveMismatchError(f"ranks disagree on a {name} call (MPIPARALLEL_CHECK=1):\n" + "\n".join(lines))
+    raise CollectiveMismatchError(f"ranks disagree on a {name} call (check_arguments, MPIPARALLEL_CHECK=1):\n"
+                                  + "\n".join(lines))
 
 
 def world() -> Communicator:

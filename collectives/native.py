@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .backend import Array, HostStaging, get_array_module
+from .arguments import unaliased
+from .backend import Array, HostStaging
 from .blocks import finish_average
 
-_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+"""The API's op -> MPI's reduction operator; "avg" is MPI.SUM, and the caller divides once afterwards."""
 
 
 def _typed(x: Array, staging: HostStaging, incoming: bool) -> Array:
@@ -26,19 +28,14 @@ def _run(call, comm: MPI.Comm, send: Array, recv: Array, *args) -> None:
     staging.finish()
 
 
-def _unaliased(x: Array, out: Array) -> Array:
-    """`x`, or a copy of it when it overlaps `out` (MPI forbids aliased send and receive buffers)."""
-    return x.copy() if get_array_module(x).may_share_memory(x, out) else x
-
-
 def mpi_all_reduce(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
-    _run(MPI.Comm.Allreduce, comm, _unaliased(x, out), out, _MPI_OPS[op])
+    _run(MPI.Comm.Allreduce, comm, unaliased(x, out), out, MPI_OPS[op])
     if op == "avg":
         finish_average(out, comm.Get_size())
 
 
 def mpi_reduce_scatter(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
-    _run(MPI.Comm.Reduce_scatter_block, comm, x, out, _MPI_OPS[op])
+    _run(MPI.Comm.Reduce_scatter_block, comm, x, out, MPI_OPS[op])
     if op == "avg":
         finish_average(out, comm.Get_size())
 
@@ -65,6 +62,6 @@ def mpi_broadcast(buf: Array, comm: MPI.Comm, root: int) -> None:
 
 
 def mpi_reduce(x: Array, out: Array, comm: MPI.Comm, root: int, op: str) -> None:
-    _run(MPI.Comm.Reduce, comm, _unaliased(x, out), out, _MPI_OPS[op], root)
+    _run(MPI.Comm.Reduce, comm, unaliased(x, out), out, MPI_OPS[op], root)
     if op == "avg" and comm.Get_rank() == root:
         finish_average(out, comm.Get_size())

@@ -53,7 +53,16 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .api import _check_counts, _check_root, _flat, _offsets, _output
+from .arguments import (
+    check_has_axis,
+    check_root,
+    check_rows_split_evenly,
+    check_send_counts,
+    flat,
+    output_array,
+    row_offsets,
+    unaliased,
+)
 from .backend import Array, get_array_module, gpu_unavailable_reason
 from .blocks import check_op, finish_average
 from .communicator import Communicator
@@ -222,29 +231,13 @@ def _movement(comm: NcclComm, x: Array) -> tuple[int, int]:
     return getattr(comm.library, name), 1
 
 
-def _check_split(x: Array, size: int, name: str) -> None:
-    _check_has_axis(x, name)
-    if x.shape[0] % size:
-        raise ValueError(f"{name} needs x.shape[0] divisible by the {size} ranks; got shape {tuple(x.shape)}")
-
-
-def _check_has_axis(x: Array, name: str) -> None:
-    if x.ndim == 0:
-        raise ValueError(f"{name} needs an array with at least one axis, got a 0-d array")
-
-
-def _unaliased(x: Array, out: Array) -> Array:
-    """`x`, or a copy when it overlaps `out`: concurrent sends and receives must not share memory."""
-    return x.copy() if get_array_module(x).may_share_memory(x, out) else x
-
-
 # -- the collectives ---------------------------------------------------------------------------------------
 
 def all_reduce(x: Array, comm: NcclComm, op: str = "sum", out: Array | None = None) -> Array:
     """Elementwise reduction of `x` over all ranks (ncclAllReduce); out=x reduces in place."""
     datatype, nccl_op, divide = _reduction(comm, x, op)
-    out = _output(x, out, x.shape)
-    src, dst = _flat(x), out.reshape(-1)
+    out = output_array(x, out, x.shape)
+    src, dst = flat(x), out.reshape(-1)
     if src.size:
         comm.nccl.allReduce(comm.pointer(src), comm.pointer(dst), src.size, datatype, nccl_op, comm.stream())
         if divide:
@@ -254,10 +247,10 @@ def all_reduce(x: Array, comm: NcclComm, op: str = "sum", out: Array | None = No
 
 def reduce_scatter(x: Array, comm: NcclComm, op: str = "sum", out: Array | None = None) -> Array:
     """Reduce `x` over ranks and return block `rank` of its `size` equal blocks along axis 0 (ncclReduceScatter)."""
-    _check_split(x, comm.size, "reduce_scatter")
+    check_rows_split_evenly(x, comm.size, "reduce_scatter")
     datatype, nccl_op, divide = _reduction(comm, x, op)
-    out = _output(x, out, (x.shape[0] // comm.size, *x.shape[1:]))
-    src, dst = _flat(x), out.reshape(-1)
+    out = output_array(x, out, (x.shape[0] // comm.size, *x.shape[1:]))
+    src, dst = flat(x), out.reshape(-1)
     if dst.size:
         comm.nccl.reduceScatter(comm.pointer(src), comm.pointer(dst), dst.size, datatype, nccl_op, comm.stream())
         if divide:
@@ -267,10 +260,10 @@ def reduce_scatter(x: Array, comm: NcclComm, op: str = "sum", out: Array | None 
 
 def all_gather(x: Array, comm: NcclComm, out: Array | None = None) -> Array:
     """Concatenate every rank's `x` along axis 0, in rank order (ncclAllGather)."""
-    _check_has_axis(x, "all_gather")
+    check_has_axis(x, "all_gather")
     datatype, per_element = _movement(comm, x)
-    out = _output(x, out, (x.shape[0] * comm.size, *x.shape[1:]))
-    src, dst = _flat(x), out.reshape(-1)
+    out = output_array(x, out, (x.shape[0] * comm.size, *x.shape[1:]))
+    src, dst = flat(x), out.reshape(-1)
     if src.size:
         comm.nccl.allGather(comm.pointer(src), comm.pointer(dst), src.size * per_element, datatype, comm.stream())
     return comm.finish(out)
@@ -278,9 +271,9 @@ def all_gather(x: Array, comm: NcclComm, out: Array | None = None) -> Array:
 
 def all_to_all(x: Array, comm: NcclComm, out: Array | None = None) -> Array:
     """Block j of `x` along axis 0 goes to rank j; returns the blocks received, ordered by source rank."""
-    _check_split(x, comm.size, "all_to_all")
-    out = _output(x, out, x.shape)
-    src, dst = _flat(_unaliased(x, out)), out.reshape(-1)
+    check_rows_split_evenly(x, comm.size, "all_to_all")
+    out = output_array(x, out, x.shape)
+    src, dst = flat(unaliased(x, out)), out.reshape(-1)
     block = src.size // comm.size
     blocks = [(peer, slice(peer * block, (peer + 1) * block)) for peer in range(comm.size)]
     _exchange(comm, [(peer, src[part]) for peer, part in blocks], [(peer, dst[part]) for peer, part in blocks])
@@ -293,13 +286,13 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: NcclComm) -> tuple[A
     Returns (rows received, ordered by source rank; recv_counts, the rows from each rank). The counts travel
     over MPI first, because a receiver must know how much each peer sends before it posts the receives.
     """
-    _check_has_axis(x, "all_to_allv")
-    send_counts = _check_counts(send_counts, x, comm.size)
+    check_has_axis(x, "all_to_allv")
+    send_counts = check_send_counts(send_counts, x, comm.size)
     recv_counts = [int(c) for c in comm.mpi.comm.alltoall(send_counts)]
     row = int(np.prod(x.shape[1:], dtype=np.int64))
     out = get_array_module(x).empty((sum(recv_counts), *x.shape[1:]), x.dtype)
-    src, dst = _flat(x), out.reshape(-1)
-    send_at, recv_at = _offsets(send_counts, row), _offsets(recv_counts, row)
+    src, dst = flat(x), out.reshape(-1)
+    send_at, recv_at = row_offsets(send_counts, row), row_offsets(recv_counts, row)
     peers = range(comm.size)
     _exchange(comm, [(j, src[send_at[j]:send_at[j + 1]]) for j in peers],
               [(j, dst[recv_at[j]:recv_at[j + 1]]) for j in peers])
@@ -308,11 +301,11 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: NcclComm) -> tuple[A
 
 def broadcast(x: Array, comm: NcclComm, root: int = 0, out: Array | None = None) -> Array:
     """Every rank returns root's `x`; the others' `x` only gives the shape and dtype (ncclBcast)."""
-    _check_root(root, comm.size)
-    out = _output(x, out, x.shape)
+    check_root(root, comm.size)
+    out = output_array(x, out, x.shape)
     buf = out.reshape(-1)
     if comm.rank == root:
-        buf[...] = _flat(x)
+        buf[...] = flat(x)
     if buf.size:
         datatype, per_element = _movement(comm, buf)
         comm.nccl.bcast(comm.pointer(buf), buf.size * per_element, datatype, root, comm.stream())
@@ -321,10 +314,10 @@ def broadcast(x: Array, comm: NcclComm, root: int = 0, out: Array | None = None)
 
 def reduce(x: Array, comm: NcclComm, root: int = 0, op: str = "sum", out: Array | None = None) -> Array | None:
     """Reduction of `x` over ranks, returned on `root`; other ranks return None (ncclReduce)."""
-    _check_root(root, comm.size)
+    check_root(root, comm.size)
     datatype, nccl_op, divide = _reduction(comm, x, op)
-    result = _output(x, out, x.shape)  # NCCL ignores it off the root; allocating it everywhere keeps one path
-    src, dst = _flat(x), result.reshape(-1)
+    result = output_array(x, out, x.shape)  # NCCL ignores it off the root; allocating it everywhere keeps one path
+    src, dst = flat(x), result.reshape(-1)
     if src.size:
         comm.nccl.reduce(comm.pointer(src), comm.pointer(dst), src.size, datatype, nccl_op, root, comm.stream())
         if divide and comm.rank == root:
@@ -335,7 +328,7 @@ def reduce(x: Array, comm: NcclComm, root: int = 0, op: str = "sum", out: Array 
 
 def sendrecv(x: Array, dest: int, out: Array, source: int, comm: NcclComm) -> Array:
     """Send `x` to `dest` while receiving into `out` from `source` (one NCCL group); returns `out`."""
-    _exchange(comm, [(dest, _flat(_unaliased(x, out)))], [(source, out.reshape(-1))])
+    _exchange(comm, [(dest, flat(unaliased(x, out)))], [(source, out.reshape(-1))])
     return comm.finish(out)
 
 

@@ -25,7 +25,7 @@ import functools
 
 from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
-from .communicator import Step, Steps
+from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
 
 
 class PowerOfTwoFold:
@@ -68,8 +68,8 @@ def _largest_half(bounds: list[int], p: int) -> int:
     return max(bounds[p // 2] - bounds[0], bounds[p] - bounds[p // 2])
 
 
-def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfTwoFold,
-                      reduce: Reducer) -> Steps:
+def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfTwoFold, reduce: Reducer, *,
+                      segment_bytes: int) -> Steps:
     """Halving reduce-scatter over the p segments `bounds` of `src`; partial results go to `work`.
 
     Afterwards segment `fold.virtual` of `work` holds the reduction over all virtual ranks. `src` and `work`
@@ -77,7 +77,7 @@ def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfT
     """
     v, half = fold.virtual, _largest_half(bounds, fold.p)
     scratch = get_array_module(src).empty(half, src.dtype)  # the first round keeps the most
-    segments = segment_count(half, src.itemsize)
+    segments = segment_count(half, src.itemsize, segment_bytes)
     lo, hi, distance = 0, fold.p, fold.p // 2
     while distance >= 1:
         mid = lo + distance
@@ -96,10 +96,10 @@ def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfT
         lo, hi, distance = keep_lo, keep_hi, distance // 2
 
 
-def recursive_doubling_gather(out: Array, bounds: list[int], fold: PowerOfTwoFold) -> Steps:
+def recursive_doubling_gather(out: Array, bounds: list[int], fold: PowerOfTwoFold, *, segment_bytes: int) -> Steps:
     """Doubling all-gather over the p segments `bounds` of `out`: segment `fold.virtual` in, all segments out."""
     v, distance = fold.virtual, 1
-    segments = segment_count(_largest_half(bounds, fold.p), out.itemsize)
+    segments = segment_count(_largest_half(bounds, fold.p), out.itemsize, segment_bytes)
     while distance < fold.p:
         mine_lo = v & ~(distance - 1)
         theirs_lo = (v ^ distance) & ~(distance - 1)
@@ -157,15 +157,17 @@ def recursive_doubling_all_reduce(x: Array, out: Array, rank: int, size: int, re
         yield Step(send=out, dest=fold.partner)
 
 
-def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+                            segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-reduce as recursive-halving reduce-scatter + recursive-doubling all-gather over p segments."""
     fold = PowerOfTwoFold(rank, size)
     if fold.rem:
         yield from fold_in(x, out, fold, reduce)
     if not fold.is_extra:
         bounds = even_bounds(len(x), fold.p)
-        yield from recursive_halving(out if fold.has_extra else x, out, bounds, fold, reduce)
-        yield from recursive_doubling_gather(out, bounds, fold)
+        yield from recursive_halving(out if fold.has_extra else x, out, bounds, fold, reduce,
+                                     segment_bytes=segment_bytes)
+        yield from recursive_doubling_gather(out, bounds, fold, segment_bytes=segment_bytes)
     if fold.rem:
         yield from hand_back(out, fold)
 
@@ -175,7 +177,8 @@ def _rank_block_bounds(fold: PowerOfTwoFold, block: int) -> list[int]:
     return [fold.first_represented(v) * block for v in range(fold.p + 1)]
 
 
-def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+                                     segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Reduce-scatter by recursive halving; `out` receives this rank's block of flat `x`."""
     fold = PowerOfTwoFold(rank, size)
     block = len(out)
@@ -185,13 +188,14 @@ def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int,
         yield Step(recv=out, source=fold.partner)
         return
     yield from recursive_halving(work if fold.has_extra else x, work, _rank_block_bounds(fold, block), fold,
-                                 reduce)
+                                 reduce, segment_bytes=segment_bytes)
     if fold.has_extra:  # this segment holds the extra rank's block first, then this rank's
         yield Step(send=work[(rank - 1) * block:rank * block], dest=fold.partner)
     out[...] = work[rank * block:(rank + 1) * block]
 
 
-def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int) -> Steps:
+def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int, *,
+                                  segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-gather by recursive doubling: log2(p) rounds, windows doubling, plus the fold for other n."""
     fold = PowerOfTwoFold(rank, size)
     block = len(x)
@@ -201,5 +205,5 @@ def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int) ->
     elif fold.has_extra:
         yield Step(recv=out[fold.partner * block:rank * block], source=fold.partner)
     if not fold.is_extra:
-        yield from recursive_doubling_gather(out, _rank_block_bounds(fold, block), fold)
+        yield from recursive_doubling_gather(out, _rank_block_bounds(fold, block), fold, segment_bytes=segment_bytes)
     yield from hand_back(out, fold)

@@ -11,7 +11,8 @@ n−1 more steps. Cost (α per message, β per byte sent, γ per byte reduced, S
 
 Each rank sends 2(n−1)/n·S bytes in an all-reduce — the lower bound for any all-reduce, which is why the ring
 is the algorithm of choice for large messages; its 2(n−1) latency terms make it the worst for small ones.
-Blocks larger than a segment (`blocks.segment_bytes`) travel in pieces, each reduced right after it arrives.
+Blocks larger than `segment_bytes` (the communicator's setting, 1 MiB by default) travel in pieces, each
+reduced right after it arrives.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from collections.abc import Callable
 
 from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
-from .communicator import Step, Steps
+from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
 
 
 def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int, reduce: Reducer,
-                              partial: Callable[[int, int], Array]) -> Steps:
+                              partial: Callable[[int, int], Array], *, segment_bytes: int) -> Steps:
     """The n−1 reduce-scatter steps over the blocks `bounds` of the flat array `x`.
 
     At step s rank r receives block b = (r−s−2) mod n, reduces it with its own x[b] into `partial(s, b)` and
@@ -32,7 +33,7 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
     in one small reused buffer, so the reduction reads it from cache (and `partial` may alias `x`).
     """
     right, left = (rank + 1) % size, (rank - 1) % size
-    segments = segment_count(bounds[1] - bounds[0], x.itemsize)  # the first block is the largest
+    segments = segment_count(bounds[1] - bounds[0], x.itemsize, segment_bytes)  # the first block is the largest
     landing = get_array_module(x).empty(-(-(bounds[1] - bounds[0]) // segments), x.dtype)
     send = x[bounds[left]:bounds[left + 1]]
     for step in range(size - 1):
@@ -47,17 +48,18 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
         send = target
 
 
-def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int) -> Steps:
+def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int, *, segment_bytes: int) -> Steps:
     """The n−1 all-gather steps: `out` holds block `rank` on entry and every block on exit."""
     right, left = (rank + 1) % size, (rank - 1) % size
-    segments = segment_count(bounds[1] - bounds[0], out.itemsize)
+    segments = segment_count(bounds[1] - bounds[0], out.itemsize, segment_bytes)
     for step in range(size - 1):
         send_block, recv_block = (rank - step) % size, (rank - step - 1) % size
         yield from exchange_in_segments(out[bounds[send_block]:bounds[send_block + 1]], right,
                                         out[bounds[recv_block]:bounds[recv_block + 1]], left, segments)
 
 
-def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+                    segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-reduce of flat `x` into flat `out` (which may be `x` itself) without copying `x` first.
 
     Step 0 sends straight from `x` and every reduction writes into `out`, so no full-size temporary exists.
@@ -67,11 +69,12 @@ def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer)
     def into_out(step: int, block: int) -> Array:
         return out[bounds[block]:bounds[block + 1]]
 
-    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, into_out)
-    yield from ring_all_gather_phase(out, bounds, rank, size)
+    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, into_out, segment_bytes=segment_bytes)
+    yield from ring_all_gather_phase(out, bounds, rank, size, segment_bytes=segment_bytes)
 
 
-def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer) -> Steps:
+def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+                        segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Reduce-scatter of flat `x` (length divisible by size) into `out`, this rank's block.
 
     Partial results alternate between `out` and one block-sized buffer (one is sent while the other is filled),
@@ -83,11 +86,12 @@ def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Redu
     def partial(step: int, block: int) -> Array:
         return out if (size - 2 - step) % 2 == 0 else spare
 
-    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial)
+    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial, segment_bytes=segment_bytes)
 
 
-def ring_all_gather(x: Array, out: Array, rank: int, size: int) -> Steps:
+def ring_all_gather(x: Array, out: Array, rank: int, size: int, *,
+                    segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-gather of flat `x` into flat `out` (size·len(x) elements, rank order)."""
     bounds = even_bounds(len(out), size)
     out[bounds[rank]:bounds[rank + 1]] = x
-    yield from ring_all_gather_phase(out, bounds, rank, size)
+    yield from ring_all_gather_phase(out, bounds, rank, size, segment_bytes=segment_bytes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds
-from .communicator import Step, Steps
+from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
 from .recursive import PowerOfTwoFold, fold_in, recursive_halving
 from .ring import ring_all_gather_phase
 
@@ -48,7 +48,8 @@ def binomial_broadcast(buf: Array, rank: int, size: int, root: int) -> Steps:
         mask >>= 1
 
 
-def scatter_allgather_broadcast(buf: Array, rank: int, size: int, root: int) -> Steps:
+def scatter_allgather_broadcast(buf: Array, rank: int, size: int, root: int, *,
+                                segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Broadcast as a binomial scatter of n pieces followed by a ring all-gather of the pieces."""
     relative = (rank - root) % size
     bounds = even_bounds(len(buf), size)  # piece j belongs to relative rank j
@@ -64,7 +65,7 @@ def scatter_allgather_broadcast(buf: Array, rank: int, size: int, root: int) -> 
         if relative + mask < size:
             yield Step(send=pieces(relative + mask, mask), dest=(rank + mask) % size)
         mask >>= 1
-    yield from _relabel(ring_all_gather_phase(buf, bounds, relative, size), root, size)
+    yield from _relabel(ring_all_gather_phase(buf, bounds, relative, size, segment_bytes=segment_bytes), root, size)
 
 
 def binomial_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduce: Reducer) -> Steps:
@@ -83,14 +84,16 @@ def binomial_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduc
         mask <<= 1
 
 
-def rabenseifner_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduce: Reducer) -> Steps:
+def rabenseifner_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduce: Reducer, *,
+                        segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Reduce flat `x` onto `root` by recursive halving, then a direct gather of the p pieces."""
     fold = PowerOfTwoFold(rank, size)
     work = get_array_module(x).empty_like(x)
     bounds = even_bounds(len(x), fold.p)
     yield from fold_in(x, work, fold, reduce)
     if not fold.is_extra:
-        yield from recursive_halving(work if fold.has_extra else x, work, bounds, fold, reduce)
+        yield from recursive_halving(work if fold.has_extra else x, work, bounds, fold, reduce,
+                                     segment_bytes=segment_bytes)
         if rank != root:
             yield Step(send=work[bounds[fold.virtual]:bounds[fold.virtual + 1]], dest=root)
     if rank == root:

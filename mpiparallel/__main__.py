@@ -4,7 +4,7 @@
 interpreter and the package that the user started, whatever script directory is or is not on PATH.
 """
 
-from .cli import main
+from .commands.cli import main
 
 if __name__ == "__main__":
     main(prog_name="mpiparallel")

@@ -19,8 +19,8 @@ import pytest
 from mpi_harness import run_with_timeout
 
 from collectives import backend, nccl
-from mpiparallel.cli import ByteSize
-from mpiparallel.launch import launched_by_mpi, relaunch_command
+from mpiparallel.commands.cli import ByteSize
+from mpiparallel.commands.launch import launched_by_mpi, relaunch_command
 
 PROGRAM = [sys.executable, "-m", "mpiparallel"]
 OTHER_COLLECTIVES = ("reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
@@ -73,7 +73,7 @@ def test_console_script_help_and_cli_import_do_not_start_mpi(run):
         status, out, _, _ = run(script, "--help", timeout=30)
         assert status == 0 and "bench" in out and "verify" in out
     status, out, _, _ = run(sys.executable, "-c",
-                            "import sys, mpiparallel.cli; print('mpi4py' in sys.modules)", timeout=30)
+                            "import sys, mpiparallel.commands.cli; print('mpi4py' in sys.modules)", timeout=30)
     assert (status, out.strip()) == (0, "False")
 
 
@@ -190,7 +190,7 @@ def test_bench_and_verify_report_a_broken_algorithm(run, tmp_path):
     script = tmp_path / "broken.py"
     script.write_text(textwrap.dedent("""
         import collectives
-        from mpiparallel import bench, verify
+        from mpiparallel.commands import bench, verify
 
         ring = collectives.ALGORITHMS["all_gather"]["ring"]
 
@@ -237,7 +237,7 @@ def test_an_exception_on_one_rank_aborts_the_whole_job_quickly(run, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(textwrap.dedent("""
         from mpi4py import MPI
-        from mpiparallel.launch import run_guarded
+        from mpiparallel.commands.launch import run_guarded
 
         def body():
             if MPI.COMM_WORLD.Get_rank() == 1:

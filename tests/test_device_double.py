@@ -114,7 +114,7 @@ def _cli_on_fake_gpu(ranks: int, *args: str) -> subprocess.CompletedProcess:
     """`mpiparallel ARGS` on `ranks` ranks with the CuPy double installed in every rank (killed on a hang)."""
     root = Path(__file__).resolve().parent.parent
     program = ("import sys; sys.path.insert(0, 'tests'); from fake_cupy import install; install(); "
-               "from mpiparallel.cli import main; main(sys.argv[1:])")
+               "from mpiparallel.commands.cli import main; main(sys.argv[1:])")
     return run_with_timeout([mpiexec_path(), "-n", str(ranks), sys.executable, "-c", program, *args], 180,
                        merge_output=True, cwd=root)
 

@@ -295,7 +295,7 @@ def _rank_0_output(run: Callable[[], int]) -> dict:
 
 def verify_against_the_double(max_count: int) -> dict:
     """`verify --against nccl`'s table, with NCCL replaced by the double on NumPy arrays."""
-    from mpiparallel import verify
+    from mpiparallel.commands import verify
 
     comm = C.world()
     reference = verify.NCCLReference(comm, nccl.NcclComm(comm, FakeNccl(comm.comm), nccl.host_memory()))
@@ -307,7 +307,7 @@ def bench_against_the_double(collectives: list[str], json_dir: str, options: dic
     """`bench COLLECTIVE --compare nccl` for each collective, with NCCL replaced by the double on NumPy arrays."""
     from pathlib import Path
 
-    from mpiparallel import bench
+    from mpiparallel.commands import bench
 
     comm = C.world()
     nccl_comm = nccl.NcclComm(comm, FakeNccl(comm.comm), nccl.host_memory(), blocking=False)

@@ -31,7 +31,7 @@ from typing import NoReturn
 
 import click
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 RELAUNCHED = "MPIPARALLEL_RELAUNCHED"
 """Set in the environment of relaunched ranks, so an MPI whose launcher sets none of the variables below can

@@ -48,17 +48,18 @@ from mpi4py import MPI
 
 import collectives
 from collectives import Communicator, backend, nccl
+from collectives.backend import to_host
 from collectives.blocks import finish_average
 from collectives.cost_model import calibrate, choose, model_for, save_calibration
+from collectives.native import MPI_OPS
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .devices import array_module, use_gpu
 from .launch import mpi_library
-from .verify import array_module, to_host, use_gpu
 
 TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half", "int32": "int32", "int64": "int64"}
 """nccl-tests' printed name of each NumPy dtype."""
 
-_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 _REDUCE_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 _CHECK_CHUNK = 1 << 20  # elements per step of the result check, to bound its float64 temporaries
 
@@ -123,9 +124,9 @@ def _ours_all_reduce(x, out, comm, s, in_place):
 
 def _native_all_reduce(x, out, comm, s, in_place):
     if in_place:
-        comm.comm.Allreduce(MPI.IN_PLACE, x, _MPI_OPS[s.op])
+        comm.comm.Allreduce(MPI.IN_PLACE, x, MPI_OPS[s.op])
     else:
-        comm.comm.Allreduce(x, out, _MPI_OPS[s.op])
+        comm.comm.Allreduce(x, out, MPI_OPS[s.op])
     if s.op == "avg":
         finish_average(x if in_place else out, comm.size)
 
@@ -135,7 +136,7 @@ def _ours_reduce_scatter(x, out, comm, s, in_place):
 
 
 def _native_reduce_scatter(x, out, comm, s, in_place):
-    comm.comm.Reduce_scatter_block(x, out, _MPI_OPS[s.op])
+    comm.comm.Reduce_scatter_block(x, out, MPI_OPS[s.op])
     if s.op == "avg":
         finish_average(out, comm.size)
 
@@ -173,9 +174,9 @@ def _ours_reduce(x, out, comm, s, in_place):
 def _native_reduce(x, out, comm, s, in_place):
     on_root = comm.rank == s.root
     if in_place and on_root:
-        comm.comm.Reduce(MPI.IN_PLACE, x, _MPI_OPS[s.op], root=s.root)
+        comm.comm.Reduce(MPI.IN_PLACE, x, MPI_OPS[s.op], root=s.root)
     else:
-        comm.comm.Reduce(x, out if on_root else None, _MPI_OPS[s.op], root=s.root)
+        comm.comm.Reduce(x, out if on_root else None, MPI_OPS[s.op], root=s.root)
     if s.op == "avg" and on_root:
         finish_average(x if in_place else out, comm.size)
 

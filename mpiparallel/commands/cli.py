@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 
 import click
 
-from . import __version__, launch
+from .. import __version__
+from . import launch
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
 REDUCTION_OPS = ("sum", "prod", "max", "min", "avg")
@@ -340,7 +341,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
     """
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)
-    from . import train as training
+    from .. import train as training
 
     settings = training.TrainSettings(**options, mesh=(("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
     ctx.exit(training.run(settings))
@@ -371,7 +372,7 @@ def generate(init: str, prompt: str | None, prompt_ids: str | None, new_tokens: 
         raise click.UsageError("give --prompt or --prompt-ids, not both")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     launch.limit_blas_threads(threads)
-    from . import train as training
+    from .. import train as training
 
     click.echo(training.generate(init, prompt, ids, new_tokens, temperature, top_k, seed))
 

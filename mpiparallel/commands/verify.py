@@ -35,8 +35,10 @@ from mpi4py import MPI
 
 import collectives
 from collectives import Communicator, backend, nccl
+from collectives.backend import to_host
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .devices import array_module, use_gpu
 from .launch import mpi_library
 
 Array = Any  # numpy.ndarray, or cupy.ndarray with --device gpu
@@ -157,46 +159,11 @@ def reference_for(name: str, comm: Communicator) -> Reference:
 
 # -- devices ------------------------------------------------------------------------------------------------
 
-def gpu_problem(comm: Communicator, need_nccl: bool) -> str | None:
-    """Why some rank cannot run on a GPU (or NCCL), the same answer on every rank; None when all can.
-
-    Collective: each rank asks its own machine, and all ranks then report the first problem found, so that
-    every rank stops together (a rank stopping alone would leave the others waiting).
-    """
-    mine = nccl.nccl_unavailable_reason() if need_nccl else backend.gpu_unavailable_reason()
-    reasons = comm.comm.allgather(mine)
-    problems = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
-    if not problems:
-        return None
-    rank, reason = problems[0]
-    return reason if len(set(reasons)) == 1 else f"rank {rank}: {reason}"
-
-
-def use_gpu(comm: Communicator, what: str, need_nccl: bool = False) -> int:
-    """Stop every rank with one ConfigError unless all can use a GPU; then bind each to its GPU (returned)."""
-    problem = gpu_problem(comm, need_nccl)
-    if problem is not None:
-        raise ConfigError(f"{what} needs {'NCCL on ' if need_nccl else ''}a GPU on every rank: {problem}")
-    return backend.bind_device(comm.comm)
-
-
 def resolve_device(against: str, device: str | None) -> str:
     """--device, defaulting to where the reference runs: the GPU for NCCL, the CPU for MPI."""
     if against == "nccl" and device == "cpu":
         raise ConfigError("verify --against nccl runs on GPU buffers only; leave out --device or pass --device gpu")
     return device or ("gpu" if against == "nccl" else "cpu")
-
-
-def array_module(device: str) -> Any:
-    """NumPy for --device cpu, CuPy for --device gpu."""
-    return np if device == "cpu" else backend.gpu_array_module()
-
-
-def to_host(result: Any) -> Any:
-    """A result with every GPU array copied to a NumPy array (tuples of all_to_allv included)."""
-    if isinstance(result, tuple):
-        return tuple(to_host(part) for part in result)
-    return result.get() if backend.is_device_array(result) else result
 
 
 # -- the cases ----------------------------------------------------------------------------------------------

@@ -1,0 +1,7 @@
+"""The `mpiparallel` command line and its subcommands.
+
+`cli` parses the arguments (click) and hands each command to its module: `bench` and `verify` here, `train`
+and `generate` to the training runtime one floor up (`mpiparallel.train`). `launch` starts the ranks (`-n N`
+relaunches under mpiexec) and gives every error one ending. The schedule, plan and trace commands will live
+here too. Importing this package starts neither MPI nor NumPy, so `mpiparallel --help` answers at once.
+"""
