@@ -19,7 +19,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TextIO
 
 import numpy as np
@@ -41,46 +41,105 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
-class TrainSettings:
-    """Every `mpiparallel train` option, after parsing (see the command's --help for their meaning)."""
+class ModelSettings:
+    """The model: its shape (or `init`, a Hugging Face directory to start from), seed, precision, device, and the
+    activation recomputation mode."""
 
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
     vocab_size: int = 256
     n_positions: int = 1024
-    seq_len: int = 128
-    batch_size: int = 8
-    steps: int = 200
-    lr: float = 1e-3
     seed: int = 0
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
     dtype: str = "float32"
     device: str = "cpu"
-    grad_clip: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    data: str | None = None
     init: str | None = None
-    save: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    eval_every: int = 0
-    eval_batches: int = 4
-    validation_fraction: float = 0.1
-    log_json: str | None = None
-    sample_tokens: int = 0
-    mesh: tuple[tuple[str, int | None], ...] = ()
+    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class MeshSettings:
+    """How the ranks share the work: the axis sizes (dp None: the ranks left over), sequence parallelism, the ZeRO
+    stage, microbatches per DP rank, and the gradient buckets."""
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
     zero: int = 0
     microbatches: int = 1
     bucket_mb: float = 25.0
     overlap: bool = True
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The update rule and the learning-rate schedule."""
+
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What is read: the token file, the batch shape, how many steps, and the held-out validation."""
+
+    data: str | None = None
+    seq_len: int = 128
+    batch_size: int = 8
+    steps: int = 200
+    eval_every: int = 0
+    eval_batches: int = 4
+    validation_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """What is written and printed: the final model, training checkpoints, the JSON log, reports, a sample."""
+
+    save: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    log_json: str | None = None
+    sample_tokens: int = 0
     show_mesh: bool = False
     memory_report: bool = False
-    sp: bool = False
-    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Every `mpiparallel train` option, after parsing, in groups (see the command's --help for their meaning)."""
+
+    model: ModelSettings = ModelSettings()
+    mesh: MeshSettings = MeshSettings()
+    optimizer: OptimizerSettings = OptimizerSettings()
+    data: DataSettings = DataSettings()
+    output: OutputSettings = OutputSettings()
+
+    @classmethod
+    def from_options(cls, **options: Any) -> TrainSettings:
+        """Settings from flat option names (the command line's: n_layer=…, zero=…), each put in its group."""
+        return cls().with_options(**options)
+
+    def with_options(self, **options: Any) -> TrainSettings:
+        """A copy with the given flat options changed; an unknown name is an error."""
+        groups: dict[str, dict[str, Any]] = {}
+        for name, value in options.items():
+            group = _GROUP_OF.get(name)
+            if group is None:
+                raise TypeError(f"TrainSettings has no option {name!r}")
+            groups.setdefault(group, {})[name] = value
+        return replace(self, **{group: replace(getattr(self, group), **values) for group, values in groups.items()})
+
+
+_GROUP_OF = {option.name: group.name for group in fields(TrainSettings) for option in fields(group.default)}
 
 
 def run(settings: TrainSettings) -> int:
@@ -90,42 +149,43 @@ def run(settings: TrainSettings) -> int:
     mesh = _build_mesh(settings, MPI.COMM_WORLD)
     xp = _array_library(settings, mesh)
     is_root = mesh.world.rank == 0
-    if settings.show_mesh and is_root:
+    if settings.output.show_mesh and is_root:
         print(mesh.describe(), flush=True)
     model, config = _build_model(settings, mesh, xp)
     tokens = _load_data(settings, config)
     _check_batch(settings, mesh)
     train_tokens, validation_tokens = _split(settings, tokens)
     optimizer_state, first_step = _resume(settings, model)
-    engine = DataParallel(model, mesh.dp, zero=settings.zero, bucket_mb=settings.bucket_mb,
-                          overlap=settings.overlap)
+    engine = DataParallel(model, mesh.dp, zero=settings.mesh.zero, bucket_mb=settings.mesh.bucket_mb,
+                          overlap=settings.mesh.overlap)
     optimizer = _build_optimizer(settings, engine.optimizer_parameters())
     trainer = Trainer(model, engine, optimizer, mesh, settings)
     if optimizer_state is not None:
         trainer.load_optimizer_state(optimizer_state)
     reporter = Reporter(settings, config, is_root=is_root)
-    if settings.device == "gpu":
+    if settings.model.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
-    for step in range(first_step, settings.steps):
+    for step in range(first_step, settings.data.steps):
         record = trainer.step(train_tokens, step)
-        if _due(step, settings.eval_every, settings.steps):
+        if _due(step, settings.data.eval_every, settings.data.steps):
             record["val_loss"] = trainer.evaluate(validation_tokens)
         reporter.step(record)
-        if settings.memory_report and step == first_step:
+        if settings.output.memory_report and step == first_step:
             reporter.say_from_every_rank(trainer.memory_report(), mesh.world)
-        if _due(step, settings.checkpoint_every, settings.steps) and settings.checkpoint_dir:
+        if _due(step, settings.output.checkpoint_every, settings.data.steps) and settings.output.checkpoint_dir:
             trainer.save_training_checkpoint(step + 1)
     reporter.finish()
-    full = trainer.full_model_tensors() if settings.save or settings.sample_tokens else None
-    if settings.save:
+    full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
+    if settings.output.save:
         if is_root:
-            checkpoint.save_pretrained(settings.save, config, full)
+            checkpoint.save_pretrained(settings.output.save, config, full)
         mesh.world.barrier()
-        reporter.say(f"saved the model to {settings.save}")
-    if settings.sample_tokens and config.vocab_size == 256 and is_root:
-        serial = GPT(config, dtype=np.dtype(settings.dtype))
+        reporter.say(f"saved the model to {settings.output.save}")
+    if settings.output.sample_tokens and config.vocab_size == 256 and is_root:
+        serial = GPT(config, dtype=np.dtype(settings.model.dtype))
         serial.load_state_dict(full)
-        reporter.say(sample_text(serial, prompt="The ", new_tokens=settings.sample_tokens, seed=settings.seed))
+        reporter.say(sample_text(serial, prompt="The ", new_tokens=settings.output.sample_tokens,
+                                 seed=settings.model.seed))
     return 0
 
 
@@ -143,8 +203,9 @@ class Trainer:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
         settings, engine, comm = self.settings, self.engine, self.mesh.dp
         start, sent_before = time.perf_counter(), self._bytes_sent()
-        inputs, targets = data.batch_for_step(tokens, step, settings.batch_size, settings.seq_len)
-        pieces = data.microbatches(*data.rows_for_rank(inputs, targets, comm.rank, comm.size), settings.microbatches)
+        inputs, targets = data.batch_for_step(tokens, step, settings.data.batch_size, settings.data.seq_len)
+        rows = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
+        pieces = data.microbatches(*rows, settings.mesh.microbatches)
         engine.zero_grad()
         loss = 0.0
         for i, (x, y) in enumerate(pieces):
@@ -159,7 +220,8 @@ class Trainer:
         # the data-parallel engine summed over dp; any other axis with partial gradients (tp under --sp) here
         reduce_partial_gradients(engine.optimizer_parameters(), {"tp": self.mesh.tp})
         grad_norm = self._clip_gradients()
-        lr = optim.learning_rate(step, settings.lr, settings.lr_schedule, settings.warmup_steps, settings.steps)
+        schedule = settings.optimizer
+        lr = optim.learning_rate(step, schedule.lr, schedule.lr_schedule, schedule.warmup_steps, settings.data.steps)
         self.optimizer.step(lr)
         engine.after_update()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
@@ -172,7 +234,7 @@ class Trainer:
         One all-reduce over every rank of Σ g² over the pieces this rank counts: by their placement, a piece
         sharded over an axis (tp shards, ZeRO segments) counts on every rank of it, a replica only once."""
         coordinates = asdict(self.mesh.coordinates)
-        return optim.clip_grad_norm(self.engine.optimizer_parameters(), self.settings.grad_clip,
+        return optim.clip_grad_norm(self.engine.optimizer_parameters(), self.settings.optimizer.grad_clip,
                                     lambda local: _sum_over(self.mesh.world, local),
                                     counts=lambda piece: counts_once(piece.placement, coordinates))
 
@@ -194,8 +256,8 @@ class Trainer:
     def evaluate(self, tokens: np.ndarray) -> float:
         """Mean loss over the first `eval_batches` held-out batches, each DP rank taking its rows (no update)."""
         settings, comm, losses = self.settings, self.mesh.dp, []
-        for i in range(settings.eval_batches):
-            inputs, targets = data.batch_for_step(tokens, i, settings.batch_size, settings.seq_len)
+        for i in range(settings.data.eval_batches):
+            inputs, targets = data.batch_for_step(tokens, i, settings.data.batch_size, settings.data.seq_len)
             x, y = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
             losses.append(_sum_over(comm, self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)[0]))
             self.engine.release_all()
@@ -209,8 +271,8 @@ class Trainer:
             if key in state:
                 state[key] = self._gather_over_model_axes(self.engine.gather_pieces(state[key]))
         if self.mesh.world.rank == 0:
-            checkpoint.save_training_checkpoint(self.settings.checkpoint_dir, steps_done, self.model.config,
-                                                tensors, state, {"settings": _jsonable(self.settings)})
+            checkpoint.save_training_checkpoint(self.settings.output.checkpoint_dir, steps_done, self.model.config,
+                                                tensors, state, {"settings": asdict(self.settings)})
         self.mesh.world.barrier()
 
     def load_optimizer_state(self, state: dict) -> None:
@@ -224,17 +286,17 @@ class Trainer:
     def memory_report(self) -> str:
         """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
         held = self.engine.memory(self.optimizer) | {"activations": self.activation_bytes}
-        n, itemsize = self.mesh.dp.size, np.dtype(self.settings.dtype).itemsize
+        n, itemsize = self.mesh.dp.size, np.dtype(self.settings.model.dtype).itemsize
         sizes = {"tp": self.mesh.tp.size}  # from the placements: this rank's shard of every parameter
         count = sum(math.prod(local_shape(p.full_shape, p.placement, sizes)) for p in self.model.parameters())
-        state_factor = 2 if self.settings.optimizer == "adamw" else 0
-        shards = {"parameters": n if self.settings.zero == 3 else 1,
-                  "gradients": n if self.settings.zero >= 2 else 1,
-                  "optimizer_state": n if self.settings.zero >= 1 else 1}
+        state_factor = 2 if self.settings.optimizer.optimizer == "adamw" else 0
+        shards = {"parameters": n if self.settings.mesh.zero == 3 else 1,
+                  "gradients": n if self.settings.mesh.zero >= 2 else 1,
+                  "optimizer_state": n if self.settings.mesh.zero >= 1 else 1}
         theory = {"parameters": count * itemsize / shards["parameters"],
                   "gradients": count * itemsize / shards["gradients"],
                   "optimizer_state": state_factor * count * itemsize / shards["optimizer_state"]}
-        lines = [f"rank {self.mesh.world.rank} (zero {self.settings.zero}, dp {n}, {self.settings.dtype}): "
+        lines = [f"rank {self.mesh.world.rank} (zero {self.settings.mesh.zero}, dp {n}, {self.settings.model.dtype}): "
                  f"{count:,} parameters; mixed precision would need 16·N = {16 * count / 2**20:.1f} MiB "
                  f"before ZeRO"]
         for kind, measured in held.items():
@@ -245,16 +307,16 @@ class Trainer:
                      f"{sum(theory.values()) / 2**20:10.2f} MiB")
         lines.append(f"  {'one block':<16} {self.block_activation_bytes / 2**20:10.2f} MiB saved  formula "
                      f"{self._block_activation_formula() / 2**20:10.2f} MiB (per microbatch, --recompute "
-                     f"{self.settings.recompute})")
+                     f"{self.settings.model.recompute})")
         return "\n".join(lines)
 
     def _block_activation_formula(self) -> int:
         """`models.layers.block_activation_elements` for this run's microbatch, in bytes."""
         settings, config = self.settings, self.model.config
-        rows = settings.batch_size // (self.mesh.dp.size * settings.microbatches)
-        return np.dtype(settings.dtype).itemsize * block_activation_elements(
-            rows, settings.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.sp,
-            settings.recompute, self.model.query_block)
+        rows = settings.data.batch_size // (self.mesh.dp.size * settings.mesh.microbatches)
+        return np.dtype(settings.model.dtype).itemsize * block_activation_elements(
+            rows, settings.data.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.mesh.sp,
+            settings.model.recompute, self.model.query_block)
 
     def _bytes_sent(self) -> dict[str, int]:
         return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
@@ -276,28 +338,29 @@ def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature
 # -- setting up ---------------------------------------------------------------------------------------------
 
 def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
-    shape = MeshShape(**dict(settings.mesh))
+    layout = settings.mesh
+    shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
     mesh = Mesh(world, shape)
     not_yet = {axis: getattr(mesh.shape, axis) for axis in ("pp", "cp", "ep") if getattr(mesh.shape, axis) > 1}
     if not_yet:
         shown = ", ".join(f"--{axis} {size}" for axis, size in not_yet.items())
         raise ConfigError(f"{shown}: only data and tensor parallelism (--dp, --tp, --sp) are available in this "
                           f"version; pipeline, context and expert parallelism arrive with their own issues")
-    if settings.sp and mesh.shape.tp == 1:
+    if settings.mesh.sp and mesh.shape.tp == 1:
         raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")
     return mesh
 
 
 def _check_batch(settings: TrainSettings, mesh: Mesh) -> None:
-    share = mesh.shape.dp * settings.microbatches
-    if settings.batch_size % share:
-        raise ConfigError(f"--batch-size {settings.batch_size} must be divisible by dp × microbatches = "
-                          f"{mesh.shape.dp} × {settings.microbatches} = {share}")
+    share = mesh.shape.dp * settings.mesh.microbatches
+    if settings.data.batch_size % share:
+        raise ConfigError(f"--batch-size {settings.data.batch_size} must be divisible by dp × microbatches = "
+                          f"{mesh.shape.dp} × {settings.mesh.microbatches} = {share}")
 
 
 def _array_library(settings: TrainSettings, mesh: Mesh) -> Any:
     """NumPy, or CuPy with this rank bound to a GPU of its machine (--device gpu)."""
-    if settings.device == "cpu":
+    if settings.model.device == "cpu":
         return np
     reason = backend.gpu_unavailable_reason()
     if reason is not None:
@@ -308,70 +371,73 @@ def _array_library(settings: TrainSettings, mesh: Mesh) -> Any:
 
 def _build_model(settings: TrainSettings, mesh: Mesh, xp: Any = np) -> tuple[Any, GPTConfig]:
     """The serial GPT, or with --tp > 1 its tensor-parallel version (this rank's shards of the same weights)."""
-    dtype = np.dtype(settings.dtype)
+    dtype = np.dtype(settings.model.dtype)
     tensors = None
-    if settings.init:
-        config, tensors, _ = checkpoint.load_pretrained(settings.init)
+    if settings.model.init:
+        config, tensors, _ = checkpoint.load_pretrained(settings.model.init)
     else:
         try:
-            config = GPTConfig(vocab_size=settings.vocab_size, n_positions=max(settings.n_positions, settings.seq_len),
-                               n_embd=settings.n_embd, n_layer=settings.n_layer, n_head=settings.n_head)
+            shape = settings.model
+            config = GPTConfig(vocab_size=shape.vocab_size, n_positions=max(shape.n_positions, settings.data.seq_len),
+                               n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if settings.seq_len > config.n_positions:
-        raise ConfigError(f"--seq-len {settings.seq_len} exceeds the model's n_positions ({config.n_positions})")
+    if settings.data.seq_len > config.n_positions:
+        raise ConfigError(f"--seq-len {settings.data.seq_len} exceeds the model's n_positions ({config.n_positions})")
     tp = mesh.shape.tp
-    if settings.sp and settings.seq_len % tp:
+    if settings.mesh.sp and settings.data.seq_len % tp:
         raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
-                          f"{settings.seq_len} must be divisible by {tp}")
+                          f"{settings.data.seq_len} must be divisible by {tp}")
     if tp == 1:
-        model = GPT(config, seed=settings.seed, dtype=dtype, xp=xp, recompute=settings.recompute)
+        model = GPT(config, seed=settings.model.seed, dtype=dtype, xp=xp, recompute=settings.model.recompute)
     else:
         try:
             check_tensor_parallel_shape(config, tp)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        model = TensorParallelGPT(config, mesh.tp, seed=settings.seed, dtype=dtype, sequence_parallel=settings.sp,
-                                  xp=xp, recompute=settings.recompute)
+        model = TensorParallelGPT(config, mesh.tp, seed=settings.model.seed, dtype=dtype,
+                                  sequence_parallel=settings.mesh.sp,
+                                  xp=xp, recompute=settings.model.recompute)
     if tensors is not None:
         model.load_state_dict(tensors)
     return model, config
 
 
 def _load_data(settings: TrainSettings, config: GPTConfig) -> np.ndarray:
-    tokens = data.load_tokens(settings.data)
+    tokens = data.load_tokens(settings.data.data)
     data.check_vocab(tokens, config.vocab_size)
     return tokens.tokens
 
 
 def _split(settings: TrainSettings, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Hold out the last `validation_fraction` of the tokens when validation is asked for."""
-    if not settings.eval_every:
+    if not settings.data.eval_every:
         return tokens, None
-    train_tokens, validation_tokens = data.split_train_validation(tokens, settings.validation_fraction)
-    needed = settings.batch_size * settings.seq_len + 1
+    train_tokens, validation_tokens = data.split_train_validation(tokens, settings.data.validation_fraction)
+    needed = settings.data.batch_size * settings.data.seq_len + 1
     if len(validation_tokens) < needed:
-        raise ConfigError(f"the held-out {settings.validation_fraction:.0%} of the data has {len(validation_tokens)} "
+        raise ConfigError(f"the held-out {settings.data.validation_fraction:.0%} of the data has "
+                          f"{len(validation_tokens)} "
                           f"tokens; one validation batch needs {needed}. Use more data or a larger "
                           f"--validation-fraction, or leave out --eval-every")
     return train_tokens, validation_tokens
 
 
 def _build_optimizer(settings: TrainSettings, params: list) -> Any:
-    if settings.optimizer == "sgd":
-        return optim.SGD(params, lr=settings.lr)
-    return optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    if settings.optimizer.optimizer == "sgd":
+        return optim.SGD(params, lr=settings.optimizer.lr)
+    return optim.AdamW(params, lr=settings.optimizer.lr, weight_decay=settings.optimizer.weight_decay)
 
 
 def _resume(settings: TrainSettings, model: GPT) -> tuple[dict | None, int]:
     """Load the newest training checkpoint into `model` when --resume is given.
 
     Returns the optimizer state to restore (None when starting fresh) and the first step to run."""
-    if not settings.resume:
+    if not settings.output.resume:
         return None, 0
-    if not settings.checkpoint_dir:
+    if not settings.output.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir (where the training checkpoints are)")
-    latest = checkpoint.latest_training_checkpoint(settings.checkpoint_dir)
+    latest = checkpoint.latest_training_checkpoint(settings.output.checkpoint_dir)
     if latest is None:
         return None, 0  # nothing saved yet: start from the beginning, as a restarted job would want
     config, tensors, optimizer_state, trainer_state = checkpoint.load_training_checkpoint(latest)
@@ -386,10 +452,6 @@ def _due(step: int, every: int, steps: int) -> bool:
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
 
 
-def _jsonable(settings: TrainSettings) -> dict:
-    return {key: value for key, value in vars(settings).items() if key != "mesh"}
-
-
 # -- reporting ----------------------------------------------------------------------------------------------
 
 class Reporter:
@@ -399,12 +461,13 @@ class Reporter:
                  stream: TextIO = sys.stdout) -> None:
         self.settings, self.is_root, self.stream = settings, is_root, stream
         self.interactive = is_root and stream.isatty()
-        self.log = open(settings.log_json, "a" if settings.resume else "w") if is_root and settings.log_json else None
-        self.every = max(1, settings.steps // 20)
+        output = settings.output
+        self.log = open(output.log_json, "a" if output.resume else "w") if is_root and output.log_json else None
+        self.every = max(1, settings.data.steps // 20)
         if is_root:
             self.say(f"GPT-2 {config.n_layer} layers, {config.n_embd} channels, {config.n_head} heads, vocab "
                      f"{config.vocab_size}: {config.parameter_count() / 1e6:.2f} M parameters; "
-                     f"{settings.batch_size}×{settings.seq_len} tokens per step, {settings.dtype}")
+                     f"{settings.data.batch_size}×{settings.data.seq_len} tokens per step, {settings.model.dtype}")
 
     def step(self, record: dict) -> None:
         if not self.is_root:
@@ -413,7 +476,7 @@ class Reporter:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
         step = record["step"]
-        line = (f"step {step + 1:>5}/{self.settings.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        line = (f"step {step + 1:>5}/{self.settings.data.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"{record['tokens'] / record['time_s']:,.0f} tok/s")
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
@@ -421,7 +484,7 @@ class Reporter:
             end = "\n" if "val_loss" in record else ""
             self.stream.write(f"\r{line}\033[K{end}")
             self.stream.flush()
-        elif (step + 1) % self.every == 0 or step == 0 or "val_loss" in record or step + 1 == self.settings.steps:
+        elif (step + 1) % self.every == 0 or step == 0 or "val_loss" in record or step + 1 == self.settings.data.steps:
             self.say(line)
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"the loss became {record['loss']} at step {step}; try a smaller --lr")

@@ -134,6 +134,32 @@ def test_resume_on_a_parallel_mesh_is_bitwise(tmp_path, mesh):
         np.testing.assert_array_equal(a[name], b[name])
 
 
+@pytest.mark.parametrize("mesh", [[], ["-n", "2", "--zero", "3"], ["-n", "2", "--tp", "2", "--sp"]],
+                         ids=["serial", "dp2-zero3", "tp2-sp"])
+def test_recomputation_trains_the_same_numbers_with_the_formulas_activation_bytes(tmp_path, mesh):
+    common = [*TINY, *mesh, "--steps", "2", "--dtype", "float64", "--grad-clip", "0.5", "--memory-report"]
+    saved_per_block = {}
+    for mode in ("none", "selective", "full"):
+        run = mpiparallel("train", *common, "--recompute", mode, "--log-json", str(tmp_path / f"{mode}.jsonl"),
+                          "--save", str(tmp_path / mode))
+        assert run.returncode == 0, run.stderr
+        blocks = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("one block")]
+        assert len(blocks) == max(1, int(mesh[1]) if mesh else 1)  # one line per rank
+        for words in blocks:  # "one block X MiB saved formula Y MiB (…)": measured equals the formula
+            assert words[2] == words[6] and float(words[2]) > 0, words
+        saved_per_block[mode] = float(blocks[0][2])
+    assert saved_per_block["full"] < saved_per_block["selective"] < saved_per_block["none"]
+    from mpiparallel import checkpoint
+
+    _, want, _ = checkpoint.load_pretrained(tmp_path / "none")
+    for mode in ("selective", "full"):
+        for a, b in zip(read_log(tmp_path / "none.jsonl"), read_log(tmp_path / f"{mode}.jsonl"), strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-12)
+        _, got, _ = checkpoint.load_pretrained(tmp_path / mode)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-15)
+
+
 def _assert_one_clear_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
     assert result.returncode != 0
     output = result.stdout + result.stderr

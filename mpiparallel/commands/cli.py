@@ -318,6 +318,10 @@ def threads_option(command: Callable) -> Callable:
               help="Size of the gradient buckets reduced during backward, in MiB.")
 @click.option("--no-overlap", "overlap", flag_value=False, default=True,
               help="Reduce gradients only after backward (to measure what overlap saves).")
+@click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
+              help="Activation recomputation (the same numbers, less memory, more compute): selective keeps no "
+                   "attention probabilities and recomputes them in backward (no term in seq²); full keeps only "
+                   "each block's input and reruns its forward in backward. --memory-report shows the bytes.")
 @click.option("--show-mesh", is_flag=True, help="Print which world rank holds which mesh coordinates.")
 @click.option("--memory-report", is_flag=True,
               help="Print the bytes each rank holds in parameters, gradients, optimizer state and activations.")
@@ -343,7 +347,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
     launch.limit_blas_threads(threads)
     from .. import train as training
 
-    settings = training.TrainSettings(**options, mesh=(("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
+    settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     ctx.exit(training.run(settings))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -69,12 +69,12 @@ def training_on_device(runs: list[dict], steps: int) -> list[dict]:
     install()
     results = []
     for options in runs:
-        mesh = tuple(options.pop("mesh").items())
-        base = train.TrainSettings(n_layer=2, n_head=2, n_embd=16, seq_len=16, batch_size=4, steps=steps,
-                                   dtype="float64", lr=1e-2, mesh=mesh, **options)
-        cpu, gpu = _train(train, base), _train(train, replace(base, device="gpu"))
+        mesh = options.pop("mesh")
+        base = train.TrainSettings.from_options(n_layer=2, n_head=2, n_embd=16, seq_len=16, batch_size=4,
+                                                steps=steps, dtype="float64", lr=1e-2, **mesh, **options)
+        cpu, gpu = _train(train, base), _train(train, base.with_options(device="gpu"))
         if gpu is not None:
-            results.append({"options": {**options, "mesh": dict(mesh)}, "cpu_losses": cpu[0], "gpu_losses": gpu[0],
+            results.append({"options": {**options, "mesh": mesh}, "cpu_losses": cpu[0], "gpu_losses": gpu[0],
                             "weights_max_relative_difference": _max_relative_difference(cpu[1], gpu[1]),
                             "weights_on_device_saved": sorted(gpu[1]) == sorted(cpu[1])})
     return results  # filled on rank 0 only
@@ -85,7 +85,7 @@ def _train(train, settings) -> tuple[list[float], dict] | None:
     world = MPI.COMM_WORLD
     directory = world.bcast(tempfile.mkdtemp(prefix="device-check-") if world.rank == 0 else None)
     log, saved = Path(directory) / "log.jsonl", Path(directory) / "model"
-    train.run(replace(settings, log_json=str(log), save=str(saved)))
+    train.run(settings.with_options(log_json=str(log), save=str(saved)))
     if world.rank != 0:
         return None
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
