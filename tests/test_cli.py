@@ -57,6 +57,47 @@ def table_rows(output: str) -> list[list[str]]:
     return [line.split() for line in output.splitlines() if line.strip() and not line.startswith("#")]
 
 
+def bus_factor(collective: str, ranks: int) -> float:
+    """nccl-tests' bus bandwidth / algorithm bandwidth (its PERFORMANCE.md), written out here independently."""
+    if collective == "all_reduce":
+        return 2 * (ranks - 1) / ranks
+    if collective in ("reduce_scatter", "all_gather", "alltoall"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def rounding(cell: str) -> float:
+    """The most that printing moved a number: half a unit of the cell's last decimal."""
+    return 0.5 * 10.0 ** -len(cell.partition(".")[2])
+
+
+LEFT_CELLS = 5  # size, count, type, redop, root; then time, algbw, busbw, #wrong (+ 2 with --compare) per mode
+
+
+def assert_printed_bandwidths_follow_nccl_tests(row: list[str], factor: float, mode_cells: int = 4) -> None:
+    """algbw = size / time and busbw = algbw × factor in both modes of a printed row, within print rounding
+    (size in bytes, time in µs, bandwidths in GB/s = bytes/ns)."""
+    size = int(row[0])
+    for first in (LEFT_CELLS, LEFT_CELLS + mode_cells):
+        time_cell, algbw_cell, busbw_cell = row[first:first + 3]
+        time_us, algbw, busbw = float(time_cell), float(algbw_cell), float(busbw_cell)
+        assert time_us > rounding(time_cell), row
+        slowest, fastest = time_us + rounding(time_cell), time_us - rounding(time_cell)
+        slack = rounding(algbw_cell) + 1e-9
+        assert size / (slowest * 1e3) - slack <= algbw <= size / (fastest * 1e3) + slack, row
+        assert abs(busbw - factor * algbw) <= rounding(busbw_cell) + factor * rounding(algbw_cell) + 1e-9, row
+
+
+def assert_json_bandwidths_follow_nccl_tests(document: dict, factor: float) -> None:
+    """The same relations at full precision, in --json's rows."""
+    assert document["rows"]
+    for row in document["rows"]:
+        for mode in ("out_of_place", "in_place"):
+            measured = row[mode]
+            assert measured["algbw"] == pytest.approx(row["size"] / (measured["time_us"] * 1e3), rel=1e-12)
+            assert measured["busbw"] == pytest.approx(measured["algbw"] * factor, rel=1e-12)
+
+
 # -- help and pure helpers ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("subcommand", [[], ["bench"], ["verify"]])
@@ -64,17 +105,22 @@ def test_every_command_has_help(run, subcommand):
     status, out, err, _ = run(*PROGRAM, *subcommand, "--help", timeout=30)
     assert status == 0, err
     assert out.startswith("Usage: mpiparallel")
-    assert "-n, --np N" in out or not subcommand
+    if subcommand:
+        assert "-n, --np N" in out
+    else:
+        commands = out.partition("\nCommands:\n")[2].split()
+        assert {"bench", "generate", "train", "verify"} <= set(commands)
 
 
 def test_console_script_help_and_cli_import_do_not_start_mpi(run):
-    script = shutil.which("mpiparallel", path=str(Path(sys.executable).parent)) or shutil.which("mpiparallel")
-    if script is not None:
-        status, out, _, _ = run(script, "--help", timeout=30)
-        assert status == 0 and "bench" in out and "verify" in out
     status, out, _, _ = run(sys.executable, "-c",
                             "import sys, mpiparallel.commands.cli; print('mpi4py' in sys.modules)", timeout=30)
     assert (status, out.strip()) == (0, "False")
+    script = shutil.which("mpiparallel", path=str(Path(sys.executable).parent)) or shutil.which("mpiparallel")
+    if script is None:
+        pytest.skip("no mpiparallel console script on PATH or beside the interpreter: pip install -e .")
+    status, out, _, _ = run(script, "--help", timeout=30)
+    assert status == 0 and "bench" in out and "verify" in out
 
 
 @pytest.mark.parametrize("text, expected", [("8", 8), ("64K", 64 << 10), ("1M", 1 << 20), ("2g", 2 << 30),
@@ -125,6 +171,7 @@ def test_bench_all_reduce_prints_the_nccl_tests_table_and_json(run, tmp_path):
         time_us, algbw, busbw = (float(cell) for cell in timed[:3])
         assert time_us > 0 and busbw == pytest.approx(algbw, abs=0.01)  # 2(n-1)/n = 1 on two ranks
         assert timed[3] == timed[7] == "0"  # #wrong, out-of-place and in-place
+        assert_printed_bandwidths_follow_nccl_tests([size, count, dtype, redop, root, *timed], 1.0)
     assert "# Out of bounds values : 0 OK" in out
     assert re.search(r"# Avg bus bandwidth\s+: [0-9.e+-]+", out)
 
@@ -133,18 +180,35 @@ def test_bench_all_reduce_prints_the_nccl_tests_table_and_json(run, tmp_path):
         ("all_reduce", 2, "float", "sum")
     assert document["mpi_library"] and document["wrong"] == 0
     assert [row["size"] for row in document["rows"]] == [8 << k for k in range(14)]
-    assert all(row["out_of_place"]["busbw"] >= 0 and row["in_place"]["wrong"] == 0 for row in document["rows"])
+    assert all(row["out_of_place"]["wrong"] == row["in_place"]["wrong"] == 0 for row in document["rows"])
+    assert_json_bandwidths_follow_nccl_tests(document, 1.0)
 
 
-def test_bench_compare_mpi_adds_the_libraries_bandwidth_and_the_ratio(run):
+def test_bench_compare_mpi_adds_the_libraries_bandwidth_and_the_ratio(run, tmp_path):
+    json_path = tmp_path / "bench.json"
     status, out, err, _ = run(*PROGRAM, "bench", "all_reduce", "-n", "2", "-e", "4K", "--iters", "2", "-w", "1",
-                              "--compare", "mpi", "--algo", "ring", timeout=60)
+                              "--compare", "mpi", "--algo", "ring", "--json", str(json_path), timeout=60)
     assert status == 0, out + err
     assert "mpi-bw" in out and "vs-mpi" in out
     rows = table_rows(out)
     assert len(rows) == 10 and all(len(row) == 18 for row in rows)
-    assert all(float(row[10]) >= 0 and row[-1] == "ring" for row in rows)  # a vs-mpi ratio; the forced algo
+    assert all(row[-1] == "ring" for row in rows)  # the forced algo
+    for row in rows:
+        assert_printed_bandwidths_follow_nccl_tests(row, 1.0, mode_cells=6)
+        for first in (LEFT_CELLS, LEFT_CELLS + 6):  # vs-mpi = MPI's time / ours, so mpi-bw × vs-mpi = busbw
+            busbw, mpi_bw, vs_mpi = row[first + 2], row[first + 4], row[first + 5]
+            slack = (rounding(busbw) + rounding(mpi_bw) * (float(vs_mpi) + rounding(vs_mpi))
+                     + float(mpi_bw) * rounding(vs_mpi) + 1e-9)
+            assert abs(float(mpi_bw) * float(vs_mpi) - float(busbw)) <= slack, row
     assert "# Avg bus bandwidth of MPI" in out
+
+    document = json.loads(json_path.read_text())
+    assert_json_bandwidths_follow_nccl_tests(document, 1.0)
+    for row in document["rows"]:
+        for mode in ("out_of_place", "in_place"):
+            measured = row[mode]
+            assert measured["vs_mpi"] == pytest.approx(measured["mpi_time_us"] / measured["time_us"], rel=1e-12)
+            assert measured["mpi_busbw"] == pytest.approx(row["size"] / (measured["mpi_time_us"] * 1e3), rel=1e-12)
 
 
 @pytest.mark.parametrize("collective, options", [
@@ -155,12 +219,32 @@ def test_bench_compare_mpi_adds_the_libraries_bandwidth_and_the_ratio(run):
     ("reduce", ["--root", "1", "-o", "avg"]),
     ("sendrecv", ["-d", "int32"]),
 ])
-def test_bench_every_collective_checks_out_on_two_ranks(run, collective, options):
+def test_bench_every_collective_checks_out_on_two_ranks(run, tmp_path, collective, options):
+    json_path = tmp_path / "bench.json"
     status, out, err, _ = run(*PROGRAM, "bench", collective, "-n", "2", "-b", "8", "-e", "4K", "--iters", "2",
-                              "-w", "1", *options, timeout=60)
+                              "-w", "1", *options, "--json", str(json_path), timeout=60)
     assert status == 0, out + err
     assert "# Out of bounds values : 0 OK" in out
     assert len(table_rows(out)) == 10
+    for row in table_rows(out):
+        assert_printed_bandwidths_follow_nccl_tests(row, bus_factor(collective, 2))
+    assert_json_bandwidths_follow_nccl_tests(json.loads(json_path.read_text()), bus_factor(collective, 2))
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_bench_busbw_is_algbw_times_the_nccl_tests_factor_on_three_ranks(run, tmp_path, collective):
+    """On 3 ranks the factors differ: 4/3 for all_reduce, 2/3 for reduce_scatter (both 1 or 1/2 on 2 ranks)."""
+    json_path = tmp_path / "bench.json"
+    status, out, err, _ = run(*PROGRAM, "bench", collective, "-n", "3", "-b", "3K", "-e", "48K", "--iters", "2",
+                              "-w", "1", "--json", str(json_path), timeout=60)
+    assert status == 0, out + err
+    rows = table_rows(out)
+    assert [int(row[0]) for row in rows] == [3072 << k for k in range(5)]
+    for row in rows:
+        assert_printed_bandwidths_follow_nccl_tests(row, bus_factor(collective, 3))
+    document = json.loads(json_path.read_text())
+    assert document["ranks"] == 3
+    assert_json_bandwidths_follow_nccl_tests(document, bus_factor(collective, 3))
 
 
 def test_bench_sizes_follow_nccl_tests_for_gathers(run):

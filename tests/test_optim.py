@@ -137,7 +137,9 @@ def test_pure_update_functions_leave_the_gradient_alone_and_reuse_scratch():
 
 
 def test_adamw_equals_torch_adamw():
-    torch = pytest.importorskip("torch", reason="torch is optional; the reference test above covers the formula")
+    torch = pytest.importorskip("torch", reason="torch is optional (pip install -e '.[interop]'); the reference "
+                                "test above covers the formula")
+    torch.set_num_threads(1)  # tiny tensors are no faster on more threads; they would take cores from other work
     params = make_params()
     torch_params = [torch.nn.Parameter(torch.tensor(p.data.copy())) for p in params]
     decayed = [tp for p, tp in zip(params, torch_params, strict=True) if p.data.ndim >= 2]

@@ -54,6 +54,17 @@ def error_messages(attempts: dict) -> dict[str, str]:
     return messages
 
 
+def _same_memory(a, b) -> bool:
+    """Whether two arrays' address ranges overlap: exact for the contiguous arrays these checks make.
+
+    NumPy's and the CuPy double's arrays are ndarrays; anything else is real CuPy."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    import cupy
+
+    return bool(cupy.may_share_memory(a, b))
+
+
 class Failures(list):
     def expect_equal(self, got: np.ndarray | None, want: np.ndarray | None, what: str) -> None:
         got, want = _host(got), _host(want)
@@ -66,6 +77,25 @@ class Failures(list):
         elif not np.array_equal(got, want):
             wrong = int(np.count_nonzero(got != want))
             self.append(f"{what}: {wrong} of {want.size} elements differ")
+
+    def expect_copy(self, got, source, what: str) -> None:
+        """`got` equals `source` in values, shape and dtype, and is a new array that shares none of its memory."""
+        self.expect_equal(got, source, what)
+        if got is source or (got is not None and _same_memory(got, source)):
+            self.append(f"{what}: returned its input's memory, not a new array")
+
+
+def _expect_copies_sending_nothing(comm: C.Communicator, cases: list, tag: str, failures: Failures) -> None:
+    """On one rank, for each (collective, algorithms, call(algo), source): every algorithm's call returns a copy
+    of `source` and the ledger records no byte sent or received."""
+    for name, algorithms, call, source in cases:
+        for algo in algorithms:
+            what = f"one rank: {name} {algo} {tag}"
+            comm.ledger.reset()
+            failures.expect_copy(call(algo), source, what)
+            sent, received = comm.ledger.total_sent(), comm.ledger.total_received()
+            if sent or received:
+                failures.append(f"{what}: sent {sent} and received {received} bytes ({comm.ledger.as_dict()})")
 
 
 def check_against_native(sizes: list[int], dtypes: list[str] | None = None, ops: list[str] | None = None,
@@ -123,8 +153,27 @@ def _check_reductions(comm: C.Communicator, rng: np.random.Generator, count: int
         for root in roots:
             failures.expect_equal(C.reduce(x, comm, root, op, algo), want_reduce[root],
                                   f"reduce {algo} root={root} {tag}")
+    if n == 1:
+        _check_reductions_of_one_contribution(comm, x, blocks, op, tag, failures)
     _unchanged(x, original_x, f"reduction {tag}", failures)
     _unchanged(blocks, original_blocks, f"reduce_scatter {tag}", failures)
+
+
+def _check_reductions_of_one_contribution(comm: C.Communicator, x, blocks, op: str, tag: str,
+                                          failures: Failures) -> None:
+    """On one rank, with every algorithm ("mpi" and "auto" included), a reduction returns a copy of the only
+    contribution, whatever the op (an average over one rank is the value itself), and sends nothing. The
+    comparisons with algo="mpi" cannot show this: on one rank both sides take the same local path."""
+    _expect_copies_sending_nothing(comm, [
+        ("all_reduce", C.algorithms("all_reduce"), lambda algo: C.all_reduce(x, comm, op, algo), x),
+        ("reduce_scatter", C.algorithms("reduce_scatter"), lambda algo: C.reduce_scatter(blocks, comm, op, algo),
+         blocks),
+        ("reduce", C.algorithms("reduce"), lambda algo: C.reduce(x, comm, 0, op, algo), x),
+        ("all_reduce_async", _hand_written("all_reduce"), lambda algo: C.all_reduce_async(x, comm, op, algo).wait(),
+         x),
+        ("reduce_scatter_async", _hand_written("reduce_scatter"),
+         lambda algo: C.reduce_scatter_async(blocks, comm, op, algo).wait(), blocks),
+    ], tag, failures)
 
 
 def _check_data_movement(comm: C.Communicator, rng: np.random.Generator, count: int, dtype: np.dtype,
@@ -150,6 +199,29 @@ def _check_data_movement(comm: C.Communicator, rng: np.random.Generator, count: 
     failures.expect_equal(got_rows, want_rows, f"all_to_allv {tag}")
     if got_counts != want_counts:
         failures.append(f"all_to_allv {tag}: recv_counts {got_counts} != {want_counts}")
+    if n == 1:
+        _check_data_movement_on_one_rank(comm, x, blocks, rows, tag, failures)
+
+
+def _check_data_movement_on_one_rank(comm: C.Communicator, x, blocks, rows, tag: str, failures: Failures) -> None:
+    """On one rank, with every algorithm ("mpi" and "auto" included), moving data returns a copy of the input
+    (the rank's own blocks, gathered from and sent to itself) and sends nothing."""
+    received_counts = {}
+
+    def all_to_allv(algo):
+        got_rows, received_counts[algo] = C.all_to_allv(rows, [rows.shape[0]], comm, algo)
+        return got_rows
+
+    _expect_copies_sending_nothing(comm, [
+        ("all_gather", C.algorithms("all_gather"), lambda algo: C.all_gather(x, comm, algo), x),
+        ("all_gather_async", _hand_written("all_gather"), lambda algo: C.all_gather_async(x, comm, algo).wait(), x),
+        ("all_to_all", C.algorithms("all_to_all"), lambda algo: C.all_to_all(blocks, comm, algo), blocks),
+        ("broadcast", C.algorithms("broadcast"), lambda algo: C.broadcast(x, comm, 0, algo), x),
+        ("all_to_allv", C.algorithms("all_to_allv"), all_to_allv, rows),
+    ], tag, failures)
+    for algo, counts in received_counts.items():
+        if counts != [rows.shape[0]]:
+            failures.append(f"one rank: all_to_allv {algo} {tag}: recv_counts {counts} != [{rows.shape[0]}]")
 
 
 def check_multidimensional(seed: int = 0) -> list[str]:
@@ -286,6 +358,12 @@ def check_point_to_point_and_split() -> list[str]:
     failures.expect_equal(inbox, np.full(3, left, np.int64), "isend/irecv")
     if comm.ledger.sent["p2p"] < 5 * 2 + 3 * 8:
         failures.append(f"p2p ledger recorded {comm.ledger.sent['p2p']} bytes sent")
+    sendrecv_and_isend = 5 * 2 + 3 * 8  # float16 and int64 elements; send/recv adds 5 * 2 on even/odd ranks
+    want_sent = sendrecv_and_isend + (5 * 2 if rank % 2 == 0 and right != rank else 0)
+    want_received = sendrecv_and_isend + (5 * 2 if rank % 2 == 1 else 0)
+    if (comm.ledger.total_sent(), comm.ledger.total_received()) != (want_sent, want_received):
+        failures.append(f"ledger recorded {comm.ledger.total_sent()} bytes sent, {comm.ledger.total_received()} "
+                        f"received; want {want_sent}, {want_received}: {comm.ledger.as_dict()}")
     halves = comm.split(color=rank % 2, key=rank)
     total = C.all_reduce(np.array([rank], np.int64), halves)
     failures.expect_equal(total, np.array([sum(range(rank % 2, n, 2))], np.int64), "all_reduce on split")
