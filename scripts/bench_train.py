@@ -18,7 +18,8 @@ nothing but full-rate matrix products.
     python3 scripts/bench_train.py                         # GPT-2 4 layers, 256 wide, T=128, B=8, byte vocab
     python3 scripts/bench_train.py --layers 2 --steps 10 --profile
 
-torch is only needed for the comparison (`pip install -e '.[interop]'`: the pinned CPU build); without it the script reports ours alone.
+torch is only needed for the comparison (`pip install -e '.[interop]'`: the pinned CPU build); without it the
+script reports ours alone.
 
 On a GPU (`--device gpu`, needs CuPy; torch on CUDA for the comparison) the same step runs on CuPy arrays against
 PyTorch eager on the same GPU, both in float32 with full-precision matrix products unless `--tf32`, and the
