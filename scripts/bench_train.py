@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from collectives.backend import to_host  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.layers import QUERY_BLOCK, RECOMPUTE_MODES  # noqa: E402
+from mpiparallel.commands.launch import keep_freed_memory  # noqa: E402
 
 try:
     import torch
@@ -334,8 +335,8 @@ class LayerProfile:
 
     def attach(self, model: GPT) -> None:
         self.wrap(model.embedding, "embedding")
-        self.wrap(model.ln_f, "layernorm")
-        self.wrap(model.head, "lm head + cross-entropy")
+        self.wrap(model.head.ln_f, "layernorm")
+        self.wrap(model.head.loss, "lm head + cross-entropy")
         for block in model.blocks:
             self.wrap(block, "residual adds")
             for ln in (block.ln_1, block.ln_2):
@@ -391,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak for MFU [default: looked up by GPU name for float32 or TF32]")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as `mpiparallel train` does; torch allocates through the same malloc
     for name, value in PRESETS.get(args.preset, {}).items():
         setattr(args, name, value)
     if args.tf32:

@@ -251,3 +251,28 @@ def test_tensor_parallel_shape_errors_are_clear():
     _assert_one_clear_error(mpiparallel("train", *TINY[:-4], "--seq-len", "31", "--batch-size", "4", "--steps", "1",
                                         "-n", "2", "--tp", "2", "--sp"), "--seq-len 31 must be divisible by 2")
     _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--sp"), "--tp > 1")
+
+
+FREE_AND_REFAULT = """
+import resource, sys
+import numpy as np
+from mpiparallel.commands.launch import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+def step():  # a step's saved activations, freed together when its backward has run
+    saved = [np.ones(1 << 20) for _ in range(8)]
+    del saved
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_activations_are_reused_without_page_faults_when_malloc_keeps_them():
+    faults = {mode: int(run_with_timeout([sys.executable, "-c", FREE_AND_REFAULT, mode], 60).stdout)
+              for mode in ("plain", "keep")}
+    assert faults["plain"] > 10 * (8 << 20) // 4096  # glibc hands pages back and faults them in again each step
+    assert faults["keep"] < faults["plain"] // 100

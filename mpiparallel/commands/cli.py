@@ -345,6 +345,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
     """
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)
+    launch.keep_freed_memory()
     from .. import train as training
 
     settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)

@@ -122,6 +122,26 @@ def limit_blas_threads(threads: int | None, environ: dict[str, str] = os.environ
     return threads
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the operating system.
+
+    Layers keep no activations between steps: what a microbatch saved is freed when its backward has run, so at
+    the end of every step tens of megabytes go back to the allocator at once. By default glibc then returns the
+    top of its heap to the system and serves large arrays from fresh mappings, and the next forward pays a page
+    fault for every 4 KiB it touches again (measured: 2.5× the faults and 10–25 % of a CPU training step).
+    Raising the trim threshold and the mmap threshold (to its 32 MiB ceiling) keeps those pages in the process
+    — what the GPU path gets from CuPy's memory pool. Returns False where there is no glibc `mallopt`.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    trim_threshold, mmap_threshold = -1, -3  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD in <malloc.h>
+    return bool(mallopt(mmap_threshold, 32 << 20)) and bool(mallopt(trim_threshold, 1 << 30))
+
+
 def world_size() -> int:
     """The number of ranks in MPI.COMM_WORLD (starts MPI if it is not running yet)."""
     from mpi4py import MPI
