@@ -88,6 +88,19 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def units_using(name: str, n_layer: int) -> tuple[int, ...]:
+    """The units whose computation reads parameter `name` (unit 0 the embedding, 1 … n_layer the blocks,
+    n_layer + 1 the head): the token embedding is read twice, by the embedding and by the tied head."""
+    short = name.removeprefix("transformer.")
+    if short == "wte.weight":
+        return (0, n_layer + 1)
+    if short == "wpe.weight":
+        return (0,)
+    if short.startswith("ln_f."):
+        return (n_layer + 1,)
+    return (int(short.split(".")[1]) + 1,)  # h.{i}.…
+
+
 def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: int, dtype: Any) -> np.ndarray:
     """The contract's initialization of one parameter, as a NumPy array."""
     if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight")):
@@ -128,29 +141,49 @@ class GPT:
     """The serial GPT-2 model with hand-written backward.
 
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
-    `query_block` the attention's query block length; neither changes the numbers.
+    `query_block` the attention's query block length; neither changes the numbers. `units` (default: all) are
+    the units this process holds — a pipeline stage builds only its own layers and parameters; the others are
+    None in `units`/`blocks`.
     """
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
-                 recompute: str = "none", query_block: int = QUERY_BLOCK) -> None:
+                 recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None) -> None:
         self.config = config
+        self._hold(units)
         self.params = {name: Parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)))
-                       for name, shape in parameter_shapes(config).items()}
-        p = self.params
-        self._assemble(Embedding(p["transformer.wte.weight"], p["transformer.wpe.weight"]),
-                       LMHead(self._layer_norm("transformer.ln_f"), TiedHeadCrossEntropy(p["transformer.wte.weight"])),
-                       recompute, query_block)
+                       for name, shape in self.local_parameter_shapes().items()}
+        self._assemble(recompute, query_block)
 
     # -- construction (the tensor-parallel model overrides the three layer factories) ---------------------------
 
-    def _assemble(self, embedding: Any, head: LMHead, recompute: str, query_block: int) -> None:
+    def _hold(self, units: Any) -> None:
+        count = self.config.n_layer + 2
+        self.local_units = tuple(range(count)) if units is None else tuple(sorted(set(units)))
+        if not self.local_units or not all(0 <= unit < count for unit in self.local_units):
+            raise ValueError(f"units must be a non-empty subset of 0 … {count - 1}, got {units}")
+
+    def local_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """`parameter_shapes` of the parameters the local units read, in checkpoint order."""
+        local = set(self.local_units)
+        return {name: shape for name, shape in parameter_shapes(self.config).items()
+                if local & set(units_using(name, self.config.n_layer))}
+
+    def _assemble(self, recompute: str, query_block: int) -> None:
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.recompute, self.query_block = recompute, query_block
-        self.embedding, self.head = embedding, head
-        self.blocks = [self._block(i) for i in range(self.config.n_layer)]
+        local, last = set(self.local_units), self.config.n_layer + 1
+        self.embedding = self._embedding() if 0 in local else None
+        self.blocks = [self._block(i) if i + 1 in local else None for i in range(self.config.n_layer)]
+        self.head = LMHead(self._layer_norm("transformer.ln_f"), self._cross_entropy()) if last in local else None
         self.units = [self.embedding, *self.blocks, self.head]
         self.sequence_shards = 1  # how many pieces the sequence is cut into between the layers (SP: tp)
+
+    def _embedding(self) -> Any:
+        return Embedding(self.params["transformer.wte.weight"], self.params["transformer.wpe.weight"])
+
+    def _cross_entropy(self) -> Any:
+        return TiedHeadCrossEntropy(self.params["transformer.wte.weight"])
 
     def _block(self, i: int) -> Block:
         prefix = f"transformer.h.{i}"
@@ -187,13 +220,17 @@ class GPT:
             param.zero_grad()
 
     def unit_parameters(self) -> list[list[Parameter]]:
-        """The parameters each unit uses, in forward order: the embedding, every block, and the head (final
-        LayerNorm plus the tied wte). Hooks are called per unit (see `ParameterHooks`)."""
-        embedding = [self.embedding.token, self.embedding.position]
-        blocks = [[p for p in self.params.values() if p.name.startswith(f"transformer.h.{i}.")]
-                  for i in range(self.config.n_layer)]
-        head = [self.head.ln_f.weight, self.head.ln_f.bias, self.embedding.token]
-        return [embedding, *blocks, head]
+        """The parameters each unit reads, in forward order: the embedding (wte, wpe), every block, and the head
+        (final LayerNorm, then the tied wte); empty for units held elsewhere. Hooks are called per unit (see
+        `ParameterHooks`)."""
+        by_unit: list[list[Parameter]] = [[] for _ in range(self.unit_count)]
+        for param in self.params.values():
+            for unit in units_using(param.name, self.config.n_layer):
+                if unit in self.local_units:
+                    by_unit[unit].append(param)
+        head = by_unit[-1]
+        head.sort(key=lambda param: param.name.endswith("wte.weight"))  # the tied weight closes the head
+        return by_unit
 
     def check_tokens(self, tokens: Array) -> None:
         length = tokens.shape[-1]
@@ -207,7 +244,7 @@ class GPT:
 
     @property
     def unit_count(self) -> int:
-        return len(self.units)
+        return self.config.n_layer + 2
 
     def forward(self, inputs: Array, targets: Array | None = None, normalizer: float | None = None,
                 hooks: ParameterHooks = NO_HOOKS, units: range | None = None) -> tuple[Any, Saved]:
@@ -220,6 +257,9 @@ class GPT:
         otherwise it is the activation to hand to the next range.
         """
         units = range(self.unit_count) if units is None else units
+        missing = [unit for unit in units if unit not in self.local_units]
+        if missing:
+            raise ValueError(f"units {missing} are not held here (this model holds {list(self.local_units)})")
         saved = Saved(units=units, per_unit={})
         x = inputs
         for unit in units:

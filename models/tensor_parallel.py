@@ -72,8 +72,8 @@ import numpy as np
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
-from .gpt import GPT, GPTConfig, initial_value, parameter_shapes
-from .layers import QUERY_BLOCK, Layer, Linear, LMHead, Saved
+from .gpt import GPT, GPTConfig, initial_value
+from .layers import QUERY_BLOCK, Layer, Linear, Saved
 from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
 
 TP_AXIS = "tp"
@@ -379,20 +379,28 @@ class TensorParallelGPT(GPT):
 
     def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
                  sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
-                 query_block: int = QUERY_BLOCK) -> None:
+                 query_block: int = QUERY_BLOCK, units: Any = None) -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
         self.config = config
+        self._hold(units)
         self.params = {name: self._shard(name, initial_value(name, shape, config, seed, dtype), xp)
-                       for name, shape in parameter_shapes(config).items()}
-        p = self.params
-        vocab_start = self.group.rank * p["transformer.wte.weight"].data.shape[0]
-        embedding = VocabParallelEmbedding(p["transformer.wte.weight"], p["transformer.wpe.weight"], self.group,
-                                           vocab_start)
-        loss = VocabParallelCrossEntropy(p["transformer.wte.weight"], self.group, vocab_start, config.vocab_size)
-        self._assemble(embedding, LMHead(self._layer_norm("transformer.ln_f"), loss), recompute, query_block)
+                       for name, shape in self.local_parameter_shapes().items()}
+        self._assemble(recompute, query_block)
         self.sequence_shards = tp if sequence_parallel else 1
+
+    def _vocab_start(self) -> int:
+        """The first vocabulary row of this rank's wte shard."""
+        return self.group.rank * self.params["transformer.wte.weight"].data.shape[0]
+
+    def _embedding(self) -> VocabParallelEmbedding:
+        return VocabParallelEmbedding(self.params["transformer.wte.weight"], self.params["transformer.wpe.weight"],
+                                      self.group, self._vocab_start())
+
+    def _cross_entropy(self) -> VocabParallelCrossEntropy:
+        return VocabParallelCrossEntropy(self.params["transformer.wte.weight"], self.group, self._vocab_start(),
+                                         self.config.vocab_size)
 
     def _shard(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
         placement = tensor_parallel_placement(name, self.group.sequence_parallel)
