@@ -10,6 +10,7 @@ holds it `Replicated`:
     Partial()             every rank holds the whole tensor, but its gradient is a partial sum: each rank saw
                           other tokens (data parallelism; LayerNorms under sequence parallelism). Summing the
                           gradient over the axis makes it `Replicated`.
+    Held()                only this rank of the axis holds the tensor (a pipeline stage's own layers)
     FlatShard(start, stop)  ZeRO's view of one piece: this rank owns elements [start, stop) of the flattened
                           tensor (its reduced gradient and optimizer state; ZeRO-3 also its values)
 
@@ -50,6 +51,11 @@ class Partial:
 
 
 @dataclass(frozen=True)
+class Held:
+    """Only this rank of the axis holds the tensor: the other ranks hold other tensors (pipeline stages)."""
+
+
+@dataclass(frozen=True)
 class FlatShard:
     """Elements [start, stop) of the flattened tensor, owned by this rank of the axis (a ZeRO shard segment)."""
 
@@ -57,7 +63,8 @@ class FlatShard:
     stop: int
 
 
-Placement = Replicated | Sharded | Partial | FlatShard
+Placement = Replicated | Sharded | Partial | Held | FlatShard
+HELD = Held()
 REPLICATED = Replicated()
 PARTIAL = Partial()
 
@@ -99,7 +106,7 @@ class Parameter:
 def counts_once(placement: Mapping[str, Placement], coordinates: Mapping[str, int]) -> bool:
     """Whether this rank's copy of a (fully reduced) gradient piece is the one to count in a sum over all ranks:
     a piece sharded over an axis is distinct on every rank of it, a replicated one counts on coordinate 0 only."""
-    return all(isinstance(placement.get(axis, REPLICATED), (Sharded, FlatShard)) or coordinate == 0
+    return all(isinstance(placement.get(axis, REPLICATED), (Sharded, Held, FlatShard)) or coordinate == 0
                for axis, coordinate in coordinates.items())
 
 

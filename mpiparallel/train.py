@@ -26,15 +26,25 @@ import numpy as np
 
 import collectives
 from collectives import Communicator, backend
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, GPTConfig, parameter_shapes
 from models.layers import block_activation_elements
-from models.parameter import counts_once, gather_tensor, local_shape, reduce_partial_gradients, shard_tensor
+from models.parameter import (
+    HELD,
+    PARTIAL,
+    counts_once,
+    gather_tensor,
+    local_shape,
+    reduce_partial_gradients,
+    shard_tensor,
+)
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
 from . import checkpoint, data, optim
 from .data_parallel import DataParallel
 from .errors import ConfigError
 from .mesh import Mesh, MeshShape
+from .pipeline_parallel import PP_AXIS, TIED_WEIGHT, PipelineExecutor, local_units, stage_units, sum_tied_gradient
+from .schedules import Schedule, build_schedule
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 """The optimizer state that is one array per parameter piece (AdamW's moments)."""
@@ -60,7 +70,8 @@ class ModelSettings:
 @dataclass(frozen=True)
 class MeshSettings:
     """How the ranks share the work: the axis sizes (dp None: the ranks left over), sequence parallelism, the ZeRO
-    stage, microbatches per DP rank, and the gradient buckets."""
+    stage, microbatches per DP rank (None: pp, so a pipeline is filled), the pipeline schedule, and the gradient
+    buckets."""
 
     dp: int | None = None
     tp: int = 1
@@ -69,7 +80,9 @@ class MeshSettings:
     ep: int = 1
     sp: bool = False
     zero: int = 0
-    microbatches: int = 1
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
     bucket_mb: float = 25.0
     overlap: bool = True
 
@@ -151,15 +164,18 @@ def run(settings: TrainSettings) -> int:
     is_root = mesh.world.rank == 0
     if settings.output.show_mesh and is_root:
         print(mesh.describe(), flush=True)
-    model, config = _build_model(settings, mesh, xp)
-    tokens = _load_data(settings, config)
     _check_batch(settings, mesh)
+    config = _model_config(settings)
+    schedule = _build_schedule(settings, mesh, config)
+    model = _build_model(settings, mesh, config, schedule, xp)
+    tokens = _load_data(settings, config)
     train_tokens, validation_tokens = _split(settings, tokens)
     optimizer_state, first_step = _resume(settings, model)
+    # a pipeline schedule interleaves microbatches and splits backward: the gradients are reduced after it
     engine = DataParallel(model, mesh.dp, zero=settings.mesh.zero, bucket_mb=settings.mesh.bucket_mb,
-                          overlap=settings.mesh.overlap)
+                          overlap=settings.mesh.overlap and schedule is None)
     optimizer = _build_optimizer(settings, engine.optimizer_parameters())
-    trainer = Trainer(model, engine, optimizer, mesh, settings)
+    trainer = Trainer(model, engine, optimizer, mesh, settings, schedule)
     if optimizer_state is not None:
         trainer.load_optimizer_state(optimizer_state)
     reporter = Reporter(settings, config, is_root=is_root)
@@ -193,9 +209,12 @@ class Trainer:
     """One optimizer step over the mesh: each DP rank runs its rows of the batch, microbatch by microbatch, with
     the data-parallel engine as the model's hooks; then clipping, the update, and the bookkeeping."""
 
-    def __init__(self, model: GPT, engine: DataParallel, optimizer: Any, mesh: Mesh,
-                 settings: TrainSettings) -> None:
+    def __init__(self, model: GPT, engine: DataParallel, optimizer: Any, mesh: Mesh, settings: TrainSettings,
+                 schedule: Schedule | None = None) -> None:
         self.model, self.engine, self.optimizer, self.mesh, self.settings = model, engine, optimizer, mesh, settings
+        self.microbatches = microbatch_count(settings, mesh)
+        self.pipeline = None if schedule is None else PipelineExecutor(
+            model, schedule, mesh.pp, activation_shape(settings, mesh, model.config), settings.model.dtype)
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
 
@@ -205,17 +224,16 @@ class Trainer:
         start, sent_before = time.perf_counter(), self._bytes_sent()
         inputs, targets = data.batch_for_step(tokens, step, settings.data.batch_size, settings.data.seq_len)
         rows = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
-        pieces = data.microbatches(*rows, settings.mesh.microbatches)
+        pieces = data.microbatches(*rows, self.microbatches)
         engine.zero_grad()
-        loss = 0.0
-        for i, (x, y) in enumerate(pieces):
-            with engine.microbatch(last=i == len(pieces) - 1):
-                microbatch_loss, saved = self.model.forward(x, y, normalizer=inputs.size, hooks=engine)
-                loss += microbatch_loss
-                if i == 0:
-                    self.activation_bytes = saved.nbytes()
-                    self.block_activation_bytes = saved.per_unit[1].nbytes() if self.model.blocks else 0
-                self.model.backward(saved, hooks=engine)
+        if self.pipeline is None:
+            loss = self._microbatches_one_after_another(pieces, inputs.size)
+        else:
+            loss = self.pipeline.step(pieces, inputs.size)
+            self.activation_bytes = self.pipeline.peak_saved_bytes
+            self.block_activation_bytes = self.pipeline.block_saved_bytes
+            sum_tied_gradient(self.model, self.mesh.pp, self.pipeline.schedule.stage_ranks[0],
+                              self.pipeline.schedule.stage_ranks[-1])
         engine.finish_gradients()
         # the data-parallel engine summed over dp; any other axis with partial gradients (tp under --sp) here
         reduce_partial_gradients(engine.optimizer_parameters(), {"tp": self.mesh.tp})
@@ -225,8 +243,27 @@ class Trainer:
         self.optimizer.step(lr)
         engine.after_update()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
-        return {"step": step, "loss": _sum_over(comm, loss), "lr": lr, "tokens": int(inputs.size),
+        return {"step": step, "loss": self._sum_losses(loss), "lr": lr, "tokens": int(inputs.size),
                 "time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
+
+    def _microbatches_one_after_another(self, pieces: list, normalizer: int) -> float:
+        """Forward and backward of each microbatch in turn, the data-parallel engine hooked in to overlap the
+        gradient reduction with the last microbatch's backward."""
+        loss = 0.0
+        for i, (x, y) in enumerate(pieces):
+            with self.engine.microbatch(last=i == len(pieces) - 1):
+                microbatch_loss, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine)
+                loss += microbatch_loss
+                if i == 0:
+                    self.activation_bytes = saved.nbytes()
+                    self.block_activation_bytes = saved.per_unit[1].nbytes() if self.model.blocks else 0
+                self.model.backward(saved, hooks=self.engine)
+        return loss
+
+    def _sum_losses(self, local: float) -> float:
+        """The global batch's loss: summed over DP ranks, and over pipeline ranks (only the last stage's has it)."""
+        total = _sum_over(self.mesh.dp, local)
+        return _sum_over(self.mesh.pp, total) if self.pipeline is not None else total
 
     def _clip_gradients(self) -> float:
         """Global gradient-norm clipping over the whole mesh; returns the norm before clipping.
@@ -243,10 +280,17 @@ class Trainer:
         return self._gather_over_model_axes(self.engine.full_parameters())
 
     def _gather_over_model_axes(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """Whole-parameter arrays of this rank's shards (by parameter name) -> the serial tensors."""
+        """Whole-parameter arrays of this rank's shards (by parameter name) -> the serial tensors: TP shards
+        gathered, and with pipeline stages every stage's parameters collected from its rank."""
         comms = {"tp": self.mesh.tp}
-        return {name: gather_tensor(tensors[name], param.placement, comms, param.full_shape)
-                for name, param in self.model.params.items()}
+        whole = {name: gather_tensor(tensors[name], param.placement, comms, param.full_shape)
+                 for name, param in self.model.params.items()}
+        if self.pipeline is None:
+            return whole
+        merged: dict[str, Any] = {}
+        for stage_tensors in self.mesh.pp.comm.allgather({k: backend.to_host(v) for k, v in whole.items()}):
+            merged |= stage_tensors  # the tied wte comes from two stages, equal after every step
+        return {name: merged[name] for name in parameter_shapes(self.model.config)}
 
     def _cut_for_this_rank(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """The inverse of `_gather_over_model_axes`."""
@@ -259,7 +303,11 @@ class Trainer:
         for i in range(settings.data.eval_batches):
             inputs, targets = data.batch_for_step(tokens, i, settings.data.batch_size, settings.data.seq_len)
             x, y = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
-            losses.append(_sum_over(comm, self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)[0]))
+            if self.pipeline is None:
+                loss = self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)[0]
+            else:
+                loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), inputs.size)
+            losses.append(self._sum_losses(loss))
             self.engine.release_all()
         return float(np.mean(losses))
 
@@ -313,7 +361,7 @@ class Trainer:
     def _block_activation_formula(self) -> int:
         """`models.layers.block_activation_elements` for this run's microbatch, in bytes."""
         settings, config = self.settings, self.model.config
-        rows = settings.data.batch_size // (self.mesh.dp.size * settings.mesh.microbatches)
+        rows = settings.data.batch_size // (self.mesh.dp.size * self.microbatches)
         return np.dtype(settings.model.dtype).itemsize * block_activation_elements(
             rows, settings.data.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.mesh.sp,
             settings.model.recompute, self.model.query_block)
@@ -341,21 +389,28 @@ def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     layout = settings.mesh
     shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
     mesh = Mesh(world, shape)
-    not_yet = {axis: getattr(mesh.shape, axis) for axis in ("pp", "cp", "ep") if getattr(mesh.shape, axis) > 1}
+    not_yet = {axis: getattr(mesh.shape, axis) for axis in ("cp", "ep") if getattr(mesh.shape, axis) > 1}
     if not_yet:
         shown = ", ".join(f"--{axis} {size}" for axis, size in not_yet.items())
-        raise ConfigError(f"{shown}: only data and tensor parallelism (--dp, --tp, --sp) are available in this "
-                          f"version; pipeline, context and expert parallelism arrive with their own issues")
+        raise ConfigError(f"{shown}: only data, tensor and pipeline parallelism (--dp, --tp, --sp, --pp) are "
+                          f"available in this version; context and expert parallelism arrive with their own issues")
+    if mesh.shape.pp > 1 and settings.mesh.zero >= 2:
+        raise ConfigError(f"--zero {settings.mesh.zero} with --pp: ZeRO-2 and 3 reduce gradients (and ZeRO-3 "
+                          f"gathers parameters) unit by unit inside one microbatch's backward, but a pipeline "
+                          f"schedule interleaves microbatches and splits backward into input and weight passes; "
+                          f"use --zero 0 or 1")
+    if mesh.shape.pp > 1 and settings.model.device == "gpu":
+        raise ConfigError("--pp on --device gpu is not built yet: the stage-to-stage receives need CUDA-aware MPI")
     if settings.mesh.sp and mesh.shape.tp == 1:
         raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")
     return mesh
 
 
 def _check_batch(settings: TrainSettings, mesh: Mesh) -> None:
-    share = mesh.shape.dp * settings.mesh.microbatches
+    share = mesh.shape.dp * microbatch_count(settings, mesh)
     if settings.data.batch_size % share:
         raise ConfigError(f"--batch-size {settings.data.batch_size} must be divisible by dp × microbatches = "
-                          f"{mesh.shape.dp} × {settings.mesh.microbatches} = {share}")
+                          f"{mesh.shape.dp} × {microbatch_count(settings, mesh)} = {share}")
 
 
 def _array_library(settings: TrainSettings, mesh: Mesh) -> Any:
@@ -369,38 +424,83 @@ def _array_library(settings: TrainSettings, mesh: Mesh) -> Any:
     return backend.gpu_array_module()
 
 
-def _build_model(settings: TrainSettings, mesh: Mesh, xp: Any = np) -> tuple[Any, GPTConfig]:
-    """The serial GPT, or with --tp > 1 its tensor-parallel version (this rank's shards of the same weights)."""
-    dtype = np.dtype(settings.model.dtype)
-    tensors = None
+def microbatch_count(settings: TrainSettings, mesh: Mesh) -> int:
+    """--microbatches, by default pp (one per stage: the least that fills a pipeline; 1 without one)."""
+    return settings.mesh.microbatches or mesh.shape.pp
+
+
+def activation_shape(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> tuple[int, int, int]:
+    """The (rows, positions, channels) activation one microbatch hands from stage to stage on this rank."""
+    rows = settings.data.batch_size // (mesh.shape.dp * microbatch_count(settings, mesh))
+    positions = settings.data.seq_len // (mesh.shape.tp if settings.mesh.sp else 1)
+    return rows, positions, config.n_embd
+
+
+def _model_config(settings: TrainSettings) -> GPTConfig:
+    """The model's shape: from --init's config.json, or from the flags."""
     if settings.model.init:
-        config, tensors, _ = checkpoint.load_pretrained(settings.model.init)
+        config = checkpoint.load_pretrained(settings.model.init)[0]
     else:
+        shape = settings.model
         try:
-            shape = settings.model
             config = GPTConfig(vocab_size=shape.vocab_size, n_positions=max(shape.n_positions, settings.data.seq_len),
                                n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if settings.data.seq_len > config.n_positions:
         raise ConfigError(f"--seq-len {settings.data.seq_len} exceeds the model's n_positions ({config.n_positions})")
+    return config
+
+
+def _build_schedule(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> Schedule | None:
+    """The pipeline schedule (None without --pp), checked against the model: every stage needs a block."""
+    layout = settings.mesh
+    if mesh.shape.pp == 1:
+        if layout.virtual_stages != 1:
+            raise ConfigError("--virtual-stages needs a pipeline: give --pp > 1")
+        return None
+    try:
+        schedule = build_schedule(layout.schedule, mesh.shape.pp, microbatch_count(settings, mesh),
+                                  layout.virtual_stages)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    stage_units(config.n_layer, schedule.num_stages)  # raises when there are more stages than layers
+    return schedule
+
+
+def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule: Schedule | None,
+                 xp: Any = np) -> GPT:
+    """This rank's model: the serial GPT, or with --tp its tensor-parallel version (this rank's shards of the same
+    weights), holding only this pipeline rank's stages; every parameter's placement records the mesh."""
+    dtype = np.dtype(settings.model.dtype)
     tp = mesh.shape.tp
     if settings.mesh.sp and settings.data.seq_len % tp:
         raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {tp}")
+    units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
+    common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
+              "units": units}
     if tp == 1:
-        model = GPT(config, seed=settings.model.seed, dtype=dtype, xp=xp, recompute=settings.model.recompute)
+        model = GPT(config, **common)
     else:
         try:
             check_tensor_parallel_shape(config, tp)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        model = TensorParallelGPT(config, mesh.tp, seed=settings.model.seed, dtype=dtype,
-                                  sequence_parallel=settings.mesh.sp,
-                                  xp=xp, recompute=settings.model.recompute)
-    if tensors is not None:
-        model.load_state_dict(tensors)
-    return model, config
+        model = TensorParallelGPT(config, mesh.tp, sequence_parallel=settings.mesh.sp, **common)
+    if schedule is not None:
+        _place_on_pipeline(model, schedule)
+    if settings.model.init:
+        model.load_state_dict(checkpoint.load_pretrained(settings.model.init)[1])
+    return model
+
+
+def _place_on_pipeline(model: GPT, schedule: Schedule) -> None:
+    """Each stage's parameters are held by its rank alone; the tied token embedding, read by the first stage and
+    the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank holds both."""
+    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1]
+    for name, param in model.params.items():
+        param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
 
 
 def _load_data(settings: TrainSettings, config: GPTConfig) -> np.ndarray:

@@ -307,13 +307,20 @@ def threads_option(command: Callable) -> Callable:
               help="Tensor-parallel ranks (Megatron: attention split by heads, MLP by columns, vocab-parallel "
                    "embedding and cross-entropy).")
 @click.option("--sp", is_flag=True, help="Megatron sequence parallelism inside the tensor-parallel group.")
-@click.option("--pp", type=click.IntRange(min=1), default=1, help="Pipeline stages (not yet: 1).")
+@click.option("--pp", type=click.IntRange(min=1), default=1,
+              help="Pipeline ranks: the layers are cut into pp × virtual-stages stages, embedding with the first "
+                   "and head with the last.")
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]),
+              default="1f1b", help="Pipeline schedule (see `mpiparallel schedule --help` to simulate one).")
+@click.option("--virtual-stages", type=click.IntRange(min=1), default=1,
+              help="Stages per pipeline rank for --schedule interleaved (zbv and dualpipev always use 2).")
 @click.option("--cp", type=click.IntRange(min=1), default=1, help="Context-parallel ranks (not yet: 1).")
 @click.option("--ep", type=click.IntRange(min=1), default=1, help="Expert-parallel ranks (not yet: 1).")
 @click.option("--zero", type=click.IntRange(0, 3), default=0,
               help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
-@click.option("--microbatches", type=click.IntRange(min=1), default=1,
-              help="Split each DP rank's rows into this many microbatches (gradient accumulation).")
+@click.option("--microbatches", type=click.IntRange(min=1), default=None,
+              help="Split each DP rank's rows into this many microbatches (gradient accumulation; the pipeline's "
+                   "microbatches). [default: pp, so a pipeline is filled]")
 @click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=25.0,
               help="Size of the gradient buckets reduced during backward, in MiB.")
 @click.option("--no-overlap", "overlap", flag_value=False, default=True,
@@ -342,6 +349,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train --init out/ --steps 100 --log-json log.jsonl
       mpiparallel train -n 2 --zero 3 --microbatches 2 --memory-report
       mpiparallel train -n 4 --tp 2 --sp --show-mesh
+      mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8
     """
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)

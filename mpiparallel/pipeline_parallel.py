@@ -1,0 +1,281 @@
+"""Pipeline parallelism: the model cut into stages on different ranks, microbatches flowing through them in the
+order a schedule prescribes (`mpiparallel.schedules`: GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV).
+
+The model is a row of units — embedding, n_layer blocks, head — and `stage_units` cuts it into pp·V stages
+(chunks): the blocks as evenly as possible, earlier stages taking the extra one, the embedding with the first
+stage and the final LayerNorm + head + loss with the last. Each rank builds only the units of its stages
+(`GPT(…, units=…)`), and `PipelineExecutor` runs its list of actions:
+
+    F(s, m)   forward of stage s on microbatch m (`GPT.forward(x, units=…)`), its saved state kept for backward
+    I(s, m)   input-gradient pass: d(stage input), which the previous stage waits for
+    W(s, m)   weight-gradient pass, as late as the schedule likes; frees m's saved state of stage s
+    B(s, m)   I and W at once
+    SEND_F / RECV_F, SEND_B / RECV_B   the activations and their gradients between neighbouring stages
+
+Communication, per microbatch and stage boundary (between ranks): forward one activation of b·s·h elements
+(b rows per microbatch; with --sp its sequence slice, b·s·h/tp), backward its gradient, the same size — the
+wrappers below name both directions. Sends and receives are nonblocking: a receive is posted when the schedule
+lists it and completed only when the compute action that reads it starts; a send completes in the background
+(all are finished at the end of the step). Once per step the tied token embedding, which the first stage reads
+for the embedding and the last for the LM head, gets the sum of both stages' gradients: one exchange of V·h
+elements (÷ tp) between those two ranks (none when one rank holds both, as in the V schedules).
+
+Cost: with per-stage times F, I, W the pipeline idles the schedule's bubble (GPipe and 1F1B: (p−1)(F+I+W) per
+rank, a fraction (p−1)/(m+p−1)); every boundary moves 2·m·b·s·h elements per step; peak activation memory is the
+schedule's microbatches in flight per stage times the stage's saved bytes (`models.layers.block_activation_elements`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from collectives import Communicator
+from collectives.backend import Array, get_array_module
+from models.gpt import GPT, NO_HOOKS
+from models.layers import distinct_bytes
+
+from .errors import ConfigError
+from .schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    Schedule,
+)
+
+PP_AXIS = "pp"
+TIED_WEIGHT = "transformer.wte.weight"
+
+
+def stage_units(n_layer: int, stages: int) -> list[range]:
+    """The units of each stage: n_layer blocks over `stages` chunks as evenly as possible (earlier chunks take the
+    extra block), the embedding (unit 0) with the first and the head (unit n_layer + 1) with the last."""
+    if stages > n_layer:
+        raise ConfigError(f"{stages} pipeline stages (pp × virtual stages) but only {n_layer} layers: every stage "
+                          f"needs at least one transformer block")
+    base, extra = divmod(n_layer, stages)
+    bounds = [0]
+    for stage in range(stages):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    units = [range(1 + start, 1 + stop) for start, stop in zip(bounds, bounds[1:], strict=False)]
+    units[0] = range(0, units[0].stop)
+    units[-1] = range(units[-1].start, n_layer + 2)
+    return units
+
+
+def local_units(schedule: Schedule, rank: int, n_layer: int) -> list[int]:
+    """Every unit this pipeline rank holds (for `GPT(…, units=…)`)."""
+    stages = stage_units(n_layer, schedule.num_stages)
+    return sorted(unit for stage in schedule.stages_of(rank) for unit in stages[stage])
+
+
+# -- the communication: forward above, backward right under it -------------------------------------------------
+
+def _tag(stage: int, microbatch: int, gradient: bool, microbatches: int) -> int:
+    """One tag per message of a step: the receiving stage, the microbatch and the direction."""
+    return 2 * (stage * microbatches + microbatch) + int(gradient)
+
+
+def send_forward(activation: Array, comm: Communicator, dest: int, tag: int) -> MPI.Request:
+    """Forward: stage s hands its output to stage s+1 on another rank (b·s·h elements). Its backward twin is
+    `recv_backward`: the gradient of that output comes back from the same rank."""
+    return comm.isend(activation, dest, tag)
+
+
+def recv_backward(out: Array, comm: Communicator, source: int, tag: int) -> MPI.Request:
+    """Backward of `send_forward`: post the receive of d(stage output) from the next stage's rank."""
+    return comm.irecv(out, source, tag)
+
+
+def recv_forward(out: Array, comm: Communicator, source: int, tag: int) -> MPI.Request:
+    """Forward: post the receive of this stage's input from the previous stage's rank. Its backward twin is
+    `send_backward`."""
+    return comm.irecv(out, source, tag)
+
+
+def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> MPI.Request:
+    """Backward of `recv_forward`: send d(stage input) back to the previous stage's rank."""
+    return comm.isend(dinput, dest, tag)
+
+
+def sum_tied_gradient(model: GPT, comm: Communicator, first: int, last: int) -> None:
+    """The tied token embedding: the first stage's rank (embedding) and the last stage's (LM head) each hold a
+    partial gradient; exchange them and add, so both hold the sum (a + b = b + a: bitwise equal on both)."""
+    if first == last or comm.rank not in (first, last):
+        return
+    grad = model.params[TIED_WEIGHT].grad
+    other = last if comm.rank == first else first
+    received = comm.sendrecv(np.ascontiguousarray(grad), other, get_array_module(grad).empty_like(grad), other,
+                             tag=_tag(0, 0, True, 0) + 2**20)
+    grad += received
+
+
+# -- running one rank's actions ---------------------------------------------------------------------------------
+
+@dataclass
+class Timeline:
+    """When each action of the last step started and ended, in seconds from the step's start."""
+
+    spans: list[tuple[Action, float, float]] = field(default_factory=list)
+
+    def compute_time(self) -> float:
+        """Seconds spent in F, I, W and B (a receive's wait counts as idle: it is in the next compute's start)."""
+        return sum(end - start for action, start, end in self.spans if action.is_compute)
+
+    def makespan(self) -> float:
+        return max((end for _, _, end in self.spans), default=0.0)
+
+
+class PipelineExecutor:
+    """Runs this rank's actions of `schedule` over its stages of `model`, one optimizer step per `step` call.
+
+    It holds, per (stage, microbatch): the saved state from F until W (or B) has run, outputs and input gradients
+    until they are sent or handed to the neighbouring stage on this rank, and the receives in flight.
+    """
+
+    def __init__(self, model: GPT, schedule: Schedule, comm: Communicator, activation_shape: Sequence[int],
+                 dtype: Any) -> None:
+        self.model, self.schedule, self.comm, self.dtype = model, schedule, comm, np.dtype(dtype)
+        self.stages = stage_units(model.config.n_layer, schedule.num_stages)
+        self.actions = schedule.actions[comm.rank]
+        self.activation_shape = tuple(activation_shape)
+        self.last_stage = schedule.num_stages - 1
+        self.timeline = Timeline()
+        self.peak_saved_bytes = 0  # the most activation bytes held at once in the last step
+        self.block_saved_bytes = 0  # what one transformer block saved for one microbatch
+
+    def holds_loss(self) -> bool:
+        return self.schedule.stage_ranks[self.last_stage] == self.comm.rank
+
+    def holds_embedding(self) -> bool:
+        return self.schedule.stage_ranks[0] == self.comm.rank
+
+    def step(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float) -> float:
+        """Run the schedule on these microbatches (the same split on every pipeline rank); return the sum of their
+        losses on the rank of the last stage (0 elsewhere). Gradients accumulate in the parameters."""
+        self._batches, self._normalizer, self._loss = microbatches, normalizer, 0.0
+        self._saved: dict[tuple[int, int], Any] = {}
+        self._handed: dict[tuple[str, int, int], Array] = {}  # outputs and input gradients not yet consumed
+        self._receiving: dict[tuple[str, int, int], tuple[MPI.Request, Array]] = {}
+        self._sending: list[tuple[MPI.Request, Array]] = []
+        self.timeline, self.peak_saved_bytes = Timeline(), 0
+        start = time.perf_counter()
+        for action in self.actions:
+            self._complete_receive_for(action)  # waiting on a neighbour is idle time, not the action's
+            began = time.perf_counter() - start
+            self._run(action)
+            self.timeline.spans.append((action, began, time.perf_counter() - start))
+        MPI.Request.Waitall([request for request, _ in self._sending])
+        leftovers = [key for key in self._saved] + list(self._handed) + list(self._receiving)
+        if leftovers:
+            raise RuntimeError(f"schedule {self.schedule.name} left work undone on rank {self.comm.rank}: {leftovers}")
+        return self._loss
+
+    def _run(self, action: Action) -> None:
+        {FORWARD: self._forward, BACKWARD_INPUT: self._backward_input, FULL_BACKWARD: self._backward_input,
+         BACKWARD_WEIGHT: self._backward_weights, SEND_F: self._send, SEND_B: self._send,
+         RECV_F: self._receive, RECV_B: self._receive}[action.kind](action)
+
+    def _rank_of(self, stage: int) -> int:
+        return self.schedule.stage_ranks[stage]
+
+    def _complete_receive_for(self, action: Action) -> None:
+        """Before a compute action: wait for the receive of what it reads, if that comes from another rank."""
+        key = {FORWARD: ("input",), BACKWARD_INPUT: ("doutput",), FULL_BACKWARD: ("doutput",)}.get(action.kind)
+        if key is not None and (key[0], action.stage, action.microbatch) in self._receiving:
+            request, buffer = self._receiving.pop((key[0], action.stage, action.microbatch))
+            request.Wait()
+            self._handed[key[0], action.stage, action.microbatch] = buffer
+
+    def _take(self, kind: str, stage: int, microbatch: int) -> Array:
+        """An input this action needs: received from another rank, or handed over by a stage on this rank."""
+        return self._handed.pop((kind, stage, microbatch))
+
+    def _forward(self, action: Action) -> None:
+        stage, microbatch = action.stage, action.microbatch
+        tokens, targets = self._batches[microbatch]
+        x = tokens if stage == 0 else self._take("input", stage, microbatch)
+        out, saved = self.model.forward(x, targets if stage == self.last_stage else None, self._normalizer,
+                                        NO_HOOKS, units=self.stages[stage])
+        self._saved[stage, microbatch] = saved
+        self._measure(saved)
+        if stage == self.last_stage:
+            self._loss += out
+        else:
+            self._handed["input", stage + 1, microbatch] = out  # sent by SEND_F, or read by the next F here
+
+    def _measure(self, saved: Any) -> None:
+        self.peak_saved_bytes = max(self.peak_saved_bytes, distinct_bytes(list(self._saved.values())))
+        blocks = [unit for unit in saved.units if 1 <= unit <= self.model.config.n_layer]
+        if blocks:
+            self.block_saved_bytes = saved.per_unit[blocks[0]].nbytes()
+
+    def _backward_input(self, action: Action) -> None:
+        stage, microbatch = action.stage, action.microbatch
+        dout = None if stage == self.last_stage else self._take("doutput", stage, microbatch)
+        if action.kind == FULL_BACKWARD:
+            dinput = self.model.backward(self._saved.pop((stage, microbatch)), dout)
+        else:
+            dinput = self.model.backward_input(self._saved[stage, microbatch], dout)
+        if stage > 0:
+            self._handed["doutput", stage - 1, microbatch] = dinput
+
+    def _backward_weights(self, action: Action) -> None:
+        self.model.backward_weights(self._saved.pop((action.stage, action.microbatch)))
+
+    def _send(self, action: Action) -> None:
+        stage, microbatch = action.stage, action.microbatch
+        if action.kind == SEND_F:
+            data = self._handed.pop(("input", stage + 1, microbatch))
+            tag = _tag(stage + 1, microbatch, False, len(self._batches))
+            request = send_forward(data, self.comm, self._rank_of(stage + 1), tag)
+        else:
+            data = self._handed.pop(("doutput", stage - 1, microbatch))
+            tag = _tag(stage - 1, microbatch, True, len(self._batches))
+            request = send_backward(data, self.comm, self._rank_of(stage - 1), tag)
+        self._sending.append((request, data))
+
+    def _receive(self, action: Action) -> None:
+        stage, microbatch = action.stage, action.microbatch
+        buffer = np.empty(self.activation_shape, self.dtype)
+        if action.kind == RECV_F:
+            tag = _tag(stage, microbatch, False, len(self._batches))
+            request = recv_forward(buffer, self.comm, self._rank_of(stage - 1), tag)
+            self._receiving["input", stage, microbatch] = (request, buffer)
+        else:
+            tag = _tag(stage, microbatch, True, len(self._batches))
+            request = recv_backward(buffer, self.comm, self._rank_of(stage + 1), tag)
+            self._receiving["doutput", stage, microbatch] = (request, buffer)
+
+    def forward_only(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float) -> float:
+        """Validation: every microbatch through this rank's stages in model order, nothing kept for backward;
+        returns the summed loss on the last stage's rank (0 elsewhere)."""
+        local = self.schedule.stages_of(self.comm.rank)
+        forward_actions = []
+        for microbatch in range(len(microbatches)):
+            for stage in local:
+                if stage > 0 and self._rank_of(stage - 1) != self.comm.rank:
+                    forward_actions.append(Action(stage, RECV_F, microbatch))
+                forward_actions.append(Action(stage, FORWARD, microbatch))
+                if stage < self.last_stage and self._rank_of(stage + 1) != self.comm.rank:
+                    forward_actions.append(Action(stage, SEND_F, microbatch))
+        self._batches, self._normalizer, self._loss = microbatches, normalizer, 0.0
+        self._saved, self._handed, self._receiving, self._sending = {}, {}, {}, []
+        for action in forward_actions:
+            self._complete_receive_for(action)
+            self._run(action)
+            self._saved.clear()
+        MPI.Request.Waitall([request for request, _ in self._sending])
+        self._sending.clear()
+        return self._loss
