@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from collectives import Communicator
 from collectives.backend import Array, get_array_module
+from collectives.communicator import FIRST_COLLECTIVE_TAG
 from models.gpt import GPT, NO_HOOKS
 from models.layers import distinct_bytes
 
@@ -82,9 +83,20 @@ def local_units(schedule: Schedule, rank: int, n_layer: int) -> list[int]:
 
 # -- the communication: forward above, backward right under it -------------------------------------------------
 
+TIED_GRADIENT_TAG = FIRST_COLLECTIVE_TAG - 1
+"""Point-to-point tags stay below the collectives' (MPI guarantees tags up to 32767 only)."""
+
+
 def _tag(stage: int, microbatch: int, gradient: bool, microbatches: int) -> int:
     """One tag per message of a step: the receiving stage, the microbatch and the direction."""
     return 2 * (stage * microbatches + microbatch) + int(gradient)
+
+
+def check_tag_space(stages: int, microbatches: int) -> None:
+    """Every message of a step needs its own tag below `TIED_GRADIENT_TAG`."""
+    if 2 * stages * microbatches > TIED_GRADIENT_TAG:
+        raise ConfigError(f"{stages} stages × {microbatches} microbatches need more message tags than MPI "
+                          f"guarantees ({TIED_GRADIENT_TAG}); use fewer microbatches per step")
 
 
 def send_forward(activation: Array, comm: Communicator, dest: int, tag: int) -> MPI.Request:
@@ -117,7 +129,7 @@ def sum_tied_gradient(model: GPT, comm: Communicator, first: int, last: int) -> 
     grad = model.params[TIED_WEIGHT].grad
     other = last if comm.rank == first else first
     received = comm.sendrecv(np.ascontiguousarray(grad), other, get_array_module(grad).empty_like(grad), other,
-                             tag=_tag(0, 0, True, 0) + 2**20)
+                             tag=TIED_GRADIENT_TAG)
     grad += received
 
 
@@ -146,6 +158,7 @@ class PipelineExecutor:
 
     def __init__(self, model: GPT, schedule: Schedule, comm: Communicator, activation_shape: Sequence[int],
                  dtype: Any) -> None:
+        check_tag_space(schedule.num_stages, schedule.microbatches)
         self.model, self.schedule, self.comm, self.dtype = model, schedule, comm, np.dtype(dtype)
         self.stages = stage_units(model.config.n_layer, schedule.num_stages)
         self.actions = schedule.actions[comm.rank]

@@ -43,7 +43,15 @@ from . import checkpoint, data, optim
 from .data_parallel import DataParallel
 from .errors import ConfigError
 from .mesh import Mesh, MeshShape
-from .pipeline_parallel import PP_AXIS, TIED_WEIGHT, PipelineExecutor, local_units, stage_units, sum_tied_gradient
+from .pipeline_parallel import (
+    PP_AXIS,
+    TIED_WEIGHT,
+    PipelineExecutor,
+    check_tag_space,
+    local_units,
+    stage_units,
+    sum_tied_gradient,
+)
 from .schedules import Schedule, build_schedule
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
@@ -465,6 +473,7 @@ def _build_schedule(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> S
     except ValueError as error:
         raise ConfigError(str(error)) from None
     stage_units(config.n_layer, schedule.num_stages)  # raises when there are more stages than layers
+    check_tag_space(schedule.num_stages, schedule.microbatches)
     return schedule
 
 
