@@ -134,11 +134,14 @@ def peak_activations(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ..
 
 # -- replay under rendezvous semantics ------------------------------------------------------------------------
 
+_PARTNERS = {SEND_F: (+1, RECV_F), RECV_F: (-1, SEND_F), SEND_B: (-1, RECV_B), RECV_B: (+1, SEND_B)}
+
+
 def partner(action: Action) -> Action:
-    """The action on the other rank that a SEND or RECV pairs with."""
-    stage, microbatch = action.stage, action.microbatch
-    return {SEND_F: Action(stage + 1, RECV_F, microbatch), RECV_F: Action(stage - 1, SEND_F, microbatch),
-            SEND_B: Action(stage - 1, RECV_B, microbatch), RECV_B: Action(stage + 1, SEND_B, microbatch)}[action.kind]
+    """The action on the other rank that a SEND or RECV pairs with: SEND_F(s) with RECV_F(s+1), SEND_B(s) with
+    RECV_B(s−1)."""
+    offset, kind = _PARTNERS[action.kind]
+    return Action(action.stage + offset, kind, action.microbatch)
 
 
 class _Replay:
