@@ -115,8 +115,23 @@ def v_placement(pp: int) -> tuple[int, ...]:
     return tuple(range(pp)) + tuple(reversed(range(pp)))
 
 
+Unit = Action | tuple[Action, ...]
+"""An entry of a compute order: one compute action, or a group meant to run overlapped (DualPipeV's pairs)."""
+
+
+def below(microbatches: int, order: Iterable[Unit]) -> list[Unit]:
+    """`order` without the actions of microbatches `microbatches` and up: a schedule built for more
+    microbatches than asked for, cut down (removing whole microbatches keeps every dependency)."""
+    kept: list[Unit] = []
+    for unit in order:
+        group = tuple(action for action in _group(unit) if action.microbatch < microbatches)
+        if group:
+            kept.append(group if isinstance(unit, tuple) else group[0])
+    return kept
+
+
 def with_communication(name: str, pp: int, microbatches: int, stage_ranks: Sequence[int],
-                       compute: Sequence[Iterable[Action | tuple[Action, ...]]]) -> Schedule:
+                       compute: Sequence[Iterable[Unit]]) -> Schedule:
     """A `Schedule` from each rank's compute order, with a receive right before each compute action whose input
     lives on another rank and a send right after each one whose output another rank needs.
 
@@ -129,8 +144,12 @@ def with_communication(name: str, pp: int, microbatches: int, stage_ranks: Seque
     return Schedule(name, pp, microbatches, len(stage_ranks) // pp, stage_ranks, actions)
 
 
-def _with_transfers(unit: Action | tuple[Action, ...], stage_ranks: tuple[int, ...]) -> list[Action]:
-    group = unit if isinstance(unit, tuple) else (unit,)
+def _group(unit: Unit) -> tuple[Action, ...]:
+    return unit if isinstance(unit, tuple) else (unit,)
+
+
+def _with_transfers(unit: Unit, stage_ranks: tuple[int, ...]) -> list[Action]:
+    group = _group(unit)
     receives, sends = [], []
     for action in group:
         receive, send = _transfers(action, stage_ranks)

@@ -29,8 +29,8 @@ FORMULAS = {
     "1f1b": "(p-1)/(m+p-1)",
     "interleaved": "(p-1)/(v*m+p-1)",
     "zb": "(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W)), for W <= F",
-    "zbv": "(p-1)F / (2m(F+I+W) + (p-1)F), exact for F = I = W and m >= 2p-1",
-    "dualpipev": "(p-1)(F&B+B-3W) / (2m(F+I+W) + (p-1)(F&B+B-3W)), F&B = F+B, for m >= 2p",
+    "zbv": "(p-1)F / (2m(F+I+W) + (p-1)F), exact for F = I = W and m >= 2p-1, else a lower bound",
+    "dualpipev": "(p-1)(F&B+B-3W) / (2m(F+I+W) + (p-1)(F&B+B-3W)), F&B = F+B, exact for F = I >= W, m >= 2p",
 }
 """Each schedule's bubble (idle fraction) as text, with the conditions under which it is exact."""
 

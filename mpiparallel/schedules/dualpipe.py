@@ -20,6 +20,8 @@ from .actions import (
     FULL_BACKWARD,
     Action,
     Schedule,
+    Unit,
+    below,
     check_sizes,
     v_placement,
     with_communication,
@@ -32,33 +34,26 @@ if TYPE_CHECKING:
 def dualpipev_schedule(pp: int, microbatches: int) -> Schedule:
     """DualPipeV in eight phases per rank r (the "down" chunk is stage r, the "up" chunk stage 2p−1−r):
 
-    1. 2(p−1−r) forwards of the down chunk;               2. r+1 times: F down, F up;
+    1. 2(p−1−r) forwards of the down chunk;
+    2. r+1 times: F down, F up;
     3. p−1−r times: I up, its W, F up (zero bubble: the gradient leaves before the W runs);
     4. m−2p+1+r times: the pairs (F down, B up) and (F up, B down) — the steady state;
     5. p−1−r times: B up, then the pair (F up, B down);
-    6. r+1 times: B up, B down, the later half split into I with W deferred;
-    7. p−1−r times: a deferred W, then I down (W deferred);     8. the r+1 remaining W.
+    6. r+1 times: B up, B down, the later half split into I with its W deferred;
+    7. p−1−r times: a deferred W, then I down (its W deferred);
+    8. the r+1 deferred W that remain.
 
-    The authors state the bubble as (PP/2−1)(F&B + B − 3W) for PP stages, with F&B the time of an
-    overlapped forward-backward pair; here PP = 2p and F&B = F + B (the pair in sequence), so idle
-    (p−1)(F + 2I − W) per rank, for m ≥ 2p; peak activations 2p+1 chunk-microbatches on rank 0 (the
-    authors' PP+1). Fewer microbatches than 2p run the 2p schedule with the missing ones left out.
+    A pair's receives all come before its forward and its sends after its backward, as in DeepSeek's code,
+    where the two run overlapped. The authors state the bubble as (PP/2−1)(F&B + B − 3W) for PP stages, F&B
+    the time of an overlapped pair; here PP = 2p and F&B = F + B (the pair in sequence): idle (p−1)(F + 2I − W)
+    per rank for m ≥ 2p, which the simulation meets exactly when F = I ≥ W. Peak activations 2p+1
+    chunk-microbatches on every rank (the authors' PP+1). Fewer microbatches than 2p run the 2p schedule with
+    the missing ones left out.
     """
     check_sizes(pp, microbatches)
     filled = max(microbatches, 2 * pp)
-    compute = [_without_microbatches_from(microbatches, _DualPipeVRank(pp, filled, rank).order())
-               for rank in range(pp)]
+    compute = [below(microbatches, _DualPipeVRank(pp, filled, rank).order()) for rank in range(pp)]
     return with_communication("dualpipev", pp, microbatches, v_placement(pp), compute)
-
-
-def _without_microbatches_from(microbatches: int, order: list) -> list:
-    kept = []
-    for unit in order:
-        group = tuple(action for action in (unit if isinstance(unit, tuple) else (unit,))
-                      if action.microbatch < microbatches)
-        if group:
-            kept.append(group)
-    return kept
 
 
 class _DualPipeVRank:
@@ -67,34 +62,38 @@ class _DualPipeVRank:
     def __init__(self, pp: int, microbatches: int, rank: int) -> None:
         self.pp, self.microbatches, self.rank = pp, microbatches, rank
         self.down, self.up = rank, 2 * pp - 1 - rank
-        self.actions: list[Action] = []
-        self.next = Counter()
+        self.order_so_far: list[Unit] = []
+        self.started = Counter()
         self.deferred: deque[Action] = deque()
 
     def forward(self, stage: int) -> None:
-        self._append(stage, FORWARD, FORWARD)
+        self.order_so_far.append(self._next(stage, FORWARD))
 
     def backward(self, stage: int, split: bool = False) -> None:
         """B, or with `split` only I, its W queued for a later `weight` (first in, first out)."""
-        if split:
-            self.deferred.append(Action(stage, BACKWARD_WEIGHT, self.next[stage, BACKWARD_INPUT]))
-        self._append(stage, BACKWARD_INPUT if split else FULL_BACKWARD, BACKWARD_INPUT)
+        self.order_so_far.append(self._next_backward(stage, split))
 
     def pair(self, forward_stage: int, backward_stage: int) -> None:
-        """A forward and a full backward of another microbatch, as one overlapped unit."""
-        start = len(self.actions)
-        self.forward(forward_stage)
-        self.backward(backward_stage)
-        self.actions[start:] = [tuple(self.actions[start:])]
+        """A forward and the full backward of another microbatch, as one overlapped unit."""
+        self.order_so_far.append((self._next(forward_stage, FORWARD), self._next_backward(backward_stage)))
 
     def weight(self) -> None:
-        self.actions.append(self.deferred.popleft())
+        self.order_so_far.append(self.deferred.popleft())
 
-    def _append(self, stage: int, kind: str, counter: str) -> None:
-        self.actions.append(Action(stage, kind, self.next[stage, counter]))
-        self.next[stage, counter] += 1
+    def _next_backward(self, stage: int, split: bool = False) -> Action:
+        backward = self._next(stage, BACKWARD_INPUT)
+        if not split:
+            return Action(stage, FULL_BACKWARD, backward.microbatch)
+        self.deferred.append(Action(stage, BACKWARD_WEIGHT, backward.microbatch))
+        return backward
 
-    def order(self) -> list[Action]:
+    def _next(self, stage: int, kind: str) -> Action:
+        """The next microbatch of `kind` on `stage` (I counts full backwards too)."""
+        action = Action(stage, kind, self.started[stage, kind])
+        self.started[stage, kind] += 1
+        return action
+
+    def order(self) -> list[Unit]:
         pp, rank, down, up = self.pp, self.rank, self.down, self.up
         for _ in range(2 * (pp - 1 - rank)):
             self.forward(down)
@@ -107,6 +106,8 @@ class _DualPipeVRank:
             self.forward(up)
         for index in range(self.microbatches - 2 * pp + 1 + rank):
             if index == 0 and rank == pp - 1:
+                # DeepSeek runs the last rank's first pair unpaired "to further reduce bubble size": its forward
+                # then does not wait for the backward's gradient.
                 self.forward(down)
                 self.backward(up)
             else:
@@ -121,7 +122,7 @@ class _DualPipeVRank:
             self.backward(down, split=True)
         while self.deferred:
             self.weight()
-        return self.actions
+        return self.order_so_far
 
     def _drain_both_chunks(self) -> None:
         """Phase 6: r+1 pairs of backwards, the later half split. The split starts one backward earlier on odd

@@ -15,6 +15,7 @@ from .actions import (
     FORWARD,
     Action,
     Schedule,
+    below,
     check_sizes,
     looped_placement,
     v_placement,
@@ -30,9 +31,10 @@ def zb_h1_schedule(pp: int, microbatches: int) -> Schedule:
 
     Rank r runs p−1−r warmup forwards, then per microbatch k: the next F, I of k, and W of k−r; the r deferred
     W passes fill the cooldown, where 1F1B would wait for gradients. Every rank holds at most p microbatches
-    (F run, W not yet): 1F1B's peak, on every rank rather than only on rank 0. The last input gradient reaches
-    rank 0 (p−1)·(F+I−W) later than 1F1B's critical path would allow for: idle (p−1)(F+I−W) per rank, the
-    paper's number, for m ≥ p and W ≤ F (with F = I = W: (p−1)·F, a third of 1F1B's).
+    (F run, W not yet): 1F1B's peak, on every rank rather than only on rank 0. Idle per rank: the ramp-up of
+    forwards (p−1)F and the ramp-down of input gradients (p−1)I, less the (p−1)W of deferred weight passes
+    that run inside them: (p−1)(F+I−W), the paper's number, exact for m ≥ p when W ≤ F (with F = I = W:
+    (p−1)·F, a third of 1F1B's).
     """
     check_zb_h1(pp, microbatches)
     compute = []
@@ -73,14 +75,15 @@ def zbv_schedule(pp: int, microbatches: int) -> Schedule:
     remaining I passes and fills the gaps with the W passes. Peak: 2p chunk-microbatches on every rank, the
     activations of p full stages, 1F1B's peak.
 
-    With F = I = W the only idle time is the warmup ramp: idle (p−1)·F per rank, a fraction
-    (p−1)F / (6mF + (p−1)F) = (p−1)/(6m+p−1) — ⅙ of 1F1B's at the same memory, below 1/(6·2+1) ≈ 8 % for
-    m ≥ 2p at any p. Fewer microbatches than 2p−1 run the 2p−1 schedule with the missing ones left out.
+    With F = I = W the only idle time is the warmup ramp, (p−1)·F per rank, which no schedule on this
+    placement avoids (the last rank's first forward needs p−1 forwards before it): a fraction (p−1)/(6m+p−1),
+    a sixth of 1F1B's idle time at the same memory, below 1/13 ≈ 7.7 % for any p once m ≥ 2p. With unequal
+    costs this fixed order idles longer (the ramp is then a lower bound). Fewer microbatches than 2p−1 run the
+    2p−1 schedule with the missing ones left out.
     """
     check_sizes(pp, microbatches)
     filled = max(microbatches, 2 * pp - 1)
-    compute = [[action for action in _zbv_order(pp, filled, rank) if action.microbatch < microbatches]
-               for rank in range(pp)]
+    compute = [below(microbatches, _zbv_order(pp, filled, rank)) for rank in range(pp)]
     return with_communication("zbv", pp, microbatches, v_placement(pp), compute)
 
 
@@ -90,6 +93,7 @@ def _zbv_order(pp: int, microbatches: int, rank: int) -> list[Action]:
     done = {(stage, kind): 0 for stage in (down, up) for kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)}
 
     def run(stage: int, kind: str) -> None:
+        """The next microbatch of `kind` on `stage`."""
         order.append(Action(stage, kind, done[stage, kind]))
         done[stage, kind] += 1
 
@@ -121,6 +125,7 @@ def _zbv_order(pp: int, microbatches: int, rank: int) -> list[Action]:
 
 
 def zbv_bubble(pp: int, microbatches: int, virtual_stages: int, costs: Costs) -> float:
-    """The warmup ramp (p−1)·F beside 2m(F+I+W) of work per rank: exact for F = I = W and m ≥ 2p−1."""
+    """The warmup ramp (p−1)·F beside 2m(F+I+W) of work per rank: exact for F = I = W and m ≥ 2p−1, a lower
+    bound otherwise."""
     idle = (pp - 1) * costs.forward
     return idle / (2 * microbatches * (costs.forward + costs.backward_input + costs.backward_weight) + idle)
