@@ -197,7 +197,7 @@ def test_a_planted_deadlock_names_both_receives_that_wait_for_each_other():
     with pytest.raises(ScheduleError) as error:
         simulate(crossing)
     message = str(error.value)
-    assert message.startswith("deadlock")
+    assert message.startswith("planted: deadlock")
     assert "rank 0 step 3: 0RECV_B0 waits for 1SEND_B0" in message
     assert "rank 1 step 3: 1RECV_F1 waits for 0SEND_F1" in message
     assert ">0RECV_B0<" in message and ">1RECV_F1<" in message

@@ -87,6 +87,8 @@ class Interval(NamedTuple):
 
 @dataclass(frozen=True)
 class Simulation:
+    """What `simulate` found: the times of every action and the measures derived from them."""
+
     schedule: Schedule
     costs: Costs
     makespan: float
@@ -156,7 +158,7 @@ class _Replay:
 
     def run(self) -> None:
         moved = True
-        while moved:
+        while moved:  # a list, not a generator: every rank gets its turn in each round
             moved = any([self._advance(rank) for rank in range(self.schedule.pp)])
         stuck = [rank for rank, actions in enumerate(self.schedule.actions) if self.position[rank] < len(actions)]
         if stuck:
@@ -192,7 +194,8 @@ class _Replay:
         return Interval(action, start, start + self.costs.of(action.kind))
 
     def _deadlock_message(self, stuck: list[int]) -> str:
-        lines = ["deadlock: every unfinished rank waits for a message that is never sent"]
+        lines = [f"{self.schedule.name}: deadlock: every unfinished rank waits at a receive whose send comes after "
+                 f"another rank's wait"]
         for rank in stuck:
             step = self.position[rank]
             waiting = self.schedule.actions[rank][step]
