@@ -349,6 +349,7 @@ def check_trace(trace: dict, simulation: Simulation) -> None:
     sends = sum(1 for event in complete if "SEND" in event["name"])
     assert len(starts) == len(finishes) == sends > 0
     assert all(starts[key]["pid"] != finishes[key]["pid"] for key in starts)
+    assert all(starts[key]["ts"] <= finishes[key]["ts"] for key in starts)
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -159,8 +159,10 @@ def _flow_events(simulation: Simulation) -> list[dict[str, Any]]:
             receiver, receive = receives[partner(interval.action)]
             common = {"name": "p2p", "cat": "p2p", "id": len(flows) // 2, "tid": COMMUNICATION_THREAD}
             flows.append({**common, "ph": "s", "pid": rank, "ts": interval.start * MICROSECONDS_PER_UNIT})
-            flows.append({**common, "ph": "f", "bp": "e", "pid": receiver,
-                          "ts": receive.start * MICROSECONDS_PER_UNIT})
+            # Inside the receive's slice (posted ... data arrived) and never before the send: the arrow points
+            # forward in time even when the receive was posted first.
+            arrival = max(receive.start, interval.start)
+            flows.append({**common, "ph": "f", "bp": "e", "pid": receiver, "ts": arrival * MICROSECONDS_PER_UNIT})
     return flows
 
 
