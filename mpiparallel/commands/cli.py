@@ -19,6 +19,7 @@ import click
 
 from .. import __version__
 from . import launch
+from .schedule import schedule as schedule_command
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
 REDUCTION_OPS = ("sum", "prod", "max", "min", "avg")
@@ -399,3 +400,8 @@ def _parse_ids(text: str) -> list[int]:
     if not ids:
         raise click.BadParameter("needs at least one token id", param_hint="'--prompt-ids'")
     return ids
+
+
+# -- schedule (no MPI: it simulates the pipeline's ranks) -----------------------------------------------------
+
+main.add_command(schedule_command)
