@@ -28,6 +28,7 @@ prefetching the next unit's, and frees them afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,13 +101,13 @@ class ShardSegment:
     real shape (AdamW decays only ≥2-D weights).
     """
 
-    __slots__ = ("name", "data", "grad", "full_shape", "placement", "parameter")
+    __slots__ = ("name", "data", "grad", "full_shape", "placement", "parameter", "start", "stop")
 
     def __init__(self, parameter: Parameter, start: int, stop: int, data: Array, grad: Array,
-                 full_shape: tuple[int, ...]) -> None:
+                 full_shape: tuple[int, ...], axes: tuple[str, ...]) -> None:
         self.name, self.data, self.grad, self.full_shape = f"{parameter.name}[{start}:{stop}]", data, grad, full_shape
-        self.parameter = parameter
-        self.placement = parameter.placement | {DP_AXIS: FlatShard(start, stop)}
+        self.parameter, self.start, self.stop = parameter, start, stop
+        self.placement = parameter.placement | {axis: FlatShard(start, stop) for axis in axes}
 
 
 class DataParallel(ParameterHooks):
@@ -123,21 +124,25 @@ class DataParallel(ParameterHooks):
         optimizer.step(lr)             # an optimizer built over engine.optimizer_parameters()
         engine.after_update()
 
-    Every parameter's placement gains `Partial` on "dp" (each rank's gradient is its rows' share); ZeRO's
-    optimizer pieces carry `FlatShard` on "dp" instead.
+    `axes` are the mesh axes `comm` spans (("dp",), or ("dp", "cp") when context-parallel ranks also sum their
+    gradients): every parameter's placement gains `Partial` on them (each rank's gradient is its tokens' share);
+    ZeRO's optimizer pieces carry `FlatShard` on them instead. `select` (default: all) picks the parameters
+    this engine reduces, for models whose parameters are summed over different groups (experts).
     """
 
     def __init__(self, model: Any, comm: Communicator, zero: int = 0, bucket_mb: float = 25.0,
-                 overlap: bool = True, algo: str = "auto") -> None:
+                 overlap: bool = True, algo: str = "auto", axes: tuple[str, ...] = (DP_AXIS,),
+                 select: Callable[[Parameter], bool] | None = None) -> None:
         if zero not in ZERO_STAGES:
             raise ConfigError(f"--zero must be one of {ZERO_STAGES}, got {zero}")
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb must be positive, got {bucket_mb}")
-        self.model, self.comm, self.zero, self.overlap, self.algo = model, comm, zero, overlap, algo
-        self.units = model.unit_parameters()
+        self.model, self.comm, self.zero, self.overlap, self.algo, self.axes = model, comm, zero, overlap, algo, axes
+        self.units = [[param for param in params if select is None or select(param)]
+                      for params in model.unit_parameters()]
         for params in self.units:
             for param in params:
-                param.placement[DP_AXIS] = PARTIAL
+                param.placement |= {axis: PARTIAL for axis in axes}
         self.buckets = build_buckets(self.units, int(bucket_mb * 2**20), comm.size)
         self.xp = get_array_module(self.buckets[0].params[0].data)
         self.dtype = self.buckets[0].params[0].data.dtype
@@ -227,7 +232,7 @@ class DataParallel(ParameterHooks):
                 if lo < hi:
                     local = slice(lo - shard.start, hi - shard.start)
                     segments.append(ShardSegment(param, lo - offset, hi - offset, self.param_shards[index][local],
-                                                 self.grad_shards[index][local], self._shape(param)))
+                                                 self.grad_shards[index][local], self._shape(param), self.axes))
         return segments
 
     # -- a step -----------------------------------------------------------------------------------------------
@@ -437,8 +442,7 @@ class DataParallel(ParameterHooks):
         """The inverse of `gather_pieces`: this rank's pieces of whole-parameter arrays (no communication)."""
         if self.zero == 0:
             return dict(whole)
-        return {segment.name: whole[segment.parameter.name].reshape(-1)[segment.placement[DP_AXIS].start:
-                                                                        segment.placement[DP_AXIS].stop]
+        return {segment.name: whole[segment.parameter.name].reshape(-1)[segment.start:segment.stop]
                 for segment in self._segments}
 
     def _segments_of(self, index: int) -> list[ShardSegment]:
@@ -449,5 +453,4 @@ class DataParallel(ParameterHooks):
         """Where `segment` lies in this rank's shard of bucket `index`."""
         bucket = self.buckets[index]
         offset = bucket.offsets[bucket.params.index(segment.parameter)] - self._shard(bucket).start
-        flat = segment.placement[DP_AXIS]
-        return slice(offset + flat.start, offset + flat.stop)
+        return slice(offset + segment.start, offset + segment.stop)
