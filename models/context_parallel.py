@@ -57,7 +57,15 @@ import numpy as np
 from collectives import Communicator, all_gather, all_to_all, reduce_scatter
 from collectives.backend import Array, get_array_module
 
-from .layers import QUERY_BLOCK, CausalSelfAttention, Layer, Saved, row_sums, softmax_backward
+from .layers import (
+    QUERY_BLOCK,
+    CausalSelfAttention,
+    Layer,
+    ProjectedAttention,
+    Saved,
+    row_sums,
+    softmax_backward,
+)
 
 VARIANTS = ("ring", "all-gather", "ulysses")
 KEY_VALUE_TAG, KEY_VALUE_GRADIENT_TAG = 1, 2  # the ring's point-to-point tags, below the collectives' tags
@@ -217,10 +225,13 @@ def _queries_and_keys_values(qkv: Array, n_head: int) -> tuple[Array, Array]:
     return q, get_array_module(qkv).ascontiguousarray(parts[:, :, 1:])
 
 
-class KeyValueBlockAttention(Layer):
+class KeyValueBlockAttention(ProjectedAttention):
     """Attention of this rank's queries to every CP rank's K/V block, one block at a time; ring and all-gather
     differ only in how the blocks reach this rank and how their gradients return (`_key_value_blocks` and
-    `_key_value_blocks_backward`, generators the attention loop pulls from)."""
+    `_key_value_blocks_backward`, generators the attention loop pulls from). Backward is `ProjectedAttention`'s
+    around `_backward_to_qkv`."""
+
+    input_pass_only = ("q", "kv", "merged", "log_sum_exp")
 
     def __init__(self, qkv: Any, projection: Any, n_head: int, comm: Any) -> None:
         self.qkv, self.projection, self.n_head = qkv, projection, n_head
@@ -245,17 +256,6 @@ class KeyValueBlockAttention(Layer):
         out, projection_saved = self.projection.forward(merged)
         return out, Saved(qkv=qkv_saved, projection=projection_saved, q=q, kv=kv, merged=merged,
                           log_sum_exp=log_sum_exp)
-
-    def backward_input(self, saved: Saved, dout: Array) -> Array:
-        dqkv = self._backward_to_qkv(saved, self.projection.backward_input(saved.projection, dout))
-        for name in ("q", "kv", "merged", "log_sum_exp"):  # only the input pass needed them
-            delattr(saved, name)
-        return self.qkv.backward_input(saved.qkv, dqkv)
-
-    def backward_weights(self, saved: Saved) -> None:
-        self.projection.backward_weights(saved.projection)
-        self.qkv.backward_weights(saved.qkv)
-        saved.clear()
 
     def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
         """d(qkv) (B, t, 3·H·d) from d(merged heads): d(q) here, d(K/V) of this rank's block from wherever its

@@ -309,7 +309,31 @@ def query_blocks(queries: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, queries)) for start in range(0, queries, block)]
 
 
-class CausalSelfAttention(Layer):
+class ProjectedAttention(Layer):
+    """The backward every attention layer between the fused qkv projection (`qkv`) and the output projection
+    (`projection`) shares, however its heads attend: the input pass runs the output projection's, the layer's
+    own `_backward_to_qkv` (d(qkv) from d(merged heads)) and the qkv projection's, then drops what only it
+    needed (`input_pass_only`, names in `saved`); the weight pass is the two projections'. The context-parallel
+    variants (`models.context_parallel`) are the other subclasses."""
+
+    input_pass_only: tuple[str, ...] = ()
+
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        dqkv = self._backward_to_qkv(saved, self.projection.backward_input(saved.projection, dout))
+        for name in self.input_pass_only:
+            delattr(saved, name)
+        return self.qkv.backward_input(saved.qkv, dqkv)
+
+    def backward_weights(self, saved: Saved) -> None:
+        self.projection.backward_weights(saved.projection)
+        self.qkv.backward_weights(saved.qkv)
+        saved.clear()
+
+    def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
+        raise NotImplementedError
+
+
+class CausalSelfAttention(ProjectedAttention):
     """Multi-head causal self-attention: fused qkv projection, per-head softmax(q·kᵀ/√d)·v, output projection.
 
     The heads stay views into the projection's (B, T, 3, H, d) output: the matrix products read and write them
@@ -321,6 +345,8 @@ class CausalSelfAttention(Layer):
     `keep_probabilities=False` is selective recomputation: forward keeps no softmax probabilities (no term in
     s²) and backward recomputes each query block's from the kept q and k, one block at a time.
     """
+
+    input_pass_only = ("q", "k", "v", "merged", "probs")
 
     def __init__(self, qkv: Any, projection: Any, n_head: int, query_block: int = QUERY_BLOCK,
                  keep_probabilities: bool = True) -> None:
@@ -372,17 +398,6 @@ class CausalSelfAttention(Layer):
         """Causal softmax of query rows [start, stop) over keys [0, offset + stop)."""
         scores = q[:, :, start:stop] @ k[:, :, :offset + stop].transpose(0, 1, 3, 2)
         return causal_softmax(scores, offset=offset + start)
-
-    def backward_input(self, saved: Saved, dout: Array) -> Array:
-        dqkv = self._backward_to_qkv(saved, self.projection.backward_input(saved.projection, dout))
-        for name in ("q", "k", "v", "merged", "probs"):  # only the input pass needed them
-            delattr(saved, name)
-        return self.qkv.backward_input(saved.qkv, dqkv)
-
-    def backward_weights(self, saved: Saved) -> None:
-        self.projection.backward_weights(saved.projection)
-        self.qkv.backward_weights(saved.qkv)
-        saved.clear()
 
     def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
         """d(qkv), in the projection output's layout, from d(merged heads)."""
