@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator, all_gather, all_to_all, reduce_scatter
-from collectives.backend import Array, get_array_module
+from collectives.backend import Array, HostStaging, get_array_module
 
 from .layers import (
     QUERY_BLOCK,
@@ -309,12 +309,13 @@ class RingAttention(KeyValueBlockAttention):
         spare = [xp.empty_like(kv) for _ in range(min(cp - 1, 2))]  # receive into one while the other is sent
         block = kv
         for step in range(cp - 1):
-            arriving = spare[step % 2]
-            requests = [comm.irecv(arriving, (rank - 1) % cp, KEY_VALUE_TAG),
+            arriving, staging = spare[step % 2], HostStaging()  # a host mirror for a device array, if MPI needs one
+            requests = [comm.irecv(staging.incoming(arriving), (rank - 1) % cp, KEY_VALUE_TAG),
                         comm.isend(block, (rank + 1) % cp, KEY_VALUE_TAG)]
             yield (rank - step) % cp, block
             for request in requests:
                 request.Wait()
+            staging.finish()
             block = arriving
         yield (rank + 1) % cp, block
 

@@ -86,6 +86,16 @@ def test_a_group_of_one_equals_full_causal_attention(variant):
         assert worst_error(report) <= TOLERANCE, report
 
 
+def test_on_the_cupy_test_double_with_host_staging_every_variant_equals_full_causal_attention():
+    device = {"MPIPARALLEL_TEST_ARRAYS": "fake", "MPIPARALLEL_CUDA_AWARE": "0"}  # MPI never sees a device buffer
+    suite = {variant: {"check": "compare_with_full_attention", "variant": variant, "cases": cases(2)[1:2]}
+             for variant in VARIANTS}
+    for rank_result in run_on_ranks(2, "workers.context_parallel_checks:suite", env=device, checks=suite):
+        for variant in VARIANTS:
+            (report,) = rank_result[variant]
+            assert worst_error(report) <= TOLERANCE, (variant, report)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_layers_leave_dout_untouched_and_free_their_saved_state(launches, cp, variant):

@@ -14,6 +14,8 @@ from models.context_parallel import context_parallel_attention, zigzag_shard, zi
 from models.layers import CausalSelfAttention, Linear
 from models.parameter import Parameter
 
+from .arrays import host, parallel_array_module
+
 SEED = 13
 PARAMETERS = ("c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias")
 
@@ -37,11 +39,11 @@ def attention_problem(batch: int, length: int, n_embd: int, n_head: int) -> dict
     return {name: rng.standard_normal(shape) * 0.5 for name, shape in shapes.items()}
 
 
-def projections(problem: dict[str, np.ndarray]) -> tuple[Linear, Linear]:
-    """Fresh qkv and output projections holding copies of the problem's weights, zero gradients."""
+def projections(problem: dict[str, np.ndarray], xp: Any = np) -> tuple[Linear, Linear]:
+    """Fresh qkv and output projections holding copies of the problem's weights (on `xp`), zero gradients."""
     def linear(name: str) -> Linear:
-        return Linear(Parameter(f"{name}.weight", problem[f"{name}.weight"].copy()),
-                      Parameter(f"{name}.bias", problem[f"{name}.bias"].copy()))
+        return Linear(Parameter(f"{name}.weight", xp.array(problem[f"{name}.weight"])),
+                      Parameter(f"{name}.bias", xp.array(problem[f"{name}.bias"])))
     return linear("c_attn"), linear("c_proj")
 
 
@@ -59,37 +61,38 @@ def full_attention(problem: dict[str, np.ndarray], n_head: int) -> tuple[np.ndar
     return out, dx, gradients(qkv, projection)
 
 
-def gather_sequence(local: np.ndarray, comm: C.Communicator) -> np.ndarray:
-    """Every CP rank's zigzag piece, back in sequence order."""
-    return zigzag_unsplit(C.all_gather(local[None], comm))
+def gather_sequence(local: Any, comm: C.Communicator) -> np.ndarray:
+    """Every CP rank's zigzag piece, back in sequence order, on the host."""
+    return zigzag_unsplit(host(C.all_gather(local[None], comm)))
 
 
 def compare_with_full_attention(variant: str, cases: list[dict[str, int]], algo: str = "auto",
                                 keep_probabilities: bool = True) -> list[dict[str, Any]]:
     """Per case (batch, length, n_embd, n_head): worst relative errors of the CP layer's output and d(input)
     (gathered to sequence order) and of its weight gradients (summed over the group) against full attention;
-    whether dout was left untouched and the saved state emptied."""
+    whether dout was left untouched and the saved state emptied. The CP layer runs on the arrays of
+    MPIPARALLEL_TEST_ARRAYS, the reference on NumPy."""
     return [_compare_one(variant, algo, keep_probabilities, **case) for case in cases]
 
 
 def _compare_one(variant: str, algo: str, keep_probabilities: bool, batch: int, length: int, n_embd: int,
                  n_head: int) -> dict[str, Any]:
-    comm = C.world()
+    comm, xp = C.world(), parallel_array_module()
     problem = attention_problem(batch, length, n_embd, n_head)
     want_out, want_dx, want_grads = full_attention(problem, n_head)
-    qkv, projection = projections(problem)
+    qkv, projection = projections(problem, xp)
     layer = context_parallel_attention(variant, qkv, projection, n_head, comm, algo=algo, query_block=3,
                                        keep_probabilities=keep_probabilities)
-    dout = zigzag_shard(problem["dout"], comm.rank, comm.size)
+    dout = xp.asarray(zigzag_shard(problem["dout"], comm.rank, comm.size))
     dout_before = dout.copy()
-    out, saved = layer.forward(zigzag_shard(problem["x"], comm.rank, comm.size))
+    out, saved = layer.forward(xp.asarray(zigzag_shard(problem["x"], comm.rank, comm.size)))
     dx = layer.backward_input(saved, dout)
     layer.backward_weights(saved)
     report = {"out": relative_error(gather_sequence(out, comm), want_out),
               "dx": relative_error(gather_sequence(dx, comm), want_dx),
-              "dout_untouched": bool(np.array_equal(dout, dout_before)), "saved_freed": not vars(saved)}
+              "dout_untouched": bool(np.array_equal(host(dout), host(dout_before))), "saved_freed": not vars(saved)}
     for name, grad in gradients(qkv, projection).items():
-        report[name] = relative_error(C.all_reduce(grad, comm), want_grads[name])
+        report[name] = relative_error(host(C.all_reduce(grad, comm)), want_grads[name])
     return report
 
 
