@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -242,8 +243,8 @@ class KeyValueBlockAttention(ProjectedAttention):
         return causal_chunk_pairs(self.chunks, zigzag_chunks(source, self.comm.size))
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        _check_local_length(x)
-        qkv, qkv_saved = self.qkv.forward(x)
+        qkv, qkv_saved = self.qkv.forward(x)  # with SP: the whole of this CP rank's tokens, gathered over tp
+        _check_local_length(qkv)
         q, kv = _queries_and_keys_values(qkv, self.n_head)
         merged = get_array_module(q).empty_like(q)
         attention = OnlineSoftmax(_heads(q), _heads(merged))
@@ -252,7 +253,7 @@ class KeyValueBlockAttention(ProjectedAttention):
             for query, key, diagonal in self._pairs(source):
                 attention.add(query, _chunk(keys, key), _chunk(values, key), diagonal)
         log_sum_exp = attention.finish()
-        merged = merged.reshape(*x.shape[:2], -1)
+        merged = merged.reshape(*q.shape[:2], -1)
         out, projection_saved = self.projection.forward(merged)
         return out, Saved(qkv=qkv_saved, projection=projection_saved, q=q, kv=kv, merged=merged,
                           log_sum_exp=log_sum_exp)
@@ -403,7 +404,8 @@ class SequenceToHeads(Layer):
         self.qkv, self.comm, self.n_head, self.algo = qkv, comm, n_head, algo
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        qkv, saved = self.qkv.forward(x)
+        qkv, saved = self.qkv.forward(x)  # with SP: the whole of this CP rank's tokens, gathered over tp
+        _check_local_length(qkv)
         return sequence_to_heads(qkv, self.comm, self.n_head, 3, self.algo), saved
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
@@ -454,7 +456,6 @@ class UlyssesAttention(Layer):
                                          query_block, keep_probabilities)
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        _check_local_length(x)
         return self.local.forward(x)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
@@ -482,3 +483,15 @@ def context_parallel_attention(variant: str, qkv: Any, projection: Any, n_head: 
     if variant == "ulysses":
         return UlyssesAttention(qkv, projection, n_head, comm, algo, query_block, keep_probabilities)
     raise ValueError(f"unknown context-parallel attention {variant!r}; valid: {', '.join(VARIANTS)}")
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """What a model needs to run context-parallel: the CP communicator and the attention variant."""
+
+    comm: Communicator
+    variant: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown context-parallel attention {self.variant!r}; valid: {', '.join(VARIANTS)}")

@@ -27,6 +27,7 @@ import numpy as np
 
 from collectives.backend import Array, get_array_module, like, to_host
 
+from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
 from .layers import (
     MLP,
     QUERY_BLOCK,
@@ -143,12 +144,14 @@ class GPT:
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
     `query_block` the attention's query block length; neither changes the numbers. `units` (default: all) are
     the units this process holds — a pipeline stage builds only its own layers and parameters; the others are
-    None in `units`/`blocks`.
+    None in `units`/`blocks`. `context` makes attention context-parallel: the model then takes this CP rank's
+    two zigzag chunks of every sequence (`models.context_parallel.zigzag_shard`) and computes their share.
     """
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
-                 recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None) -> None:
-        self.config = config
+                 recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
+                 context: ContextParallelGroup | None = None) -> None:
+        self.config, self.context = config, context
         self._hold(units)
         self.params = {name: Parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)))
                        for name, shape in self.local_parameter_shapes().items()}
@@ -187,12 +190,19 @@ class GPT:
 
     def _block(self, i: int) -> Block:
         prefix = f"transformer.h.{i}"
-        attention = CausalSelfAttention(self._column_parallel(f"{prefix}.attn.c_attn"),
-                                        self._row_parallel(f"{prefix}.attn.c_proj"), self._local_heads(),
-                                        self.query_block, keep_probabilities=self.recompute != "selective")
+        attention = self._attention(self._column_parallel(f"{prefix}.attn.c_attn"),
+                                    self._row_parallel(f"{prefix}.attn.c_proj"))
         mlp = MLP(self._column_parallel(f"{prefix}.mlp.c_fc"), self._row_parallel(f"{prefix}.mlp.c_proj"))
         return Block(self._layer_norm(f"{prefix}.ln_1"), attention, self._layer_norm(f"{prefix}.ln_2"), mlp,
                      recompute_full=self.recompute == "full")
+
+    def _attention(self, qkv: Any, projection: Any) -> Any:
+        """Causal self-attention over the whole sequence, or with a CP group over its zigzag chunks."""
+        keep = self.recompute != "selective"
+        if self.context is None:
+            return CausalSelfAttention(qkv, projection, self._local_heads(), self.query_block, keep_probabilities=keep)
+        return context_parallel_attention(self.context.variant, qkv, projection, self._local_heads(),
+                                          self.context.comm, query_block=self.query_block, keep_probabilities=keep)
 
     def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter]:
         return self.params[f"{prefix}.weight"], self.params[f"{prefix}.bias"]
@@ -239,6 +249,16 @@ class GPT:
         if length % self.sequence_shards:
             raise ValueError(f"sequence parallelism splits the sequence over tp ranks: sequence length {length} "
                              f"must be divisible by tp ({self.sequence_shards})")
+        if self.context is not None and length % 2:
+            raise ValueError(f"context parallelism holds two equal chunks per rank: {length} local tokens")
+
+    def positions(self, length: int) -> Array | None:
+        """The global positions of `length` local tokens: None (0 … length−1) without context parallelism,
+        else this CP rank's two zigzag chunks of a sequence of length·cp."""
+        if self.context is None:
+            return None
+        comm = self.context.comm
+        return zigzag_positions(length * comm.size, comm.rank, comm.size)
 
     # -- forward and backward over a range of units ------------------------------------------------------------
 
@@ -271,7 +291,8 @@ class GPT:
     def _forward_unit(self, unit: int, x: Array, targets: Array | None, normalizer: float | None) -> Any:
         if unit == 0:
             self.check_tokens(x)
-            return self.embedding.forward(like(self.embedding.token.data, x))  # host token ids go to the device
+            tokens = like(self.embedding.token.data, x)  # host token ids go to the device
+            return self.embedding.forward(tokens, positions=self.positions(x.shape[-1]))
         if unit < self.unit_count - 1:
             return self.blocks[unit - 1].forward(x)
         if targets is None:

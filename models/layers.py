@@ -517,10 +517,12 @@ class Embedding(Layer):
     def __init__(self, token: Parameter, position: Parameter) -> None:
         self.token, self.position = token, position
 
-    def forward(self, tokens: Array, start: int = 0) -> tuple[Array, Saved]:
-        """Embed (B, T) token ids sitting at positions start … start+T−1."""
-        x = self.token.data[tokens] + self.position.data[start:start + tokens.shape[-1]]
-        return x, Saved(tokens=tokens, start=start)
+    def forward(self, tokens: Array, start: int = 0, positions: Array | None = None) -> tuple[Array, Saved]:
+        """Embed (B, T) token ids sitting at positions start … start+T−1, or at the distinct `positions` (T,)
+        given (context parallelism holds two chunks of the sequence)."""
+        rows = slice(start, start + tokens.shape[-1]) if positions is None else positions
+        x = self.token.data[tokens] + self.position.data[rows]
+        return x, Saved(tokens=tokens, rows=rows)
 
     def backward_input(self, saved: Saved, dout: Array) -> None:
         saved.dout = dout
@@ -537,7 +539,7 @@ class Embedding(Layer):
             scatter_add(grad.reshape(-1), entries.reshape(-1), dout.reshape(-1))
         else:  # a strided gradient view: reshape(-1) would scatter into a copy
             scatter_add(grad, tokens.reshape(-1), dout.reshape(-1, channels))
-        self.position.grad[saved.start:saved.start + dout.shape[-2]] += dout.sum(axis=0)
+        self.position.grad[saved.rows] += dout.sum(axis=0)  # distinct positions: no index repeats
         saved.clear()
 
 

@@ -241,16 +241,20 @@ class VocabParallelEmbedding(Layer):
     def __init__(self, token: Parameter, position: Parameter, group: TensorParallelGroup, vocab_start: int) -> None:
         self.token, self.position, self.group, self.vocab_start = token, position, group, vocab_start
 
-    def forward(self, tokens: Array) -> tuple[Array, Saved]:
+    def forward(self, tokens: Array, positions: Array | None = None) -> tuple[Array, Saved]:
+        """Embed (B, T) token ids at positions 0 … T−1, or at the distinct `positions` (T,) given (context
+        parallelism); with SP this rank keeps its slice of the sequence."""
         xp = get_array_module(tokens)
+        if positions is None:
+            positions = xp.arange(tokens.shape[-1])
         local = tokens - self.vocab_start
         elsewhere = (local < 0) | (local >= self.token.data.shape[0])  # another rank's tokens
         rows = xp.where(elsewhere, 0, local)
         partial = self.token.data[rows]
         partial[elsewhere] = 0
         x = self.group.out_of_row_parallel(partial)
-        x += self.position.data[self.group.sequence_positions(tokens.shape[-1])]
-        return x, Saved(rows=rows, elsewhere=elsewhere)
+        x += self.position.data[positions[self.group.sequence_positions(tokens.shape[-1])]]
+        return x, Saved(rows=rows, elsewhere=elsewhere, positions=positions)
 
     def backward_input(self, saved: Saved, dout: Array) -> None:
         saved.dout = dout
@@ -260,7 +264,7 @@ class VocabParallelEmbedding(Layer):
         dpartial = self.group.out_of_row_parallel_backward(saved.dout)  # (B, T, C): the whole sequence
         here = ~saved.elsewhere
         scatter_add(self.token.grad, saved.rows[here], dpartial[here])
-        self.position.grad[:dpartial.shape[-2]] += dpartial.sum(axis=0)
+        self.position.grad[saved.positions] += dpartial.sum(axis=0)  # distinct positions
         saved.clear()
 
 
@@ -379,11 +383,11 @@ class TensorParallelGPT(GPT):
 
     def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
                  sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
-                 query_block: int = QUERY_BLOCK, units: Any = None) -> None:
+                 query_block: int = QUERY_BLOCK, units: Any = None, context: Any = None) -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
-        self.config = config
+        self.config, self.context = config, context
         self._hold(units)
         self.params = {name: self._shard(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}

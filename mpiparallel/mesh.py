@@ -105,8 +105,9 @@ class Mesh:
         return self.world.split(flat_color, key)
 
     def communicators(self) -> dict[str, Communicator]:
-        """Axis name -> Communicator, for per-axis byte counts."""
-        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "ep": self.ep}
+        """Axis name -> Communicator, for per-axis byte counts ("dp_cp": the gradient sums when cp > 1)."""
+        axes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "ep": self.ep}
+        return axes | {"dp_cp": self.dp_cp} if self.shape.cp > 1 else axes
 
     def describe(self) -> str:
         """A table of every world rank's coordinates (for --show-mesh)."""

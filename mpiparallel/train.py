@@ -26,6 +26,7 @@ import numpy as np
 
 import collectives
 from collectives import Communicator, backend
+from models.context_parallel import ContextParallelGroup, zigzag_shard
 from models.gpt import GPT, GPTConfig, parameter_shapes
 from models.layers import block_activation_elements
 from models.parameter import (
@@ -91,6 +92,7 @@ class MeshSettings:
     microbatches: int | None = None
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    cp_attention: str = "ring"
     bucket_mb: float = 25.0
     overlap: bool = True
 
@@ -180,8 +182,9 @@ def run(settings: TrainSettings) -> int:
     train_tokens, validation_tokens = _split(settings, tokens)
     optimizer_state, first_step = _resume(settings, model)
     # a pipeline schedule interleaves microbatches and splits backward: the gradients are reduced after it
-    engine = DataParallel(model, mesh.dp, zero=settings.mesh.zero, bucket_mb=settings.mesh.bucket_mb,
-                          overlap=settings.mesh.overlap and schedule is None)
+    gradient_comm, gradient_axes = _gradient_group(mesh)
+    engine = DataParallel(model, gradient_comm, zero=settings.mesh.zero, bucket_mb=settings.mesh.bucket_mb,
+                          overlap=settings.mesh.overlap and schedule is None, axes=gradient_axes)
     optimizer = _build_optimizer(settings, engine.optimizer_parameters())
     trainer = Trainer(model, engine, optimizer, mesh, settings, schedule)
     if optimizer_state is not None:
@@ -228,11 +231,10 @@ class Trainer:
 
     def step(self, tokens: np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
-        settings, engine, comm = self.settings, self.engine, self.mesh.dp
+        settings, engine = self.settings, self.engine
         start, sent_before = time.perf_counter(), self._bytes_sent()
         inputs, targets = data.batch_for_step(tokens, step, settings.data.batch_size, settings.data.seq_len)
-        rows = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
-        pieces = data.microbatches(*rows, self.microbatches)
+        pieces = data.microbatches(*self._rows_here(inputs, targets), self.microbatches)
         engine.zero_grad()
         if self.pipeline is None:
             loss = self._microbatches_one_after_another(pieces, inputs.size)
@@ -268,9 +270,19 @@ class Trainer:
                 self.model.backward(saved, hooks=self.engine)
         return loss
 
+    def _rows_here(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's share of the global batch: its DP rank's rows, and of those its CP rank's two zigzag chunks
+        of every sequence."""
+        mesh = self.mesh
+        x, y = data.rows_for_rank(inputs, targets, mesh.dp.rank, mesh.dp.size)
+        if mesh.cp.size == 1:
+            return x, y
+        return zigzag_shard(x, mesh.cp.rank, mesh.cp.size), zigzag_shard(y, mesh.cp.rank, mesh.cp.size)
+
     def _sum_losses(self, local: float) -> float:
-        """The global batch's loss: summed over DP ranks, and over pipeline ranks (only the last stage's has it)."""
-        total = _sum_over(self.mesh.dp, local)
+        """The global batch's loss: summed over DP and CP ranks (each holds other tokens), and over pipeline ranks
+        (only the last stage's has it)."""
+        total = _sum_over(self.mesh.dp_cp, local)
         return _sum_over(self.mesh.pp, total) if self.pipeline is not None else total
 
     def _clip_gradients(self) -> float:
@@ -307,10 +319,10 @@ class Trainer:
 
     def evaluate(self, tokens: np.ndarray) -> float:
         """Mean loss over the first `eval_batches` held-out batches, each DP rank taking its rows (no update)."""
-        settings, comm, losses = self.settings, self.mesh.dp, []
+        settings, losses = self.settings, []
         for i in range(settings.data.eval_batches):
             inputs, targets = data.batch_for_step(tokens, i, settings.data.batch_size, settings.data.seq_len)
-            x, y = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
+            x, y = self._rows_here(inputs, targets)
             if self.pipeline is None:
                 loss = self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)[0]
             else:
@@ -367,8 +379,11 @@ class Trainer:
         return "\n".join(lines)
 
     def _block_activation_formula(self) -> int:
-        """`models.layers.block_activation_elements` for this run's microbatch, in bytes."""
+        """`models.layers.block_activation_elements` for this run's microbatch, in bytes (0: no formula yet for
+        context-parallel attention)."""
         settings, config = self.settings, self.model.config
+        if self.mesh.cp.size > 1:
+            return 0
         rows = settings.data.batch_size // (self.mesh.dp.size * self.microbatches)
         return np.dtype(settings.model.dtype).itemsize * block_activation_elements(
             rows, settings.data.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.mesh.sp,
@@ -397,11 +412,9 @@ def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     layout = settings.mesh
     shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
     mesh = Mesh(world, shape)
-    not_yet = {axis: getattr(mesh.shape, axis) for axis in ("cp", "ep") if getattr(mesh.shape, axis) > 1}
-    if not_yet:
-        shown = ", ".join(f"--{axis} {size}" for axis, size in not_yet.items())
-        raise ConfigError(f"{shown}: only data, tensor and pipeline parallelism (--dp, --tp, --sp, --pp) are "
-                          f"available in this version; context and expert parallelism arrive with their own issues")
+    if mesh.shape.ep > 1:
+        raise ConfigError(f"--ep {mesh.shape.ep}: data, tensor, pipeline and context parallelism (--dp, --tp, --sp, "
+                          f"--pp, --cp) are available in this version; expert parallelism arrives with its own issue")
     if mesh.shape.pp > 1 and settings.mesh.zero >= 2:
         raise ConfigError(f"--zero {settings.mesh.zero} with --pp: ZeRO-2 and 3 reduce gradients (and ZeRO-3 "
                           f"gathers parameters) unit by unit inside one microbatch's backward, but a pipeline "
@@ -440,7 +453,7 @@ def microbatch_count(settings: TrainSettings, mesh: Mesh) -> int:
 def activation_shape(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> tuple[int, int, int]:
     """The (rows, positions, channels) activation one microbatch hands from stage to stage on this rank."""
     rows = settings.data.batch_size // (mesh.shape.dp * microbatch_count(settings, mesh))
-    positions = settings.data.seq_len // (mesh.shape.tp if settings.mesh.sp else 1)
+    positions = settings.data.seq_len // mesh.shape.cp // (mesh.shape.tp if settings.mesh.sp else 1)
     return rows, positions, config.n_embd
 
 
@@ -488,7 +501,7 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
                           f"{settings.data.seq_len} must be divisible by {tp}")
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
-              "units": units}
+              "units": units, "context": _context(settings, mesh, config)}
     if tp == 1:
         model = GPT(config, **common)
     else:
@@ -502,6 +515,29 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
     if settings.model.init:
         model.load_state_dict(checkpoint.load_pretrained(settings.model.init)[1])
     return model
+
+
+def _context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextParallelGroup | None:
+    """The CP group and attention variant (None without --cp), after the checks that give one clear message."""
+    cp, tp, variant = mesh.shape.cp, mesh.shape.tp, settings.mesh.cp_attention
+    if cp == 1:
+        return None
+    if settings.data.seq_len % (2 * cp):
+        raise ConfigError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks: --seq-len "
+                          f"{settings.data.seq_len} must be divisible by {2 * cp}")
+    if settings.mesh.sp and (settings.data.seq_len // cp) % tp:
+        raise ConfigError(f"--sp with --cp {cp}: each CP rank's {settings.data.seq_len // cp} tokens must be "
+                          f"divisible by tp ({tp})")
+    if variant == "ulysses" and config.n_head % (cp * tp):
+        raise ConfigError(f"--cp-attention ulysses shares the heads out over cp·tp = {cp * tp} ranks: n_head "
+                          f"({config.n_head}) must be divisible by {cp * tp}")
+    return ContextParallelGroup(mesh.cp, variant)
+
+
+def _gradient_group(mesh: Mesh) -> tuple[Communicator, tuple[str, ...]]:
+    """The ranks whose gradients are summed — the data-parallel ranks, and the context-parallel ones too (they saw
+    other tokens of the same sequences) — and their mesh axes."""
+    return (mesh.dp, ("dp",)) if mesh.shape.cp == 1 else (mesh.dp_cp, ("dp", "cp"))
 
 
 def _place_on_pipeline(model: GPT, schedule: Schedule) -> None:

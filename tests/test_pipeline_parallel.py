@@ -13,7 +13,7 @@ from mpi_harness import run_on_ranks, run_with_timeout
 
 from mpiparallel.pipeline_parallel import stage_units
 
-CHECKS = "workers.pipeline_checks"
+CHECKS = "workers.training_checks"
 COMMON = {"n_layer": 8, "n_head": 2, "n_embd": 32, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float64",
           "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]

@@ -315,7 +315,12 @@ def threads_option(command: Callable) -> Callable:
               default="1f1b", help="Pipeline schedule (see `mpiparallel schedule --help` to simulate one).")
 @click.option("--virtual-stages", type=click.IntRange(min=1), default=1,
               help="Stages per pipeline rank for --schedule interleaved (zbv and dualpipev always use 2).")
-@click.option("--cp", type=click.IntRange(min=1), default=1, help="Context-parallel ranks (not yet: 1).")
+@click.option("--cp", type=click.IntRange(min=1), default=1,
+              help="Context-parallel ranks: each sequence is cut into 2·cp chunks, rank r holding chunks r and "
+                   "2·cp−1−r (zigzag: equal causal work).")
+@click.option("--cp-attention", type=click.Choice(["ring", "all-gather", "ulysses"]), default="ring",
+              help="How attention sees the other CP ranks' tokens: ring passes K/V blocks around the CP group; "
+                   "all-gather gathers K/V once per layer; ulysses re-shards sequence to heads with all-to-alls.")
 @click.option("--ep", type=click.IntRange(min=1), default=1, help="Expert-parallel ranks (not yet: 1).")
 @click.option("--zero", type=click.IntRange(0, 3), default=0,
               help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
@@ -351,6 +356,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 2 --zero 3 --microbatches 2 --memory-report
       mpiparallel train -n 4 --tp 2 --sp --show-mesh
       mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8
+      mpiparallel train -n 4 --cp 2 --tp 2 --cp-attention ulysses
     """
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)

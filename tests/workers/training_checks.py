@@ -1,4 +1,4 @@
-"""Pipeline-parallel training runs on every rank (see mpi_harness): each configuration trains through
+"""Parallel training runs on every rank (see mpi_harness): each configuration trains through
 `mpiparallel.train.run` and rank 0 compares its losses and saved weights with a serial run's (files made by the
 test). Several configurations per launch, since starting ranks is the slow part."""
 
@@ -28,7 +28,7 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
     serial_weights = checkpoint.load_pretrained(Path(reference) / "model")[1]
     results = []
     for options in configs:
-        directory = Path(world.bcast(tempfile.mkdtemp(prefix="pipeline-check-") if world.rank == 0 else None))
+        directory = Path(world.bcast(tempfile.mkdtemp(prefix="training-check-") if world.rank == 0 else None))
         settings = train.TrainSettings.from_options(**common, **options, log_json=str(directory / "log.jsonl"),
                                                     save=str(directory / "model"))
         train.run(settings)
