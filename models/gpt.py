@@ -15,6 +15,11 @@ The model holds no activations: `saved` (one per microbatch and range) does, and
 `backward_weights` split backward as the layers do (`models.layers`). Initialization is normal(0, 0.02),
 residual projections normal(0, 0.02/√(2·n_layer)), biases 0, LayerNorm 1/0 — each tensor drawn from a generator
 seeded by (seed, its name), so every parallel layout of the model starts from the same numbers.
+
+With `GPTConfig.n_experts` > 0 every block's MLP is a mixture of experts (`models.moe`): parameters
+`h.{i}.mlp.router.weight` [n_embd, E] and the experts' `h.{i}.mlp.experts.{e}.c_fc/c_proj.{weight,bias}`
+(initialized as the MLP's, c_proj residual-scaled), and state `h.{i}.mlp.router.expert_bias` [E]
+(`GPT.expert_biases`, zeros). The loss then includes the experts' aux losses (`GPT.forward` says how).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from collectives import Communicator
 from collectives.backend import Array, get_array_module, like, to_host
 
 from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
@@ -42,18 +48,42 @@ from .layers import (
     Saved,
     TiedHeadCrossEntropy,
 )
+from .moe import (
+    MixtureOfExperts,
+    MoEBlock,
+    Router,
+    expert_bias_name,
+    expert_index,
+    expert_placement,
+    local_experts,
+)
 from .parameter import Parameter, seeded_normal, shard_tensor
+
+MOE_KEYS = ("n_experts", "moe_top_k", "moe_renormalize", "moe_aux_coef", "moe_capacity_factor", "moe_bias_rate")
+"""The config.json keys of a mixture-of-experts model (see `GPTConfig`)."""
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The model's shape; field names follow transformers.GPT2Config."""
+    """The model's shape; field names follow transformers.GPT2Config.
+
+    n_experts > 0 replaces every block's MLP by a mixture of that many GPT-2 MLP experts (`models.moe`): each
+    token goes to the moe_top_k best; moe_renormalize makes its gates sum to 1; moe_aux_coef weighs the Switch
+    load-balancing loss; moe_capacity_factor C caps each expert at ⌈C·K·tokens/E⌉ rows per token set (0:
+    unlimited); moe_bias_rate R > 0 turns on aux-loss-free balancing (the trainer updates the expert biases).
+    """
 
     vocab_size: int = 256
     n_positions: int = 1024
     n_embd: int = 128
     n_layer: int = 4
     n_head: int = 4
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_renormalize: bool = True
+    moe_aux_coef: float = 0.01
+    moe_capacity_factor: float = 0.0
+    moe_bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -61,13 +91,26 @@ class GPTConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_experts < 0:
+            raise ValueError(f"n_experts must be >= 0 (0: a dense MLP), got {self.n_experts}")
+        if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
+            raise ValueError(f"moe_top_k must be between 1 and n_experts ({self.n_experts}), got {self.moe_top_k}")
+        for name in ("moe_aux_coef", "moe_capacity_factor", "moe_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def moe_settings(self) -> dict[str, Any]:
+        """The MoE keys config.json gains (`MOE_KEYS`); none for a dense model."""
+        return {key: getattr(self, key) for key in MOE_KEYS} if self.n_experts else {}
 
     def parameter_count(self) -> int:
         c, layers = self.n_embd, self.n_layer
-        per_block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c)
+        mlp = (c * 4 * c + 4 * c) + (4 * c * c + c)
+        feed_forward = self.n_experts * mlp + c * self.n_experts if self.n_experts else mlp  # experts + router
+        per_block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + feed_forward
         return self.vocab_size * c + self.n_positions * c + layers * per_block + 2 * c
 
 
@@ -82,11 +125,26 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             f"{block}.attn.c_attn.weight": (c, 3 * c), f"{block}.attn.c_attn.bias": (3 * c,),
             f"{block}.attn.c_proj.weight": (c, c), f"{block}.attn.c_proj.bias": (c,),
             f"{block}.ln_2.weight": (c,), f"{block}.ln_2.bias": (c,),
-            f"{block}.mlp.c_fc.weight": (c, 4 * c), f"{block}.mlp.c_fc.bias": (4 * c,),
-            f"{block}.mlp.c_proj.weight": (4 * c, c), f"{block}.mlp.c_proj.bias": (c,),
         }
+        if config.n_experts:
+            shapes[f"{block}.mlp.router.weight"] = (c, config.n_experts)
+            for e in range(config.n_experts):
+                shapes |= _mlp_shapes(f"{block}.mlp.experts.{e}", c)
+        else:
+            shapes |= _mlp_shapes(f"{block}.mlp", c)
     shapes |= {"transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
     return shapes
+
+
+def _mlp_shapes(prefix: str, c: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.c_fc.weight": (c, 4 * c), f"{prefix}.c_fc.bias": (4 * c,),
+            f"{prefix}.c_proj.weight": (4 * c, c), f"{prefix}.c_proj.bias": (c,)}
+
+
+def expert_bias_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The MoE expert biases (aux-loss-free balancing): model state saved with the parameters, but no
+    parameters — no gradient, no weight decay, changed only by `models.moe.update_expert_bias`."""
+    return {expert_bias_name(i): (config.n_experts,) for i in range(config.n_layer)} if config.n_experts else {}
 
 
 def units_using(name: str, n_layer: int) -> tuple[int, ...]:
@@ -108,7 +166,7 @@ def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: in
         return np.ones(shape, dtype)
     if name.endswith(".bias"):
         return np.zeros(shape, dtype)
-    residual_projection = name.endswith((".attn.c_proj.weight", ".mlp.c_proj.weight"))
+    residual_projection = name.endswith(".attn.c_proj.weight") or (".mlp." in name and name.endswith(".c_proj.weight"))
     std = 0.02 / math.sqrt(2 * config.n_layer) if residual_projection else 0.02
     return seeded_normal(seed, name, shape, std, np.dtype(dtype))
 
@@ -146,14 +204,26 @@ class GPT:
     the units this process holds — a pipeline stage builds only its own layers and parameters; the others are
     None in `units`/`blocks`. `context` makes attention context-parallel: the model then takes this CP rank's
     two zigzag chunks of every sequence (`models.context_parallel.zigzag_shard`) and computes their share.
+
+    Mixture of experts (config.n_experts > 0): `moe_token_sets` is how many local token sets (microbatches ×
+    DP·CP ranks) one optimizer step averages the aux losses over — each set's aux loss enters the objective
+    divided by it. `ep_comm` (an EP group of n ranks) makes this rank hold and run only its E/n experts
+    (`models.moe.local_experts`, placement `Held` on "ep"), the tokens moving to them by all-to-allv. The
+    expert biases are state in `expert_biases` (by checkpoint name), not parameters.
     """
+
+    ep_comm: Communicator | None = None  # class defaults, for subclasses that build the model their own way
+    moe_token_sets: int = 1
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
-                 context: ContextParallelGroup | None = None) -> None:
+                 context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1) -> None:
         self.config, self.context = config, context
+        self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
+        self.moe_token_sets = moe_token_sets
         self._hold(units)
-        self.params = {name: Parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)))
+        self.params = {name: Parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)),
+                                       expert_placement(name, self._ep_size()))
                        for name, shape in self.local_parameter_shapes().items()}
         self._assemble(recompute, query_block)
 
@@ -166,21 +236,37 @@ class GPT:
             raise ValueError(f"units must be a non-empty subset of 0 … {count - 1}, got {units}")
 
     def local_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """`parameter_shapes` of the parameters the local units read, in checkpoint order."""
-        local = set(self.local_units)
+        """`parameter_shapes` of the parameters the local units read (of the experts, only this EP rank's), in
+        checkpoint order."""
+        local, experts = set(self.local_units), self._local_experts()
         return {name: shape for name, shape in parameter_shapes(self.config).items()
-                if local & set(units_using(name, self.config.n_layer))}
+                if local & set(units_using(name, self.config.n_layer)) and expert_index(name) in (None, *experts)}
+
+    def _ep_size(self) -> int:
+        return 1 if self.ep_comm is None else self.ep_comm.size
+
+    def _local_experts(self) -> range:
+        rank = 0 if self.ep_comm is None else self.ep_comm.rank
+        return local_experts(self.config.n_experts, rank, self._ep_size())
 
     def _assemble(self, recompute: str, query_block: int) -> None:
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.recompute, self.query_block = recompute, query_block
         local, last = set(self.local_units), self.config.n_layer + 1
+        self.expert_biases = self._initial_expert_biases()
         self.embedding = self._embedding() if 0 in local else None
         self.blocks = [self._block(i) if i + 1 in local else None for i in range(self.config.n_layer)]
         self.head = LMHead(self._layer_norm("transformer.ln_f"), self._cross_entropy()) if last in local else None
         self.units = [self.embedding, *self.blocks, self.head]
         self.sequence_shards = 1  # how many pieces the sequence is cut into between the layers (SP: tp)
+
+    def _initial_expert_biases(self) -> dict[str, Array]:
+        """Zero expert biases for the local blocks, with the parameters' array library and dtype."""
+        like_params = next(iter(self.params.values())).data
+        xp, local = get_array_module(like_params), set(self.local_units)
+        return {name: xp.zeros(shape, like_params.dtype) for name, shape in expert_bias_shapes(self.config).items()
+                if local & set(units_using(name, self.config.n_layer))}
 
     def _embedding(self) -> Any:
         return Embedding(self.params["transformer.wte.weight"], self.params["transformer.wpe.weight"])
@@ -192,8 +278,12 @@ class GPT:
         prefix = f"transformer.h.{i}"
         attention = self._attention(self._column_parallel(f"{prefix}.attn.c_attn"),
                                     self._row_parallel(f"{prefix}.attn.c_proj"))
-        mlp = MLP(self._column_parallel(f"{prefix}.mlp.c_fc"), self._row_parallel(f"{prefix}.mlp.c_proj"))
-        return Block(self._layer_norm(f"{prefix}.ln_1"), attention, self._layer_norm(f"{prefix}.ln_2"), mlp,
+        if self.config.n_experts:
+            block, mlp = MoEBlock, self._mixture_of_experts(i)
+        else:
+            block = Block
+            mlp = MLP(self._column_parallel(f"{prefix}.mlp.c_fc"), self._row_parallel(f"{prefix}.mlp.c_proj"))
+        return block(self._layer_norm(f"{prefix}.ln_1"), attention, self._layer_norm(f"{prefix}.ln_2"), mlp,
                      recompute_full=self.recompute == "full")
 
     def _attention(self, qkv: Any, projection: Any) -> Any:
@@ -203,6 +293,15 @@ class GPT:
             return CausalSelfAttention(qkv, projection, self._local_heads(), self.query_block, keep_probabilities=keep)
         return context_parallel_attention(self.context.variant, qkv, projection, self._local_heads(),
                                           self.context.comm, query_block=self.query_block, keep_probabilities=keep)
+
+    def _mixture_of_experts(self, i: int) -> MixtureOfExperts:
+        config, prefix = self.config, f"transformer.h.{i}.mlp"
+        router = Router(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.moe_renormalize,
+                        config.moe_capacity_factor, config.moe_aux_coef, aux_weight=1.0 / self.moe_token_sets,
+                        expert_bias=self.expert_biases[expert_bias_name(i)])
+        experts = [MLP(Linear(*self._weight_and_bias(f"{prefix}.experts.{e}.c_fc")),
+                       Linear(*self._weight_and_bias(f"{prefix}.experts.{e}.c_proj"))) for e in self._local_experts()]
+        return MixtureOfExperts(router, experts, self.ep_comm)
 
     def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter]:
         return self.params[f"{prefix}.weight"], self.params[f"{prefix}.bias"]
@@ -275,18 +374,34 @@ class GPT:
         `targets`: sum of token losses / `normalizer` (default: the tokens here — pass the global batch's token
         count when this is one microbatch or one data-parallel shard, so the pieces add up to the global mean);
         otherwise it is the activation to hand to the next range.
+
+        Mixture of experts: `saved.router_stats` maps each MoE layer run here to its `RouterStats`, and
+        `saved.aux_loss` is their aux losses divided by `moe_token_sets` — this token set's share of the
+        objective's aux term, whose gradient backward adds. A range ending with the head returns the
+        cross-entropy plus that share (so the cross-entropy alone is the return value minus `saved.aux_loss`); a
+        range without the head returns an activation, and its layers' share is only in `saved.aux_loss`.
         """
         units = range(self.unit_count) if units is None else units
         missing = [unit for unit in units if unit not in self.local_units]
         if missing:
             raise ValueError(f"units {missing} are not held here (this model holds {list(self.local_units)})")
-        saved = Saved(units=units, per_unit={})
+        saved = Saved(units=units, per_unit={}, router_stats={}, aux_loss=0.0)
         x = inputs
         for unit in units:
             hooks.before_forward(unit)
             x, saved.per_unit[unit] = self._forward_unit(unit, x, targets, normalizer)
+            self._note_routing(unit, saved)
             hooks.after_forward(unit)
+        if saved.router_stats and units[-1] == self.unit_count - 1:
+            x += saved.aux_loss
         return x, saved
+
+    def _note_routing(self, unit: int, saved: Saved) -> None:
+        """Keep an MoE block's router statistics and add its aux loss's share of the objective."""
+        stats = getattr(saved.per_unit[unit], "router_stats", None)
+        if stats is not None:
+            saved.router_stats[unit - 1] = stats
+            saved.aux_loss += stats.aux_loss * self.blocks[unit - 1].mlp.router.aux_weight
 
     def _forward_unit(self, unit: int, x: Array, targets: Array | None, normalizer: float | None) -> Any:
         if unit == 0:
@@ -367,8 +482,8 @@ class GPT:
 
     def state_dict(self) -> dict[str, Array]:
         """Hugging Face name -> this rank's array (the whole tensor in the serial model; the tied lm_head.weight
-        is not repeated)."""
-        return {name: param.data for name, param in self.params.items()}
+        is not repeated), then the expert biases of an MoE model."""
+        return {name: param.data for name, param in self.params.items()} | self.expert_biases
 
     def axis_ranks(self) -> dict[str, tuple[int, int]]:
         """Mesh axis -> (this rank's coordinate, axis size) for the axes that shard this model's parameters."""
@@ -376,16 +491,23 @@ class GPT:
 
     def load_state_dict(self, tensors: dict[str, Array]) -> None:
         """Copy in full (serial) tensors by name, each cut to this rank's shard; names may omit `transformer.`.
-        Every parameter must be present."""
+        Every parameter, and every expert bias of an MoE model, must be present."""
         by_short_name = {name.removeprefix("transformer."): value for name, value in tensors.items()}
         for name, param in self.params.items():
-            value = by_short_name.get(name.removeprefix("transformer."))
-            if value is None:
-                raise ValueError(f"checkpoint has no tensor {name}")
-            if tuple(value.shape) != param.full_shape:
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                                 f"the model expects {param.full_shape}")
+            value = _tensor_named(by_short_name, name, param.full_shape)
             param.data[...] = shard_tensor(like(param.data, value), param.placement, self.axis_ranks())
+        for name, bias in self.expert_biases.items():
+            bias[...] = like(bias, _tensor_named(by_short_name, name, bias.shape))
+
+
+def _tensor_named(by_short_name: dict[str, Array], name: str, shape: tuple[int, ...]) -> Array:
+    """The checkpoint's tensor `name` (looked up without `transformer.`), which must have `shape`."""
+    value = by_short_name.get(name.removeprefix("transformer."))
+    if value is None:
+        raise ValueError(f"checkpoint has no tensor {name}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects {tuple(shape)}")
+    return value
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
