@@ -6,7 +6,8 @@ The math, for one local token set (one microbatch on one rank: N tokens x_n of h
     probs_n    = softmax(x_n · W_r)                             W_r [h, E] (`h.{i}.mlp.router.weight`), no bias
     chosen_n   = the K experts with the largest probs_n + b      ties → the lower index; the per-expert bias b
                                                                 (`expert_bias`) only chooses, it enters no gate
-    gate_nk    = probs_n[chosen_nk] / Σ_j probs_n[chosen_nj]     (renormalize=False: probs_n[chosen_nk])
+    gate_nk    = probs_n[chosen_nk] / Σ_j probs_n[chosen_nj]     (renormalize=False: probs_n[chosen_nk]); over
+                                                                all K choices, dropped ones included
     capacity   = ⌈C·K·N/E⌉ rows per expert (C = 0: unlimited)    each expert keeps its first `capacity`
                                                                 assignments in token order and drops the rest
     y_n        = Σ_{k kept} gate_nk · expert_{chosen_nk}(x_n)    a token whose choices were all dropped gets
@@ -47,13 +48,13 @@ reverse all-to-allv. Each wrapper does the forward half; its `_backward` twin do
                              regroup by local expert                      (a combine)
     combine_from_experts     un-regroup, reverse all-to-allv              all-to-allv, regroup (a dispatch)
 
-Cost per MoE layer, rank and step, with b bytes per element: forward, dispatch sends s·h·b and combine r·h·b,
-where s = rows this rank routes to experts on other ranks and r = rows its experts received from other ranks;
-backward moves the same again. So 2·(s + r)·h·b bytes of all-to-allv; with balanced routing and no drops,
-s = r = (n−1)/n·K·N, i.e. 4·(n−1)/n·K·N·h·b. Besides: the count exchange, E int64 per layer in forward
-(`all_to_all`; backward reuses the plan), and inside each of the four all-to-allv calls its own n counts.
-Rows for experts on this rank are copied, not sent. Expert parameters are held only by their EP rank
-(placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
+Cost per MoE layer, rank and microbatch, with b bytes per element: forward, dispatch sends s·h·b and combine
+r·h·b, where s = kept rows this rank routes to experts on other ranks and r = rows its experts received from
+other ranks; backward moves the same again. So 2·(s + r)·h·b bytes of all-to-allv; with balanced routing and no
+drops, s = r = (n−1)/n·K·N, i.e. 4·(n−1)/n·K·N·h·b. Rows for experts on this rank are copied, not sent. Besides
+(as `all_to_all`): the count exchange, (n−1)/n·E int64 sent in forward (backward reuses the plan), and inside
+each of the four all-to-allv calls its own (n−1) int64 counts. Expert parameters are held only by their EP
+rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
 """
 
 from __future__ import annotations
@@ -147,9 +148,8 @@ def update_expert_bias(bias: Array, counts: Array, rate: float) -> None:
     `counts` must be the assignments to each expert over the whole global batch of the step (every microbatch and
     rank), so every rank applies the same update and the biases stay equal. Under-loaded experts (c_e below the
     mean) gain bias and are chosen more often; over-loaded ones lose it."""
-    xp = get_array_module(bias)
-    counts = like(bias, xp.asarray(counts)).astype(bias.dtype)
-    bias += rate * xp.sign(counts.mean() - counts)
+    counts = like(bias, counts).astype(bias.dtype)
+    bias += rate * get_array_module(bias).sign(counts.mean() - counts)
 
 
 # -- the router ----------------------------------------------------------------------------------------------
