@@ -17,6 +17,7 @@ from moe_oracle import (
     random_experts,
 )
 from mpi_harness import run_on_ranks
+from test_layers import numeric_gradient
 
 from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes, units_using
 from models.moe import MixtureOfExperts, RouterStats, expert_capacity, local_experts, update_expert_bias
@@ -72,17 +73,12 @@ def objective_and_gradients(layer: MixtureOfExperts, x: np.ndarray, weights: np.
 
 
 def assert_matches_finite_differences(objective, analytic: np.ndarray, array: np.ndarray, what: str,
-                                      samples: int = 8, eps: float = 1e-6) -> None:
-    flat, grad = array.reshape(-1), analytic.reshape(-1)
-    for i in RNG.choice(flat.size, size=min(samples, flat.size), replace=False):
-        original = flat[i]
-        flat[i] = original + eps
-        plus = objective()
-        flat[i] = original - eps
-        minus = objective()
-        flat[i] = original
-        numeric = (plus - minus) / (2 * eps)
-        assert abs(grad[i] - numeric) <= 1e-6 * max(abs(numeric), 1e-2), f"{what}[{i}]: {grad[i]} vs {numeric}"
+                                      samples: int = 8) -> None:
+    """Entry by entry within 1e-6 relative, or 1e-8 absolute: saturated router softmaxes give gradients near
+    1e-7, where central differences of an objective of order 10 carry about 1e-9 of rounding."""
+    picks, numeric = numeric_gradient(objective, array, samples)
+    got = analytic.reshape(-1)[picks]
+    assert (np.abs(got - numeric) <= 1e-6 * np.maximum(np.abs(numeric), 1e-2)).all(), f"{what}: {got} vs {numeric}"
 
 
 def check_layer_gradients(layer: MixtureOfExperts, x: np.ndarray) -> None:
