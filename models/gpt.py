@@ -218,6 +218,8 @@ class GPT:
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
                  context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1) -> None:
+        if moe_token_sets < 1:
+            raise ValueError(f"moe_token_sets must be at least 1, got {moe_token_sets}")
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets

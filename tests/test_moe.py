@@ -370,6 +370,11 @@ def test_config_rejects_invalid_moe_settings(settings, message):
         moe_config(**settings)
 
 
+def test_the_model_needs_at_least_one_token_set():
+    with pytest.raises(ValueError, match="moe_token_sets"):
+        GPT(moe_config(), moe_token_sets=0)
+
+
 def test_experts_must_split_evenly_over_ep():
     assert local_experts(8, 1, 4) == range(2, 4)
     with pytest.raises(ValueError, match="divisible by ep"):
