@@ -39,7 +39,7 @@ import safetensors
 import safetensors.numpy
 
 from collectives.backend import to_host
-from models.gpt import GPTConfig, parameter_shapes
+from models.gpt import MOE_KEYS, GPTConfig, parameter_shapes
 
 from .errors import ConfigError
 
@@ -231,9 +231,10 @@ def gpt_config_from_json(raw: Mapping[str, Any], source: str | Path = CONFIG_FIL
         raise ConfigError(f"{source}: n_inner = {raw['n_inner']} is not supported (the MLP is 4·n_embd wide)")
     if not math.isclose(raw.get("layer_norm_epsilon", 1e-5), 1e-5):
         raise ConfigError(f"{source}: layer_norm_epsilon = {raw['layer_norm_epsilon']} is not supported (1e-5)")
+    moe = {key: raw[key] for key in MOE_KEYS if key in raw}
     try:
-        return GPTConfig(**shape)
-    except ValueError as error:
+        return GPTConfig(**shape, **moe)
+    except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: {error}") from None
 
 

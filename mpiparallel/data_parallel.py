@@ -454,3 +454,77 @@ class DataParallel(ParameterHooks):
         bucket = self.buckets[index]
         offset = bucket.offsets[bucket.params.index(segment.parameter)] - self._shard(bucket).start
         return slice(offset + segment.start, offset + segment.stop)
+
+
+class DataParallelGroups(ParameterHooks):
+    """Several `DataParallel` engines over one model, each reducing its own parameters over its own ranks — the
+    dense parameters over dp (×cp) and, with expert parallelism, each expert over the ranks holding a copy of it
+    (expert_dp). The model takes one hooks object: this one calls every engine's; the rest is each engine's in
+    turn."""
+
+    def __init__(self, engines: list[DataParallel]) -> None:
+        self.engines = engines
+
+    def before_forward(self, unit: int) -> None:
+        for engine in self.engines:
+            engine.before_forward(unit)
+
+    def after_forward(self, unit: int) -> None:
+        for engine in self.engines:
+            engine.after_forward(unit)
+
+    def before_backward(self, unit: int) -> None:
+        for engine in self.engines:
+            engine.before_backward(unit)
+
+    def after_backward(self, unit: int) -> None:
+        for engine in self.engines:
+            engine.after_backward(unit)
+
+    @contextmanager
+    def microbatch(self, last: bool):
+        for engine in self.engines:
+            engine._last_microbatch = last
+        yield
+
+    def zero_grad(self) -> None:
+        for engine in self.engines:
+            engine.zero_grad()
+
+    def finish_gradients(self) -> None:
+        for engine in self.engines:
+            engine.finish_gradients()
+
+    def after_update(self) -> None:
+        for engine in self.engines:
+            engine.after_update()
+
+    def release_all(self) -> None:
+        for engine in self.engines:
+            engine.release_all()
+
+    def optimizer_parameters(self) -> list:
+        return [piece for engine in self.engines for piece in engine.optimizer_parameters()]
+
+    def parameter_count(self) -> int:
+        return sum(engine.parameter_count() for engine in self.engines)
+
+    def full_parameters(self) -> dict[str, Array]:
+        return {name: value for engine in self.engines for name, value in engine.full_parameters().items()}
+
+    def gather_pieces(self, values: dict[str, Array]) -> dict[str, Array]:
+        return {name: value for engine in self.engines for name, value in engine.gather_pieces(
+            {piece.name: values[piece.name] for piece in engine.optimizer_parameters()}).items()}
+
+    def scatter_pieces(self, whole: dict[str, Array]) -> dict[str, Array]:
+        pieces = {}
+        for engine in self.engines:
+            names = {param.name for bucket in engine.buckets for param in bucket.params}
+            pieces |= engine.scatter_pieces({name: array for name, array in whole.items() if name in names})
+        return pieces
+
+    def memory(self, optimizer: Any) -> dict[str, int]:
+        """Parameters and gradients of every engine; the optimizer's state (one optimizer over all) once."""
+        held = [engine.memory(optimizer) for engine in self.engines]
+        return {"parameters": sum(h["parameters"] for h in held), "gradients": sum(h["gradients"] for h in held),
+                "optimizer_state": held[0]["optimizer_state"]}

@@ -97,12 +97,18 @@ class Mesh:
         ep = self.shape.ep
         self.ep = self._split((c.pp, c.cp, c.tp, c.dp // ep), c.dp % ep)
         self.expert_dp = self._split((c.pp, c.cp, c.tp, c.dp % ep), c.dp // ep)
+        self.expert_dp_cp = self._split((c.pp, c.tp, c.dp % ep), (c.dp // ep) * self.shape.cp + c.cp)
 
     def _split(self, color: tuple[int, ...], key: int) -> Communicator:
         flat_color = 0
         for part in color:  # a unique integer per color tuple (each part < world size)
             flat_color = flat_color * self.world.size + part
         return self.world.split(flat_color, key)
+
+    def expert_coordinates(self) -> dict[str, int]:
+        """This rank's coordinates on the two axes expert parallelism splits dp into: dp = expert_dp·ep + ep."""
+        ep = self.shape.ep
+        return {"ep": self.coordinates.dp % ep, "expert_dp": self.coordinates.dp // ep}
 
     def communicators(self) -> dict[str, Communicator]:
         """Axis name -> Communicator, for per-axis byte counts ("dp_cp": the gradient sums when cp > 1)."""

@@ -174,10 +174,13 @@ class PipelineExecutor:
     def holds_embedding(self) -> bool:
         return self.schedule.stage_ranks[0] == self.comm.rank
 
-    def step(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float) -> float:
+    def step(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float,
+             on_forward: Any = None) -> float:
         """Run the schedule on these microbatches (the same split on every pipeline rank); return the sum of their
-        losses on the rank of the last stage (0 elsewhere). Gradients accumulate in the parameters."""
+        cross-entropies on the rank of the last stage (0 elsewhere). Gradients accumulate in the parameters;
+        `on_forward(saved)` sees every forward's saved state (MoE router statistics)."""
         self._batches, self._normalizer, self._loss = microbatches, normalizer, 0.0
+        self._on_forward = on_forward or (lambda saved: None)
         self._saved: dict[tuple[int, int], Any] = {}
         self._handed: dict[tuple[str, int, int], Array] = {}  # outputs and input gradients not yet consumed
         self._receiving: dict[tuple[str, int, int], tuple[MPI.Request, Array]] = {}
@@ -223,8 +226,9 @@ class PipelineExecutor:
                                         NO_HOOKS, units=self.stages[stage])
         self._saved[stage, microbatch] = saved
         self._measure(saved)
+        self._on_forward(saved)
         if stage == self.last_stage:
-            self._loss += out
+            self._loss += out - saved.aux_loss  # the cross-entropy: MoE aux losses are reported apart
         else:
             self._handed["input", stage + 1, microbatch] = out  # sent by SEND_F, or read by the next F here
 
@@ -284,6 +288,7 @@ class PipelineExecutor:
                 if stage < self.last_stage and self._rank_of(stage + 1) != self.comm.rank:
                     forward_actions.append(Action(stage, SEND_F, microbatch))
         self._batches, self._normalizer, self._loss = microbatches, normalizer, 0.0
+        self._on_forward = lambda saved: None
         self._saved, self._handed, self._receiving, self._sending = {}, {}, {}, []
         for action in forward_actions:
             self._complete_receive_for(action)

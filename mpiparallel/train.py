@@ -27,8 +27,9 @@ import numpy as np
 import collectives
 from collectives import Communicator, backend
 from models.context_parallel import ContextParallelGroup, zigzag_shard
-from models.gpt import GPT, GPTConfig, parameter_shapes
+from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes
 from models.layers import block_activation_elements
+from models.moe import expert_bias_name, expert_index, update_expert_bias
 from models.parameter import (
     HELD,
     PARTIAL,
@@ -41,7 +42,7 @@ from models.parameter import (
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
 from . import checkpoint, data, optim
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, DataParallelGroups
 from .errors import ConfigError
 from .mesh import Mesh, MeshShape
 from .pipeline_parallel import (
@@ -61,8 +62,8 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """The model: its shape (or `init`, a Hugging Face directory to start from), seed, precision, device, and the
-    activation recomputation mode."""
+    """The model: its shape (or `init`, a Hugging Face directory to start from), seed, precision, device, the
+    activation recomputation mode, and a mixture of experts (experts > 0) with its routing settings."""
 
     n_layer: int = 4
     n_head: int = 4
@@ -74,6 +75,12 @@ class ModelSettings:
     device: str = "cpu"
     init: str | None = None
     recompute: str = "none"
+    experts: int = 0
+    top_k: int = 2
+    moe_aux_coef: float = 0.01
+    capacity_factor: float = 0.0
+    moe_renormalize: bool = True
+    moe_bias_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,9 +189,7 @@ def run(settings: TrainSettings) -> int:
     train_tokens, validation_tokens = _split(settings, tokens)
     optimizer_state, first_step = _resume(settings, model)
     # a pipeline schedule interleaves microbatches and splits backward: the gradients are reduced after it
-    gradient_comm, gradient_axes = _gradient_group(mesh)
-    engine = DataParallel(model, gradient_comm, zero=settings.mesh.zero, bucket_mb=settings.mesh.bucket_mb,
-                          overlap=settings.mesh.overlap and schedule is None, axes=gradient_axes)
+    engine = _build_engines(model, mesh, settings, overlap=settings.mesh.overlap and schedule is None)
     optimizer = _build_optimizer(settings, engine.optimizer_parameters())
     trainer = Trainer(model, engine, optimizer, mesh, settings, schedule)
     if optimizer_state is not None:
@@ -205,7 +210,7 @@ def run(settings: TrainSettings) -> int:
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
     if settings.output.save:
         if is_root:
-            checkpoint.save_pretrained(settings.output.save, config, full)
+            checkpoint.save_pretrained(settings.output.save, config, full, extra_config=config.moe_settings())
         mesh.world.barrier()
         reporter.say(f"saved the model to {settings.output.save}")
     if settings.output.sample_tokens and config.vocab_size == 256 and is_root:
@@ -236,10 +241,11 @@ class Trainer:
         inputs, targets = data.batch_for_step(tokens, step, settings.data.batch_size, settings.data.seq_len)
         pieces = data.microbatches(*self._rows_here(inputs, targets), self.microbatches)
         engine.zero_grad()
+        self.router = RouterTally()
         if self.pipeline is None:
             loss = self._microbatches_one_after_another(pieces, inputs.size)
         else:
-            loss = self.pipeline.step(pieces, inputs.size)
+            loss = self.pipeline.step(pieces, inputs.size, self.router.add)
             self.activation_bytes = self.pipeline.peak_saved_bytes
             self.block_activation_bytes = self.pipeline.block_saved_bytes
             sum_tied_gradient(self.model, self.mesh.pp, self.pipeline.schedule.stage_ranks[0],
@@ -252,9 +258,28 @@ class Trainer:
         lr = optim.learning_rate(step, schedule.lr, schedule.lr_schedule, schedule.warmup_steps, settings.data.steps)
         self.optimizer.step(lr)
         engine.after_update()
+        record = {"step": step, "loss": self._sum_losses(loss), "lr": lr, "tokens": int(inputs.size)}
+        if self.model.config.n_experts:
+            record |= self._balance_experts()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
-        return {"step": step, "loss": self._sum_losses(loss), "lr": lr, "tokens": int(inputs.size),
-                "time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
+        return record | {"time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
+
+    def _balance_experts(self) -> dict:
+        """The step's aux loss and router statistics over the global batch; with --moe-bias-rate, each local
+        layer's expert bias moved toward its under-loaded experts (its counts over every microbatch and rank)."""
+        config, mesh, layers = self.model.config, self.mesh, self.router.layers
+        if config.moe_bias_rate > 0:
+            for layer, stats in layers.items():
+                counts = _sum_array_over(mesh.dp_cp, stats.assignments)
+                update_expert_bias(self.model.expert_biases[expert_bias_name(layer)], counts, config.moe_bias_rate)
+        assignments = sum((stats.assignments for stats in layers.values()), np.zeros(config.n_experts))
+        dropped = sum(stats.dropped_tokens for stats in layers.values())
+        totals = _sum_array_over(mesh.world, np.append(assignments, dropped))  # every layer, every token once
+        per_expert = totals[:-1]
+        load = float(per_expert.max() / per_expert.mean()) if per_expert.sum() else 0.0
+        return {"aux_loss": self._sum_losses(self.router.aux_loss),
+                "router": {"tokens_per_expert": per_expert.astype(int).tolist(), "dropped_tokens": int(totals[-1]),
+                           "max_over_mean_load": load}}
 
     def _microbatches_one_after_another(self, pieces: list, normalizer: int) -> float:
         """Forward and backward of each microbatch in turn, the data-parallel engine hooked in to overlap the
@@ -263,7 +288,8 @@ class Trainer:
         for i, (x, y) in enumerate(pieces):
             with self.engine.microbatch(last=i == len(pieces) - 1):
                 microbatch_loss, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine)
-                loss += microbatch_loss
+                loss += microbatch_loss - saved.aux_loss  # the cross-entropy; the aux loss is logged apart
+                self.router.add(saved)
                 if i == 0:
                     self.activation_bytes = saved.nbytes()
                     self.block_activation_bytes = saved.per_unit[1].nbytes() if self.model.blocks else 0
@@ -290,14 +316,20 @@ class Trainer:
 
         One all-reduce over every rank of Σ g² over the pieces this rank counts: by their placement, a piece
         sharded over an axis (tp shards, ZeRO segments) counts on every rank of it, a replica only once."""
-        coordinates = asdict(self.mesh.coordinates)
+        coordinates, expert = asdict(self.mesh.coordinates), self.mesh.expert_coordinates()
+
+        def counts(piece: Any) -> bool:  # experts also name the two axes dp splits into under EP
+            return counts_once(piece.placement, coordinates | {a: c for a, c in expert.items() if a in piece.placement})
+
         return optim.clip_grad_norm(self.engine.optimizer_parameters(), self.settings.optimizer.grad_clip,
-                                    lambda local: _sum_over(self.mesh.world, local),
-                                    counts=lambda piece: counts_once(piece.placement, coordinates))
+                                    lambda local: _sum_over(self.mesh.world, local), counts=counts)
 
     def full_model_tensors(self) -> dict[str, np.ndarray]:
-        """The serial model's tensors by name: gathered over DP (ZeRO-3) and TP shards, padding removed."""
-        return self._gather_over_model_axes(self.engine.full_parameters())
+        """The serial model's tensors by name: gathered over DP (ZeRO-3) and TP shards, padding removed, every
+        pipeline stage's and EP rank's; then the MoE expert biases."""
+        parameters = self._gather_over_model_axes(self.engine.full_parameters())
+        biases = self._merge_held({name: bias.copy() for name, bias in self.model.expert_biases.items()})
+        return parameters | {name: biases[name] for name in expert_bias_shapes(self.model.config)}
 
     def _gather_over_model_axes(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Whole-parameter arrays of this rank's shards (by parameter name) -> the serial tensors: TP shards
@@ -305,12 +337,19 @@ class Trainer:
         comms = {"tp": self.mesh.tp}
         whole = {name: gather_tensor(tensors[name], param.placement, comms, param.full_shape)
                  for name, param in self.model.params.items()}
-        if self.pipeline is None:
-            return whole
-        merged: dict[str, Any] = {}
-        for stage_tensors in self.mesh.pp.comm.allgather({k: backend.to_host(v) for k, v in whole.items()}):
-            merged |= stage_tensors  # the tied wte comes from two stages, equal after every step
+        merged = self._merge_held(whole)
         return {name: merged[name] for name in parameter_shapes(self.model.config)}
+
+    def _merge_held(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Tensors that only some ranks hold (pipeline stages' layers, EP ranks' experts) collected from all."""
+        for axis in ("pp", "ep"):
+            comm = getattr(self.mesh, axis)
+            if comm.size > 1:
+                merged: dict[str, Any] = {}
+                for held in comm.comm.allgather({k: backend.to_host(v) for k, v in tensors.items()}):
+                    merged |= held  # the tied wte comes from two stages, equal after every step
+                tensors = merged
+        return tensors
 
     def _cut_for_this_rank(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """The inverse of `_gather_over_model_axes`."""
@@ -324,7 +363,8 @@ class Trainer:
             inputs, targets = data.batch_for_step(tokens, i, settings.data.batch_size, settings.data.seq_len)
             x, y = self._rows_here(inputs, targets)
             if self.pipeline is None:
-                loss = self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)[0]
+                out, saved = self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)
+                loss = out - saved.aux_loss
             else:
                 loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), inputs.size)
             losses.append(self._sum_losses(loss))
@@ -340,7 +380,8 @@ class Trainer:
                 state[key] = self._gather_over_model_axes(self.engine.gather_pieces(state[key]))
         if self.mesh.world.rank == 0:
             checkpoint.save_training_checkpoint(self.settings.output.checkpoint_dir, steps_done, self.model.config,
-                                                tensors, state, {"settings": asdict(self.settings)})
+                                                tensors, state, {"settings": asdict(self.settings)},
+                                                extra_config=self.model.config.moe_settings())
         self.mesh.world.barrier()
 
     def load_optimizer_state(self, state: dict) -> None:
@@ -393,6 +434,25 @@ class Trainer:
         return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
 
 
+class RouterTally:
+    """A step's router statistics and aux loss, from the saved state of this rank's forwards (its token sets and
+    layers); empty for a dense model."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, Any] = {}
+        self.aux_loss = 0.0
+
+    def add(self, saved: Any) -> None:
+        self.aux_loss += saved.aux_loss
+        for layer, stats in saved.router_stats.items():
+            self.layers[layer] = stats if layer not in self.layers else self.layers[layer] + stats
+
+
+def _sum_array_over(comm: Communicator, values: np.ndarray) -> np.ndarray:
+    """An array summed over the ranks of `comm` (MPI's own all-reduce, outside the ledger)."""
+    return collectives.all_reduce(np.asarray(values, dtype=np.float64), comm, algo="mpi")
+
+
 def _sum_over(comm: Communicator, value: float) -> float:
     """A scalar summed over the ranks of `comm` (MPI's own all-reduce: bookkeeping stays out of the ledger)."""
     return float(collectives.all_reduce(np.array([value]), comm, algo="mpi")[0])
@@ -412,9 +472,6 @@ def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     layout = settings.mesh
     shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
     mesh = Mesh(world, shape)
-    if mesh.shape.ep > 1:
-        raise ConfigError(f"--ep {mesh.shape.ep}: data, tensor, pipeline and context parallelism (--dp, --tp, --sp, "
-                          f"--pp, --cp) are available in this version; expert parallelism arrives with its own issue")
     if mesh.shape.pp > 1 and settings.mesh.zero >= 2:
         raise ConfigError(f"--zero {settings.mesh.zero} with --pp: ZeRO-2 and 3 reduce gradients (and ZeRO-3 "
                           f"gathers parameters) unit by unit inside one microbatch's backward, but a pipeline "
@@ -465,7 +522,10 @@ def _model_config(settings: TrainSettings) -> GPTConfig:
         shape = settings.model
         try:
             config = GPTConfig(vocab_size=shape.vocab_size, n_positions=max(shape.n_positions, settings.data.seq_len),
-                               n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head)
+                               n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head,
+                               n_experts=shape.experts, moe_top_k=shape.top_k, moe_renormalize=shape.moe_renormalize,
+                               moe_aux_coef=shape.moe_aux_coef, moe_capacity_factor=shape.capacity_factor,
+                               moe_bias_rate=shape.moe_bias_rate)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if settings.data.seq_len > config.n_positions:
@@ -500,8 +560,11 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
         raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {tp}")
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
+    _check_experts(config, mesh)
+    token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp
     common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
-              "units": units, "context": _context(settings, mesh, config)}
+              "units": units, "context": _context(settings, mesh, config), "moe_token_sets": token_sets,
+              "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
     if tp == 1:
         model = GPT(config, **common)
     else:
@@ -512,9 +575,39 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
         model = TensorParallelGPT(config, mesh.tp, sequence_parallel=settings.mesh.sp, **common)
     if schedule is not None:
         _place_on_pipeline(model, schedule)
+    if mesh.shape.ep > 1:  # each EP rank holds other experts: dp is (expert_dp, ep), see `_build_engines`
+        for name, param in model.params.items():
+            if expert_index(name) is not None:
+                param.placement["dp"] = HELD
     if settings.model.init:
         model.load_state_dict(checkpoint.load_pretrained(settings.model.init)[1])
     return model
+
+
+def _check_experts(config: GPTConfig, mesh: Mesh) -> None:
+    """One clear message for each mixture-of-experts setting the mesh cannot run."""
+    ep = mesh.shape.ep
+    if ep > 1 and not config.n_experts:
+        raise ConfigError(f"--ep {ep} spreads experts over ranks: give --experts")
+    if config.n_experts and config.n_experts % ep:
+        raise ConfigError(f"--ep {ep} must divide --experts {config.n_experts} (each EP rank holds E/ep experts)")
+    if config.n_experts and mesh.shape.tp > 1:
+        raise ConfigError("--experts with --tp is not built yet: experts are not split over tensor-parallel ranks")
+
+
+def _build_engines(model: GPT, mesh: Mesh, settings: TrainSettings, overlap: bool) -> Any:
+    """Data parallelism for the model: gradients summed over dp (×cp); with expert parallelism the experts are
+    summed only over the ranks holding the same experts (expert_dp, ×cp), in their own engine."""
+    options = {"zero": settings.mesh.zero, "bucket_mb": settings.mesh.bucket_mb, "overlap": overlap}
+    comm, axes = _gradient_group(mesh)
+    if mesh.shape.ep == 1:
+        return DataParallel(model, comm, axes=axes, **options)
+    expert_comm = mesh.expert_dp if mesh.shape.cp == 1 else mesh.expert_dp_cp
+    expert_axes = ("expert_dp",) if mesh.shape.cp == 1 else ("expert_dp", "cp")
+    return DataParallelGroups([
+        DataParallel(model, comm, axes=axes, select=lambda param: expert_index(param.name) is None, **options),
+        DataParallel(model, expert_comm, axes=expert_axes, select=lambda param: expert_index(param.name) is not None,
+                     **options)])
 
 
 def _context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextParallelGroup | None:

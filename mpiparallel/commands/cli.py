@@ -302,6 +302,18 @@ def threads_option(command: Callable) -> Callable:
               help="Write one JSON object per step here (rank 0).")
 @click.option("--sample-tokens", type=click.IntRange(min=0), default=0,
               help="After training, print this many sampled bytes (byte-level models).")
+@click.option("--experts", type=click.IntRange(min=0), default=0,
+              help="Replace every block's MLP by this many GPT-2 MLP experts (mixture of experts; 0: dense).")
+@click.option("--top-k", type=click.IntRange(min=1), default=2, help="Experts each token is routed to.")
+@click.option("--moe-aux-coef", type=click.FloatRange(min=0), default=0.01,
+              help="Weight of the Switch load-balancing loss, per local token set.")
+@click.option("--capacity-factor", type=click.FloatRange(min=0), default=0.0,
+              help="Rows per expert per token set: ⌈C·K·tokens/E⌉; overflow dropped in token order (0: unlimited).")
+@click.option("--no-moe-renormalize", "moe_renormalize", flag_value=False, default=True,
+              help="Gates are the raw router probabilities instead of renormalized over the chosen K.")
+@click.option("--moe-bias-rate", type=click.FloatRange(min=0), default=0.0,
+              help="Aux-loss-free balancing (DeepSeek-V3): per-expert routing biases move by this rate toward "
+                   "under-loaded experts after every step (0: off).")
 @click.option("--dp", type=click.IntRange(min=1), default=None,
               help="Data-parallel ranks. [default: the ranks left over by tp·pp·cp]")
 @click.option("--tp", type=click.IntRange(min=1), default=1,
@@ -321,7 +333,8 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--cp-attention", type=click.Choice(["ring", "all-gather", "ulysses"]), default="ring",
               help="How attention sees the other CP ranks' tokens: ring passes K/V blocks around the CP group; "
                    "all-gather gathers K/V once per layer; ulysses re-shards sequence to heads with all-to-alls.")
-@click.option("--ep", type=click.IntRange(min=1), default=1, help="Expert-parallel ranks (not yet: 1).")
+@click.option("--ep", type=click.IntRange(min=1), default=1,
+              help="Expert-parallel ranks, carved from dp: each holds E/ep experts, tokens reach them by all-to-all.")
 @click.option("--zero", type=click.IntRange(0, 3), default=0,
               help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
@@ -357,6 +370,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 4 --tp 2 --sp --show-mesh
       mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8
       mpiparallel train -n 4 --cp 2 --tp 2 --cp-attention ulysses
+      mpiparallel train -n 4 --experts 8 --top-k 2 --ep 4
     """
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)

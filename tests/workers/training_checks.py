@@ -29,7 +29,7 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
     results = []
     for options in configs:
         directory = Path(world.bcast(tempfile.mkdtemp(prefix="training-check-") if world.rank == 0 else None))
-        settings = train.TrainSettings.from_options(**common, **options, log_json=str(directory / "log.jsonl"),
+        settings = train.TrainSettings.from_options(**{**common, **options}, log_json=str(directory / "log.jsonl"),
                                                     save=str(directory / "model"))
         train.run(settings)
         world.barrier()
@@ -37,7 +37,7 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
             losses = [json.loads(line)["loss"] for line in (directory / "log.jsonl").read_text().splitlines()]
             weights = checkpoint.load_pretrained(directory / "model")[1]
             records = [json.loads(line) for line in (directory / "log.jsonl").read_text().splitlines()]
-            results.append({"options": options, "steps": len(losses),
+            results.append({"options": options, "steps": len(losses), "logs": records,
                             "pp_bytes_sent": [record["comm_bytes"]["pp"] for record in records],
                             "loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses, strict=True)),
                             "weight_error": max(relative_error(weights[n], w) for n, w in serial_weights.items())})

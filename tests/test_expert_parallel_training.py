@@ -1,0 +1,88 @@
+"""Mixture-of-experts training with expert parallelism equals the serial MoE model (float64, 3 AdamW steps with
+clipping and weight decay): ep ∈ {2, 4} carved from dp ∈ {2, 4}, top-k ∈ {1, 2}, E ∈ {4, 8}, with ZeRO-1, context
+and pipeline parallelism; the aux loss where the token sets match the serial run's; the aux-loss-free expert
+biases' trajectory; router statistics in the log; one clear error per bad setting."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from mpi_harness import run_on_ranks, run_with_timeout
+
+CHECKS = "workers.training_checks"
+BASE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float64",
+        "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2, "moe_aux_coef": 0.0}
+MODELS = {
+    "E4-top2": {**BASE, "experts": 4, "top_k": 2},
+    "E8-top1": {**BASE, "experts": 8, "top_k": 1},
+    # the serial run forms the parallel run's token sets (one microbatch per DP rank): aux loss and capacity on
+    "E4-top2-aux": {**BASE, "experts": 4, "top_k": 2, "moe_aux_coef": 0.01, "capacity_factor": 1.0, "microbatches": 2},
+    "E4-top1-bias": {**BASE, "experts": 4, "top_k": 1, "moe_bias_rate": 0.01},
+}
+RUNS = {  # model -> (ranks, configurations)
+    "E4-top2": [(2, [{"dp": 2, "ep": 2}]),
+                (4, [{"dp": 4, "ep": 2}, {"dp": 4, "ep": 4}, {"dp": 4, "ep": 2, "zero": 1}, {"dp": 2, "ep": 2, "cp": 2},
+                     {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2}])],
+    "E8-top1": [(2, [{"dp": 2, "ep": 2}]), (4, [{"dp": 4, "ep": 4}, {"dp": 4, "ep": 2}])],
+    "E4-top2-aux": [(2, [{"dp": 2, "ep": 2, "microbatches": 1}])],
+    "E4-top1-bias": [(2, [{"dp": 2, "ep": 2}]), (4, [{"dp": 4, "ep": 4}])],
+}
+CASES = [(model, ranks, index) for model, launches in RUNS.items() for ranks, configs in launches
+         for index in range(len(configs))]
+TOLERANCE = 1e-9
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """Every model's serial reference, then its parallel runs, a launch per rank count."""
+    found = {}
+    for model, launches in RUNS.items():
+        directory = tmp_path_factory.mktemp(model)
+        run_on_ranks(1, f"{CHECKS}:serial_reference", common=MODELS[model], directory=str(directory))
+        for ranks, configs in launches:
+            found[model, ranks] = run_on_ranks(ranks, f"{CHECKS}:matches_serial", timeout=300, common=MODELS[model],
+                                               configs=configs, reference=str(directory))[0]
+    return found
+
+
+def label(case: tuple) -> str:
+    model, ranks, index = case
+    config = dict(RUNS[model])[ranks][index]
+    return f"{model}-" + "-".join(f"{key}{value}" for key, value in config.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[label(case) for case in CASES])
+def test_expert_parallel_training_equals_the_serial_moe_model(results, case):
+    model, ranks, index = case
+    result = results[model, ranks][index]
+    assert result["steps"] == BASE["steps"]
+    assert result["loss_error"] <= TOLERANCE, result["options"]
+    assert result["weight_error"] <= TOLERANCE, result["options"]  # expert biases included
+
+
+def test_the_log_reports_the_aux_loss_and_where_the_tokens_went(results):
+    record = results["E4-top2-aux", 2][0]["logs"][0]
+    assert record["aux_loss"] > 0
+    router = record["router"]
+    tokens = BASE["batch_size"] * BASE["seq_len"]
+    assert len(router["tokens_per_expert"]) == 4
+    assert sum(router["tokens_per_expert"]) == 2 * tokens * BASE["n_layer"]  # top-2 choices of every token, per layer
+    assert router["max_over_mean_load"] >= 1.0 and router["dropped_tokens"] >= 0
+
+
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "1"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["-n", "2", "--ep", "2"], "give --experts"),
+    (["-n", "2", "--ep", "2", "--experts", "3", "--top-k", "1"], "must divide --experts 3"),
+    (["--experts", "2", "--top-k", "3"], "moe_top_k"),
+    (["-n", "2", "--tp", "2", "--experts", "4"], "--experts with --tp"),
+], ids=["ep-without-experts", "experts-not-divisible", "top-k", "tp"])
+def test_bad_expert_settings_get_one_clear_error(args, fragment):
+    result = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", *TINY, *args], 120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert sum(line.startswith("Error") for line in output.splitlines()) == 1, output
+    assert "Traceback" not in output and fragment in output, output
