@@ -563,8 +563,9 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
     _check_experts(config, mesh)
     token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp
     common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
-              "units": units, "context": _context(settings, mesh, config), "moe_token_sets": token_sets,
-              "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
+              "units": units, "context": _context(settings, mesh, config)}
+    if config.n_experts:  # (experts with --tp are refused above)
+        common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
     if tp == 1:
         model = GPT(config, **common)
     else:

@@ -20,11 +20,9 @@ TWO_RANKS = [{"cp": 2, "cp_attention": variant} for variant in VARIANTS] + [
     {"cp": 2, "cp_attention": "ulysses", "recompute": "selective"},
 ]
 FOUR_RANKS = [{"cp": 4, "cp_attention": variant} for variant in VARIANTS] + [
-    {"cp": 2, "dp": 2, "zero": 1, "cp_attention": "ring"},
+    {"cp": 2, "cp_attention": variant, **mesh} for variant in VARIANTS
+    for mesh in ({"dp": 2, "zero": 1}, {"tp": 2}, {"tp": 2, "sp": True})] + [
     {"cp": 2, "dp": 2, "zero": 3, "cp_attention": "all-gather"},
-    {"cp": 2, "tp": 2, "sp": True, "cp_attention": "ring"},
-    {"cp": 2, "tp": 2, "sp": True, "cp_attention": "ulysses"},
-    {"cp": 2, "tp": 2, "cp_attention": "all-gather"},
     {"cp": 2, "pp": 2, "cp_attention": "ring", "schedule": "1f1b"},
 ]
 
