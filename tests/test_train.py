@@ -173,7 +173,7 @@ def _assert_one_clear_error(result: subprocess.CompletedProcess, *fragments: str
     (["--n-embd", "30", "--n-head", "4"], ["divisible"]),
     (["--init", "/nonexistent/model"], ["/nonexistent/model"]),
     (["--data", "/nonexistent/data.txt"], ["/nonexistent/data.txt"]),
-    (["-n", "2", "--ep", "2"], ["--ep 2", "expert parallelism arrives"]),
+    (["-n", "2", "--ep", "2"], ["--ep 2", "give --experts"]),
     (["--dp", "3"], ["does not match"]),
 ], ids=["heads", "missing-init", "missing-data", "mesh", "dp-mismatch"])
 def test_bad_input_gives_one_clear_error(args, fragments):
