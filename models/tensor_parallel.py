@@ -74,6 +74,7 @@ from collectives.backend import Array, get_array_module, scatter_add
 
 from .gpt import GPT, GPTConfig, initial_value
 from .layers import QUERY_BLOCK, Layer, Linear, Saved
+from .moe import expert_placement
 from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
 
 TP_AXIS = "tp"
@@ -347,8 +348,8 @@ def tensor_parallel_placement(name: str, sequence_parallel: bool = False) -> dic
     for suffix, sharded in _SPLITS.items():
         if name.endswith(suffix):
             return {TP_AXIS: sharded}
-    if sequence_parallel and (".ln_" in name):
-        return {TP_AXIS: PARTIAL}
+    if sequence_parallel and (".ln_" in name or ".mlp.router." in name or ".mlp.experts." in name):
+        return {TP_AXIS: PARTIAL}  # LayerNorms, and MoE routers and experts (replicated), see this rank's slice
     return {}
 
 
@@ -383,11 +384,14 @@ class TensorParallelGPT(GPT):
 
     def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
                  sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
-                 query_block: int = QUERY_BLOCK, units: Any = None, context: Any = None) -> None:
+                 query_block: int = QUERY_BLOCK, units: Any = None, context: Any = None, ep_comm: Any = None,
+                 moe_token_sets: int = 1) -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
         self.config, self.context = config, context
+        self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
+        self.moe_token_sets = moe_token_sets
         self._hold(units)
         self.params = {name: self._shard(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}
@@ -408,6 +412,7 @@ class TensorParallelGPT(GPT):
 
     def _shard(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
         placement = tensor_parallel_placement(name, self.group.sequence_parallel)
+        placement |= expert_placement(name, 1 if self.ep_comm is None else self.ep_comm.size)
         shard = shard_tensor(full, placement, self.axis_ranks())
         return Parameter(name, xp.asarray(shard), placement, full_shape=full.shape)
 

@@ -270,16 +270,22 @@ class Trainer:
         config, mesh, layers = self.model.config, self.mesh, self.router.layers
         if config.moe_bias_rate > 0:
             for layer, stats in layers.items():
-                counts = _sum_array_over(mesh.dp_cp, stats.assignments)
+                counts = self._over_token_sets(_sum_array_over(mesh.dp_cp, stats.assignments))
                 update_expert_bias(self.model.expert_biases[expert_bias_name(layer)], counts, config.moe_bias_rate)
         assignments = sum((stats.assignments for stats in layers.values()), np.zeros(config.n_experts))
         dropped = sum(stats.dropped_tokens for stats in layers.values())
-        totals = _sum_array_over(mesh.world, np.append(assignments, dropped))  # every layer, every token once
-        per_expert = totals[:-1]
+        totals = _sum_array_over(mesh.world, np.append(assignments, dropped))  # every layer and token …
+        per_expert = totals[:-1] / (1 if self.settings.mesh.sp else mesh.tp.size)  # … once (TP ranks share tokens)
         load = float(per_expert.max() / per_expert.mean()) if per_expert.sum() else 0.0
-        return {"aux_loss": self._sum_losses(self.router.aux_loss),
-                "router": {"tokens_per_expert": per_expert.astype(int).tolist(), "dropped_tokens": int(totals[-1]),
+        aux = self._over_token_sets(np.array([self.router.aux_loss]))[0]
+        return {"aux_loss": self._sum_losses(aux),
+                "router": {"tokens_per_expert": per_expert.astype(int).tolist(),
+                           "dropped_tokens": int(totals[-1] / (1 if self.settings.mesh.sp else self.mesh.tp.size)),
                            "max_over_mean_load": load}}
+
+    def _over_token_sets(self, values: np.ndarray) -> np.ndarray:
+        """With --sp each TP rank routes only its slice of the sequence: its own token set, summed over tp."""
+        return _sum_array_over(self.mesh.tp, values) if self.settings.mesh.sp else values
 
     def _microbatches_one_after_another(self, pieces: list, normalizer: int) -> float:
         """Forward and backward of each microbatch in turn, the data-parallel engine hooked in to overlap the
@@ -561,10 +567,10 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
                           f"{settings.data.seq_len} must be divisible by {tp}")
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     _check_experts(config, mesh)
-    token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp
+    token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (tp if settings.mesh.sp else 1)
     common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
               "units": units, "context": _context(settings, mesh, config)}
-    if config.n_experts:  # (experts with --tp are refused above)
+    if config.n_experts:
         common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
     if tp == 1:
         model = GPT(config, **common)
@@ -592,8 +598,6 @@ def _check_experts(config: GPTConfig, mesh: Mesh) -> None:
         raise ConfigError(f"--ep {ep} spreads experts over ranks: give --experts")
     if config.n_experts and config.n_experts % ep:
         raise ConfigError(f"--ep {ep} must divide --experts {config.n_experts} (each EP rank holds E/ep experts)")
-    if config.n_experts and mesh.shape.tp > 1:
-        raise ConfigError("--experts with --tp is not built yet: experts are not split over tensor-parallel ranks")
 
 
 def _build_engines(model: GPT, mesh: Mesh, settings: TrainSettings, overlap: bool) -> Any:
