@@ -721,6 +721,9 @@ class Reporter:
         step = record["step"]
         line = (f"step {step + 1:>5}/{self.settings.data.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"{record['tokens'] / record['time_s']:,.0f} tok/s")
+        if "router" in record:
+            line += (f" | aux {record['aux_loss']:.4f} | load max/mean {record['router']['max_over_mean_load']:.2f}, "
+                     f"dropped {record['router']['dropped_tokens']}")
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
         if self.interactive:
