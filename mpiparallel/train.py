@@ -420,16 +420,17 @@ class Trainer:
         total = sum(v for k, v in held.items() if k in theory)
         lines.append(f"  {'model states':<16} {total / 2**20:10.2f} MiB held   theory "
                      f"{sum(theory.values()) / 2**20:10.2f} MiB")
-        lines.append(f"  {'one block':<16} {self.block_activation_bytes / 2**20:10.2f} MiB saved  formula "
-                     f"{self._block_activation_formula() / 2**20:10.2f} MiB (per microbatch, --recompute "
-                     f"{self.settings.model.recompute})")
+        formula = self._block_activation_formula()
+        shown = f"{formula / 2**20:10.2f} MiB" if formula else "         - (none yet for --cp or --experts)"
+        lines.append(f"  {'one block':<16} {self.block_activation_bytes / 2**20:10.2f} MiB saved  formula {shown} "
+                     f"(per microbatch, --recompute {self.settings.model.recompute})")
         return "\n".join(lines)
 
     def _block_activation_formula(self) -> int:
         """`models.layers.block_activation_elements` for this run's microbatch, in bytes (0: no formula yet for
-        context-parallel attention)."""
+        context-parallel attention or experts)."""
         settings, config = self.settings, self.model.config
-        if self.mesh.cp.size > 1:
+        if self.mesh.cp.size > 1 or config.n_experts:
             return 0
         rows = settings.data.batch_size // (self.mesh.dp.size * self.microbatches)
         return np.dtype(settings.model.dtype).itemsize * block_activation_elements(
