@@ -92,3 +92,14 @@ def _collect(results_dir: Path, n: int, target: str, returncode: int, output: st
     if returncode != 0 or any(r is None for r in results):
         raise RankFailure(f"{target} on {n} ranks exited with {returncode}\n{output[-3000:]}")
     return results
+
+
+def train_error(*args: str, timeout: float = 120) -> str:
+    """Run `mpiparallel train ARGS`, which must fail with exactly one "Error" line and no traceback on any rank;
+    return its output (for the caller to look for what the message must name)."""
+    result = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", *args], timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert sum(line.startswith("Error") for line in output.splitlines()) == 1, output
+    assert "Traceback" not in output, output
+    return output
