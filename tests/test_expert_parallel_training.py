@@ -8,8 +8,13 @@ tokens; with SP each its slice, and their gradients are summed over tp)."""
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
-from mpi_harness import run_on_ranks, train_error
+from mpi_harness import run_on_ranks, run_with_timeout, train_error
+
+from mpiparallel import checkpoint
 
 CHECKS = "workers.training_checks"
 BASE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float64",
@@ -42,6 +47,7 @@ def results(tmp_path_factory) -> dict:
     for model, launches in RUNS.items():
         directory = tmp_path_factory.mktemp(model)
         run_on_ranks(1, f"{CHECKS}:serial_reference", common=MODELS[model], directory=str(directory))
+        found[model, "reference"] = checkpoint.load_pretrained(directory / "model")[1]
         for ranks, configs in launches:
             found[model, ranks] = run_on_ranks(ranks, f"{CHECKS}:matches_serial", timeout=300, common=MODELS[model],
                                                configs=configs, reference=str(directory))[0]
@@ -63,6 +69,31 @@ def test_expert_parallel_training_equals_the_serial_moe_model(results, case):
     assert result["weight_error"] <= TOLERANCE, result["options"]  # expert biases included
 
 
+def test_the_serial_runs_biases_moved_so_equal_biases_mean_equal_trajectories(results):
+    reference = results["E4-top1-bias", "reference"]
+    biases = [value for name, value in reference.items() if name.endswith("router.expert_bias")]
+    assert len(biases) == BASE["n_layer"] and all(np.abs(bias).max() > 0 for bias in biases)
+    assert not any(np.abs(value).max() > 0 for name, value in results["E4-top2", "reference"].items()
+                   if name.endswith("router.expert_bias"))  # no --moe-bias-rate: no bias
+
+
+def test_a_saved_moe_model_keeps_its_names_and_settings_and_trains_on_from_init(tmp_path):
+    saved = tmp_path / "moe"
+    run = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", *TINY, "--experts", "4", "--top-k", "2",
+                            "--moe-bias-rate", "0.01", "-n", "2", "--ep", "2", "--save", str(saved)], 120)
+    assert run.returncode == 0, run.stderr
+    config, tensors, raw = checkpoint.load_pretrained(saved)
+    assert (config.n_experts, config.moe_top_k, config.moe_bias_rate) == (4, 2, 0.01)
+    assert raw["n_experts"] == 4 and raw["moe_top_k"] == 2
+    assert {"transformer.h.0.mlp.router.weight", "transformer.h.0.mlp.router.expert_bias",
+            "transformer.h.0.mlp.experts.3.c_proj.bias"} <= set(tensors)
+    assert tensors["transformer.h.0.mlp.experts.3.c_fc.weight"].shape == (32, 128)
+    resumed = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "--init", str(saved), "--seq-len", "16",
+                                "--batch-size", "4", "--steps", "1"], 120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "aux" in resumed.stdout
+
+
 def test_the_log_reports_the_aux_loss_and_where_the_tokens_went(results):
     record = results["E4-top2-aux", 2][0]["logs"][0]
     assert record["aux_loss"] > 0
@@ -80,6 +111,8 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", 
     (["-n", "2", "--ep", "2"], "give --experts"),
     (["-n", "2", "--ep", "2", "--experts", "3", "--top-k", "1"], "must divide --experts 3"),
     (["--experts", "2", "--top-k", "3"], "moe_top_k"),
-], ids=["ep-without-experts", "experts-not-divisible", "top-k"])
+    (["-n", "2", "--experts", "4", "--ep", "4"], "--ep 4 must divide the data-parallel size 2"),
+    (["--experts", "4", "--moe-bias-rate", "-1"], "--moe-bias-rate"),
+], ids=["ep-without-experts", "experts-not-divisible", "top-k", "ep-not-dividing-dp", "bias-rate"])
 def test_bad_expert_settings_get_one_clear_error(args, fragment):
     assert fragment in train_error(*TINY, *args)
