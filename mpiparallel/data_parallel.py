@@ -29,7 +29,7 @@ prefetching the next unit's, and frees them afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -483,9 +483,10 @@ class DataParallelGroups(ParameterHooks):
 
     @contextmanager
     def microbatch(self, last: bool):
-        for engine in self.engines:
-            engine._last_microbatch = last
-        yield
+        with ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.microbatch(last))
+            yield
 
     def zero_grad(self) -> None:
         for engine in self.engines:

@@ -103,3 +103,27 @@ def train_error(*args: str, timeout: float = 120) -> str:
     assert sum(line.startswith("Error") for line in output.splitlines()) == 1, output
     assert "Traceback" not in output, output
     return output
+
+
+TRAINING_CHECKS = "workers.training_checks"
+
+
+def serial_training(common: dict[str, Any], directory: Path) -> str:
+    """Train `common` on one rank into `directory` (log.jsonl, model/): the reference parallel runs compare with."""
+    run_on_ranks(1, f"{TRAINING_CHECKS}:serial_reference", common=common, directory=str(directory))
+    return str(directory)
+
+
+def parallel_training(ranks: int, common: dict[str, Any], configs: list[dict[str, Any]], reference: str,
+                      timeout: float = 300) -> list[dict]:
+    """Train every configuration (options on top of `common`) on `ranks` ranks in one launch; per configuration
+    its options, log records and worst relative errors of losses and saved weights against `reference`."""
+    return run_on_ranks(ranks, f"{TRAINING_CHECKS}:matches_serial", timeout=timeout, common=common, configs=configs,
+                        reference=reference)[0]
+
+
+def assert_equals_serial(result: dict, steps: int, tolerance: float = 1e-9) -> None:
+    """A `parallel_training` result: every step ran, losses and saved tensors within `tolerance` of serial."""
+    assert result["steps"] == steps, result["options"]
+    assert result["loss_error"] <= tolerance, (result["options"], result["loss_error"])
+    assert result["weight_error"] <= tolerance, (result["options"], result["weight_error"])

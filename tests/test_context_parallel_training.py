@@ -5,9 +5,8 @@ parallelism, pipeline stages and full recomputation; bad context-parallel settin
 from __future__ import annotations
 
 import pytest
-from mpi_harness import run_on_ranks, train_error
+from mpi_harness import assert_equals_serial, parallel_training, serial_training, train_error
 
-CHECKS = "workers.training_checks"
 COMMON = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "batch_size": 4, "steps": 3, "dtype": "float64",
           "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}
 VARIANTS = ["ring", "all-gather", "ulysses"]
@@ -27,41 +26,31 @@ FOUR_RANKS = [{"cp": 4, "cp_attention": variant} for variant in VARIANTS] + [
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("serial")
-    run_on_ranks(1, f"{CHECKS}:serial_reference", common=COMMON, directory=str(directory))
-    return str(directory)
+    return serial_training(COMMON, tmp_path_factory.mktemp("serial"))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(reference) -> list[dict]:
-    return run_on_ranks(2, f"{CHECKS}:matches_serial", timeout=300, common=COMMON, configs=TWO_RANKS,
-                        reference=reference)[0]
+    return parallel_training(2, COMMON, TWO_RANKS, reference)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(reference) -> list[dict]:
-    return run_on_ranks(4, f"{CHECKS}:matches_serial", timeout=300, common=COMMON, configs=FOUR_RANKS,
-                        reference=reference)[0]
+    return parallel_training(4, COMMON, FOUR_RANKS, reference)
 
 
 def label(config: dict) -> str:
     return "-".join(f"{k}{v}" if not isinstance(v, bool) else k for k, v in config.items())
 
 
-def assert_equals_serial(result: dict) -> None:
-    assert result["steps"] == COMMON["steps"]
-    assert result["loss_error"] <= TOLERANCE, result
-    assert result["weight_error"] <= TOLERANCE, result
-
-
 @pytest.mark.parametrize("index", range(len(TWO_RANKS)), ids=[label(c) for c in TWO_RANKS])
 def test_context_parallel_training_on_two_ranks_equals_serial(two_ranks, index):
-    assert_equals_serial(two_ranks[index])
+    assert_equals_serial(two_ranks[index], COMMON["steps"], TOLERANCE)
 
 
 @pytest.mark.parametrize("index", range(len(FOUR_RANKS)), ids=[label(c) for c in FOUR_RANKS])
 def test_context_parallel_training_on_four_ranks_equals_serial(four_ranks, index):
-    assert_equals_serial(four_ranks[index])
+    assert_equals_serial(four_ranks[index], COMMON["steps"], TOLERANCE)
 
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--batch-size", "4", "--steps", "1"]

@@ -6,11 +6,10 @@ gradients'; bad pipeline settings get one clear error."""
 from __future__ import annotations
 
 import pytest
-from mpi_harness import run_on_ranks, train_error
+from mpi_harness import assert_equals_serial, parallel_training, serial_training, train_error
 
 from mpiparallel.pipeline_parallel import stage_units
 
-CHECKS = "workers.training_checks"
 COMMON = {"n_layer": 8, "n_head": 2, "n_embd": 32, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float64",
           "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
@@ -33,48 +32,38 @@ RECOMPUTING = [{"pp": 2, "schedule": schedule, "recompute": "full", "microbatche
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("serial")
-    run_on_ranks(1, f"{CHECKS}:serial_reference", common=COMMON, directory=str(directory))
-    return str(directory)
+    return serial_training(COMMON, tmp_path_factory.mktemp("serial"))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(reference) -> list[dict]:
-    return run_on_ranks(2, f"{CHECKS}:matches_serial", timeout=300, common=COMMON,
-                        configs=schedule_runs(2) + RECOMPUTING, reference=reference)[0]
+    return parallel_training(2, COMMON, schedule_runs(2) + RECOMPUTING, reference)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(reference) -> list[dict]:
-    return run_on_ranks(4, f"{CHECKS}:matches_serial", timeout=300, common=COMMON,
-                        configs=schedule_runs(4) + COMBINATIONS, reference=reference)[0]
-
-
-def assert_equals_serial(result: dict) -> None:
-    assert result["steps"] == COMMON["steps"]
-    assert result["loss_error"] <= TOLERANCE, result
-    assert result["weight_error"] <= TOLERANCE, result
+    return parallel_training(4, COMMON, schedule_runs(4) + COMBINATIONS, reference)
 
 
 @pytest.mark.parametrize("index", range(12), ids=[f"{r['schedule']}-m{r['microbatches']}" for r in schedule_runs(2)])
 def test_every_schedule_on_two_stages_equals_serial(two_ranks, index):
-    assert_equals_serial(two_ranks[index])
+    assert_equals_serial(two_ranks[index], COMMON["steps"], TOLERANCE)
 
 
 @pytest.mark.parametrize("index", range(12), ids=[f"{r['schedule']}-m{r['microbatches']}" for r in schedule_runs(4)])
 def test_every_schedule_on_four_stages_equals_serial(four_ranks, index):
-    assert_equals_serial(four_ranks[index])
+    assert_equals_serial(four_ranks[index], COMMON["steps"], TOLERANCE)
 
 
 @pytest.mark.parametrize("index", range(len(COMBINATIONS)),
                          ids=["dp2-zero1", "dp2-zbv", "tp2-sp-zb", "tp2-interleaved"])
 def test_pipeline_with_data_and_tensor_parallelism_equals_serial(four_ranks, index):
-    assert_equals_serial(four_ranks[12 + index])
+    assert_equals_serial(four_ranks[12 + index], COMMON["steps"], TOLERANCE)
 
 
 @pytest.mark.parametrize("index", range(len(RECOMPUTING)), ids=["1f1b", "zbv"])
 def test_pipeline_with_full_recomputation_equals_serial(two_ranks, index):
-    assert_equals_serial(two_ranks[12 + index])
+    assert_equals_serial(two_ranks[12 + index], COMMON["steps"], TOLERANCE)
 
 
 def test_stage_boundaries_carry_one_activation_per_microbatch_each_way_plus_the_tied_gradient(two_ranks):
