@@ -708,6 +708,7 @@ class Reporter:
         output = settings.output
         self.log = open(output.log_json, "a" if output.resume else "w") if is_root and output.log_json else None
         self.every = max(1, settings.data.steps // 20)
+        self.recent_losses: list[float] = []  # since the last printed line: one batch's loss is noisy
         if is_root:
             self.say(f"GPT-2 {config.n_layer} layers, {config.n_embd} channels, {config.n_head} heads, vocab "
                      f"{config.vocab_size}: {config.parameter_count() / 1e6:.2f} M parameters; "
@@ -720,19 +721,24 @@ class Reporter:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
         step = record["step"]
-        line = (f"step {step + 1:>5}/{self.settings.data.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        self.recent_losses.append(record["loss"])
+        mean = sum(self.recent_losses) / len(self.recent_losses)
+        line = (f"step {step + 1:>5}/{self.settings.data.steps} | loss {record['loss']:.4f}, mean of "
+                f"{len(self.recent_losses):>3} {mean:.4f} | lr {record['lr']:.2e} | "
                 f"{record['tokens'] / record['time_s']:,.0f} tok/s")
         if "router" in record:
             line += (f" | aux {record['aux_loss']:.4f} | load max/mean {record['router']['max_over_mean_load']:.2f}, "
                      f"dropped {record['router']['dropped_tokens']}")
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
-        if self.interactive:
-            end = "\n" if "val_loss" in record else ""
-            self.stream.write(f"\r{line}\033[K{end}")
+        printed = (step + 1) % self.every == 0 or step == 0 or "val_loss" in record or step + 1 == self.settings.data.steps
+        if self.interactive:  # every step rewrites the line; the printed ones stay
+            self.stream.write(f"\r{line}\033[K{chr(10) if printed else ''}")
             self.stream.flush()
-        elif (step + 1) % self.every == 0 or step == 0 or "val_loss" in record or step + 1 == self.settings.data.steps:
+        elif printed:
             self.say(line)
+        if printed:
+            self.recent_losses.clear()
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"the loss became {record['loss']} at step {step}; try a smaller --lr")
 
