@@ -344,6 +344,12 @@ class DataParallel(ParameterHooks):
         count = len(self.units)
         return [(u, False) for u in range(count)] + [(u, True) for u in reversed(range(count))]
 
+    def gathers_per_microbatch(self, index: int) -> int:
+        """ZeRO-3: how often bucket `index` is all-gathered in one microbatch — once per run of consecutive
+        units that read it, since it is freed when the next unit does not."""
+        needed = [index in self._needed(unit) for unit, _ in self._visits()]
+        return sum(now and (position == 0 or not needed[position - 1]) for position, now in enumerate(needed))
+
     def _needed(self, unit: int) -> list[int]:
         return [index for index, bucket in enumerate(self.buckets) if unit in bucket.used_by]
 

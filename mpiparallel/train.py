@@ -33,6 +33,7 @@ from models.moe import expert_bias_name, expert_index, update_expert_bias
 from models.parameter import (
     HELD,
     PARTIAL,
+    Partial,
     counts_once,
     gather_tensor,
     local_shape,
@@ -41,7 +42,7 @@ from models.parameter import (
 )
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
-from . import checkpoint, data, optim
+from . import checkpoint, data, optim, traffic
 from .data_parallel import DataParallel, DataParallelGroups
 from .errors import ConfigError
 from .mesh import Mesh, MeshShape
@@ -207,6 +208,11 @@ def run(settings: TrainSettings) -> int:
         if _due(step, settings.output.checkpoint_every, settings.data.steps) and settings.output.checkpoint_dir:
             trainer.save_training_checkpoint(step + 1)
     reporter.finish()
+    if mesh.world.size > 1 and settings.data.steps > first_step:
+        reporter.say("bytes each rank sent in the last step, per mesh axis, beside the formula that predicts them "
+                     "(mpiparallel/traffic.py):")
+        line = traffic.format_line(mesh.world.rank, trainer.traffic_by_axis(record["comm_bytes"]))
+        reporter.say_from_every_rank(line, mesh.world)
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
     if settings.output.save:
         if is_root:
@@ -436,6 +442,36 @@ class Trainer:
         return np.dtype(settings.model.dtype).itemsize * block_activation_elements(
             rows, settings.data.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.mesh.sp,
             settings.model.recompute, self.model.query_block)
+
+    def traffic_by_axis(self, counted: dict[str, int]) -> list[traffic.AxisTraffic]:
+        """The step's bytes sent per axis (`counted`, from its log record) beside what the formulas predict."""
+        settings, mesh, config = self.settings, self.mesh, self.model.config
+        local = set(self.model.local_units)
+        shape = traffic.RunShape(
+            rows=settings.data.batch_size // (mesh.shape.dp * self.microbatches),
+            positions=settings.data.seq_len // mesh.shape.cp, channels=config.n_embd,
+            itemsize=np.dtype(settings.model.dtype).itemsize, microbatches=self.microbatches,
+            blocks=len(local - {0, config.n_layer + 1}), has_embedding=0 in local,
+            has_head=config.n_layer + 1 in local, sp=settings.mesh.sp, recompute=settings.model.recompute,
+            seq_len=settings.data.seq_len, cp_attention=settings.mesh.cp_attention, moe=bool(config.n_experts))
+        partial = sum(piece.grad.nbytes for piece in self.engine.optimizer_parameters()
+                      if isinstance(piece.placement.get("tp"), Partial))
+        axis_of = {id(comm): axis for axis, comm in mesh.communicators().items()}
+        engines = getattr(self.engine, "engines", [self.engine])
+        predicted: dict[str, float | None] = {
+            "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial),
+            "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp), "ep": None}
+        for engine in engines:
+            axis = axis_of.get(id(engine.comm))
+            if axis is not None:
+                predicted[axis] = predicted.get(axis) or 0.0
+                predicted[axis] += traffic.data_parallel_bytes(engine, self.microbatches, shape.itemsize)
+        if self.pipeline is not None:
+            tied = self.model.params[TIED_WEIGHT].data.nbytes if TIED_WEIGHT in self.model.params else 0
+            predicted["pp"] = traffic.pipeline_bytes(shape, self.pipeline.schedule, mesh.pp.rank, mesh.shape.tp, tied)
+        if mesh.shape.ep > 1 or config.n_experts:
+            predicted["ep"] = None  # the router decides how many rows leave this rank
+        return traffic.report(counted, predicted)
 
     def _bytes_sent(self) -> dict[str, int]:
         return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
@@ -731,7 +767,8 @@ class Reporter:
                      f"dropped {record['router']['dropped_tokens']}")
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
-        printed = (step + 1) % self.every == 0 or step == 0 or "val_loss" in record or step + 1 == self.settings.data.steps
+        steps = self.settings.data.steps
+        printed = (step + 1) % self.every == 0 or step == 0 or "val_loss" in record or step + 1 == steps
         if self.interactive:  # every step rewrites the line; the printed ones stay
             self.stream.write(f"\r{line}\033[K{chr(10) if printed else ''}")
             self.stream.flush()

@@ -1,0 +1,159 @@
+"""Bytes each rank sends in one optimizer step, axis by axis: the formulas of the parallel modules' docstrings
+evaluated for one run, to print beside what the communicators' ledgers counted.
+
+Every collective's volume is the β term of its cost formula in `collectives.cost_model` (bytes sent per rank by
+the algorithm `algo="auto"` picks for that size), so ring all-reduce gives 2(n−1)/n·S and recursive doubling
+log2(n)·S. With S = b·s·h·e the bytes of one activation on this rank (b rows of a microbatch, s its positions
+here, h channels, e bytes per element), m microbatches, L the blocks this rank holds and G the bytes of the
+gradient buckets an engine reduces:
+
+    dp    DP all-reduce once per step: AR(G); ZeRO-1: RS(G) + AG(G); ZeRO-2: m·RS(G) + AG(G);
+          ZeRO-3: m·(RS(G) + each bucket's all-gathers per microbatch)          (`mpiparallel.data_parallel`)
+    tp    per microbatch: 4 AR(S) per block (2 forward, 2 backward; SP: AG + RS in their place; with MoE only
+          attention's 2, the experts being replicated over TP), one more forward's worth with --recompute full;
+          AR(S) for the embedding and for the head's input; the vocab-parallel cross-entropy's AR of b·s and
+          2·b·s values; SP: once per step an AR of the gradients that are partial sums over tp (the LayerNorms'
+          (4L + 2)·h; with MoE also the router and experts)                        (`models.tensor_parallel`)
+    pp    per microbatch and stage boundary to another rank: S forward, S backward; the tied embedding's
+          gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
+    cp    per block and microbatch, K and V of the whole sequence: ring 2(c−1)/c·bsh forward and
+          2(2c−1)/c·bsh backward, all-gather 2(c−1)/c and 4(c−1)/c, Ulysses 4(c−1)/c² each way, with h/tp
+          channels under TP (`models.context_parallel`)
+
+Expert parallelism's dispatch and combine move as many rows as the router sends to other ranks, which depends
+on the data: no formula is printed for ep (its bytes are still counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from collectives import Communicator
+from collectives.cost_model import CostModel, auto_algorithm, predict
+
+BYTES_ONLY = CostModel(alpha=0.0, beta=1.0, gamma=0.0)  # a formula's β term: the bytes it sends
+
+
+def collective_bytes(collective: str, nbytes: float, comm: Communicator) -> float:
+    """Bytes one rank sends in `collective` of `nbytes` (all_gather: the gathered size) over `comm`."""
+    if comm.size == 1 or nbytes == 0:
+        return 0.0
+    return predict(BYTES_ONLY, collective, auto_algorithm(comm, collective, int(nbytes)), nbytes, comm.size)
+
+
+@dataclass
+class AxisTraffic:
+    """What one rank sends on one axis in one step: the formula's prediction and the ledger's count."""
+
+    axis: str
+    predicted: float | None  # None: no formula (data-dependent)
+    counted: int
+
+
+@dataclass
+class RunShape:
+    """The sizes the formulas need, for this rank."""
+
+    rows: int               # b: sequences per microbatch on this rank
+    positions: int          # s: sequence positions held by this rank (÷ cp)
+    channels: int           # h
+    itemsize: int           # e
+    microbatches: int       # m
+    blocks: int             # L: transformer blocks on this rank
+    has_embedding: bool
+    has_head: bool
+    sp: bool
+    recompute: str
+    seq_len: int            # the whole sequence (cp's K/V)
+    cp_attention: str
+    moe: bool               # experts replace the MLP, replicated over TP: only attention exchanges over tp
+
+
+def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int) -> float:
+    """One `DataParallel` engine's bytes per step on its communicator."""
+    comm, e = engine.comm, itemsize
+    total = 0.0
+    for index, bucket in enumerate(engine.buckets):
+        size = bucket.padded * e
+        if engine.zero == 0:
+            total += collective_bytes("all_reduce", size, comm)
+        elif engine.zero in (1, 2):
+            reductions = microbatches if engine.zero == 2 else 1
+            total += reductions * collective_bytes("reduce_scatter", size, comm)
+            total += collective_bytes("all_gather", size, comm)
+        else:
+            gathers = engine.gathers_per_microbatch(index)
+            total += microbatches * (collective_bytes("reduce_scatter", size, comm)
+                                     + gathers * collective_bytes("all_gather", size, comm))
+    return total
+
+
+def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_bytes: float) -> float:
+    """Bytes per step on the TP group; `partial_gradient_bytes`: this rank's gradients placed `Partial` on tp."""
+    if comm.size == 1:
+        return 0.0
+    s = shape.rows * shape.positions * shape.channels * shape.itemsize
+    # one exchange: an all-reduce of S, or under SP the all-gather and reduce-scatter in its place
+    exchange = (collective_bytes("all_gather", s, comm) + collective_bytes("reduce_scatter", s, comm) if shape.sp
+                else collective_bytes("all_reduce", s, comm))
+    forwards = 2 if shape.recompute == "full" else 1  # full recomputation reruns each block's forward
+    linear_pairs = 1 if shape.moe else 2  # attention's c_attn/c_proj, and the MLP's c_fc/c_proj
+    per_microbatch = shape.blocks * linear_pairs * (forwards + 1) * exchange
+    if shape.has_embedding:
+        per_microbatch += exchange
+    if shape.has_head:
+        tokens = shape.rows * shape.positions
+        per_microbatch += exchange + collective_bytes("all_reduce", tokens * shape.itemsize, comm) \
+            + collective_bytes("all_reduce", 2 * tokens * shape.itemsize, comm)
+    total = shape.microbatches * per_microbatch
+    # SP: the gradients that are partial sums over tp (LayerNorms; with MoE the router and experts), summed once
+    return total + collective_bytes("all_reduce", partial_gradient_bytes, comm)
+
+
+def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weight_bytes: float) -> float:
+    """Bytes per step this rank sends to other pipeline ranks: activations forward, their gradients backward
+    (a sequence slice of them under SP), and the tied embedding's gradient between the end stages."""
+    s = shape.rows * shape.positions * shape.channels * shape.itemsize / (tp if shape.sp else 1)
+    ranks = schedule.stage_ranks
+    boundaries = sum((stage + 1 < len(ranks) and ranks[stage + 1] != rank) + (stage > 0 and ranks[stage - 1] != rank)
+                     for stage, owner in enumerate(ranks) if owner == rank)
+    tied = tied_weight_bytes if ranks[0] != ranks[-1] and rank in (ranks[0], ranks[-1]) else 0.0
+    return shape.microbatches * boundaries * s + tied
+
+
+CP_ELEMENTS = {  # elements of b·s·h one rank sends per block, forward and backward (models.context_parallel)
+    "ring": lambda c: (2 * (c - 1) / c, 2 * (2 * c - 1) / c),
+    "all-gather": lambda c: (2 * (c - 1) / c, 4 * (c - 1) / c),
+    "ulysses": lambda c: (4 * (c - 1) / c**2, 4 * (c - 1) / c**2),
+}
+
+
+def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
+    """Bytes per step on the CP group: K and V (h/tp channels each) of every block, every microbatch."""
+    if cp == 1:
+        return 0.0
+    forward, backward = CP_ELEMENTS[shape.cp_attention](cp)
+    forwards = 2 if shape.recompute == "full" else 1
+    bsh = shape.rows * shape.seq_len * shape.channels // tp * shape.itemsize
+    return shape.microbatches * shape.blocks * (forwards * forward + backward) * bsh
+
+
+def report(counted: dict[str, int], predicted: dict[str, float | None]) -> list[AxisTraffic]:
+    """Axis by axis, the ledger's bytes beside the formula's (axes that sent nothing and have no formula left
+    out)."""
+    return [AxisTraffic(axis, predicted.get(axis), bytes_sent) for axis, bytes_sent in counted.items()
+            if bytes_sent or predicted.get(axis)]
+
+
+def format_line(rank: int, rows: list[AxisTraffic]) -> str:
+    """'rank 0: dp 3.83 MB (formula 3.83 MB, 1.000) | tp …'."""
+    parts = []
+    for row in rows:
+        if row.predicted is None:
+            parts.append(f"{row.axis} {row.counted / 1e6:.3f} MB (no formula: depends on routing)")
+        else:
+            ratio = row.counted / row.predicted if row.predicted else float("inf")
+            parts.append(f"{row.axis} {row.counted / 1e6:.3f} MB (formula {row.predicted / 1e6:.3f} MB, "
+                         f"counted/formula {ratio:.4f})")
+    return f"rank {rank}: " + (" | ".join(parts) if parts else "nothing sent")

@@ -1,0 +1,60 @@
+"""`train` ends with each rank's bytes per mesh axis beside the formulas of mpiparallel/traffic.py: on every mesh
+below, every axis that sent anything has a formula (ep excepted: routing decides), and it equals the ledger."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from mpi_harness import run_with_timeout
+
+from collectives.cost_model import predict
+from mpiparallel.traffic import BYTES_ONLY
+
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--seq-len", "32", "--batch-size", "8", "--steps", "2"]
+MESHES = [
+    (2, "--dp 2 --zero 3 --microbatches 2"),
+    (2, "--dp 2 --zero 2 --microbatches 2"),
+    (2, "--tp 2 --sp --recompute full"),
+    (2, "--pp 2 --schedule zb --microbatches 4"),
+    (2, "--cp 2 --cp-attention ulysses"),
+    (4, "--dp 2 --tp 2 --zero 1"),
+    (4, "--tp 2 --sp --pp 2 --n-layer 3 --microbatches 2"),
+    (4, "--dp 4 --zero 3 --bucket-mb 0.01"),
+    (4, "--cp 2 --tp 2 --cp-attention all-gather"),
+    (4, "--pp 2 --schedule zbv --n-layer 4 --dp 2"),
+    (4, "--experts 4 --top-k 2 --tp 2 --sp --dp 2 --ep 2"),
+]
+LINE = re.compile(r"^rank (\d+): (.*)$")
+AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, counted/formula ([\d.]+)|no formula[^)]*)\)")
+
+
+def traffic_lines(ranks: int, options: str) -> dict[int, list[tuple[str, str | None]]]:
+    command = [sys.executable, "-m", "mpiparallel", "train", "-n", str(ranks), *TINY, *options.split()]
+    result = run_with_timeout(command, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tail = result.stdout.split("beside the formula that predicts them")[1]
+    rows = {}
+    for line in tail.splitlines():
+        if match := LINE.match(line):
+            rows[int(match[1])] = [(axis, ratio) for axis, _, _, ratio in AXIS.findall(match[2])]
+    assert sorted(rows) == list(range(ranks)), result.stdout
+    return rows
+
+
+@pytest.mark.parametrize(("ranks", "options"), MESHES)
+def test_every_axis_sends_what_its_formula_predicts(ranks, options):
+    for rank, axes in traffic_lines(ranks, options).items():
+        assert axes, f"rank {rank} reported no traffic"
+        for axis, ratio in axes:
+            if axis == "ep":
+                assert ratio == "", "expert-parallel traffic depends on routing: no formula expected"
+            else:
+                assert ratio == "1.0000", f"rank {rank} axis {axis}: counted/formula {ratio} ({options})"
+
+
+def test_a_collectives_bytes_are_its_cost_formulas_beta_term():
+    assert predict(BYTES_ONLY, "all_reduce", "ring", 1000, 4) == 1500  # 2(n−1)/n·S
+    assert predict(BYTES_ONLY, "all_reduce", "recursive_doubling", 1000, 4) == 2000  # log2(n)·S
+    assert predict(BYTES_ONLY, "all_gather", "ring", 1000, 4) == 750  # (n−1)/n of the gathered size
