@@ -155,5 +155,5 @@ def format_line(rank: int, rows: list[AxisTraffic]) -> str:
         else:
             ratio = row.counted / row.predicted if row.predicted else float("inf")
             parts.append(f"{row.axis} {row.counted / 1e6:.3f} MB (formula {row.predicted / 1e6:.3f} MB, "
-                         f"counted/formula {ratio:.4f})")
+                         f"ratio {ratio:.4f})")
     return f"rank {rank}: " + (" | ".join(parts) if parts else "nothing sent")

@@ -27,7 +27,7 @@ MESHES = [
     (4, "--experts 4 --top-k 2 --tp 2 --sp --dp 2 --ep 2"),
 ]
 LINE = re.compile(r"^rank (\d+): (.*)$")
-AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, counted/formula ([\d.]+)|no formula[^)]*)\)")
+AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, ratio ([\d.]+)|no formula[^)]*)\)")
 
 
 def traffic_lines(ranks: int, options: str) -> dict[int, list[tuple[str, str | None]]]:
@@ -51,7 +51,7 @@ def test_every_axis_sends_what_its_formula_predicts(ranks, options):
             if axis == "ep":
                 assert ratio == "", "expert-parallel traffic depends on routing: no formula expected"
             else:
-                assert ratio == "1.0000", f"rank {rank} axis {axis}: counted/formula {ratio} ({options})"
+                assert ratio == "1.0000", f"rank {rank} axis {axis}: ratio {ratio} ({options})"
 
 
 def test_a_collectives_bytes_are_its_cost_formulas_beta_term():
