@@ -1,0 +1,111 @@
+"""The composition matrix's runs (see tests/test_composition.py): each configuration trains through
+`mpiparallel.train.run`, and after every step every rank gathers the whole model's reduced gradients — ZeRO
+shards all-gathered over dp (×cp), TP shards over tp, pipeline stages and EP ranks' experts merged — so rank 0
+can compare them, with the losses and the saved weights, against a serial run's. Several configurations per
+launch, since starting ranks is the slow part.
+
+The gradients are the clipped ones the update used (still in place after the step), recorded by running
+the loop with a `Trainer` that records them after each step (swapped in for the duration of one run).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiparallel import checkpoint, train
+
+
+class RecordingTrainer(train.Trainer):
+    """The training loop's `Trainer`, keeping the serial-model gradients of every step (on every rank)."""
+
+    recorded: list[dict[str, np.ndarray]] = []
+
+    def step(self, tokens: np.ndarray, step: int) -> dict:
+        record = super().step(tokens, step)
+        RecordingTrainer.recorded.append(self.whole_gradients())
+        return record
+
+    def whole_gradients(self) -> dict[str, np.ndarray]:
+        """The serial model's gradient of every parameter, gathered over every axis that splits it."""
+        engines = getattr(self.engine, "engines", [self.engine])
+        held = {name: grad for engine in engines for name, grad in engine.full_gradients().items()}
+        return self._gather_over_model_axes(held)
+
+
+@contextmanager
+def recording_gradients() -> Iterator[list[dict[str, np.ndarray]]]:
+    """`train.run` builds a `RecordingTrainer` while this is open; yields the list its steps append to."""
+    original, RecordingTrainer.recorded = train.Trainer, []
+    train.Trainer = RecordingTrainer
+    try:
+        yield RecordingTrainer.recorded
+    finally:
+        train.Trainer = original
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-300))
+
+
+def _train(options: dict[str, Any], directory: Path) -> list[dict[str, np.ndarray]]:
+    settings = train.TrainSettings.from_options(**options, log_json=str(directory / "log.jsonl"),
+                                                save=str(directory / "model"))
+    with recording_gradients() as gradients:
+        train.run(settings)
+    return gradients
+
+
+def serial_references(models: dict[str, dict[str, Any]], directory: str) -> bool:
+    """Every model's serial run (one rank): its log, saved model and per-step gradients (gradients.npz) in
+    `directory`/<model name>."""
+    for name, options in models.items():
+        here = Path(directory) / name
+        here.mkdir(parents=True, exist_ok=True)
+        gradients = _train(options, here)
+        np.savez(here / "gradients.npz", **{f"{step}/{parameter}": grad for step, grads in enumerate(gradients)
+                                            for parameter, grad in grads.items()})
+    return True
+
+
+def _losses(directory: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (directory / "log.jsonl").read_text().splitlines()]
+
+
+def matches_serial(models: dict[str, dict[str, Any]], runs: list[tuple[str, dict[str, Any]]],
+                   references: str) -> list[dict]:
+    """Train each run (a model's name and the mesh options on top of it); on rank 0 return, per run, its step
+    count and the worst relative errors of its losses, gradients (every parameter, every step) and saved weights
+    against the model's serial run in `references`/<model name>; the other ranks return an empty list."""
+    world = MPI.COMM_WORLD
+    results = []
+    for model, options in runs:
+        directory = Path(world.bcast(tempfile.mkdtemp(prefix="composition-") if world.rank == 0 else None))
+        gradients = _train({**models[model], **options}, directory)
+        world.barrier()
+        if world.rank == 0:
+            results.append({"model": model, "options": options,
+                            **_compare(directory, gradients, Path(references) / model)})
+    return results
+
+
+def _compare(directory: Path, gradients: list[dict[str, np.ndarray]], reference: Path) -> dict:
+    """Worst relative errors of a run in `directory` (with its recorded `gradients`) against the serial run in
+    `reference`; every serial gradient must have its parallel twin (a missing one raises)."""
+    serial_weights = checkpoint.load_pretrained(reference / "model")[1]
+    serial_gradients = np.load(reference / "gradients.npz")
+    weights = checkpoint.load_pretrained(directory / "model")[1]
+    losses, serial_losses = _losses(directory), _losses(reference)
+    return {"steps": len(losses),
+            "loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses, strict=True)),
+            "gradient_error": max(relative_error(gradients[int(step)][name], serial_gradients[key])
+                                  for key in serial_gradients.files for step, name in [key.split("/", 1)]),
+            "gradients_compared": len(serial_gradients.files),
+            "weight_error": max(relative_error(weights[name], w) for name, w in serial_weights.items())}
