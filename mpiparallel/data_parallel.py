@@ -260,6 +260,31 @@ class DataParallel(ParameterHooks):
         self._last_microbatch = last
         yield
 
+    @contextmanager
+    def unhooked(self, backward: bool = True):
+        """For a caller that runs the model without these hooks — a pipeline schedule, which interleaves
+        microbatches and splits backward, so nothing can be gathered or reduced unit by unit: ZeRO-3 gathers every
+        parameter on entry and frees them on exit; with `backward`, ZeRO-2/3 give every bucket a full gradient
+        buffer for all microbatches to accumulate into, reduce-scattered once by `finish_gradients`.
+
+        Cost against the hooked ZeRO-2/3: one reduce-scatter of G per step instead of one per microbatch, and for
+        ZeRO-3 one all-gather of P per step instead of two per microbatch; while the step runs a rank holds full
+        gradients (and ZeRO-3 full parameters) of its stages, between steps only its shards."""
+        if self.zero == 3:
+            handles = {index: collectives.all_gather_async(shard, self.comm, self.algo)
+                       for index, shard in enumerate(self.param_shards) if self.flat_params[index] is None}
+            for index, handle in handles.items():
+                self.flat_params[index] = handle.wait()
+                self._point_parameters_at(self.buckets[index], self.flat_params[index])
+        if backward and self.zero >= 2:
+            for index, flat in enumerate(self.flat_grads):
+                if flat is None:
+                    self._allocate_gradients(index)
+        try:
+            yield
+        finally:
+            self.release_all()
+
     def _reduces_now(self) -> bool:
         return self.zero >= 2 or self._last_microbatch
 
@@ -486,6 +511,13 @@ class DataParallelGroups(ParameterHooks):
         with ExitStack() as stack:
             for engine in self.engines:
                 stack.enter_context(engine.microbatch(last))
+            yield
+
+    @contextmanager
+    def unhooked(self, backward: bool = True):
+        with ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.unhooked(backward))
             yield
 
     def zero_grad(self) -> None:

@@ -245,7 +245,8 @@ class Trainer:
         if self.pipeline is None:
             loss = self._microbatches_one_after_another(pieces, inputs.size)
         else:
-            loss = self.pipeline.step(pieces, inputs.size, self.router.add)
+            with engine.unhooked():  # the schedule runs the model without the engine's hooks
+                loss = self.pipeline.step(pieces, inputs.size, self.router.add)
             self.activation_bytes = self.pipeline.peak_saved_bytes
             self.block_activation_bytes = self.pipeline.block_saved_bytes
             sum_tied_gradient(self.model, self.mesh.pp, self.pipeline.schedule.stage_ranks[0],
@@ -372,7 +373,8 @@ class Trainer:
                 out, saved = self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)
                 loss = out - saved.aux_loss
             else:
-                loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), inputs.size)
+                with self.engine.unhooked(backward=False):
+                    loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), inputs.size)
             losses.append(self._sum_losses(loss))
             self.engine.release_all()
         return float(np.mean(losses))
@@ -479,11 +481,6 @@ def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     layout = settings.mesh
     shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
     mesh = Mesh(world, shape)
-    if mesh.shape.pp > 1 and settings.mesh.zero >= 2:
-        raise ConfigError(f"--zero {settings.mesh.zero} with --pp: ZeRO-2 and 3 reduce gradients (and ZeRO-3 "
-                          f"gathers parameters) unit by unit inside one microbatch's backward, but a pipeline "
-                          f"schedule interleaves microbatches and splits backward into input and weight passes; "
-                          f"use --zero 0 or 1")
     if mesh.shape.pp > 1 and settings.model.device == "gpu":
         raise ConfigError("--pp on --device gpu is not built yet: the stage-to-stage receives need CUDA-aware MPI")
     if settings.mesh.sp and mesh.shape.tp == 1:

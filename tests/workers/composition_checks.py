@@ -76,14 +76,17 @@ def serial_references(models: dict[str, dict[str, Any]], directory: str) -> bool
 
 
 def _losses(directory: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (directory / "log.jsonl").read_text().splitlines()]
+    """Every step's training loss, then the validation losses (the steps that evaluated)."""
+    records = [json.loads(line) for line in (directory / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records] + [r["val_loss"] for r in records if "val_loss" in r]
 
 
 def matches_serial(models: dict[str, dict[str, Any]], runs: list[tuple[str, dict[str, Any]]],
                    references: str) -> list[dict]:
     """Train each run (a model's name and the mesh options on top of it); on rank 0 return, per run, its step
-    count and the worst relative errors of its losses, gradients (every parameter, every step) and saved weights
-    against the model's serial run in `references`/<model name>; the other ranks return an empty list."""
+    count and the worst relative errors of its losses (training and validation), gradients (every parameter,
+    every step) and saved weights against the model's serial run in `references`/<model name>; the other ranks
+    return an empty list."""
     world = MPI.COMM_WORLD
     results = []
     for model, options in runs:
@@ -98,12 +101,13 @@ def matches_serial(models: dict[str, dict[str, Any]], runs: list[tuple[str, dict
 
 def _compare(directory: Path, gradients: list[dict[str, np.ndarray]], reference: Path) -> dict:
     """Worst relative errors of a run in `directory` (with its recorded `gradients`) against the serial run in
-    `reference`; every serial gradient must have its parallel twin (a missing one raises)."""
+    `reference`: training and validation losses, gradients, weights. Every serial loss and gradient must have its
+    parallel twin (a missing one raises)."""
     serial_weights = checkpoint.load_pretrained(reference / "model")[1]
     serial_gradients = np.load(reference / "gradients.npz")
     weights = checkpoint.load_pretrained(directory / "model")[1]
     losses, serial_losses = _losses(directory), _losses(reference)
-    return {"steps": len(losses),
+    return {"steps": len((directory / "log.jsonl").read_text().splitlines()), "losses": len(losses),
             "loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses, strict=True)),
             "gradient_error": max(relative_error(gradients[int(step)][name], serial_gradients[key])
                                   for key in serial_gradients.files for step, name in [key.split("/", 1)]),
