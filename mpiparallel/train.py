@@ -481,8 +481,6 @@ def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     layout = settings.mesh
     shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
     mesh = Mesh(world, shape)
-    if mesh.shape.pp > 1 and settings.model.device == "gpu":
-        raise ConfigError("--pp on --device gpu is not built yet: the stage-to-stage receives need CUDA-aware MPI")
     if settings.mesh.sp and mesh.shape.tp == 1:
         raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")
     return mesh

@@ -15,6 +15,7 @@ refused on purpose are listed in `REFUSED`, each with the one clear error it get
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 from mpi_harness import run_on_ranks
@@ -97,6 +98,16 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (8, "dense", {"dp": 2, "tp": 2, "cp": 2, "cp_attention": "all-gather", "zero": 1}),
     (8, "moe", {"dp": 4, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 1}),
 ]
+# pipelines on device arrays: the CuPy double (tests/fake_cupy.py) with an MPI that is not CUDA-aware, so every
+# activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)
+DEVICE_MATRIX = [
+    (4, "dense", {"dp": 2, "pp": 2, "schedule": "1f1b", "zero": 3, "device": "gpu"}),
+    (4, "dense", {"tp": 2, "pp": 2, "sp": True, "schedule": "zbv", "recompute": "selective", "device": "gpu"}),
+    (4, "moe", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero": 1,
+                "device": "gpu"}),
+]
+DEVICE_ARRAYS = ({"MPIPARALLEL_TEST_ARRAYS": "cupy"} if os.environ.get("MPIPARALLEL_TEST_ARRAYS") == "cupy"
+                 else {"MPIPARALLEL_TEST_ARRAYS": "fake", "MPIPARALLEL_CUDA_AWARE": "0"})
 THREE_AXIS_LAYOUTS = [  # (ranks, model, axis sizes, what else must be on); MoE's ep is carved out of dp
     (8, "dense", {"dp": 2, "tp": 2, "pp": 2}, "sp"),
     (8, "dense", {"tp": 2, "cp": 2, "pp": 2}, None),
@@ -178,22 +189,38 @@ def results(references) -> dict[int, dict]:
     return found
 
 
+@pytest.fixture(scope="module")
+def device_results(references) -> list[dict]:
+    return run_on_ranks(4, "workers.composition_checks:matches_serial", timeout=600, env=DEVICE_ARRAYS,
+                        models=MODELS, runs=[(model, options) for _, model, options in DEVICE_MATRIX],
+                        references=references)[0]
+
+
 def label(row: tuple) -> str:
     ranks, model, options = row
     parts = [f"{key}{value}" if not isinstance(value, bool) else key for key, value in options.items()]
     return f"{ranks}ranks-{model}-" + "-".join(parts)
 
 
-@pytest.mark.parametrize("index", range(len(MATRIX)), ids=[label(row) for row in MATRIX])
-def test_every_composition_equals_serial(results, index):
-    _, model, options = MATRIX[index]
-    result = results[index]
-    steps = MODELS[model]["steps"]
-    config = GPTConfig(n_layer=MODELS[model]["n_layer"], n_embd=MODELS[model]["n_embd"],
-                       n_head=MODELS[model]["n_head"], vocab_size=MODELS[model]["vocab_size"],
-                       n_experts=MODELS[model].get("experts", 0), moe_top_k=MODELS[model].get("top_k", 2))
+def assert_equals_serial(result: dict, model: str) -> None:
+    """Every step ran; every loss, gradient (each parameter, each step) and weight within TOLERANCE of serial."""
+    settings, options = MODELS[model], result["options"]
+    steps = settings["steps"]
+    config = GPTConfig(n_layer=settings["n_layer"], n_embd=settings["n_embd"], n_head=settings["n_head"],
+                       vocab_size=settings["vocab_size"], n_experts=settings.get("experts", 0),
+                       moe_top_k=settings.get("top_k", 2))
     assert result["steps"] == steps and result["losses"] == steps + 1, options  # + the validation loss
     assert result["gradients_compared"] == steps * len(parameter_shapes(config)), options
     assert result["loss_error"] <= TOLERANCE, (options, result["loss_error"])
     assert result["gradient_error"] <= TOLERANCE, (options, result["gradient_error"])
     assert result["weight_error"] <= TOLERANCE, (options, result["weight_error"])
+
+
+@pytest.mark.parametrize("index", range(len(MATRIX)), ids=[label(row) for row in MATRIX])
+def test_every_composition_equals_serial(results, index):
+    assert_equals_serial(results[index], MATRIX[index][1])
+
+
+@pytest.mark.parametrize("index", range(len(DEVICE_MATRIX)), ids=[label(row) for row in DEVICE_MATRIX])
+def test_pipelines_on_device_arrays_equal_serial(device_results, index):
+    assert_equals_serial(device_results[index], DEVICE_MATRIX[index][1])

@@ -22,6 +22,8 @@ from mpi4py import MPI
 
 from mpiparallel import checkpoint, train
 
+from .arrays import host, parallel_array_module
+
 
 class RecordingTrainer(train.Trainer):
     """The training loop's `Trainer`, keeping the serial-model gradients of every step (on every rank)."""
@@ -37,7 +39,7 @@ class RecordingTrainer(train.Trainer):
         """The serial model's gradient of every parameter, gathered over every axis that splits it."""
         engines = getattr(self.engine, "engines", [self.engine])
         held = {name: grad for engine in engines for name, grad in engine.full_gradients().items()}
-        return self._gather_over_model_axes(held)
+        return {name: host(grad) for name, grad in self._gather_over_model_axes(held).items()}
 
 
 @contextmanager
@@ -88,6 +90,8 @@ def matches_serial(models: dict[str, dict[str, Any]], runs: list[tuple[str, dict
     every step) and saved weights against the model's serial run in `references`/<model name>; the other ranks
     return an empty list."""
     world = MPI.COMM_WORLD
+    if any(options.get("device") == "gpu" for _, options in runs):
+        parallel_array_module()  # MPIPARALLEL_TEST_ARRAYS=fake: the CuPy double stands in for the GPU
     results = []
     for model, options in runs:
         directory = Path(world.bcast(tempfile.mkdtemp(prefix="composition-") if world.rank == 0 else None))
