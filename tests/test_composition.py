@@ -8,8 +8,8 @@ sequence parallelism with an axis, a pipeline schedule or a context-parallel var
 8-rank three-axis layouts goes missing — so dropping a row that is the only witness of something fails.
 
 One launch per rank count runs all of that count's rows in turn (starting ranks is the slow part); the models
-are tiny (4 layers so that pp·V = 4 chunks fit, 16 channels, 4 heads, 16 positions). Combinations that are
-refused on purpose are listed in `REFUSED`, each with the one clear error it gets.
+are tiny (4 layers so that pp·V = 4 chunks fit, 16 channels, 4 heads, 16 positions). No combination of axes
+is refused on purpose; `REFUSED` lists layouts whose sizes do not fit together, each with its one clear error.
 """
 
 from __future__ import annotations
@@ -18,16 +18,19 @@ import itertools
 import os
 
 import pytest
-from mpi_harness import run_on_ranks
+from mpi_harness import run_on_ranks, train_error
 
 from models.gpt import GPTConfig, parameter_shapes
 
 DENSE = {"n_layer": 4, "n_head": 4, "n_embd": 16, "seq_len": 16, "batch_size": 8, "steps": 2, "dtype": "float64",
          "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 256, "lr": 1e-2,
-         "eval_every": 2, "eval_batches": 1}  # one validation batch after the last step: the forward-only path
+         "eval_every": 2, "eval_batches": 1,  # one validation batch after the last step: the forward-only path
+         "bucket_mb": 0.004}  # 4 KB: about a bucket per unit, so ZeRO's shards and gathers cross bucket boundaries
 # aux loss off: the serial run's token sets (one per microbatch) differ from a parallel run's (see DESIGN.md)
 MOE = {**DENSE, "experts": 4, "top_k": 2, "moe_aux_coef": 0.0}
-MODELS = {"dense": DENSE, "moe": MOE}
+# aux-loss-free balancing instead: expert biases moved after every step from the global batch's counts
+MOE_BIAS = {**MOE, "top_k": 1, "moe_bias_rate": 0.01}
+MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS}
 TOLERANCE = 1e-9
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -92,9 +95,13 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "moe", {"dp": 2, "ep": 2, "pp": 2, "schedule": "zb", "recompute": "full"}),
     (4, "moe", {"dp": 2, "ep": 2, "pp": 2, "schedule": "dualpipev", "zero": 2}),
     (4, "moe", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "all-gather", "zero": 2}),
+    (4, "moe-bias", {"dp": 2, "ep": 2, "pp": 2, "schedule": "dualpipev", "zero": 3}),
+    (4, "moe-bias", {"dp": 2, "ep": 2, "tp": 2, "sp": True, "zero": 1, "recompute": "selective"}),
+    (4, "moe-bias", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ulysses", "zero": 2}),
     # the 8-rank three-axis layouts
     (8, "dense", {"dp": 2, "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"}),
-    (8, "dense", {"tp": 2, "cp": 2, "pp": 2, "cp_attention": "ring", "schedule": "interleaved", "virtual_stages": 2}),
+    (8, "dense", {"tp": 2, "cp": 2, "pp": 2, "sp": True, "cp_attention": "ring", "schedule": "interleaved",
+                  "virtual_stages": 2}),
     (8, "dense", {"dp": 2, "tp": 2, "cp": 2, "cp_attention": "all-gather", "zero": 1}),
     (8, "moe", {"dp": 4, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 1}),
 ]
@@ -224,3 +231,19 @@ def test_every_composition_equals_serial(results, index):
 @pytest.mark.parametrize("index", range(len(DEVICE_MATRIX)), ids=[label(row) for row in DEVICE_MATRIX])
 def test_pipelines_on_device_arrays_equal_serial(device_results, index):
     assert_equals_serial(device_results[index], DEVICE_MATRIX[index][1])
+
+
+TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "4", "--batch-size", "8", "--steps", "1"]
+REFUSED = [  # (arguments, what the one error must say): what the axes' arithmetic rules out together
+    (["-n", "8", "--tp", "4", "--cp", "2", "--sp", "--seq-len", "12"],
+     "--sp with --cp 2: each CP rank's 6 tokens must be divisible by tp (4)"),
+    (["-n", "8", "--tp", "2", "--cp", "2", "--pp", "2", "--seq-len", "16", "--cp-attention", "ulysses",
+      "--n-head", "2", "--n-embd", "16"], "n_head (2) must be divisible by 4"),
+    (["-n", "4", "--pp", "2", "--seq-len", "16", "--experts", "4", "--ep", "4"],
+     "--ep 4 must divide the data-parallel size 2"),
+]
+
+
+@pytest.mark.parametrize("args, message", REFUSED, ids=["sp-cp-tokens", "ulysses-heads-with-pp", "ep-over-pp-dp"])
+def test_combinations_the_arithmetic_rules_out_get_one_clear_error(args, message):
+    assert message in train_error(*TINY, *args)
