@@ -24,6 +24,12 @@ gradients are now final starts its asynchronous reduction (all-reduce, or reduce
 hook progresses the reductions in flight (`test()`), so communication runs while later layers compute;
 `finish_gradients()` waits for what is left. ZeRO-3 also gathers each unit's parameters before it runs,
 prefetching the next unit's, and frees them afterwards.
+
+Pipelines. A pipeline schedule runs the model without these hooks (it interleaves microbatches and splits
+backward into input and weight passes), inside `unhooked()`: every stage reduces once per step, after the
+schedule — ZeRO-2/3 accumulate full gradients over the microbatches and reduce-scatter them then (ZeRO-1's
+traffic), and ZeRO-3 gathers all of the rank's parameters at the step's start (one all-gather of P) and frees
+them at its end.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ the steps and a validation loss after them, relative error ≤ 1e-9).
 
 `MATRIX` is the table of runs. `test_the_matrix_covers_every_pair_of_axes` derives from each row what it
 combines and fails if a pair of axes (dp·tp, dp·pp, …, cp·ep), an axis with a ZeRO stage or a recomputation mode,
-sequence parallelism with an axis, a pipeline schedule or a context-parallel variant in company, or one of the
-8-rank three-axis layouts goes missing — so dropping a row that is the only witness of something fails.
+sequence parallelism with an axis, or a pipeline schedule or context-parallel variant with an axis goes missing;
+`test_the_matrix_has_the_three_axis_layouts` does the same for the issue's 8-rank layouts — so dropping a row
+that is the only witness of something fails. `DEVICE_MATRIX` runs pipelines on device arrays (the CuPy double).
 
 One launch per rank count runs all of that count's rows in turn (starting ranks is the slow part); the models
 are tiny (4 layers so that pp·V = 4 chunks fit, 16 channels, 4 heads, 16 positions). No combination of axes
@@ -75,6 +76,7 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     # ep with each axis (ep is carved out of dp)
     (4, "moe", {"dp": 4, "ep": 2, "zero": 1, "recompute": "selective"}),
     (4, "moe", {"dp": 4, "ep": 4, "zero": 3}),
+    (4, "moe", {"dp": 4, "ep": 2, "zero": 2, "recompute": "full"}),
     (4, "moe", {"dp": 2, "ep": 2, "tp": 2, "sp": True, "zero": 2, "recompute": "full"}),
     (4, "moe", {"dp": 2, "ep": 2, "tp": 2, "zero": 1}),
     (4, "moe", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ulysses", "zero": 1, "recompute": "selective"}),
@@ -103,7 +105,7 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (8, "dense", {"tp": 2, "cp": 2, "pp": 2, "sp": True, "cp_attention": "ring", "schedule": "interleaved",
                   "virtual_stages": 2}),
     (8, "dense", {"dp": 2, "tp": 2, "cp": 2, "cp_attention": "all-gather", "zero": 1}),
-    (8, "moe", {"dp": 4, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 1}),
+    (8, "moe", {"dp": 4, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 3}),
 ]
 # pipelines on device arrays: the CuPy double (tests/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)
@@ -131,12 +133,13 @@ def axis_sizes(ranks: int, options: dict) -> dict[str, int]:
 
 def features(ranks: int, options: dict) -> set[str]:
     """What a row combines: its axes > 1, sequence parallelism, its ZeRO stage (when there are ranks to shard
-    over: dp·cp > 1), its recomputation mode, its schedule (with pp) and its attention variant (with cp)."""
+    over: dp·cp > 1, and with ep the experts' too: dp/ep·cp > 1), its recomputation mode, its schedule (with pp)
+    and its attention variant (with cp)."""
     sizes = axis_sizes(ranks, options)
     found = {axis for axis, size in sizes.items() if size > 1}
     if options.get("sp"):
         found.add("sp")
-    if options.get("zero", 0) and sizes["dp"] * sizes["cp"] > 1:
+    if options.get("zero", 0) and sizes["dp"] // sizes["ep"] * sizes["cp"] > 1:
         found.add(f"zero{options['zero']}")
     if options.get("recompute", "none") != "none":
         found.add(f"recompute-{options['recompute']}")
