@@ -6,11 +6,11 @@ update. Around it: validation loss every `--eval-every` steps on held-out data, 
 `--checkpoint-every` steps (and `--resume` from the newest), a Hugging Face directory at the end (`--save`),
 one JSON line per step (`--log-json`), and a progress line on rank 0.
 
-The mesh: data parallelism with ZeRO 0–3 (`data_parallel`) and tensor/sequence parallelism
-(`models.tensor_parallel`), in any combination; pipeline, context and expert parallelism are refused with a clear
-message until they exist. Everything that depends on how a parameter is spread over the mesh — which axes its
-gradient is summed over, which rank counts it in the global norm, what each rank holds, how checkpoints gather
-and cut it — is derived from its placement record (`models.parameter`).
+The mesh: data parallelism with ZeRO 0–3 (`data_parallel`), tensor/sequence (`models.tensor_parallel`), pipeline
+(`pipeline_parallel`), context (`models.context_parallel`) and expert parallelism (`models.moe`), in any
+combination (tests/test_composition.py). Everything that depends on how a parameter is spread over the mesh —
+which axes its gradient is summed over, which rank counts it in the global norm, what each rank holds, how
+checkpoints gather and cut it — is derived from its placement record (`models.parameter`).
 """
 
 from __future__ import annotations
