@@ -157,6 +157,7 @@ class DataParallel(ParameterHooks):
         self._in_flight: dict[int, Any] = {}       # bucket index -> handle of its gradient reduction
         self._gathering: dict[int, Any] = {}       # bucket index -> handle of its parameter all-gather (ZeRO-3)
         self._last_microbatch = True
+        self._unhooked_backward = False  # the step's backward ran without the hooks: finish_gradients reduces all
         self._lay_out_parameters()
         self._lay_out_gradients()
         self._segments = self._shard_segments() if zero else []
@@ -282,6 +283,7 @@ class DataParallel(ParameterHooks):
             for index, handle in handles.items():
                 self.flat_params[index] = handle.wait()
                 self._point_parameters_at(self.buckets[index], self.flat_params[index])
+        self._unhooked_backward = backward
         if backward and self.zero >= 2:
             for index, flat in enumerate(self.flat_grads):
                 if flat is None:
@@ -328,8 +330,9 @@ class DataParallel(ParameterHooks):
     def finish_gradients(self) -> None:
         """Wait for every gradient reduction (starting those not overlapped)."""
         for index in range(len(self.buckets)):
-            if index not in self._in_flight and (not self.overlap):
+            if index not in self._in_flight and (not self.overlap or self._unhooked_backward):
                 self._start_reduction(index)
+        self._unhooked_backward = False
         for index in list(self._in_flight):
             self._complete_reduction(index)
 

@@ -250,3 +250,15 @@ REFUSED = [  # (arguments, what the one error must say): what the axes' arithmet
 @pytest.mark.parametrize("args, message", REFUSED, ids=["sp-cp-tokens", "ulysses-heads-with-pp", "ep-over-pp-dp"])
 def test_combinations_the_arithmetic_rules_out_get_one_clear_error(args, message):
     assert message in train_error(*TINY, *args)
+
+
+@pytest.fixture(scope="module")
+def unhooked_differences() -> dict[str, float]:
+    return run_on_ranks(2, "workers.composition_checks:unhooked_gradients_match_hooked", zeros=[0, 1, 2, 3])[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_step_run_without_the_engines_hooks_reduces_the_same_gradients(unhooked_differences, zero):
+    """What a pipeline does to the data-parallel engine (no per-unit hooks, split backward), here with the
+    overlap on that `train` turns off for pipelines: every bucket is still reduced, to the hooked step's sums."""
+    assert unhooked_differences[str(zero)] <= 1e-12, (zero, unhooked_differences)

@@ -117,3 +117,41 @@ def _compare(directory: Path, gradients: list[dict[str, np.ndarray]], reference:
                                   for key in serial_gradients.files for step, name in [key.split("/", 1)]),
             "gradients_compared": len(serial_gradients.files),
             "weight_error": max(relative_error(weights[name], w) for name, w in serial_weights.items())}
+
+
+def unhooked_gradients_match_hooked(zeros: list[int], microbatch_count: int = 2) -> dict[int, float]:
+    """For each ZeRO stage, one engine per way of running a step, both with `overlap` on: the hooks, microbatch
+    by microbatch; and the model without hooks inside `engine.unhooked()` (as a pipeline schedule runs it), split
+    backward included. Returns, by stage, the worst relative difference of their reduced gradients."""
+    return {zero: _unhooked_against_hooked(zero, microbatch_count) for zero in zeros}
+
+
+def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
+    from collectives import Communicator
+    from models.gpt import GPT, GPTConfig
+    from mpiparallel import data
+    from mpiparallel.data_parallel import DataParallel
+
+    config = GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    comm = Communicator(MPI.COMM_WORLD)
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, 8 * 16 + 1)
+    inputs, targets = tokens[:-1].reshape(8, 16), tokens[1:].reshape(8, 16)
+    pieces = data.microbatches(*data.rows_for_rank(inputs, targets, comm.rank, comm.size), microbatch_count)
+    gradients = []
+    for hooked in (True, False):
+        model = GPT(config, seed=0, dtype=np.dtype("float64"))
+        engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, overlap=True)
+        engine.zero_grad()
+        if hooked:
+            for i, (x, y) in enumerate(pieces):
+                with engine.microbatch(last=i == len(pieces) - 1):
+                    model.backward(model.forward(x, y, normalizer=inputs.size, hooks=engine)[1], hooks=engine)
+        else:
+            with engine.unhooked():
+                for x, y in pieces:
+                    saved = model.forward(x, y, normalizer=inputs.size)[1]
+                    model.backward_input(saved)
+                    model.backward_weights(saved)
+        engine.finish_gradients()
+        gradients.append(engine.full_gradients())
+    return max(relative_error(gradients[1][name], grad) for name, grad in gradients[0].items())
