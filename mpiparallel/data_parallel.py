@@ -24,6 +24,12 @@ gradients are now final starts its asynchronous reduction (all-reduce, or reduce
 hook progresses the reductions in flight (`test()`), so communication runs while later layers compute;
 `finish_gradients()` waits for what is left. ZeRO-3 also gathers each unit's parameters before it runs,
 prefetching the next unit's, and frees them afterwards.
+
+Pipelines. A pipeline schedule runs the model without these hooks (it interleaves microbatches and splits
+backward into input and weight passes), inside `unhooked()`: every stage reduces once per step, after the
+schedule — ZeRO-2/3 accumulate full gradients over the microbatches and reduce-scatter them then (ZeRO-1's
+traffic), and ZeRO-3 gathers all of the rank's parameters at the step's start (one all-gather of P) and frees
+them at its end.
 """
 
 from __future__ import annotations
@@ -151,6 +157,7 @@ class DataParallel(ParameterHooks):
         self._in_flight: dict[int, Any] = {}       # bucket index -> handle of its gradient reduction
         self._gathering: dict[int, Any] = {}       # bucket index -> handle of its parameter all-gather (ZeRO-3)
         self._last_microbatch = True
+        self._unhooked_backward = False  # the step's backward ran without the hooks: finish_gradients reduces all
         self._lay_out_parameters()
         self._lay_out_gradients()
         self._segments = self._shard_segments() if zero else []
@@ -260,6 +267,32 @@ class DataParallel(ParameterHooks):
         self._last_microbatch = last
         yield
 
+    @contextmanager
+    def unhooked(self, backward: bool = True):
+        """For a caller that runs the model without these hooks — a pipeline schedule, which interleaves
+        microbatches and splits backward, so nothing can be gathered or reduced unit by unit: ZeRO-3 gathers every
+        parameter on entry and frees them on exit; with `backward`, ZeRO-2/3 give every bucket a full gradient
+        buffer for all microbatches to accumulate into, reduce-scattered once by `finish_gradients`.
+
+        Cost against the hooked ZeRO-2/3: one reduce-scatter of G per step instead of one per microbatch, and for
+        ZeRO-3 one all-gather of P per step instead of two per microbatch; while the step runs a rank holds full
+        gradients (and ZeRO-3 full parameters) of its stages, between steps only its shards."""
+        if self.zero == 3:
+            handles = {index: collectives.all_gather_async(shard, self.comm, self.algo)
+                       for index, shard in enumerate(self.param_shards) if self.flat_params[index] is None}
+            for index, handle in handles.items():
+                self.flat_params[index] = handle.wait()
+                self._point_parameters_at(self.buckets[index], self.flat_params[index])
+        self._unhooked_backward = backward
+        if backward and self.zero >= 2:
+            for index, flat in enumerate(self.flat_grads):
+                if flat is None:
+                    self._allocate_gradients(index)
+        try:
+            yield
+        finally:
+            self.release_all()
+
     def _reduces_now(self) -> bool:
         return self.zero >= 2 or self._last_microbatch
 
@@ -297,8 +330,9 @@ class DataParallel(ParameterHooks):
     def finish_gradients(self) -> None:
         """Wait for every gradient reduction (starting those not overlapped)."""
         for index in range(len(self.buckets)):
-            if index not in self._in_flight and (not self.overlap):
+            if index not in self._in_flight and (not self.overlap or self._unhooked_backward):
                 self._start_reduction(index)
+        self._unhooked_backward = False
         for index in list(self._in_flight):
             self._complete_reduction(index)
 
@@ -492,6 +526,13 @@ class DataParallelGroups(ParameterHooks):
         with ExitStack() as stack:
             for engine in self.engines:
                 stack.enter_context(engine.microbatch(last))
+            yield
+
+    @contextmanager
+    def unhooked(self, backward: bool = True):
+        with ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.unhooked(backward))
             yield
 
     def zero_grad(self) -> None:

@@ -16,9 +16,11 @@ Communication, per microbatch and stage boundary (between ranks): forward one ac
 (b rows per microbatch; with --sp its sequence slice, b·s·h/tp), backward its gradient, the same size — the
 wrappers below name both directions. Sends and receives are nonblocking: a receive is posted when the schedule
 lists it and completed only when the compute action that reads it starts; a send completes in the background
-(all are finished at the end of the step). Once per step the tied token embedding, which the first stage reads
-for the embedding and the last for the LM head, gets the sum of both stages' gradients: one exchange of V·h
-elements (÷ tp) between those two ranks (none when one rank holds both, as in the V schedules).
+(all are finished at the end of the step). On a GPU with an MPI that cannot read device memory, sends are
+staged through host memory and receives land in host buffers, copied to the GPU when the action needs them.
+Once per step the tied token embedding, which the first stage reads for the embedding and the last for the LM
+head, gets the sum of both stages' gradients: one exchange of V·h elements (÷ tp) between those two ranks (none
+when one rank holds both, as in the V schedules).
 
 Cost: with per-stage times F, I, W the pipeline idles the schedule's bubble (GPipe and 1F1B: (p−1)(F+I+W) per
 rank, a fraction (p−1)/(m+p−1)); every boundary moves 2·m·b·s·h elements per step; peak activation memory is the
@@ -36,7 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives import Communicator
-from collectives.backend import Array, get_array_module
+from collectives.backend import Array, HostStaging, get_array_module
 from collectives.communicator import FIRST_COLLECTIVE_TAG
 from models.gpt import GPT, NO_HOOKS
 from models.layers import distinct_bytes
@@ -128,8 +130,8 @@ def sum_tied_gradient(model: GPT, comm: Communicator, first: int, last: int) -> 
         return
     grad = model.params[TIED_WEIGHT].grad
     other = last if comm.rank == first else first
-    received = comm.sendrecv(np.ascontiguousarray(grad), other, get_array_module(grad).empty_like(grad), other,
-                             tag=TIED_GRADIENT_TAG)
+    xp = get_array_module(grad)
+    received = comm.sendrecv(xp.ascontiguousarray(grad), other, xp.empty_like(grad), other, tag=TIED_GRADIENT_TAG)
     grad += received
 
 
@@ -160,6 +162,9 @@ class PipelineExecutor:
                  dtype: Any) -> None:
         check_tag_space(schedule.num_stages, schedule.microbatches)
         self.model, self.schedule, self.comm, self.dtype = model, schedule, comm, np.dtype(dtype)
+        self.xp = get_array_module(next(iter(model.params.values())).data)
+        # an MPI library that cannot receive into GPU memory gets host buffers, moved to the GPU once complete
+        self.receives_on_host = HostStaging.needed(self.xp.empty(0, self.dtype))
         self.stages = stage_units(model.config.n_layer, schedule.num_stages)
         self.actions = schedule.actions[comm.rank]
         self.activation_shape = tuple(activation_shape)
@@ -212,7 +217,7 @@ class PipelineExecutor:
         if key is not None and (key[0], action.stage, action.microbatch) in self._receiving:
             request, buffer = self._receiving.pop((key[0], action.stage, action.microbatch))
             request.Wait()
-            self._handed[key[0], action.stage, action.microbatch] = buffer
+            self._handed[key[0], action.stage, action.microbatch] = self.xp.asarray(buffer)
 
     def _take(self, kind: str, stage: int, microbatch: int) -> Array:
         """An input this action needs: received from another rank, or handed over by a stage on this rank."""
@@ -265,7 +270,7 @@ class PipelineExecutor:
 
     def _receive(self, action: Action) -> None:
         stage, microbatch = action.stage, action.microbatch
-        buffer = np.empty(self.activation_shape, self.dtype)
+        buffer = (np if self.receives_on_host else self.xp).empty(self.activation_shape, self.dtype)
         if action.kind == RECV_F:
             tag = _tag(stage, microbatch, False, len(self._batches))
             request = recv_forward(buffer, self.comm, self._rank_of(stage - 1), tag)

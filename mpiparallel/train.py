@@ -6,11 +6,11 @@ update. Around it: validation loss every `--eval-every` steps on held-out data, 
 `--checkpoint-every` steps (and `--resume` from the newest), a Hugging Face directory at the end (`--save`),
 one JSON line per step (`--log-json`), and a progress line on rank 0.
 
-The mesh: data parallelism with ZeRO 0–3 (`data_parallel`) and tensor/sequence parallelism
-(`models.tensor_parallel`), in any combination; pipeline, context and expert parallelism are refused with a clear
-message until they exist. Everything that depends on how a parameter is spread over the mesh — which axes its
-gradient is summed over, which rank counts it in the global norm, what each rank holds, how checkpoints gather
-and cut it — is derived from its placement record (`models.parameter`).
+The mesh: data parallelism with ZeRO 0–3 (`data_parallel`), tensor/sequence (`models.tensor_parallel`), pipeline
+(`pipeline_parallel`), context (`models.context_parallel`) and expert parallelism (`models.moe`), in any
+combination (tests/test_composition.py). Everything that depends on how a parameter is spread over the mesh —
+which axes its gradient is summed over, which rank counts it in the global norm, what each rank holds, how
+checkpoints gather and cut it — is derived from its placement record (`models.parameter`).
 """
 
 from __future__ import annotations
@@ -251,7 +251,8 @@ class Trainer:
         if self.pipeline is None:
             loss = self._microbatches_one_after_another(pieces, inputs.size)
         else:
-            loss = self.pipeline.step(pieces, inputs.size, self.router.add)
+            with engine.unhooked():  # the schedule runs the model without the engine's hooks
+                loss = self.pipeline.step(pieces, inputs.size, self.router.add)
             self.activation_bytes = self.pipeline.peak_saved_bytes
             self.block_activation_bytes = self.pipeline.block_saved_bytes
             sum_tied_gradient(self.model, self.mesh.pp, self.pipeline.schedule.stage_ranks[0],
@@ -378,7 +379,8 @@ class Trainer:
                 out, saved = self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)
                 loss = out - saved.aux_loss
             else:
-                loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), inputs.size)
+                with self.engine.unhooked(backward=False):
+                    loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), inputs.size)
             losses.append(self._sum_losses(loss))
             self.engine.release_all()
         return float(np.mean(losses))
@@ -515,13 +517,6 @@ def _build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     layout = settings.mesh
     shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
     mesh = Mesh(world, shape)
-    if mesh.shape.pp > 1 and settings.mesh.zero >= 2:
-        raise ConfigError(f"--zero {settings.mesh.zero} with --pp: ZeRO-2 and 3 reduce gradients (and ZeRO-3 "
-                          f"gathers parameters) unit by unit inside one microbatch's backward, but a pipeline "
-                          f"schedule interleaves microbatches and splits backward into input and weight passes; "
-                          f"use --zero 0 or 1")
-    if mesh.shape.pp > 1 and settings.model.device == "gpu":
-        raise ConfigError("--pp on --device gpu is not built yet: the stage-to-stage receives need CUDA-aware MPI")
     if settings.mesh.sp and mesh.shape.tp == 1:
         raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")
     return mesh
