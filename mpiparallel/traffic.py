@@ -8,7 +8,8 @@ here, h channels, e bytes per element), m microbatches, L the blocks this rank h
 gradient buckets an engine reduces:
 
     dp    DP all-reduce once per step: AR(G); ZeRO-1: RS(G) + AG(G); ZeRO-2: m·RS(G) + AG(G);
-          ZeRO-3: m·(RS(G) + each bucket's all-gathers per microbatch)          (`mpiparallel.data_parallel`)
+          ZeRO-3: m·(RS(G) + each bucket's all-gathers per microbatch); under a pipeline schedule ZeRO-2 and
+          ZeRO-3 reduce once per step and gather once: RS(G) + AG(G)           (`mpiparallel.data_parallel`)
     tp    per microbatch: 4 AR(S) per block (2 forward, 2 backward; SP: AG + RS in their place; with MoE only
           attention's 2, the experts being replicated over TP), one more forward's worth with --recompute full;
           AR(S) for the embedding and for the head's input; the vocab-parallel cross-entropy's AR of b·s and
@@ -70,22 +71,22 @@ class RunShape:
     moe: bool               # experts replace the MLP, replicated over TP: only attention exchanges over tp
 
 
-def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int) -> float:
-    """One `DataParallel` engine's bytes per step on its communicator."""
-    comm, e = engine.comm, itemsize
+def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: bool = True) -> float:
+    """One `DataParallel` engine's bytes per step on its communicator. `hooked=False`: the model ran without the
+    engine's per-unit hooks (a pipeline), so ZeRO-2/3 reduce once per step and ZeRO-3 gathers everything once."""
+    comm = engine.comm
     total = 0.0
     for index, bucket in enumerate(engine.buckets):
-        size = bucket.padded * e
+        size = bucket.padded * itemsize
+        reduce_scatter, all_gather = (collective_bytes(name, size, comm) for name in ("reduce_scatter", "all_gather"))
         if engine.zero == 0:
             total += collective_bytes("all_reduce", size, comm)
-        elif engine.zero in (1, 2):
-            reductions = microbatches if engine.zero == 2 else 1
-            total += reductions * collective_bytes("reduce_scatter", size, comm)
-            total += collective_bytes("all_gather", size, comm)
+        elif engine.zero == 1 or not hooked:  # ZeRO-3: all-gathered at the start instead of after the update
+            total += reduce_scatter + all_gather
+        elif engine.zero == 2:
+            total += microbatches * reduce_scatter + all_gather
         else:
-            gathers = engine.gathers_per_microbatch(index)
-            total += microbatches * (collective_bytes("reduce_scatter", size, comm)
-                                     + gathers * collective_bytes("all_gather", size, comm))
+            total += microbatches * (reduce_scatter + engine.gathers_per_microbatch(index) * all_gather)
     return total
 
 

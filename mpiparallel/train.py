@@ -467,9 +467,12 @@ class Trainer:
             axis = axis_of.get(id(engine.comm))
             if axis is not None:
                 predicted[axis] = predicted.get(axis) or 0.0
-                predicted[axis] += traffic.data_parallel_bytes(engine, self.microbatches, shape.itemsize)
+                predicted[axis] += traffic.data_parallel_bytes(engine, self.microbatches, shape.itemsize,
+                                                               hooked=self.pipeline is None)
         if self.pipeline is not None:
-            tied = self.model.params[TIED_WEIGHT].data.nbytes if TIED_WEIGHT in self.model.params else 0
+            wte = self.model.params.get(TIED_WEIGHT)  # its shape from the placement: ZeRO-3 may have freed it
+            tied = 0 if wte is None else shape.itemsize * math.prod(
+                local_shape(wte.full_shape, wte.placement, {"tp": mesh.shape.tp}))
             predicted["pp"] = traffic.pipeline_bytes(shape, self.pipeline.schedule, mesh.pp.rank, mesh.shape.tp, tied)
         if mesh.shape.ep > 1 or config.n_experts:
             predicted["ep"] = None  # the router decides how many rows leave this rank

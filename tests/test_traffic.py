@@ -24,6 +24,8 @@ MESHES = [
     (4, "--dp 4 --zero 3 --bucket-mb 0.01"),
     (4, "--cp 2 --tp 2 --cp-attention all-gather"),
     (4, "--pp 2 --schedule zbv --n-layer 4 --dp 2"),
+    (4, "--pp 2 --dp 2 --zero 2 --microbatches 2"),
+    (4, "--pp 2 --dp 2 --zero 3 --microbatches 2 --bucket-mb 0.01"),
     (4, "--experts 4 --top-k 2 --tp 2 --sp --dp 2 --ep 2"),
 ]
 LINE = re.compile(r"^rank (\d+): (.*)$")
