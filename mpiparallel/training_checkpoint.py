@@ -28,7 +28,8 @@ incomplete until the new one lands); every rank writes its file under a temporar
 the shard lists are gathered to rank 0, which fsyncs the folder and then writes manifest.json the same way
 (temporary name, fsync, rename, fsync of the folder). A step folder without manifest.json is ignored by
 `latest_training_checkpoint`, so a crash while saving leaves the previous checkpoint in charge.
-Communication: two barriers and one gather of the shard descriptions (about a hundred bytes per box).
+Communication: an all-gather of rank 0's readiness, a gather of the shard descriptions (about a hundred bytes per
+box) and a barrier.
 
 Loading (`TrainingCheckpoint.read_piece`): each rank reads, from the shard files, only the boxes its own pieces
 cover (safetensors' `get_slice`), so a checkpoint saved on one mesh resumes on any other — resharding happens on
@@ -217,9 +218,7 @@ def save(directory: str | Path, step: int, held: Sequence[tuple[Piece, Array, bo
     """Write DIR/step-{step:08d}/ from every rank of `comm` (call it on all): each rank's file with the pieces
     it `held` marked to write, then rank 0's manifest.json (`description` + step + tensors, in `order` first)."""
     folder = step_folder(directory, step)
-    if comm.rank == 0:
-        _ready_folder(folder)
-    comm.barrier()
+    on_every_rank(comm, lambda: _ready_folder(folder) if comm.rank == 0 else None)
     shards = write_rank_file(folder, comm.rank, [(piece, array) for piece, array, writes in held if writes])
     every_rank = comm.comm.gather(shards, root=0)  # also tells rank 0 that every file is in place
     if comm.rank == 0:
@@ -231,14 +230,17 @@ def save(directory: str | Path, step: int, held: Sequence[tuple[Piece, Array, bo
 
 def _ready_folder(folder: Path) -> None:
     """An empty step folder, with nothing that could pass for a complete checkpoint until the manifest lands."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _sync_folder(folder.parent)
-    if (folder / MANIFEST).exists():
-        (folder / MANIFEST).unlink()
-        _sync_folder(folder)
-    for entry in folder.iterdir():
-        if _RANK_FILE.match(entry.name) or entry.name.startswith("."):
-            entry.unlink()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _sync_folder(folder.parent)
+        if (folder / MANIFEST).exists():
+            (folder / MANIFEST).unlink()
+            _sync_folder(folder)
+        for entry in folder.iterdir():
+            if _RANK_FILE.match(entry.name) or entry.name.startswith("."):
+                entry.unlink()
+    except OSError as error:
+        raise ConfigError(f"cannot write a training checkpoint to {folder}: {error}") from None
 
 
 def write_rank_file(folder: Path, rank: int, held: Sequence[tuple[Piece, Array]]) -> list[dict]:
