@@ -382,7 +382,7 @@ class Trainer:
         marked = [(piece, array, training_checkpoint.writes_copy(piece.placement, self.mesh))
                   for piece, array in held]
         training_checkpoint.save(self.settings.output.checkpoint_dir, steps_done, marked, self.mesh.world,
-                                 self._checkpoint_description(steps_done, token_count), self._tensor_order())
+                                 self._checkpoint_description(steps_done, token_count), self._tensor_names(state))
 
     def _checkpoint_description(self, steps_done: int, token_count: int) -> dict[str, Any]:
         """The manifest's account of the run: data position, settings, the mesh, the model, the optimizer scalars."""
@@ -399,10 +399,10 @@ class Trainer:
             "optimizer": {key: value for key, value in self.optimizer.state_dict().items() if key not in MOMENT_KEYS},
         }
 
-    def _tensor_order(self) -> list[str]:
-        """Logical tensors in the manifest: parameters in checkpoint order, expert biases, then each moment."""
+    def _tensor_names(self, optimizer_state: dict) -> list[str]:
+        """The logical tensors a checkpoint holds: parameters in checkpoint order, expert biases, the moments."""
         names = list(parameter_shapes(self.model.config))
-        moments = [f"{key}/{name}" for key in MOMENT_KEYS for name in names]
+        moments = [f"{key}/{name}" for key in MOMENT_KEYS if key in optimizer_state for name in names]
         return names + list(expert_bias_shapes(self.model.config)) + moments
 
     def load_optimizer_state(self, saved: TrainingCheckpoint) -> None:

@@ -171,15 +171,22 @@ def parts(piece: Piece) -> list[Part]:
     runs = _dimension_runs(piece)
     found = []
     for start, offsets, sizes in flat_range_boxes(piece.local_shape, *piece.bounds):
-        per_dimension = []
-        for dimension_runs, lo, size in zip(runs, offsets, sizes, strict=True):
-            hi = lo + size
-            per_dimension.append([(max(lo, local) - lo, min(hi, local + length) - lo, global_start + max(lo, local)
-                                   - local) for local, global_start, length in dimension_runs
-                                  if max(lo, local) < min(hi, local + length)])
-        for choice in product(*per_dimension):
+        overlaps = [_overlaps(dimension_runs, lo, size) for dimension_runs, lo, size in zip(runs, offsets, sizes,
+                                                                                              strict=True)]
+        for choice in product(*overlaps):
             found.append(Part(start - piece.bounds[0], tuple(sizes), tuple(slice(a, b) for a, b, _ in choice),
                               tuple(g for _, _, g in choice), tuple(b - a for a, b, _ in choice)))
+    return found
+
+
+def _overlaps(runs: list[tuple[int, int, int]], lo: int, size: int) -> list[tuple[int, int, int]]:
+    """Where the local interval [lo, lo + size) meets each run: (start, stop) inside the interval, and the global
+    index of that start."""
+    found = []
+    for local, global_start, length in runs:
+        a, b = max(lo, local), min(lo + size, local + length)
+        if a < b:
+            found.append((a - lo, b - lo, global_start + a - local))
     return found
 
 
@@ -214,16 +221,17 @@ def expert_bias_pieces(biases: Mapping[str, Array]) -> list[tuple[Piece, Array]]
 
 
 def save(directory: str | Path, step: int, held: Sequence[tuple[Piece, Array, bool]], comm: Communicator,
-         description: Mapping[str, Any], order: Sequence[str] = ()) -> Path:
+         description: Mapping[str, Any], expected: Sequence[str] = ()) -> Path:
     """Write DIR/step-{step:08d}/ from every rank of `comm` (call it on all): each rank's file with the pieces
-    it `held` marked to write, then rank 0's manifest.json (`description` + step + tensors, in `order` first)."""
+    it `held` marked to write, then rank 0's manifest.json (`description` + step + tensors, the `expected` ones
+    first and in that order)."""
     folder = step_folder(directory, step)
     on_every_rank(comm, lambda: _ready_folder(folder) if comm.rank == 0 else None)
     shards = write_rank_file(folder, comm.rank, [(piece, array) for piece, array, writes in held if writes])
     every_rank = comm.comm.gather(shards, root=0)  # also tells rank 0 that every file is in place
     if comm.rank == 0:
         _sync_folder(folder)
-        publish_manifest(folder, build_manifest(folder, step, description, every_rank, order))
+        publish_manifest(folder, build_manifest(folder, step, description, every_rank, expected))
     comm.barrier()
     return folder
 
@@ -272,9 +280,10 @@ def _umask() -> int:
 
 
 def build_manifest(folder: Path, step: int, description: Mapping[str, Any], every_rank: Iterable[list[dict]],
-                   order: Sequence[str] = ()) -> dict[str, Any]:
-    """The manifest of the shards every rank wrote; each tensor must be covered exactly once (a replica written
-    twice or a piece nobody wrote would be a bug in who writes what)."""
+                   expected: Sequence[str] = ()) -> dict[str, Any]:
+    """The manifest of the shards every rank wrote. Each `expected` tensor must be there, and each tensor's
+    shards must add up to its element count: a replica written twice, or a piece nobody wrote, is a bug in who
+    writes what, caught here before it becomes a checkpoint."""
     tensors: dict[str, dict[str, Any]] = {}
     for shard in (shard for shards in every_rank for shard in shards):
         entry = tensors.setdefault(shard["tensor"], {"dtype": shard["dtype"], "shape": shard["shape"], "shards": []})
@@ -287,7 +296,10 @@ def build_manifest(folder: Path, step: int, description: Mapping[str, Any], ever
         written = sum(math.prod(shard["sizes"]) for shard in entry["shards"])
         if written != math.prod(entry["shape"]):
             raise RuntimeError(f"{name}: the ranks wrote {written} elements of {math.prod(entry['shape'])}")
-    rank = {name: i for i, name in enumerate(order)}
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise RuntimeError(f"no rank wrote {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}")
+    rank = {name: i for i, name in enumerate(expected)}
     files = sorted({shard["file"] for entry in tensors.values() for shard in entry["shards"]})
     return {"format": FORMAT, "version": VERSION, "step": step, **description,
             "files": [{"file": name, "bytes": (folder / name).stat().st_size} for name in files],

@@ -303,6 +303,8 @@ def test_a_manifest_refuses_a_replica_written_twice_or_a_piece_nobody_wrote(tmp_
         write_tp2_zero2_checkpoint(tmp_path / "twice", duplicate=True)
     with pytest.raises(RuntimeError, match="wrote .* elements of 1542"):
         write_tp2_zero2_checkpoint(tmp_path / "missing", drop=True)
+    with pytest.raises(RuntimeError, match="no rank wrote v"):
+        build_manifest(tmp_path, 5, DESCRIPTION, [], expected=["v"])
 
 
 def test_save_replaces_a_step_and_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

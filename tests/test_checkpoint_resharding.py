@@ -83,6 +83,21 @@ def test_dp2_tp2_zero1_resumes_on_tp4_pp2_zbv_and_dp4_zero3(tmp_path, tokens):
     assert wte.split()[1:3] == ["float64", "257×16"] and "[0:129, 0:16] [129:257, 0:16]" in wte
 
 
+def test_a_pipeline_run_saved_on_pp2_1f1b_resumes_on_tp2_sp_and_on_cp2_tp2(tmp_path, tokens):
+    """The tied embedding lives on both pipeline ends (written once, by the first); sequence and context
+    parallelism hold it replicated."""
+    common = TINY | {"n_layer": 2, "vocab_size": 257, "data": tokens}
+    meshes = [{"pp": 2, "zero": 1}, {"tp": 2, "sp": True, "zero": 1}, {"cp": 2, "tp": 2}]
+    results = run_on_ranks(4, f"{CHECKS}:resume_on_other_meshes", timeout=300, common=common, saved_mesh=meshes[0],
+                           resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
+    assert_resumed(results, every=2, steps=4)
+    tensors = json.loads((step_folder(tmp_path / "saved" / "checkpoints", 2) / MANIFEST).read_text())["tensors"]
+    for name in ("transformer.wte.weight", "exp_avg/transformer.wte.weight"):  # pipeline rank 0: world ranks 0, 1
+        assert (coverage(tensors[name]) == 1).all()
+        assert files_of(tensors[name]) <= {"rank-00000.safetensors", "rank-00001.safetensors"}
+    assert files_of(tensors["transformer.ln_f.weight"]) <= {"rank-00002.safetensors", "rank-00003.safetensors"}
+
+
 def test_moe_saved_on_ep2_resumes_on_ep4_and_ep1_with_its_expert_biases(tmp_path, tokens):
     common = TINY | {"n_layer": 2, "vocab_size": 257, "data": tokens, "experts": 4, "top_k": 2,
                      "moe_bias_rate": 0.01}
