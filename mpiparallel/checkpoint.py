@@ -1,4 +1,4 @@
-"""Checkpoints in Hugging Face's format, and training checkpoints built on it.
+"""Checkpoints in Hugging Face's format (`--save`, `--init`).
 
 A model checkpoint is a directory `transformers.GPT2LMHeadModel.from_pretrained` loads:
 
@@ -10,14 +10,10 @@ lm_head.weight is not written: GPT-2 ties it to transformer.wte.weight, and tran
 Reading accepts what real GPT-2 checkpoints hold: names without the `transformer.` prefix, an lm_head.weight, and
 the attention-mask buffers `h.{i}.attn.bias` / `h.{i}.attn.masked_bias` (both ignored).
 
-A training checkpoint (`--checkpoint-dir DIR --checkpoint-every K`, `--resume`) is DIR/step_{step:08d}/: the
-model checkpoint above (so every training checkpoint is also a loadable model), `optimizer.safetensors` (the
-optimizer's arrays) and `trainer_state.json` (the step count, the optimizer's scalars, an RNG state and whatever
-the trainer adds). `step` counts completed optimizer steps, so a resumed run continues with step `step`.
-
 Writes are atomic: files are written into a temporary directory next to the target and renamed into place, so
 a crash leaves either the previous checkpoint or the new one, never half of one. These functions do no
-communication; the caller gathers the full tensors first and writes from one rank.
+communication; the caller gathers the full tensors first and writes from one rank. Training checkpoints
+(`--checkpoint-dir`, `--resume`), which every rank writes its shards of, are `training_checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,8 +40,6 @@ from .errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-TRAINER_STATE_FILE = "trainer_state.json"
 PREFIX = "transformer."
 GPT2_EOS_TOKEN = 50256
 """<|endoftext|> in GPT-2's 50257-token vocabulary."""
@@ -65,7 +58,6 @@ SUPPORTED_VALUES = {
 default, which is the first value)."""
 
 _IGNORED_TENSOR = re.compile(r"^(lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias))$")
-_STEP_DIRECTORY = re.compile(r"^step_(\d{8,})$")
 
 
 # -- writing a model ---------------------------------------------------------------------------------------------
@@ -183,17 +175,6 @@ def _publish_files(staging: Path, target: Path) -> None:
         os.replace(staging / name, target / name)
 
 
-def _publish_directory(staging: Path, target: Path) -> None:
-    """Put `staging` at `target`, replacing a previous `target` directory whole."""
-    if target.exists():
-        retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        target.rename(retired / target.name)
-        staging.rename(target)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(target)
-
-
 # -- reading a model ---------------------------------------------------------------------------------------------
 
 
@@ -290,87 +271,3 @@ def _check_shapes(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tupl
     if wrong:
         raise ConfigError(f"{source} does not match its config.json: {'; '.join(wrong[:3])}"
                           f"{'; …' if len(wrong) > 3 else ''}")
-
-
-# -- training checkpoints ----------------------------------------------------------------------------------------
-
-
-def training_checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"step_{step:08d}"
-
-
-def save_training_checkpoint(directory: str | Path, step: int, config: GPTConfig, model_tensors: Mapping[str, Any],
-                             optimizer_state: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-                             rng_state: Any = None, extra_config: Mapping[str, Any] | None = None) -> Path:
-    """Write DIR/step_{step:08d}/ (model files, optimizer.safetensors, trainer_state.json); return its path.
-
-    `optimizer_state` is an optimizer's `state_dict()`: nested dicts whose leaves are arrays (stored in
-    optimizer.safetensors under their key path joined by '/') or JSON values (stored in trainer_state.json).
-    `extra` and `rng_state` must be JSON-serializable (a NumPy Generator's `bit_generator.state` is).
-    """
-    target = training_checkpoint_path(directory, step)
-    arrays, scalars = _split_arrays(optimizer_state)
-    trainer_state = {"step": step, "optimizer": scalars, "rng_state": rng_state, "extra": dict(extra or {})}
-    with _temporary_directory_beside(target) as staging:
-        _write_model_files(staging, config, model_tensors, extra_config)
-        _write_safetensors(staging / OPTIMIZER_FILE, arrays)
-        _write_json(staging / TRAINER_STATE_FILE, trainer_state)
-        _publish_directory(staging, target)
-    return target
-
-
-def latest_training_checkpoint(directory: str | Path) -> Path | None:
-    """The complete step_* checkpoint with the highest step in `directory`; None when there is none yet."""
-    path = Path(directory)
-    if not path.exists():
-        return None
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint directory {path} is a file")
-    complete = [(int(match.group(1)), entry) for entry in path.iterdir()
-                if (match := _STEP_DIRECTORY.match(entry.name)) and (entry / TRAINER_STATE_FILE).is_file()]
-    return max(complete)[1] if complete else None
-
-
-def load_training_checkpoint(path: str | Path) -> tuple[GPTConfig, dict[str, np.ndarray], dict[str, Any], dict]:
-    """(config, model tensors, optimizer state as saved, trainer state) from one step_* directory."""
-    path = Path(path)
-    config, tensors, _ = load_pretrained(path)
-    trainer_state = _read_json(path / TRAINER_STATE_FILE, "trainer state")
-    if not isinstance(trainer_state.get("step"), int):
-        raise ConfigError(f"{path / TRAINER_STATE_FILE} has no integer 'step'")
-    if not (path / OPTIMIZER_FILE).is_file():
-        raise ConfigError(f"{path / OPTIMIZER_FILE} is missing: not a complete training checkpoint")
-    optimizer_state = _join_arrays(_read_safetensors(path / OPTIMIZER_FILE), trainer_state.get("optimizer", {}))
-    return config, tensors, optimizer_state, trainer_state
-
-
-def _split_arrays(state: Mapping[str, Any], path: str = "") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Separate a nested state dict into {'a/b/c': array} and the same nesting with only the non-array leaves."""
-    arrays: dict[str, np.ndarray] = {}
-    scalars: dict[str, Any] = {}
-    for key, value in state.items():
-        if "/" in key:
-            raise ValueError(f"optimizer state key {key!r} may not contain '/' (it separates nesting levels)")
-        if isinstance(value, Mapping):
-            nested_arrays, nested_scalars = _split_arrays(value, f"{path}{key}/")
-            arrays |= nested_arrays
-            scalars[key] = nested_scalars
-        elif isinstance(value, np.generic):
-            scalars[key] = value.item()
-        elif hasattr(value, "shape") and hasattr(value, "dtype"):
-            arrays[path + key] = _host_array(value)
-        else:
-            scalars[key] = value
-    return arrays, scalars
-
-
-def _join_arrays(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any]) -> dict[str, Any]:
-    """The inverse of `_split_arrays`."""
-    state = json.loads(json.dumps(scalars))  # a deep copy we may fill in
-    for key_path, value in arrays.items():
-        *parents, leaf = key_path.split("/")
-        node = state
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return state

@@ -38,11 +38,10 @@ from models.parameter import (
     gather_tensor,
     local_shape,
     reduce_partial_gradients,
-    shard_tensor,
 )
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
-from . import checkpoint, data, optim, traffic
+from . import checkpoint, data, optim, traffic, training_checkpoint
 from .data_parallel import DataParallel, DataParallelGroups
 from .errors import ConfigError
 from .mesh import Mesh, MeshShape
@@ -56,9 +55,7 @@ from .pipeline_parallel import (
     sum_tied_gradient,
 )
 from .schedules import Schedule, build_schedule
-
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-"""The optimizer state that is one array per parameter piece (AdamW's moments)."""
+from .training_checkpoint import MOMENT_KEYS, TrainingCheckpoint, load_pieces, on_every_rank
 
 
 @dataclass(frozen=True)
@@ -188,13 +185,13 @@ def run(settings: TrainSettings) -> int:
     model = _build_model(settings, mesh, config, schedule, xp)
     tokens = _load_data(settings, config)
     train_tokens, validation_tokens = _split(settings, tokens)
-    optimizer_state, first_step = _resume(settings, model)
+    resumed, first_step = _resume(settings, model, mesh)
     # a pipeline schedule interleaves microbatches and splits backward: the gradients are reduced after it
     engine = _build_engines(model, mesh, settings, overlap=settings.mesh.overlap and schedule is None)
     optimizer = _build_optimizer(settings, engine.optimizer_parameters())
     trainer = Trainer(model, engine, optimizer, mesh, settings, schedule)
-    if optimizer_state is not None:
-        trainer.load_optimizer_state(optimizer_state)
+    if resumed is not None:
+        trainer.load_optimizer_state(resumed)
     reporter = Reporter(settings, config, is_root=is_root)
     if settings.model.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
@@ -206,7 +203,7 @@ def run(settings: TrainSettings) -> int:
         if settings.output.memory_report and step == first_step:
             reporter.say_from_every_rank(trainer.memory_report(), mesh.world)
         if _due(step, settings.output.checkpoint_every, settings.data.steps) and settings.output.checkpoint_dir:
-            trainer.save_training_checkpoint(step + 1)
+            trainer.save_training_checkpoint(step + 1, len(train_tokens))
     reporter.finish()
     if mesh.world.size > 1 and settings.data.steps > first_step:
         reporter.say("bytes each rank sent in the last step, per mesh axis, beside the formula that predicts them "
@@ -364,11 +361,6 @@ class Trainer:
                 tensors = merged
         return tensors
 
-    def _cut_for_this_rank(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """The inverse of `_gather_over_model_axes`."""
-        return {name: shard_tensor(tensors[name], param.placement, self.model.axis_ranks())
-                for name, param in self.model.params.items()}
-
     def evaluate(self, tokens: np.ndarray) -> float:
         """Mean loss over the first `eval_batches` held-out batches, each DP rank taking its rows (no update)."""
         settings, losses = self.settings, []
@@ -385,25 +377,52 @@ class Trainer:
             self.engine.release_all()
         return float(np.mean(losses))
 
-    def save_training_checkpoint(self, steps_done: int) -> None:
-        """Gather parameters and optimizer state to whole tensors and write them from rank 0 (any mesh)."""
-        tensors = self.full_model_tensors()
+    def save_training_checkpoint(self, steps_done: int, token_count: int) -> None:
+        """Every rank writes the parameters, AdamW moments and expert biases it holds (replicas once), rank 0 the
+        manifest (`training_checkpoint`); `token_count` (the training data's) places the data position."""
+        ranks, pieces = self.model.axis_ranks(), self.engine.optimizer_parameters()
         state = self.optimizer.state_dict()
+        held = training_checkpoint.parameter_pieces(pieces, ranks)
         for key in MOMENT_KEYS:
             if key in state:
-                state[key] = self._gather_over_model_axes(self.engine.gather_pieces(state[key]))
-        if self.mesh.world.rank == 0:
-            checkpoint.save_training_checkpoint(self.settings.output.checkpoint_dir, steps_done, self.model.config,
-                                                tensors, state, {"settings": asdict(self.settings)},
-                                                extra_config=self.model.config.moe_settings())
-        self.mesh.world.barrier()
+                held += training_checkpoint.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
+        held += training_checkpoint.expert_bias_pieces(self.model.expert_biases)
+        marked = [(piece, array, training_checkpoint.writes_copy(piece.placement, self.mesh))
+                  for piece, array in held]
+        training_checkpoint.save(self.settings.output.checkpoint_dir, steps_done, marked, self.mesh.world,
+                                 self._checkpoint_description(steps_done, token_count), self._tensor_names(state))
 
-    def load_optimizer_state(self, state: dict) -> None:
-        """Restore a checkpoint's optimizer state (whole tensors by parameter name) into this rank's pieces."""
-        state = dict(state)
+    def _checkpoint_description(self, steps_done: int, token_count: int) -> dict[str, Any]:
+        """The manifest's account of the run: data position, settings, the mesh, the model, the optimizer scalars."""
+        settings, shape, layout = self.settings, self.mesh.shape, self.settings.mesh
+        batches = data.full_batch_count(token_count, settings.data.batch_size, settings.data.seq_len)
+        return {
+            "data_position": {"next_step": steps_done, "batch": steps_done % batches, "batches_per_pass": batches,
+                              "tokens_consumed": steps_done * settings.data.batch_size * settings.data.seq_len},
+            "settings": asdict(settings),
+            "mesh": {"world_size": self.mesh.world.size, **asdict(shape), "sp": layout.sp, "zero": layout.zero,
+                     "schedule": layout.schedule if shape.pp > 1 else None, "microbatches": self.microbatches,
+                     "virtual_stages": layout.virtual_stages},
+            "model": self.model.config.to_dict(),
+            "optimizer": {key: value for key, value in self.optimizer.state_dict().items() if key not in MOMENT_KEYS},
+        }
+
+    def _tensor_names(self, optimizer_state: dict) -> list[str]:
+        """The logical tensors a checkpoint holds: parameters in checkpoint order, expert biases, the moments."""
+        names = list(parameter_shapes(self.model.config))
+        moments = [f"{key}/{name}" for key in MOMENT_KEYS if key in optimizer_state for name in names]
+        return names + list(expert_bias_shapes(self.model.config)) + moments
+
+    def load_optimizer_state(self, saved: TrainingCheckpoint) -> None:
+        """Restore the optimizer from a checkpoint of any mesh: each rank reads its own pieces of the moments."""
+        state = saved.optimizer_scalars(self.optimizer.name)
+        pieces, ranks = self.engine.optimizer_parameters(), self.model.axis_ranks()
+        held = []
         for key in MOMENT_KEYS:
-            if key in state:
-                state[key] = self.engine.scatter_pieces(self._cut_for_this_rank(state[key]))
+            if hasattr(self.optimizer, key):
+                state[key] = getattr(self.optimizer, key)  # read straight into the optimizer's buffers
+                held += training_checkpoint.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
+        on_every_rank(self.mesh.world, lambda: load_pieces(saved, held))
         self.optimizer.load_state_dict(state)
 
     def memory_report(self) -> str:
@@ -707,22 +726,32 @@ def _build_optimizer(settings: TrainSettings, params: list) -> Any:
     return optim.AdamW(params, lr=settings.optimizer.lr, weight_decay=settings.optimizer.weight_decay)
 
 
-def _resume(settings: TrainSettings, model: GPT) -> tuple[dict | None, int]:
-    """Load the newest training checkpoint into `model` when --resume is given.
+def _resume(settings: TrainSettings, model: GPT, mesh: Mesh) -> tuple[TrainingCheckpoint | None, int]:
+    """Load the newest training checkpoint's parameters and expert biases into `model` when --resume is given,
+    resharded to this mesh (before the data-parallel engines take the parameters over).
 
-    Returns the optimizer state to restore (None when starting fresh) and the first step to run."""
+    Returns the checkpoint, for the optimizer state (None when starting fresh), and the first step to run."""
     if not settings.output.resume:
         return None, 0
     if not settings.output.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir (where the training checkpoints are)")
-    latest = checkpoint.latest_training_checkpoint(settings.output.checkpoint_dir)
+    directory = settings.output.checkpoint_dir
+    # rank 0 chooses, so that every rank resumes from the same step even if the folder changes meanwhile
+    latest = on_every_rank(mesh.world, lambda: training_checkpoint.latest_training_checkpoint(directory)
+                           if mesh.world.rank == 0 else None)
+    latest = mesh.world.comm.bcast(latest, root=0)
     if latest is None:
         return None, 0  # nothing saved yet: start from the beginning, as a restarted job would want
-    config, tensors, optimizer_state, trainer_state = checkpoint.load_training_checkpoint(latest)
-    if config != model.config:
-        raise ConfigError(f"checkpoint {latest} holds a model of shape {config}, but this run builds {model.config}")
-    model.load_state_dict(tensors)
-    return optimizer_state, int(trainer_state["step"])
+
+    def load() -> TrainingCheckpoint:
+        saved = TrainingCheckpoint(latest)
+        saved.check_model(model.config)
+        held = training_checkpoint.parameter_pieces(model.params.values(), model.axis_ranks())
+        load_pieces(saved, held + training_checkpoint.expert_bias_pieces(model.expert_biases))
+        return saved
+
+    saved = on_every_rank(mesh.world, load)
+    return saved, saved.step
 
 
 def _due(step: int, every: int, steps: int) -> bool:

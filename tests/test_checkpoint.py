@@ -1,28 +1,40 @@
-"""Hugging Face checkpoints round-trip bit-exactly, load in transformers, and fail with clear messages."""
+"""Hugging Face checkpoints round-trip bit-exactly, load in transformers, and fail with clear messages; training
+checkpoints' boxes, resharding on read, atomic saves, manifest checks and `checkpoint info`."""
 
 from __future__ import annotations
 
-import copy
+import itertools
 import json
+import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
+from mpi4py import MPI
+from mpi_harness import run_with_timeout
 
+from collectives import Communicator
 from models.gpt import GPT, GPTConfig, parameter_shapes
-from mpiparallel import checkpoint
-from mpiparallel.checkpoint import (
-    gpt2_config_json,
-    latest_training_checkpoint,
-    load_pretrained,
-    load_training_checkpoint,
-    save_pretrained,
-    save_training_checkpoint,
-)
+from models.parameter import Sharded, shard_tensor
+from mpiparallel.checkpoint import gpt2_config_json, load_pretrained, save_pretrained
 from mpiparallel.errors import ConfigError
-from mpiparallel.optim import AdamW
+from mpiparallel.training_checkpoint import (
+    Piece,
+    TrainingCheckpoint,
+    build_manifest,
+    find_checkpoint,
+    flat_range_boxes,
+    latest_training_checkpoint,
+    parts,
+    publish_manifest,
+    save,
+    step_folder,
+    write_rank_file,
+)
 
 CONFIG = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 
@@ -202,108 +214,197 @@ def test_missing_directory_is_a_config_error(tmp_path):
         save_pretrained(tmp_path / "file", CONFIG, tiny_model().state_dict())
 
 
-# -- training checkpoints ----------------------------------------------------------------------------------------
+# -- training checkpoints: boxes, resharding, the manifest ------------------------------------------------------
 
 
-def trained(model: GPT, steps: int) -> AdamW:
-    optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    tokens = np.arange(17) % CONFIG.vocab_size
-    for _ in range(steps):
-        model.zero_grad()
-        model.backward(model.forward(tokens[None, :-1], tokens[None, 1:])[1])
-        optimizer.step()
-    return optimizer
+def box(offsets, sizes) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
 
 
-def test_training_checkpoint_round_trips_model_optimizer_and_trainer_state(tmp_path):
-    model = tiny_model(np.float64)
-    optimizer = trained(model, 2)
-    rng = np.random.default_rng(5)
-    path = save_training_checkpoint(tmp_path, 2, CONFIG, model.state_dict(), optimizer.state_dict(),
-                                    extra={"settings": {"lr": 0.01}}, rng_state=rng.bit_generator.state)
-    assert path == tmp_path / "step_00000002"
-    config, tensors, optimizer_state, trainer_state = load_training_checkpoint(path)
-    assert config == CONFIG
-    for name, value in model.state_dict().items():
-        np.testing.assert_array_equal(tensors[name], value)
-    assert optimizer_state["optimizer"] == "adamw" and optimizer_state["step"] == 2
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert set(optimizer_state[key]) == set(parameter_shapes(CONFIG))
-        for name, value in getattr(optimizer, key).items():
-            np.testing.assert_array_equal(optimizer_state[key][name], value)
-    assert trainer_state["step"] == 2 and trainer_state["extra"] == {"settings": {"lr": 0.01}}
-    restored = np.random.default_rng()
-    restored.bit_generator.state = trainer_state["rng_state"]
-    assert restored.integers(1 << 60) == rng.integers(1 << 60)
-    assert load_pretrained(path)[0] == CONFIG  # every training checkpoint is also a model checkpoint
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
+def test_a_flat_range_is_at_most_2_ndim_minus_1_contiguous_boxes_covering_it_once(shape):
+    size = math.prod(shape)
+    index = np.arange(size).reshape(shape)
+    for start in range(size + 1):
+        for stop in range(start, size + 1):
+            count = np.zeros(shape, int)
+            boxes = flat_range_boxes(shape, start, stop)
+            assert len(boxes) <= 2 * len(shape) - 1
+            for flat, offsets, sizes in boxes:
+                count[box(offsets, sizes)] += 1
+                inside = index[box(offsets, sizes)].reshape(-1)
+                np.testing.assert_array_equal(inside, np.arange(flat, flat + inside.size))  # one contiguous run
+            np.testing.assert_array_equal(count.reshape(-1), (start <= np.arange(size)) & (np.arange(size) < stop))
 
 
-def test_resuming_from_a_training_checkpoint_continues_like_an_uninterrupted_run(tmp_path):
-    uninterrupted = tiny_model(np.float64)
-    trained(uninterrupted, 4)
-
-    first_half = tiny_model(np.float64)
-    save_training_checkpoint(tmp_path, 2, CONFIG, first_half.state_dict(), trained(first_half, 2).state_dict())
-    _, tensors, optimizer_state, _ = load_training_checkpoint(latest_training_checkpoint(tmp_path))
-    resumed = tiny_model(np.float64, seed=99)
-    resumed.load_state_dict(tensors)
-    optimizer = AdamW(resumed.parameters(), lr=1e-2, weight_decay=0.1)
-    optimizer.load_state_dict(optimizer_state)
-    tokens = np.arange(17) % CONFIG.vocab_size
-    for _ in range(2):
-        resumed.zero_grad()
-        resumed.backward(resumed.forward(tokens[None, :-1], tokens[None, 1:])[1])
-        optimizer.step()
-    for name, value in uninterrupted.state_dict().items():
-        np.testing.assert_array_equal(resumed.state_dict()[name], value)
+CUTS = [((257, 4), Sharded(0), 2), ((257, 4), Sharded(0), 3), ((4, 12), Sharded(1, 3), 2), ((12,), Sharded(0, 3), 4),
+        ((6, 10), Sharded(1), 4)]
 
 
-def test_latest_training_checkpoint_is_the_highest_complete_step(tmp_path):
+@pytest.mark.parametrize("shape, cut, size", CUTS, ids=["vocab-tp2", "vocab-tp3", "qkv-tp2", "qkv-bias-tp4",
+                                                        "columns-padded-tp4"])
+def test_the_parts_of_a_piece_are_the_global_boxes_its_shard_holds_and_skip_the_padding(shape, cut, size):
+    full = np.arange(1, math.prod(shape) + 1).reshape(shape)  # nonzero: the shard's padding is its only zeros
+    for rank in range(size):
+        local = shard_tensor(full, {"tp": cut}, {"tp": (rank, size)}).reshape(-1)
+        for start, stop in [(0, local.size), (1, local.size - 1), (local.size // 3, 2 * local.size // 3)]:
+            piece = Piece("t", shape, {"tp": cut}, {"tp": (rank, size)}, start, stop)
+            held = local[start:stop]
+            real = 0
+            for part in parts(piece):
+                np.testing.assert_array_equal(part.view(held), full[box(part.offsets, part.sizes)])
+                real += math.prod(part.sizes)
+            assert real == np.count_nonzero(held)
+
+
+WEIGHT = np.random.default_rng(0).standard_normal((257, 6))
+TP2 = {"tp": Sharded(0)}
+DESCRIPTION = {"mesh": {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero": 2},
+               "model": GPTConfig(vocab_size=257, n_embd=6, n_head=2, n_layer=1).to_dict(),
+               "optimizer": {"optimizer": "adamw", "step": 5},
+               "data_position": {"next_step": 5, "batch": 5, "batches_per_pass": 9}}
+
+
+def write_tp2_zero2_checkpoint(folder, tensor=WEIGHT, duplicate=False, drop=False) -> list[list[dict]]:
+    """`tensor` as four ranks of tp2 × ZeRO over dp2 would write it (each TP shard's flat range cut unevenly in
+    two), then the manifest; optionally with one range written twice, or one missing."""
+    folder.mkdir(parents=True)
+    every_rank = []
+    for dp_rank, tp_rank in itertools.product(range(2), range(2)):
+        local = shard_tensor(tensor, TP2, {"tp": (tp_rank, 2)}).reshape(-1)
+        cut = local.size // 2 + 4  # inside a row: each range is a partial row and whole rows
+        start, stop = (0, cut) if dp_rank == 0 else (cut, local.size)
+        piece = Piece("w", tensor.shape, TP2, {"tp": (tp_rank, 2)}, start, stop)
+        if not (drop and dp_rank == tp_rank == 1):
+            every_rank.append(write_rank_file(folder, 2 * dp_rank + tp_rank, [(piece, local[start:stop])]))
+    if duplicate:
+        every_rank.append(every_rank[0])
+    publish_manifest(folder, build_manifest(folder, 5, DESCRIPTION, every_rank))
+    return every_rank
+
+
+def test_shards_written_on_tp2_with_zero_ranges_read_back_whole_and_on_tp3(tmp_path):
+    folder = step_folder(tmp_path, 5)
+    write_tp2_zero2_checkpoint(folder)
+    saved = TrainingCheckpoint(folder)
+    assert saved.step == 5 and len(saved.tensors["w"]["shards"]) == 8
+    np.testing.assert_array_equal(saved.read_piece(Piece("w", WEIGHT.shape, {}, {}), np.float64),
+                                  WEIGHT.reshape(-1))
+    for rank in range(3):
+        piece = Piece("w", WEIGHT.shape, TP2, {"tp": (rank, 3)}, 5, 200)
+        want = shard_tensor(WEIGHT, TP2, {"tp": (rank, 3)}).reshape(-1)[5:200]
+        np.testing.assert_array_equal(saved.read_piece(piece, np.float64), want)
+        np.testing.assert_array_equal(saved.read_piece(piece, np.float32), want.astype(np.float32))
+    assert sorted(os.listdir(folder)) == ["manifest.json"] + [f"rank-0000{r}.safetensors" for r in range(4)]
+
+
+def test_a_manifest_refuses_a_replica_written_twice_or_a_piece_nobody_wrote(tmp_path):
+    with pytest.raises(RuntimeError, match="wrote .* elements of 1542"):
+        write_tp2_zero2_checkpoint(tmp_path / "twice", duplicate=True)
+    with pytest.raises(RuntimeError, match="wrote .* elements of 1542"):
+        write_tp2_zero2_checkpoint(tmp_path / "missing", drop=True)
+    with pytest.raises(RuntimeError, match="no rank wrote v"):
+        build_manifest(tmp_path, 5, DESCRIPTION, [], expected=["v"])
+
+
+def test_save_replaces_a_step_and_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    world = Communicator(MPI.COMM_SELF)
+    held = [(Piece("w", WEIGHT.shape, {}, {}), WEIGHT, True)]
+    save(tmp_path, 2, held, world, {"model": {}})
+    save(tmp_path, 4, held, world, {"model": {}})
+    save(tmp_path, 4, [(Piece("w", WEIGHT.shape, {}, {}), 2 * WEIGHT, True)], world, {"model": {}})
+    assert latest_training_checkpoint(tmp_path) == step_folder(tmp_path, 4)
+    np.testing.assert_array_equal(TrainingCheckpoint(step_folder(tmp_path, 4)).read_box("w", [0, 0], [257, 6]),
+                                  2 * WEIGHT)
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save(tmp_path, 4, held, world, {"model": {}})  # a rewrite of step 4 that fails half way
+    assert latest_training_checkpoint(tmp_path) == step_folder(tmp_path, 2)
+    assert not (step_folder(tmp_path, 4) / "manifest.json").exists()
+
+
+def test_latest_training_checkpoint_is_the_highest_step_with_a_manifest(tmp_path):
     assert latest_training_checkpoint(tmp_path / "none yet") is None
     assert latest_training_checkpoint(tmp_path) is None
-    model = tiny_model()
-    state = {"optimizer": "sgd", "step": 0}
     for step in (10, 2, 4):
-        save_training_checkpoint(tmp_path, step, CONFIG, model.state_dict(), state)
-    (tmp_path / "step_00000099").mkdir()  # a directory without trainer_state.json is not a checkpoint
-    (tmp_path / ".step_00000050.tmp-abc").mkdir()
-    (tmp_path / "notes").mkdir()
-    assert latest_training_checkpoint(tmp_path) == tmp_path / "step_00000010"
-    _, _, optimizer_state, _ = load_training_checkpoint(tmp_path / "step_00000004")
-    assert optimizer_state == state
+        write_tp2_zero2_checkpoint(step_folder(tmp_path, step))
+    (tmp_path / "step-00000099").mkdir()  # a save that never finished
+    (tmp_path / "step_00000050").mkdir()  # the old layout
+    (step_folder(tmp_path, 50).parent / ".step-00000050.tmp").mkdir()
+    assert latest_training_checkpoint(tmp_path) == step_folder(tmp_path, 10)
+    assert find_checkpoint(tmp_path) == step_folder(tmp_path, 10)
+    assert find_checkpoint(step_folder(tmp_path, 4)) == step_folder(tmp_path, 4)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file"):
+        latest_training_checkpoint(tmp_path / "file")
 
 
-def test_saving_the_same_step_again_replaces_that_checkpoint(tmp_path):
-    state = {"optimizer": "sgd", "step": 3}
-    save_training_checkpoint(tmp_path, 3, CONFIG, tiny_model(seed=1).state_dict(), state)
-    newer = tiny_model(seed=2)
-    save_training_checkpoint(tmp_path, 3, CONFIG, newer.state_dict(), state, extra={"try": 2})
-    _, tensors, _, trainer_state = load_training_checkpoint(tmp_path / "step_00000003")
-    np.testing.assert_array_equal(tensors["transformer.wpe.weight"], newer.state_dict()["transformer.wpe.weight"])
-    assert trainer_state["extra"] == {"try": 2}
-    assert leftovers(tmp_path) == []
+def edit_manifest(change):
+    def apply(folder):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        change(manifest)
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    return apply
 
 
-def test_nested_optimizer_state_is_split_into_arrays_and_json_and_joined_back():
-    state = {"optimizer": "custom", "step": np.int64(7), "moments": {"a.weight": np.ones((2, 2))},
-             "hyper": {"betas": [0.9, 0.95]}}
-    arrays, scalars = checkpoint._split_arrays(state)
-    assert set(arrays) == {"moments/a.weight"}
-    assert scalars == {"optimizer": "custom", "step": 7, "moments": {}, "hyper": {"betas": [0.9, 0.95]}}
-    joined = checkpoint._join_arrays(arrays, scalars)
-    expected = copy.deepcopy(state) | {"step": 7}
-    assert joined.keys() == expected.keys() and joined["hyper"] == expected["hyper"]
-    np.testing.assert_array_equal(joined["moments"]["a.weight"], np.ones((2, 2)))
+def first_shard(**changes):
+    return edit_manifest(lambda manifest: manifest["tensors"]["w"]["shards"][0].update(changes))
 
 
-def test_incomplete_training_checkpoints_are_config_errors(tmp_path):
-    path = save_training_checkpoint(tmp_path, 1, CONFIG, tiny_model().state_dict(), {"optimizer": "sgd", "step": 1})
-    (path / "optimizer.safetensors").unlink()
-    with pytest.raises(ConfigError, match=r"optimizer\.safetensors is missing"):
-        load_training_checkpoint(path)
-    (path / "trainer_state.json").write_text("{}")
-    with pytest.raises(ConfigError, match="no integer 'step'"):
-        load_training_checkpoint(path)
+@pytest.mark.parametrize("damage, message", [
+    (remove("manifest.json"), "manifest.json is missing"),
+    (write("manifest.json", b"{oops"), "not valid JSON"),
+    (edit_manifest(lambda m: m.update(format="something else")), "not an mpiparallel training checkpoint"),
+    (edit_manifest(lambda m: m.pop("step")), "step is missing"),
+    (first_shard(file="../elsewhere.safetensors"), "not a file name in the step folder"),
+    (first_shard(offsets=[250, 0]), r"outside \[257, 6\]"),
+    (edit_manifest(lambda m: m["tensors"]["w"]["shards"].pop()), "do not cover"),
+    (remove("rank-00003.safetensors"), "rank-00003.safetensors .* cannot be read"),
+    (first_shard(key="nonsense"), "cannot be read"),
+])
+def test_damaged_training_checkpoints_are_config_errors_that_name_the_problem(tmp_path, damage, message):
+    folder = step_folder(tmp_path, 5)
+    write_tp2_zero2_checkpoint(folder)
+    damage(folder)
+    with pytest.raises(ConfigError, match=message):
+        TrainingCheckpoint(folder).read_piece(Piece("w", WEIGHT.shape, {}, {}), np.float64)
+
+
+def test_a_checkpoint_of_another_tensor_shape_or_name_is_a_config_error(tmp_path):
+    write_tp2_zero2_checkpoint(step_folder(tmp_path, 5))
+    saved = TrainingCheckpoint(step_folder(tmp_path, 5))
+    with pytest.raises(ConfigError, match=r"w is \(257, 6\), this run needs \(256, 6\)"):
+        saved.read_piece(Piece("w", (256, 6), {}, {}), np.float64)
+    with pytest.raises(ConfigError, match="has no tensor v"):
+        saved.read_piece(Piece("v", (256, 6), {}, {}), np.float64)
+    with pytest.raises(ConfigError, match="holds another model"):
+        saved.check_model(CONFIG)
+
+
+def checkpoint_info(path) -> subprocess.CompletedProcess:
+    return run_with_timeout([sys.executable, "-m", "mpiparallel", "checkpoint", "info", str(path)], timeout=60)
+
+
+def test_checkpoint_info_shows_each_tensors_shards_and_names_bad_paths(tmp_path):
+    write_tp2_zero2_checkpoint(step_folder(tmp_path, 5))
+    (tmp_path / "step-00000007").mkdir()  # an unfinished save: passed over beside step 5, an error by itself
+    shown = checkpoint_info(tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "step-00000005: step 5" in shown.stdout
+    assert "4 ranks: dp 2 × tp 2 × pp 1 × cp 1, ep 1, zero 2" in shown.stdout
+    assert "optimizer adamw at step 5; data: next step 5 = batch 5 of 9" in shown.stdout
+    line = next(line for line in shown.stdout.splitlines() if line.split()[:1] == ["w"])
+    assert line.split()[1:6] == ["float64", "257×6", "8", "in", "4"]
+    assert "[0:65, 0:6] [65:66, 0:1] [65:66, 1:6]" in line  # rank 0's range ends 391 = 65·6 + 1 elements in
+    for path, message in [(tmp_path / "nowhere", "does not exist"), (tmp_path / "step-00000007", "did not finish"),
+                          (tmp_path.parent, "holds no training checkpoint")]:
+        result = checkpoint_info(path)
+        assert result.returncode == 2, result
+        assert result.stderr.startswith("Error: ") and message in result.stderr and "Traceback" not in result.stderr
 
 
 # -- transformers ------------------------------------------------------------------------------------------------

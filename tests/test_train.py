@@ -119,7 +119,7 @@ def test_resume_on_a_parallel_mesh_is_bitwise(tmp_path, mesh):
     checkpoints = tmp_path / "checkpoints"
     first_half = mpiparallel("train", *common, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2")
     assert first_half.returncode == 0, first_half.stderr
-    shutil.rmtree(checkpoints / "step_00000004")  # resume from the middle
+    shutil.rmtree(checkpoints / "step-00000004")  # resume from the middle
     resumed = mpiparallel("train", *common, "--checkpoint-dir", str(checkpoints), "--resume",
                           "--log-json", str(tmp_path / "resumed.jsonl"), "--save", str(tmp_path / "resumed"))
     assert resumed.returncode == 0, resumed.stderr
