@@ -463,39 +463,6 @@ class DataParallel(ParameterHooks):
         return {"parameters": params, "gradients": grads, "optimizer_state": state}
 
 
-    # -- optimizer state by parameter (checkpoints) ------------------------------------------------------------
-
-    def gather_pieces(self, values: dict[str, Array]) -> dict[str, Array]:
-        """Per-piece arrays (keyed like `optimizer_parameters()`, e.g. AdamW's moments) as whole-parameter arrays
-        by parameter name, on every rank: under ZeRO one all-gather of each bucket's shards over DP."""
-        if self.zero == 0:
-            return {name: value.copy() for name, value in values.items()}
-        whole = {}
-        for index, bucket in enumerate(self.buckets):
-            shard = self.xp.zeros(bucket.padded // self.comm.size, self.dtype)
-            for segment in self._segments_of(index):
-                shard[self._local_range(index, segment)] = values[segment.name]
-            whole |= self._unflatten(bucket, collectives.all_gather(shard, self.comm, algo="mpi"))
-        return whole
-
-    def scatter_pieces(self, whole: dict[str, Array]) -> dict[str, Array]:
-        """The inverse of `gather_pieces`: this rank's pieces of whole-parameter arrays (no communication)."""
-        if self.zero == 0:
-            return dict(whole)
-        return {segment.name: whole[segment.parameter.name].reshape(-1)[segment.start:segment.stop]
-                for segment in self._segments}
-
-    def _segments_of(self, index: int) -> list[ShardSegment]:
-        members = {id(param) for param in self.buckets[index].params}
-        return [segment for segment in self._segments if id(segment.parameter) in members]
-
-    def _local_range(self, index: int, segment: ShardSegment) -> slice:
-        """Where `segment` lies in this rank's shard of bucket `index`."""
-        bucket = self.buckets[index]
-        offset = bucket.offsets[bucket.params.index(segment.parameter)] - self._shard(bucket).start
-        return slice(offset + segment.start, offset + segment.stop)
-
-
 class DataParallelGroups(ParameterHooks):
     """Several `DataParallel` engines over one model, each reducing its own parameters over its own ranks — the
     dense parameters over dp (×cp) and, with expert parallelism, each expert over the ranks holding a copy of it
@@ -559,17 +526,6 @@ class DataParallelGroups(ParameterHooks):
 
     def full_parameters(self) -> dict[str, Array]:
         return {name: value for engine in self.engines for name, value in engine.full_parameters().items()}
-
-    def gather_pieces(self, values: dict[str, Array]) -> dict[str, Array]:
-        return {name: value for engine in self.engines for name, value in engine.gather_pieces(
-            {piece.name: values[piece.name] for piece in engine.optimizer_parameters()}).items()}
-
-    def scatter_pieces(self, whole: dict[str, Array]) -> dict[str, Array]:
-        pieces = {}
-        for engine in self.engines:
-            names = {param.name for bucket in engine.buckets for param in bucket.params}
-            pieces |= engine.scatter_pieces({name: array for name, array in whole.items() if name in names})
-        return pieces
 
     def memory(self, optimizer: Any) -> dict[str, int]:
         """Parameters and gradients of every engine; the optimizer's state (one optimizer over all) once."""
