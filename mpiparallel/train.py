@@ -55,6 +55,7 @@ from .pipeline_parallel import (
     sum_tied_gradient,
 )
 from .schedules import Schedule, build_schedule
+from .trace import Tracer
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 """The optimizer state that is one array per parameter piece (AdamW's moments)."""
@@ -138,6 +139,7 @@ class OutputSettings:
     checkpoint_every: int = 0
     resume: bool = False
     log_json: str | None = None
+    trace: str | None = None
     sample_tokens: int = 0
     show_mesh: bool = False
     memory_report: bool = False
@@ -195,6 +197,8 @@ def run(settings: TrainSettings) -> int:
     if optimizer_state is not None:
         trainer.load_optimizer_state(optimizer_state)
     reporter = Reporter(settings, config, is_root=is_root)
+    if settings.output.trace:
+        trainer.tracer = Tracer.for_mesh(mesh, {"mesh": asdict(mesh.shape), "schedule": settings.mesh.schedule})
     if settings.model.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
     for step in range(first_step, settings.data.steps):
@@ -207,6 +211,9 @@ def run(settings: TrainSettings) -> int:
         if _due(step, settings.output.checkpoint_every, settings.data.steps) and settings.output.checkpoint_dir:
             trainer.save_training_checkpoint(step + 1)
     reporter.finish()
+    if trainer.tracer is not None:
+        trainer.tracer.write(settings.output.trace)
+        reporter.say(f"wrote the trace to {settings.output.trace}")
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
     if settings.output.save:
         if is_root:
@@ -233,6 +240,7 @@ class Trainer:
             model, schedule, mesh.pp, activation_shape(settings, mesh, model.config), settings.model.dtype)
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
+        self.tracer: Tracer | None = None  # --trace: records each step, pipeline action and collective
 
     def step(self, tokens: np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
@@ -245,7 +253,10 @@ class Trainer:
         if self.pipeline is None:
             loss = self._microbatches_one_after_another(pieces, inputs.size)
         else:
+            pipeline_start = time.perf_counter()
             loss = self.pipeline.step(pieces, inputs.size, self.router.add)
+            if self.tracer is not None:
+                self.tracer.pipeline_actions(self.pipeline.timeline.spans, pipeline_start, step)
             self.activation_bytes = self.pipeline.peak_saved_bytes
             self.block_activation_bytes = self.pipeline.block_saved_bytes
             sum_tied_gradient(self.model, self.mesh.pp, self.pipeline.schedule.stage_ranks[0],
@@ -262,6 +273,8 @@ class Trainer:
         if self.model.config.n_experts:
             record |= self._balance_experts()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
+        if self.tracer is not None:
+            self.tracer.step(step, start, time.perf_counter())
         return record | {"time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
 
     def _balance_experts(self) -> dict:
