@@ -53,12 +53,19 @@ Event = dict[str, Any]
 
 # -- events -----------------------------------------------------------------------------------------------------
 
-def action_event(rank: int, action: Action, start_us: float, end_us: float, step: int) -> Event:
-    """The "X" event of one pipeline action: compute on the compute thread, sends and receives on "pp"."""
+def action_event(rank: int, action: Action, start_us: float, end_us: float, step: int,
+                 peer: int | None = None) -> Event:
+    """The "X" event of one pipeline action: compute on the compute thread, sends and receives on "pp", with the
+    rank (pid) they exchange with as `peer`."""
+    args = {"stage": action.stage, "microbatch": action.microbatch, "step": step}
     return {"name": str(action), "cat": action.kind, "ph": "X", "pid": rank,
             "tid": THREADS.index(COMPUTE if action.is_compute else "pp"), "ts": start_us,
-            "dur": max(end_us - start_us, 0.0),
-            "args": {"stage": action.stage, "microbatch": action.microbatch, "step": step}}
+            "dur": max(end_us - start_us, 0.0), "args": args if peer is None else args | {"peer": peer}}
+
+
+def peer_stage(action: Action) -> int:
+    """The stage a send goes to or a receive comes from."""
+    return action.stage + (1 if action.kind in (SEND_F, RECV_B) else -1)
 
 
 def collective_event(rank: int, axis: str, name: str, start_us: float, end_us: float, sent: int) -> Event:
@@ -94,17 +101,17 @@ def untangle(events: list[Event]) -> list[Event]:
 
 
 def flow_events(events: Sequence[Event]) -> list[Event]:
-    """An arrow from each SEND event to the RECV event of the same step that matches it: "s" where the send
-    starts, "f" (bound to the enclosing slice) where the data can first have arrived — not before the send,
-    not after the receive ends."""
-    receives = {(event["args"]["step"], Action.parse(event["name"])): event for event in events
-                if event["cat"] in (RECV_F, RECV_B)}
+    """An arrow from each SEND event to the RECV event on its peer of the same step that matches it: "s" where
+    the send starts, "f" (bound to the enclosing slice) where the data can first have arrived — not before the
+    send, not after the receive ends."""
+    receives = {(event["pid"], event["args"]["step"], Action.parse(event["name"])): event for event in events
+                if event.get("cat") in (RECV_F, RECV_B)}
     flows: list[Event] = []
     for event in events:
-        if event["cat"] not in (SEND_F, SEND_B):
+        if event.get("cat") not in (SEND_F, SEND_B):
             continue
-        step = event["args"]["step"]
-        receive = receives[step, partner(Action.parse(event["name"]))]
+        args = event["args"]
+        receive = receives[args["peer"], args["step"], partner(Action.parse(event["name"]))]
         arrival = min(max(receive["ts"], event["ts"]), receive["ts"] + receive["dur"])
         common = {"name": "p2p", "cat": "p2p", "id": len(flows) // 2}
         flows.append({**common, "ph": "s", "pid": event["pid"], "tid": event["tid"], "ts": event["ts"]})
@@ -130,10 +137,12 @@ def metadata_events(events: Iterable[Event]) -> list[Event]:
 
 def simulation_trace(simulation: Simulation) -> dict[str, Any]:
     """`mpiparallel schedule --trace`: the simulated timeline, one cost unit drawn as one millisecond."""
-    events = [action_event(rank, interval.action, interval.start * MICROSECONDS_PER_UNIT,
-                           interval.end * MICROSECONDS_PER_UNIT, step=0)
-              for rank, intervals in enumerate(simulation.timeline) for interval in intervals]
     schedule = simulation.schedule
+    events = [action_event(rank, interval.action, interval.start * MICROSECONDS_PER_UNIT,
+                           interval.end * MICROSECONDS_PER_UNIT, step=0,
+                           peer=None if interval.action.is_compute else
+                           schedule.stage_ranks[peer_stage(interval.action)])
+              for rank, intervals in enumerate(simulation.timeline) for interval in intervals]
     return trace_document(events, {"source": "simulation", "schedule": schedule.name, "pp": schedule.pp,
                                    "microbatches": schedule.microbatches,
                                    "virtual_stages": schedule.virtual_stages, "bubble": simulation.bubble})
@@ -141,28 +150,43 @@ def simulation_trace(simulation: Simulation) -> dict[str, Any]:
 
 # -- a training run -----------------------------------------------------------------------------------------
 
+def common_start(world: Communicator) -> float:
+    """Rank 0's `perf_counter()` after a barrier, on every rank of its machine; elsewhere the rank's own time
+    after that barrier (one barrier and one small broadcast)."""
+    import socket
+
+    world.barrier()
+    here = (socket.gethostname(), time.perf_counter())
+    host, start = world.comm.bcast(here, root=0)
+    return start if host == here[0] else here[1]
+
+
 class Tracer:
     """Records this rank's events during training; `write` gathers every rank's to rank 0 and writes the file.
 
-    Times are `time.perf_counter()` offsets from a common start: the moment every rank left one barrier
-    (the ranks' clocks then agree to within the barrier's exit skew, microseconds on one machine).
+    Times are `time.perf_counter()` offsets from a common start. Ranks on rank 0's machine share its clock
+    (Linux's CLOCK_MONOTONIC is one clock for every process), so they use rank 0's start itself; ranks on other
+    machines take the moment they left a common barrier (their times then agree to within its exit skew).
     """
 
-    def __init__(self, world: Communicator, axes: dict[str, Communicator],
+    def __init__(self, world: Communicator, axes: dict[str, Communicator], pipeline_ranks: Sequence[int] = (),
                  other: dict[str, Any] | None = None) -> None:
+        """`axes`: the communicators whose collectives to record, by axis; `pipeline_ranks`: the world rank of each
+        rank of this rank's pipeline (`pp`) group."""
         self.world, self.rank, self.other = world, world.rank, other or {}
+        self.pipeline_ranks = list(pipeline_ranks)
         self.events: list[Event] = []
         for axis, comm in axes.items():
             comm.observer = self._collective_observer(axis)
-        world.barrier()
-        self.origin = time.perf_counter()
+        self.origin = common_start(world)
 
     @classmethod
     def for_mesh(cls, mesh: Mesh, other: dict[str, Any] | None = None) -> Tracer:
         """A tracer recording the collectives of every communicator of `mesh` with more than one rank (a single
         rank's collectives send nothing), each on its axis's thread."""
         axes = {axis: getattr(mesh, axis) for axis in THREADS if axis != COMPUTE}
-        return cls(mesh.world, {axis: comm for axis, comm in axes.items() if comm.size > 1}, other)
+        return cls(mesh.world, {axis: comm for axis, comm in axes.items() if comm.size > 1},
+                   mesh.pp.comm.allgather(mesh.world.rank), other)
 
     def _us(self, seconds: float) -> float:
         return (seconds - self.origin) * 1e6
@@ -178,17 +202,20 @@ class Tracer:
                             "tid": THREADS.index(COMPUTE), "ts": self._us(start), "dur": (end - start) * 1e6,
                             "args": {"step": step}})
 
-    def pipeline_actions(self, spans: Sequence[tuple[Action, float, float]], started: float, step: int) -> None:
-        """A pipeline step's actions (`Timeline.spans`: seconds from `started`, a perf_counter time). A receive
-        is drawn until the compute action that reads its data started (when the executor had waited for it)."""
+    def pipeline_actions(self, spans: Sequence[tuple[Action, float, float]], stage_ranks: Sequence[int],
+                         started: float, step: int) -> None:
+        """A pipeline step's actions (`Timeline.spans`: seconds from `started`, a perf_counter time; `stage_ranks`:
+        the schedule's pipeline rank of each stage). A receive is drawn until the compute action that reads it
+        started (when the executor had waited for its data)."""
         reader_start = {(action.stage, action.kind, action.microbatch): start for action, start, _ in spans}
         for action, start, end in spans:
+            peer = None if action.is_compute else self.pipeline_ranks[stage_ranks[peer_stage(action)]]
             if action.kind in (RECV_F, RECV_B):
                 readers = ("F",) if action.kind == RECV_F else ("I", "B")
                 end = max(end, next(reader_start[action.stage, kind, action.microbatch] for kind in readers
                                     if (action.stage, kind, action.microbatch) in reader_start))
             self.events.append(action_event(self.rank, action, self._us(started + start), self._us(started + end),
-                                            step))
+                                            step, peer))
 
     def write(self, path: str | Path) -> None:
         """Gather every rank's events to rank 0 (one gather of Python lists) and write the trace there."""
