@@ -1,11 +1,17 @@
 """Starting the ranks and ending them: self-launch under mpiexec, and one exit path for every error.
 
-Self-launch. A command run with `-n N` outside MPI re-executes itself as
-`mpiexec -n N <python> -m mpiparallel <the same arguments>`; the N copies find themselves under MPI and run
-the command. Whether a process is "under MPI" is read from the variables launchers set (MPICH/Intel MPI's
+Self-launch. A command run with `-n N` outside MPI starts `mpiexec -n N <python> -m mpiparallel <the same
+arguments>` and waits for it, passing its output on; the N copies find themselves under MPI and run the
+command. Whether a process is "under MPI" is read from the variables launchers set (MPICH/Intel MPI's
 hydra: PMI_RANK/PMI_SIZE; Open MPI: OMPI_COMM_WORLD_*; PMIx launchers: PMIX_RANK; Slurm's srun:
 SLURM_PROCID with SLURM_STEP_NUM_TASKS), so the decision is made before MPI starts. Under MPI, `-n` must equal
 the number of ranks the job was started with.
+
+A rank that dies without a word (SIGKILL, the out-of-memory killer, a segfault) cannot report itself. MPICH's
+mpiexec (hydra) then ends the other ranks at once and prints a banner naming the dead process's PID; the
+self-launching parent knows each rank's PID (every rank writes it to a folder the parent names in
+MPIPARALLEL_RANK_PIDS) and replaces the banner with one line naming the rank:
+`mpiparallel: rank 1 (pid 4242) was lost: killed by signal 9 (SIGKILL); mpiexec ended the other ranks`.
 
 Errors. MPI jobs fail badly by default: one rank that raises and exits leaves the others blocked forever in
 their next collective, and a bad option prints the same traceback once per rank. `run_guarded` gives every
@@ -15,23 +21,32 @@ failure one of two endings:
   arguments and the world size): rank 0 prints the message once, every rank exits with the same status, and
   MPI shuts down normally.
 - Any other exception is rank-local: that rank prints one line (its rank, the exception type and message;
-  the traceback too with MPIPARALLEL_DEBUG=1) and calls MPI_Abort, which ends every rank at once.
+  the traceback too with MPIPARALLEL_DEBUG=1) and calls MPI_Abort, which ends every rank at once. An error
+  of MPI itself on a surviving rank usually means that another rank died: the line says so.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
 import click
 
 from ..errors import ConfigError
+
+RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
+"""Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
 
 RELAUNCHED = "MPIPARALLEL_RELAUNCHED"
 """Set in the environment of relaunched ranks, so an MPI whose launcher sets none of the variables below can
@@ -77,6 +92,8 @@ def ensure_world_size(ranks: int | None, argv: Sequence[str]) -> None:
     `argv` is the command's arguments (without the program name), passed on unchanged to the new ranks.
     Returns only when this process is one of the right number of ranks; `ranks=None` accepts any job.
     """
+    if launched_by_mpi():
+        _register_pid()
     if ranks is None:
         return
     if not launched_by_mpi():
@@ -94,10 +111,90 @@ def _relaunch(ranks: int, argv: Sequence[str]) -> NoReturn:
     if mpiexec is None:
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
                           f"{sys.executable}; install one (pip install mpich) or start the ranks yourself")
-    command = relaunch_command(mpiexec, ranks, argv)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(mpiexec, command, {**os.environ, RELAUNCHED: "1"})
+    with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
+        status = supervise(relaunch_command(mpiexec, ranks, argv), {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids},
+                           Path(pids))
+    raise SystemExit(status)
+
+
+def _register_pid() -> None:
+    """Under a self-launching parent: tell it which PID this rank has (a file named by the PID)."""
+    folder = os.environ.get(RANK_PIDS)
+    if folder:
+        (Path(folder) / str(os.getpid())).write_text(str(launcher_rank()))
+
+
+# -- the self-launching parent --------------------------------------------------------------------------------
+
+def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path) -> int:
+    """Run mpiexec, passing its output on, with hydra's banner about a dead process replaced by one line naming
+    the rank; return its exit status. Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks;
+    a SIGTERM to this process is passed on to it."""
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # mpiexec gets it too, and ends the job
+    signal.signal(signal.SIGTERM, lambda number, frame: process.send_signal(number))
+    relays = [threading.Thread(target=_relay_output, args=(process.stdout, sys.stdout.buffer, pids)),
+              threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer))]
+    for relay in relays:
+        relay.start()
+    for relay in relays:
+        relay.join()
+    status = process.wait()
+    return status if status >= 0 else 128 - status
+
+
+def _relay(source: BinaryIO, target: BinaryIO) -> None:
+    for line in iter(source.readline, b""):
+        target.write(line)
+        target.flush()
+
+
+_BANNER_RULE = re.compile(rb"^={20,}\s*$")
+_BANNER_TAIL = (b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING", b"This typically refers to a problem",
+                b"Please see the FAQ page")
+
+
+def _relay_output(source: BinaryIO, target: BinaryIO, pids: Path) -> None:
+    """Pass mpiexec's standard output on, with hydra's "BAD TERMINATION" banner (two rules of '=' around its
+    lines, then up to three lines about the exit string) turned into `lost_rank_message` on standard error."""
+    banner: list[bytes] = []
+    for line in iter(source.readline, b""):
+        closed = sum(bool(_BANNER_RULE.match(kept)) for kept in banner) >= 2
+        if banner and closed and not line.startswith(_BANNER_TAIL):
+            _end_banner(banner, target, pids)
+            banner = []
+        if banner or _BANNER_RULE.match(line):
+            banner.append(line)
+        else:
+            target.write(line)
+            target.flush()
+    _end_banner(banner, target, pids)
+
+
+def _end_banner(banner: list[bytes], target: BinaryIO, pids: Path) -> None:
+    text = b"".join(banner)
+    message = lost_rank_message(text.decode(errors="replace"), pids) if banner else None
+    if message is None:
+        target.write(text)
+        target.flush()
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+def lost_rank_message(banner: str, pids: Path) -> str | None:
+    """One line for hydra's banner about a process that ended badly: which rank it was (from the PIDs the ranks
+    registered in `pids`) and how it ended; None if the banner names no PID."""
+    pid = re.search(r"PID (\d+)", banner)
+    if pid is None:
+        return None
+    registered = pids / pid.group(1)
+    rank = f"rank {registered.read_text().strip()}" if registered.exists() else "a rank"
+    exit_string = re.search(r"EXIT STRING: (.+)", banner)
+    code = re.search(r"EXIT CODE: (\d+)", banner)
+    how = exit_string.group(1).strip() if exit_string else f"exit code {code.group(1) if code else '?'}"
+    return f"mpiparallel: {rank} (pid {pid.group(1)}) was lost: {how}; mpiexec ended the other ranks"
 
 
 _BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -213,7 +310,16 @@ def _report_crash(error: Exception) -> None:
         hint = ""
     else:
         hint = " (MPIPARALLEL_DEBUG=1 prints the traceback)"
-    click.echo(f"mpiparallel: rank {current_rank()} failed: {type(error).__name__}: {error}{hint}", err=True)
+    click.echo(f"mpiparallel: rank {current_rank()} failed: {_describe(error)}{hint}", err=True)
+
+
+def _describe(error: Exception) -> str:
+    """The exception's type and message; for an error of MPI itself (mpi4py's MPI.Exception, e.g. "See the
+    MPI_ERROR field in MPI_Status" when a peer vanished mid-message) also what it most likely means."""
+    if type(error).__module__ == "mpi4py.MPI":
+        return (f"MPI error: {error} — another rank has most likely died or been killed (the launcher's message "
+                f"names it)")
+    return f"{type(error).__name__}: {error}"
 
 
 def _abort(status: int) -> NoReturn:
