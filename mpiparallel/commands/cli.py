@@ -376,6 +376,9 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 4 --experts 8 --top-k 2 --ep 4
     """
     _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
+    if options["experts"] and options["top_k"] > options["experts"]:
+        raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
+                                 f"--experts {options['experts']}", param_hint="'--top-k'")
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()
