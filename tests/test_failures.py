@@ -3,8 +3,9 @@
 - A rank SIGKILLed in the middle of training (no chance to say anything): mpiexec ends the others, and the
   self-launching parent names the lost rank instead of hydra's banner with a bare PID.
 - An exception on one rank of `train`, `bench` or `verify`: that rank's message, once, and MPI_Abort for the rest.
-  The exception is planted by a small wrapper that replaces `Communicator.run` and `start` (every hand-written
-  collective goes through one of them) with versions that raise on rank 1 at its fifth collective.
+  The exception is planted by a `sitecustomize` module that replaces `Communicator.run` and `start` (every
+  hand-written collective goes through one of them) in the ranks with versions that raise on rank 1 at its
+  fifth collective.
 """
 
 from __future__ import annotations
@@ -85,45 +86,48 @@ def test_a_rank_killed_mid_training_ends_the_job_within_10_s_naming_it(tmp_path)
     assert json.loads(log.read_text().splitlines()[-1])["step"] >= 2
 
 
-FAILING_RANK = textwrap.dedent("""
-    import sys
-    from mpi4py import MPI
-    from collectives.communicator import Communicator
-    from mpiparallel.commands.cli import main
+PLANTED_FAILURE = textwrap.dedent("""
+    # sitecustomize: imported at the start of every Python process; only the ranks plant the failure
+    import os
 
-    calls = 0
+    if "PMI_RANK" in os.environ:
+        from collectives.communicator import Communicator
 
-    def failing(original):
-        def replacement(self, *args, **kwargs):
-            global calls
-            calls += 1
-            if MPI.COMM_WORLD.Get_rank() == 1 and calls == 5:
-                raise RuntimeError("planted failure on rank 1")
-            return original(self, *args, **kwargs)
-        return replacement
+        calls = 0
 
-    Communicator.run = failing(Communicator.run)
-    Communicator.start = failing(Communicator.start)
-    main(sys.argv[1:])
+        def failing(original):
+            def replacement(self, *args, **kwargs):
+                global calls
+                calls += 1
+                if os.environ["PMI_RANK"] == "1" and calls == 5:
+                    raise RuntimeError("planted failure on rank 1")
+                return original(self, *args, **kwargs)
+            return replacement
+
+        Communicator.run = failing(Communicator.run)
+        Communicator.start = failing(Communicator.start)
 """)
 
 
-@pytest.mark.parametrize("command", [
-    ["train", *TINY, "--steps", "20", "--tp", "2"],
-    ["train", *TINY, "--steps", "20", "--pp", "2"],
-    ["bench", "all_reduce", "-b", "1K", "-e", "64K", "--iters", "2", "-w", "1"],
-    ["verify", "--max-count", "100", "--collective", "all_reduce"],
-], ids=["train-tp", "train-pp", "bench", "verify"])
-def test_an_exception_on_one_rank_ends_the_job_with_that_ranks_message(tmp_path, command):
-    wrapper = tmp_path / "failing_rank.py"
-    wrapper.write_text(FAILING_RANK)
+@pytest.mark.parametrize("command, self_launched", [
+    (["train", *TINY, "--steps", "20", "--tp", "2"], False),
+    (["train", *TINY, "--steps", "20", "--pp", "2"], False),
+    (["bench", "all_reduce", "-b", "1K", "-e", "64K", "--iters", "2", "-w", "1"], False),
+    (["verify", "--max-count", "100", "--collective", "all_reduce"], False),
+    (["train", *TINY, "--steps", "20", "--tp", "2"], True),
+    (["bench", "all_reduce", "-b", "1K", "-e", "64K", "--iters", "2", "-w", "1"], True),
+], ids=["train-tp", "train-pp", "bench", "verify", "train-tp-self-launched", "bench-self-launched"])
+def test_an_exception_on_one_rank_ends_the_job_with_that_ranks_message(tmp_path, command, self_launched):
+    (tmp_path / "sitecustomize.py").write_text(PLANTED_FAILURE)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    launch = [sys.executable, "-m", "mpiparallel", *command, "-n", "2"] if self_launched else \
+        [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpiparallel", *command]
     start = time.monotonic()
-    finished = run_with_timeout([mpiexec_path(), "-n", "2", sys.executable, str(wrapper), *command], 60,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finished = run_with_timeout(launch, 60, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
     output = finished.stdout + finished.stderr
     assert finished.returncode != 0 and time.monotonic() - start < ENDS_WITHIN + 5, output
     assert output.count("mpiparallel: rank 1 failed: RuntimeError: planted failure on rank 1") == 1, output
-    assert output.count("failed:") == 1 and "Traceback" not in output, output
+    assert output.count("failed:") == 1 and "was lost" not in output and "Traceback" not in output, output
 
 
 def test_an_mpi_error_on_a_survivor_says_that_another_rank_probably_died(tmp_path):

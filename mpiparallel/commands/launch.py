@@ -122,12 +122,17 @@ def _relaunch(ranks: int, argv: Sequence[str]) -> NoReturn:
     raise SystemExit(status)
 
 
-def _register_pid(ended: bool = False) -> None:
+ENDED, ABORTED, MPI_ERROR = "ended", "aborted", "mpi-error"
+"""How a rank tells the self-launching parent it ended through `run_guarded`: an exit, an abort after reporting
+its own exception, or an abort after an error of MPI itself (most likely a peer's death)."""
+
+
+def _register_pid(ending: str = "") -> None:
     """Under a self-launching parent: tell it which PID this rank has (a file named by the PID, holding the rank),
-    and later that the rank ended through `run_guarded` (so it was not lost without a word)."""
+    and later how the rank ended through `run_guarded` (so that it was not lost without a word)."""
     folder = os.environ.get(RANK_PIDS)
     if folder and Path(folder).is_dir():
-        (Path(folder) / str(os.getpid())).write_text(f"{launcher_rank()}{' ended' if ended else ''}")
+        (Path(folder) / str(os.getpid())).write_text(f"{launcher_rank()} {ending}")
 
 
 # -- the self-launching parent --------------------------------------------------------------------------------
@@ -214,13 +219,14 @@ def _zombie_status(pid: int) -> str | None:
     return f"exited with status {os.WEXITSTATUS(status)}"
 
 
-def _registered(pids: Path) -> dict[int, tuple[int, bool]]:
-    """PID -> (rank, whether it ended through `run_guarded`) of every rank that has written its file."""
+def _registered(pids: Path) -> dict[int, tuple[int, str]]:
+    """PID -> (rank, how it ended through `run_guarded`: ENDED, ABORTED, MPI_ERROR, or "" if it did not) of every
+    rank that has written its file."""
     found = {}
     for entry in pids.iterdir():
         words = entry.read_text().split()
         if words:
-            found[int(entry.name)] = (int(words[0]), "ended" in words)
+            found[int(entry.name)] = (int(words[0]), " ".join(words[1:]))
     return found
 
 
@@ -242,17 +248,20 @@ def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None
             target.flush()
 
 
-def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, bool]], order: Sequence[Sequence[tuple[int, int]]],
+def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequence[Sequence[tuple[int, int]]],
                       how: Mapping[int, str]) -> str | None:
     """The line naming the rank(s) lost without a word: of the ranks that did not end through `run_guarded`
-    (`ranks`: PID -> (rank, ended through it)), those seen ending first (`order`: (rank, pid) pairs per wake-up);
-    without that, the one hydra's banner names. How it ended from `how` (PID -> text), else from the banner
-    when the banner is about that process. None when nothing says which rank."""
-    unreported = ([(rank, pid) for rank, pid in group if not ranks.get(pid, (rank, False))[1]] for group in order)
+    (`ranks`: PID -> (rank, how it ended through it)), those seen ending first (`order`: (rank, pid) pairs per
+    wake-up); without that, the one hydra's banner names. How it ended from `how` (PID -> text), else from the
+    banner when it is about that process. None when nothing says which rank, or when a rank reported its own
+    exception (then mpiexec's MPI_Abort ended the others: none was lost)."""
+    if any(ending == ABORTED for _, ending in ranks.values()):
+        return None
+    unreported = ([(rank, pid) for rank, pid in group if not ranks.get(pid, (rank, ""))[1]] for group in order)
     lost = next((group for group in unreported if group), [])
     named = re.search(r"PID (\d+)", banner)
     if not lost and named is not None:
-        lost = [(ranks.get(int(named.group(1)), (None, False))[0], int(named.group(1)))]
+        lost = [(ranks.get(int(named.group(1)), (None, ""))[0], int(named.group(1)))]
     if not lost:
         return None
     exit_string = re.search(r"EXIT STRING: (.+)", banner)
@@ -356,20 +365,21 @@ def run_guarded(entry: Callable[[], int | None]) -> NoReturn:
         _report_usage_error(error)
         _ending(error.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        _abort(130)
+        _abort(130, ABORTED)
     except Exception as error:
         _report_crash(error)
-        if _is_mpi_error(error):
-            # Most likely a peer died: give mpiexec a moment to notice that death itself, so that it (and the
-            # self-launching parent) name the lost rank rather than this one's MPI_Abort.
-            time.sleep(PEER_DEATH_GRACE_S)
-        _abort(1)
+        if not _is_mpi_error(error):
+            _abort(1, ABORTED)
+        # Most likely a peer died: give mpiexec a moment to notice that death itself, so that it (and the
+        # self-launching parent) name the lost rank rather than this one's MPI_Abort.
+        time.sleep(PEER_DEATH_GRACE_S)
+        _abort(1, MPI_ERROR)
     _ending(status or 0)
 
 
 def _ending(status: int) -> NoReturn:
     if launched_by_mpi():
-        _register_pid(ended=True)
+        _register_pid(ENDED)
     sys.exit(status)
 
 
@@ -407,12 +417,12 @@ def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _abort(status: int) -> NoReturn:
+def _abort(status: int, ending: str) -> NoReturn:
     """End every rank now: MPI_Abort if MPI is running, else just this process (its launcher ends the rest)."""
     sys.stdout.flush()
     sys.stderr.flush()
     if launched_by_mpi():
-        _register_pid(ended=True)
+        _register_pid(ending)
     mpi = _running_mpi()
     if mpi is not None:
         mpi.COMM_WORLD.Abort(status)
