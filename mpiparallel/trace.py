@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # no MPI at import: `mpiparallel schedule --trace` runs witho
     from collectives import Communicator
 
     from .mesh import Mesh
+    from .pipeline_parallel import Timeline
 
 COMPUTE = "compute"
 THREADS = (COMPUTE, "pp", "dp", "tp", "cp", "ep", "dp_cp", "expert_dp", "expert_dp_cp", "world")
@@ -202,11 +203,11 @@ class Tracer:
                             "tid": THREADS.index(COMPUTE), "ts": self._us(start), "dur": (end - start) * 1e6,
                             "args": {"step": step}})
 
-    def pipeline_actions(self, spans: Sequence[tuple[Action, float, float]], stage_ranks: Sequence[int],
-                         started: float, step: int) -> None:
-        """A pipeline step's actions (`Timeline.spans`: seconds from `started`, a perf_counter time; `stage_ranks`:
-        the schedule's pipeline rank of each stage). A receive is drawn until the compute action that reads it
-        started (when the executor had waited for its data)."""
+    def pipeline_actions(self, timeline: Timeline, stage_ranks: Sequence[int], step: int) -> None:
+        """A pipeline step's actions (`PipelineExecutor.timeline`; `stage_ranks`: the schedule's pipeline rank of
+        each stage). A receive is drawn until the compute action that reads it started (when the executor had
+        waited for its data)."""
+        spans, started = timeline.spans, timeline.started
         reader_start = {(action.stage, action.kind, action.microbatch): start for action, start, _ in spans}
         for action, start, end in spans:
             peer = None if action.is_compute else self.pipeline_ranks[stage_ranks[peer_stage(action)]]

@@ -253,11 +253,9 @@ class Trainer:
         if self.pipeline is None:
             loss = self._microbatches_one_after_another(pieces, inputs.size)
         else:
-            pipeline_start = time.perf_counter()
             loss = self.pipeline.step(pieces, inputs.size, self.router.add)
             if self.tracer is not None:
-                self.tracer.pipeline_actions(self.pipeline.timeline.spans, self.pipeline.schedule.stage_ranks,
-                                             pipeline_start, step)
+                self.tracer.pipeline_actions(self.pipeline.timeline, self.pipeline.schedule.stage_ranks, step)
             self.activation_bytes = self.pipeline.peak_saved_bytes
             self.block_activation_bytes = self.pipeline.block_saved_bytes
             sum_tied_gradient(self.model, self.mesh.pp, self.pipeline.schedule.stage_ranks[0],
