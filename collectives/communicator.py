@@ -31,8 +31,9 @@ from the environment.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from mpi4py import MPI
@@ -140,6 +141,10 @@ class Communicator:
 
     _keyval: int | None = None
 
+    observer: Callable[[str, float, float, int], None] | None = None
+    """Tracing hook, off (None) by default: when set, called as observer(name, start, end, bytes_sent) after
+    each collective run by `run` or `start` has finished (times from time.perf_counter())."""
+
     def __init__(self, comm: MPI.Comm, *, check_arguments: bool | None = None,
                  segment_bytes: int | None = None) -> None:
         if isinstance(comm, Communicator):
@@ -242,6 +247,8 @@ class Communicator:
 
     def run(self, steps: Steps, name: str) -> None:
         """Run an algorithm's steps to completion with blocking calls, recording traffic under `name`."""
+        if self.observer is not None:
+            steps = self._observed(steps, name)
         tag = self.collective_tag()
         ledger = self.ledger
         previous, ledger.operation = ledger.operation, name
@@ -253,7 +260,17 @@ class Communicator:
 
     def start(self, steps: Steps, name: str, result: Any) -> CollectiveHandle:
         """Start an algorithm with nonblocking calls; the handle's `wait()` returns `result` at the end."""
+        if self.observer is not None:
+            steps = self._observed(steps, name)
         return CollectiveHandle(self, steps, name, result)
+
+    def _observed(self, steps: Steps, name: str) -> Steps:
+        """`steps` unchanged, reporting the collective's span and bytes sent to `observer` once they run out."""
+        start, sent = time.perf_counter(), 0
+        for step in steps:
+            sent += 0 if step.send is None else step.send.nbytes
+            yield step
+        self.observer(name, start, time.perf_counter(), sent)
 
 
 class CollectiveHandle:

@@ -139,9 +139,11 @@ def sum_tied_gradient(model: GPT, comm: Communicator, first: int, last: int) -> 
 
 @dataclass
 class Timeline:
-    """When each action of the last step started and ended, in seconds from the step's start."""
+    """When each action of the last step started and ended, in seconds from the step's start (`started`, a
+    `time.perf_counter()` reading)."""
 
     spans: list[tuple[Action, float, float]] = field(default_factory=list)
+    started: float = 0.0
 
     def compute_time(self) -> float:
         """Seconds spent in F, I, W and B (a receive's wait counts as idle: it is in the next compute's start)."""
@@ -190,8 +192,8 @@ class PipelineExecutor:
         self._handed: dict[tuple[str, int, int], Array] = {}  # outputs and input gradients not yet consumed
         self._receiving: dict[tuple[str, int, int], tuple[MPI.Request, Array]] = {}
         self._sending: list[tuple[MPI.Request, Array]] = []
-        self.timeline, self.peak_saved_bytes = Timeline(), 0
         start = time.perf_counter()
+        self.timeline, self.peak_saved_bytes = Timeline(started=start), 0
         for action in self.actions:
             self._complete_receive_for(action)  # waiting on a neighbour is idle time, not the action's
             began = time.perf_counter() - start

@@ -55,6 +55,7 @@ from .pipeline_parallel import (
     sum_tied_gradient,
 )
 from .schedules import Schedule, build_schedule
+from .trace import Tracer
 from .training_checkpoint import MOMENT_KEYS, TrainingCheckpoint, load_pieces, on_every_rank
 
 
@@ -136,6 +137,7 @@ class OutputSettings:
     checkpoint_every: int = 0
     resume: bool = False
     log_json: str | None = None
+    trace: str | None = None
     sample_tokens: int = 0
     show_mesh: bool = False
     memory_report: bool = False
@@ -193,6 +195,8 @@ def run(settings: TrainSettings) -> int:
     if resumed is not None:
         trainer.load_optimizer_state(resumed)
     reporter = Reporter(settings, config, is_root=is_root)
+    if settings.output.trace:
+        trainer.tracer = Tracer.for_mesh(mesh, {"mesh": asdict(mesh.shape), "schedule": settings.mesh.schedule})
     if settings.model.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
     for step in range(first_step, settings.data.steps):
@@ -210,6 +214,9 @@ def run(settings: TrainSettings) -> int:
                      "(mpiparallel/traffic.py):")
         line = traffic.format_line(mesh.world.rank, trainer.traffic_by_axis(record["comm_bytes"]))
         reporter.say_from_every_rank(line, mesh.world)
+    if trainer.tracer is not None:
+        trainer.tracer.write(settings.output.trace)
+        reporter.say(f"wrote the trace to {settings.output.trace}")
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
     if settings.output.save:
         if is_root:
@@ -236,6 +243,7 @@ class Trainer:
             model, schedule, mesh.pp, activation_shape(settings, mesh, model.config), settings.model.dtype)
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
+        self.tracer: Tracer | None = None  # --trace: records each step, pipeline action and collective
 
     def step(self, tokens: np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
@@ -250,6 +258,8 @@ class Trainer:
         else:
             with engine.unhooked():  # the schedule runs the model without the engine's hooks
                 loss = self.pipeline.step(pieces, inputs.size, self.router.add)
+            if self.tracer is not None:
+                self.tracer.pipeline_actions(self.pipeline.timeline, self.pipeline.schedule.stage_ranks, step)
             self.activation_bytes = self.pipeline.peak_saved_bytes
             self.block_activation_bytes = self.pipeline.block_saved_bytes
             sum_tied_gradient(self.model, self.mesh.pp, self.pipeline.schedule.stage_ranks[0],
@@ -266,6 +276,8 @@ class Trainer:
         if self.model.config.n_experts:
             record |= self._balance_experts()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
+        if self.tracer is not None:
+            self.tracer.step(step, start, time.perf_counter())
         return record | {"time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
 
     def _balance_experts(self) -> dict:

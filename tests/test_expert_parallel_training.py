@@ -105,7 +105,7 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", 
 @pytest.mark.parametrize("args, fragment", [
     (["-n", "2", "--ep", "2"], "give --experts"),
     (["-n", "2", "--ep", "2", "--experts", "3", "--top-k", "1"], "must divide --experts 3"),
-    (["--experts", "2", "--top-k", "3"], "moe_top_k"),
+    (["--experts", "2", "--top-k", "3"], "3 is more than --experts 2"),
     (["-n", "2", "--experts", "4", "--ep", "4"], "--ep 4 must divide the data-parallel size 2"),
     (["--experts", "4", "--moe-bias-rate", "-1"], "--moe-bias-rate"),
 ], ids=["ep-without-experts", "experts-not-divisible", "top-k", "ep-not-dividing-dp", "bias-rate"])

@@ -330,23 +330,23 @@ def test_schedule_command_writes_json_trace_and_plot(tmp_path):
 
 
 def check_trace(trace: dict, simulation: Simulation) -> None:
-    """One process per rank with a compute and a communication thread, an "X" event per action with its times
-    in microseconds (one cost unit = 1 ms), and an arrow from each send to its receive."""
+    """One process per rank with a compute thread and pipeline communication lanes, an "X" event per action with
+    its times in microseconds (one cost unit = 1 ms), and an arrow from each send to its receive."""
     events = trace["traceEvents"]
     names = {(event["pid"], event["tid"]): event["args"]["name"] for event in events if event["name"] == "thread_name"}
-    assert names == {(rank, tid): name for rank in range(3) for tid, name in ((0, "compute"),
-                                                                              (1, "pipeline send/recv"))}
-    complete = [event for event in events if event["ph"] == "X"]
+    assert {names[rank, 0] for rank in range(3)} == {"compute"}
+    assert {name.split(" #")[0] for name in names.values()} == {"compute", "pp"}
+    complete = {(event["pid"], event["name"]): event for event in events if event["ph"] == "X"}
     expected = [(rank, str(interval.action), interval.start * 1000, (interval.end - interval.start) * 1000)
                 for rank, intervals in enumerate(simulation.timeline) for interval in intervals]
     assert len(complete) == len(expected)
-    for event, (rank, name, start, duration) in zip(complete, expected, strict=True):
-        assert (event["pid"], event["name"]) == (rank, name)
+    for rank, name, start, duration in expected:
+        event = complete[rank, name]
         assert event["ts"] == pytest.approx(start) and event["dur"] == pytest.approx(duration)
-        assert event["tid"] == (0 if Action.parse(name).is_compute else 1)
+        assert names[rank, event["tid"]].startswith("compute" if Action.parse(name).is_compute else "pp")
     starts = {event["id"]: event for event in events if event["ph"] == "s"}
     finishes = {event["id"]: event for event in events if event["ph"] == "f"}
-    sends = sum(1 for event in complete if "SEND" in event["name"])
+    sends = sum(1 for event in complete.values() if "SEND" in event["name"])
     assert len(starts) == len(finishes) == sends > 0
     assert all(starts[key]["pid"] != finishes[key]["pid"] for key in starts)
     assert all(starts[key]["ts"] <= finishes[key]["ts"] for key in starts)

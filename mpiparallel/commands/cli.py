@@ -301,6 +301,9 @@ def threads_option(command: Callable) -> Callable:
               help="Share of the data, taken from its end, held out for validation (with --eval-every).")
 @click.option("--log-json", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON object per step here (rank 0).")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None,
+              help="Write a Chrome trace-event JSON of the run (ui.perfetto.dev, chrome://tracing): per rank the "
+                   "steps, pipeline actions and collectives, an arrow from each pipeline send to its receive.")
 @click.option("--sample-tokens", type=click.IntRange(min=0), default=0,
               help="After training, print this many sampled bytes (byte-level models).")
 @click.option("--experts", type=click.IntRange(min=0), default=0,
@@ -373,6 +376,10 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 4 --cp 2 --tp 2 --cp-attention ulysses
       mpiparallel train -n 4 --experts 8 --top-k 2 --ep 4
     """
+    _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
+    if options["experts"] and options["top_k"] > options["experts"]:
+        raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
+                                 f"--experts {options['experts']}", param_hint="'--top-k'")
     launch.ensure_world_size(ranks, _argv(ctx))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()
@@ -380,6 +387,13 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
 
     settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     ctx.exit(training.run(settings))
+
+
+def _check_output_folders(files: dict[str, str | None]) -> None:
+    """Files written during or after training: their folder must exist now, not only when they are written."""
+    for option, path in files.items():
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise click.BadParameter(f"the folder of {path} does not exist", param_hint=f"'{option}'")
 
 
 @main.command(context_settings={"show_default": True})

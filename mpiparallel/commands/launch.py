@@ -1,11 +1,18 @@
 """Starting the ranks and ending them: self-launch under mpiexec, and one exit path for every error.
 
-Self-launch. A command run with `-n N` outside MPI re-executes itself as
-`mpiexec -n N <python> -m mpiparallel <the same arguments>`; the N copies find themselves under MPI and run
-the command. Whether a process is "under MPI" is read from the variables launchers set (MPICH/Intel MPI's
+Self-launch. A command run with `-n N` outside MPI starts `mpiexec -n N <python> -m mpiparallel <the same
+arguments>` and waits for it, passing its output on; the N copies find themselves under MPI and run the
+command. Whether a process is "under MPI" is read from the variables launchers set (MPICH/Intel MPI's
 hydra: PMI_RANK/PMI_SIZE; Open MPI: OMPI_COMM_WORLD_*; PMIx launchers: PMIX_RANK; Slurm's srun:
 SLURM_PROCID with SLURM_STEP_NUM_TASKS), so the decision is made before MPI starts. Under MPI, `-n` must equal
 the number of ranks the job was started with.
+
+A rank that dies without a word (SIGKILL, the out-of-memory killer, a segfault) cannot report itself. MPICH's
+mpiexec (hydra) then kills the other ranks at once and prints a "BAD TERMINATION" banner naming one PID — not
+necessarily the first to die: it may be a rank it killed itself. The self-launching parent knows each rank's
+PID (every rank writes it to a folder the parent names in MPIPARALLEL_RANK_PIDS), watches them, notes which
+ended first, and replaces the banner with one line naming that rank:
+`mpiparallel: rank 1 (pid 4242) was lost: Killed (signal 9); mpiexec ended the other ranks`.
 
 Errors. MPI jobs fail badly by default: one rank that raises and exits leaves the others blocked forever in
 their next collective, and a bad option prints the same traceback once per rank. `run_guarded` gives every
@@ -15,23 +22,34 @@ failure one of two endings:
   arguments and the world size): rank 0 prints the message once, every rank exits with the same status, and
   MPI shuts down normally.
 - Any other exception is rank-local: that rank prints one line (its rank, the exception type and message;
-  the traceback too with MPIPARALLEL_DEBUG=1) and calls MPI_Abort, which ends every rank at once.
+  the traceback too with MPIPARALLEL_DEBUG=1) and calls MPI_Abort, which ends every rank at once. An error
+  of MPI itself on a surviving rank usually means that another rank died: the line says so.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import select
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
 import click
 
 from ..errors import ConfigError
+
+RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
+"""Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
 
 RELAUNCHED = "MPIPARALLEL_RELAUNCHED"
 """Set in the environment of relaunched ranks, so an MPI whose launcher sets none of the variables below can
@@ -77,6 +95,8 @@ def ensure_world_size(ranks: int | None, argv: Sequence[str]) -> None:
     `argv` is the command's arguments (without the program name), passed on unchanged to the new ranks.
     Returns only when this process is one of the right number of ranks; `ranks=None` accepts any job.
     """
+    if launched_by_mpi():
+        _register_pid()
     if ranks is None:
         return
     if not launched_by_mpi():
@@ -94,11 +114,167 @@ def _relaunch(ranks: int, argv: Sequence[str]) -> NoReturn:
     if mpiexec is None:
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
                           f"{sys.executable}; install one (pip install mpich) or start the ranks yourself")
-    command = relaunch_command(mpiexec, ranks, argv)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(mpiexec, command, {**os.environ, RELAUNCHED: "1"})
+    with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
+        status = supervise(relaunch_command(mpiexec, ranks, argv), {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids},
+                           Path(pids), ranks)
+    raise SystemExit(status)
 
+
+ENDED, ABORTED, MPI_ERROR = "ended", "aborted", "mpi-error"
+"""How a rank tells the self-launching parent it ended through `run_guarded`: an exit, an abort after reporting
+its own exception, or an abort after an error of MPI itself (most likely a peer's death)."""
+
+
+def _register_pid(ending: str = "") -> None:
+    """Under a self-launching parent: tell it which PID this rank has (a file named by the PID, holding the rank),
+    and later how the rank ended through `run_guarded` (so that it was not lost without a word)."""
+    folder = os.environ.get(RANK_PIDS)
+    if folder and Path(folder).is_dir():
+        (Path(folder) / str(os.getpid())).write_text(f"{launcher_rank()} {ending}")
+
+
+# -- the self-launching parent --------------------------------------------------------------------------------
+
+def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ranks: int) -> int:
+    """Run mpiexec, passing its output on, and return its exit status. If the job failed because a rank ended
+    without reporting anything, say which (hydra's banner about it is replaced by that line). Ctrl-C reaches
+    mpiexec (it is in our process group), which ends the ranks; a SIGTERM to this process is passed on to it."""
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # mpiexec gets it too, and ends the job
+    signal.signal(signal.SIGTERM, lambda number, frame: process.send_signal(number))
+    watcher = Endings(pids, ranks)
+    watcher.start()
+    banner: list[bytes] = []
+    relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner)),
+              threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer))]
+    for relay in relays:
+        relay.start()
+    for relay in relays:
+        relay.join()
+    status = process.wait()
+    watcher.join(timeout=1.0)
+    if status != 0:
+        text = b"".join(banner)
+        message = lost_rank_message(text.decode(errors="replace"), _registered(pids), watcher.order, watcher.how)
+        if message is None:
+            sys.stdout.buffer.write(text)
+            sys.stdout.flush()
+        else:
+            print(message, file=sys.stderr, flush=True)
+    return status if status >= 0 else 128 - status
+
+
+class Endings(threading.Thread):
+    """Watches the ranks' processes (Linux pidfds, opened as the ranks register) and notes the order they end in:
+    `order` holds, per wake-up, the (rank, pid) pairs seen ending then; `how` how each ended, where its exit
+    status could still be read (from /proc, before its parent reaped it)."""
+
+    def __init__(self, pids: Path, ranks: int) -> None:
+        super().__init__(daemon=True)  # it may wait forever on a job that never started a rank
+        self.pids, self.ranks = pids, ranks
+        self.order: list[list[tuple[int, int]]] = []
+        self.how: dict[int, str] = {}
+
+    def run(self) -> None:
+        if not hasattr(os, "pidfd_open"):
+            return
+        poller, watched, seen = select.poll(), {}, set()
+        while watched or len(seen) < self.ranks:
+            ended = []
+            for pid, (rank, _) in _registered(self.pids).items():
+                if pid in seen:
+                    continue
+                seen.add(pid)
+                try:
+                    descriptor = os.pidfd_open(pid)
+                except ProcessLookupError:  # already gone
+                    ended.append((rank, pid))
+                    continue
+                watched[descriptor] = (rank, pid)
+                poller.register(descriptor, select.POLLIN)
+            for descriptor, _ in poller.poll(None if len(seen) == self.ranks and not ended else 50):
+                poller.unregister(descriptor)
+                ended.append(watched.pop(descriptor))
+                os.close(descriptor)
+            self.how |= {pid: how for _, pid in ended if (how := _zombie_status(pid)) is not None}
+            if ended:
+                self.order.append(sorted(ended))
+
+
+def _zombie_status(pid: int) -> str | None:
+    """How an ended process ended, read from /proc/PID/stat's exit code (a waitpid status) while it is a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])  # field 52 of the whole line
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        name = signal.Signals(number).name if number in signal.valid_signals() else "?"
+        return f"killed by signal {number} ({name})"
+    return f"exited with status {os.WEXITSTATUS(status)}"
+
+
+def _registered(pids: Path) -> dict[int, tuple[int, str]]:
+    """PID -> (rank, how it ended through `run_guarded`: ENDED, ABORTED, MPI_ERROR, or "" if it did not) of every
+    rank that has written its file."""
+    found = {}
+    for entry in pids.iterdir():
+        words = entry.read_text().split()
+        if words:
+            found[int(entry.name)] = (int(words[0]), " ".join(words[1:]))
+    return found
+
+
+_BANNER_RULE = re.compile(rb"^={20,}\s*$")
+_BANNER_TAIL = (b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING", b"This typically refers to a problem",
+                b"Please see the FAQ page")
+
+
+def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None) -> None:
+    """Pass `source` on to `target` line by line; with a `banner` list, hydra's "BAD TERMINATION" banner (two
+    rules of '=' around its lines, then up to three lines about the exit string) goes there instead."""
+    for line in iter(source.readline, b""):
+        rules = 0 if banner is None else sum(bool(_BANNER_RULE.match(kept)) for kept in banner)
+        if banner is not None and (rules == 1 or _BANNER_RULE.match(line) or (rules >= 2 and
+                                                                                line.startswith(_BANNER_TAIL))):
+            banner.append(line)
+        else:
+            target.write(line)
+            target.flush()
+
+
+def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequence[Sequence[tuple[int, int]]],
+                      how: Mapping[int, str]) -> str | None:
+    """The line naming the rank(s) lost without a word: of the ranks that did not end through `run_guarded`
+    (`ranks`: PID -> (rank, how it ended through it)), those seen ending first (`order`: (rank, pid) pairs per
+    wake-up); without that, the one hydra's banner names. How it ended from `how` (PID -> text), else from the
+    banner when it is about that process. None when nothing says which rank, or when a rank reported its own
+    exception (then mpiexec's MPI_Abort ended the others: none was lost)."""
+    if any(ending == ABORTED for _, ending in ranks.values()):
+        return None
+    unreported = ([(rank, pid) for rank, pid in group if not ranks.get(pid, (rank, ""))[1]] for group in order)
+    lost = next((group for group in unreported if group), [])
+    named = re.search(r"PID (\d+)", banner)
+    if not lost and named is not None:
+        lost = [(ranks.get(int(named.group(1)), (None, ""))[0], int(named.group(1)))]
+    if not lost:
+        return None
+    exit_string = re.search(r"EXIT STRING: (.+)", banner)
+    endings = []
+    for rank, pid in lost:
+        about_it = named is not None and int(named.group(1)) == pid and exit_string is not None
+        ending = how.get(pid) or (exit_string.group(1).strip() if about_it else "ended without reporting an error")
+        endings.append(f"{'a rank' if rank is None else f'rank {rank}'} (pid {pid}) was lost: {ending}")
+    return f"mpiparallel: {'; '.join(endings)}; mpiexec ended the other ranks"
+
+
+PEER_DEATH_GRACE_S = 1.0
+"""How long a rank that got an MPI error waits before MPI_Abort (mpiexec usually ends it sooner)."""
 
 _BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _LOCAL_RANK_COUNT_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
@@ -187,13 +363,24 @@ def run_guarded(entry: Callable[[], int | None]) -> NoReturn:
         status = entry()
     except (click.ClickException, ConfigError) as error:
         _report_usage_error(error)
-        sys.exit(error.exit_code)
+        _ending(error.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        _abort(130)
+        _abort(130, ABORTED)
     except Exception as error:
         _report_crash(error)
-        _abort(1)
-    sys.exit(status or 0)
+        if not _is_mpi_error(error):
+            _abort(1, ABORTED)
+        # Most likely a peer died: give mpiexec a moment to notice that death itself, so that it (and the
+        # self-launching parent) name the lost rank rather than this one's MPI_Abort.
+        time.sleep(PEER_DEATH_GRACE_S)
+        _abort(1, MPI_ERROR)
+    _ending(status or 0)
+
+
+def _ending(status: int) -> NoReturn:
+    if launched_by_mpi():
+        _register_pid(ENDED)
+    sys.exit(status)
 
 
 def _report_usage_error(error: click.ClickException | ConfigError) -> None:
@@ -213,13 +400,29 @@ def _report_crash(error: Exception) -> None:
         hint = ""
     else:
         hint = " (MPIPARALLEL_DEBUG=1 prints the traceback)"
-    click.echo(f"mpiparallel: rank {current_rank()} failed: {type(error).__name__}: {error}{hint}", err=True)
+    click.echo(f"mpiparallel: rank {current_rank()} failed: {_describe(error)}{hint}", err=True)
 
 
-def _abort(status: int) -> NoReturn:
+def _is_mpi_error(error: Exception) -> bool:
+    """An error of MPI itself (mpi4py's MPI.Exception), e.g. "See the MPI_ERROR field in MPI_Status" when a
+    peer vanished mid-message."""
+    return type(error).__module__ == "mpi4py.MPI"
+
+
+def _describe(error: Exception) -> str:
+    """The exception's type and message; for an error of MPI itself also what it most likely means."""
+    if _is_mpi_error(error):
+        return (f"MPI error: {error} — another rank has most likely died or been killed (the launcher's message "
+                f"names it)")
+    return f"{type(error).__name__}: {error}"
+
+
+def _abort(status: int, ending: str) -> NoReturn:
     """End every rank now: MPI_Abort if MPI is running, else just this process (its launcher ends the rest)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if launched_by_mpi():
+        _register_pid(ending)
     mpi = _running_mpi()
     if mpi is not None:
         mpi.COMM_WORLD.Abort(status)

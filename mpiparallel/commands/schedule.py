@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from .. import trace
 from ..errors import ConfigError
 from ..schedules import FORMULAS, SCHEDULES, Costs, Simulation, bubble_formula, build_schedule, render, simulate
 
@@ -51,7 +52,8 @@ class CostsParameter(click.ParamType):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the simulation's numbers and every rank's actions to this JSON file.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the simulated timeline as Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev).")
+              help="Write the simulated timeline as Chrome trace-event JSON (ui.perfetto.dev, chrome://tracing), "
+                   "in the format of `train --trace`.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the chart to this image (needs matplotlib).")
 def schedule(pp: int, microbatches: int | None, name: str, virtual_stages: int | None,
@@ -88,7 +90,7 @@ def schedule(pp: int, microbatches: int | None, name: str, virtual_stages: int |
         if json_path is not None:
             json_path.write_text(json.dumps(render.summary(simulation, formula), indent=2) + "\n")
         if trace_path is not None:
-            trace_path.write_text(json.dumps(render.chrome_trace(simulation)) + "\n")
+            trace_path.write_text(json.dumps(trace.simulation_trace(simulation)) + "\n")
         if plot_path is not None:
             render.draw(simulation, formula, plot_path)
     except OSError as error:

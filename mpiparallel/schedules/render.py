@@ -1,11 +1,10 @@
-"""A simulated (or measured) timeline shown four ways: a text chart, a picture, a Chrome trace and JSON.
+"""A simulated (or measured) timeline shown three ways: a text chart, a picture and JSON (the Chrome trace is
+`mpiparallel.trace`).
 
 The text chart has one row per rank and one column per time unit (scaled down to fit); each action prints
 its kind and microbatch where it starts (`F3`, `I0`, `W2`, `B1`) and `-` for as long as it lasts; `.` is idle.
 On a rank with two stages the second (higher) stage's actions print in lowercase; with more, the label is the
-action string with its stage (`5F3`). The Chrome trace (chrome://tracing, ui.perfetto.dev) has one process
-per rank with a compute thread and a communication thread, one complete event per action and a flow arrow
-from each send to its receive; one cost unit is drawn as one millisecond.
+action string with its stage (`5F3`).
 """
 
 from __future__ import annotations
@@ -14,14 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
-from .simulator import Interval, Simulation, partner
+from .actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Action
+from .simulator import Simulation
 
 CHART_WIDTH = 150
 """Characters of time cells per line; longer timelines wrap into bands of this width."""
-
-MICROSECONDS_PER_UNIT = 1000.0
-"""The trace shows one cost unit as one millisecond."""
 
 KIND_NAMES = {FORWARD: "forward", BACKWARD_INPUT: "input gradient", BACKWARD_WEIGHT: "weight gradient",
               FULL_BACKWARD: "full backward (I+W)"}
@@ -111,59 +107,6 @@ def summary(simulation: Simulation, formula: float) -> dict[str, Any]:
         "peak_activations": list(simulation.peak_activations),
         "actions": {str(rank): [str(action) for action in actions] for rank, actions in enumerate(schedule.actions)},
     }
-
-
-# -- Chrome trace ---------------------------------------------------------------------------------------------
-
-COMPUTE_THREAD, COMMUNICATION_THREAD = 0, 1
-
-
-def chrome_trace(simulation: Simulation) -> dict[str, Any]:
-    """Chrome trace-event JSON of the timeline: metadata, one "X" event per action, an arrow per message."""
-    events: list[dict[str, Any]] = []
-    for rank, intervals in enumerate(simulation.timeline):
-        events += _rank_metadata(rank)
-        events += [_complete_event(rank, interval) for interval in intervals]
-    events += _flow_events(simulation)
-    schedule = simulation.schedule
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
-                          "virtual_stages": schedule.virtual_stages, "bubble": simulation.bubble}}
-
-
-def _rank_metadata(rank: int) -> list[dict[str, Any]]:
-    return [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": COMPUTE_THREAD, "args": {"name": "compute"}},
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": COMMUNICATION_THREAD,
-             "args": {"name": "pipeline send/recv"}}]
-
-
-def _complete_event(rank: int, interval: Interval) -> dict[str, Any]:
-    action = interval.action
-    return {"name": str(action), "cat": action.kind, "ph": "X", "pid": rank,
-            "tid": COMPUTE_THREAD if action.is_compute else COMMUNICATION_THREAD,
-            "ts": interval.start * MICROSECONDS_PER_UNIT,
-            "dur": (interval.end - interval.start) * MICROSECONDS_PER_UNIT,
-            "args": {"stage": action.stage, "microbatch": action.microbatch}}
-
-
-def _flow_events(simulation: Simulation) -> list[dict[str, Any]]:
-    """An arrow from each SEND event to its RECV event ("s" and "f" events sharing an id)."""
-    receives = {interval.action: (rank, interval) for rank, intervals in enumerate(simulation.timeline)
-                for interval in intervals if interval.action.kind in (RECV_F, RECV_B)}
-    flows = []
-    for rank, intervals in enumerate(simulation.timeline):
-        for interval in intervals:
-            if interval.action.kind not in (SEND_F, SEND_B):
-                continue
-            receiver, receive = receives[partner(interval.action)]
-            common = {"name": "p2p", "cat": "p2p", "id": len(flows) // 2, "tid": COMMUNICATION_THREAD}
-            flows.append({**common, "ph": "s", "pid": rank, "ts": interval.start * MICROSECONDS_PER_UNIT})
-            # Inside the receive's slice (posted ... data arrived) and never before the send: the arrow points
-            # forward in time even when the receive was posted first.
-            arrival = max(receive.start, interval.start)
-            flows.append({**common, "ph": "f", "bp": "e", "pid": receiver, "ts": arrival * MICROSECONDS_PER_UNIT})
-    return flows
 
 
 # -- picture ------------------------------------------------------------------------------------------------
