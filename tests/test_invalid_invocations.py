@@ -36,7 +36,8 @@ INVALID = [
     ("virtual-stages-1f1b", ["train", "-n", "2", *TINY, "--pp", "2", "--virtual-stages", "2"],
      "1f1b has one stage per rank; virtual stages are for interleaved only"),
     ("zero-range", ["train", *TINY, "--zero", "4"], "Invalid value for '--zero': 4 is not in the range 0<=x<=3"),
-    ("zero-with-pp", ["train", "-n", "2", *TINY, "--pp", "2", "--zero", "2"], "--zero 2 with --pp"),
+    ("pp-ranks", ["train", "-n", "3", *TINY, "--pp", "2"],
+     "3 ranks cannot be split into tp·pp·cp = 1·2·1 = 2 model-parallel groups"),
     ("microbatches", ["train", "-n", "2", *TINY, "--microbatches", "3"],
      "--batch-size 4 must be divisible by dp × microbatches = 2 × 3 = 6"),
     ("cp-seq-len", ["train", "-n", "2", *TINY, "--cp", "2", "--seq-len", "6"],
@@ -82,6 +83,10 @@ INVALID = [
     ("schedule-pp", ["schedule", "--pp", "0"], "Invalid value for '--pp': 0 is not in the range x>=1"),
     ("schedule-trace", ["schedule", "--trace", "/nonexistent/dir/plan.json"],
      "cannot write /nonexistent/dir/plan.json"),
+    # checkpoint
+    ("checkpoint-missing", ["checkpoint", "info", "/nonexistent/checkpoints"],
+     "/nonexistent/checkpoints does not exist"),
+    ("checkpoint-empty", ["checkpoint", "info", "/etc"], "/etc holds no training checkpoint"),
     # generate, and the program itself
     ("generate-init-missing", ["generate"], "Missing option '--init'"),
     ("generate-init", ["generate", "--init", "/nonexistent/model"], "/nonexistent/model does not exist"),
@@ -96,7 +101,7 @@ INVALID = [
 def test_the_table_covers_every_command_and_axis():
     arguments = [" ".join(args) for _, args, _ in INVALID]
     assert len(INVALID) >= 25
-    for command in ("train", "bench", "verify", "schedule", "generate"):
+    for command in ("train", "bench", "verify", "schedule", "generate", "checkpoint"):
         assert any(args[0] == command or args[:2] == [MPIEXEC, command] for _, args, _ in INVALID), command
     for option in ("--dp", "--tp", "--sp", "--pp", "--cp", "--ep", "--zero", "--schedule", "--microbatches",
                    "--virtual-stages", "--experts", "--top-k", "--recompute", "--data", "--init", "--resume"):
