@@ -178,4 +178,5 @@ def calibrate(comm: Communicator) -> CostModel:
     comm.comm.Bcast(values, root=0)
     comm.cost_model = CostModel(*values.tolist())
     comm.auto_choices.clear()
+    comm.call_plans.clear()
     return comm.cost_model
