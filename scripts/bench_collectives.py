@@ -91,13 +91,14 @@ def table(title: str, results: list[dict], shown: list[int], cell) -> list[str]:
     """One row per (ranks, collective), one column per size; `cell(entry)` formats one measurement."""
     if not shown:
         return []
-    header = f"{'ranks':>5}  {'collective':<15}" + "".join(f"{human(s):>9}" for s in shown)
-    lines = [f"## {title}", header]
+    rows = []
     for job in results:
         for name in job["collectives"]:
             entries = {e["size"]: e for e in job["measurements"] if e["collective"] == name}
-            cells = [cell(entries[s]) if s in entries else "-" for s in shown]
-            lines.append(f"{job['ranks']:>5}  {name:<15}" + "".join(f"{c:>9}" for c in cells))
+            rows.append((job["ranks"], name, [cell(entries[s]) if s in entries else "-" for s in shown]))
+    width = max(len(c) for *_, cells in rows for c in cells) + 2
+    lines = [f"## {title}", f"{'ranks':>5}  {'collective':<15}" + "".join(f"{human(s):>{width}}" for s in shown)]
+    lines += [f"{ranks:>5}  {name:<15}" + "".join(f"{c:>{width}}" for c in cells) for ranks, name, cells in rows]
     return [*lines, ""]
 
 
