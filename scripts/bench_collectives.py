@@ -1,6 +1,6 @@
 """Our collectives against the MPI library's own, and algo="auto" against the best hand-written algorithm.
 
-    python scripts/bench_collectives.py                          # 2 and 4 ranks, 8 B – 64 MiB, 5 rounds
+    python scripts/bench_collectives.py                          # 2 and 4 ranks, 8 B – 64 MiB, 7 rounds
     python scripts/bench_collectives.py --ranks 2 --maxbytes 4K --rounds 3 --json results.json
 
 For each rank count this starts one MPI job (mpiexec -n N this script --worker) that runs every collective
@@ -8,10 +8,11 @@ For each rank count this starts one MPI job (mpiexec -n N this script --worker) 
 --maxbytes (×4 per step, and --maxbytes itself), out of place, in float32 with op=sum and root 0, through the
 calls of `mpiparallel bench` (mpiparallel/commands/bench.py): sizes in nccl-tests' convention (rounded down to
 whole elements per rank; a size with fewer elements than ranks is left out, "-"), preallocated buffers, each
-timing the slowest rank's average over a loop started after a barrier. The variants of one size — ours with
-algo="auto", the MPI library's collective (straight mpi4py), and every hand-written algorithm — are timed one
-after the other in each of --rounds rounds (the order rotating from round to round), so that load from other
-processes hits all of them alike; each variant keeps its best round.
+each loop started after a barrier and timed call by call: a loop's figure is the median call, the slowest
+rank's (a call during which another process held the core does not count). The variants of one size — ours
+with algo="auto", the MPI library's collective (straight mpi4py), and every hand-written algorithm — are timed
+one after the other in each of --rounds rounds (the order rotating from round to round), so that load from
+other processes hits all of them alike; each variant keeps its best round.
 
 The tables (rank 0 of each job writes JSON; this process prints):
 
@@ -167,8 +168,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--minbytes", type=parse_bytes, default=8)
     parser.add_argument("--maxbytes", type=parse_bytes, default=64 << 20)
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per variant; the best one counts")
-    parser.add_argument("--target-ms", type=float, default=2.0, help="length of one timed loop")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per variant; the best one counts")
+    parser.add_argument("--target-ms", type=float, default=1.5, help="length of one timed loop")
     parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a job counts as hung")
@@ -219,8 +220,7 @@ def measure_size(collective, buffers, comm, args: argparse.Namespace) -> dict:
     order = list(variants)
     for round_ in range(args.rounds):
         for name in order[round_ % len(order):] + order[:round_ % len(order)]:
-            seconds = bench.seconds_per_call(variants[name], comm, iters, warmup_iters=1)
-            best[name] = min(best[name], seconds)
+            best[name] = min(best[name], median_call_seconds(variants[name], comm, iters))
     factor = collective.bus_factor(comm.size)
     settings = bench.BenchSettings(collective.name)
     return {
@@ -231,6 +231,27 @@ def measure_size(collective, buffers, comm, args: argparse.Namespace) -> dict:
         "mpi_busbw": buffers.size / best["mpi"] / 1e9 * factor,
         "algorithms": {algo: best[algo] * 1e6 for algo in collectives_algorithms(collective.api_name)},
     }
+
+
+def median_call_seconds(call, comm, iters: int) -> float:
+    """The median duration of `iters` calls after one warm-up call and a barrier, the slowest rank's.
+
+    Each call is timed on its own: on a shared machine a call during which another process held the core
+    takes many times longer, and the median leaves such calls out where a mean would not.
+    """
+    import time
+
+    from mpi4py import MPI
+
+    call()
+    comm.barrier()
+    durations = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        durations.append(time.perf_counter() - start)
+    durations.sort()
+    return comm.comm.allreduce(durations[len(durations) // 2], op=MPI.MAX)
 
 
 def collectives_algorithms(api_name: str) -> list[str]:
@@ -254,11 +275,9 @@ def _native(collective, buffers, comm):
 
 
 def _iterations(call, comm, target_ms: float) -> int:
-    """Calls per timed loop: about `target_ms` of ours, the same on every rank, at least 2."""
-    from mpiparallel.commands.bench import seconds_per_call
-
-    seconds = seconds_per_call(call, comm, iters=3, warmup_iters=2)
-    return int(min(2000, max(2, target_ms / 1e3 / seconds)))
+    """Calls per timed loop: about `target_ms` of ours, the same on every rank, at least 3."""
+    seconds = median_call_seconds(call, comm, 3)
+    return int(min(1000, max(3, target_ms / 1e3 / seconds)))
 
 
 if __name__ == "__main__":
