@@ -84,11 +84,11 @@ class Ledger:
         self.messages: dict[str, int] = defaultdict(int)
         self.operation = "p2p"
 
-    def record(self, name: str, sent: int, received: int, messages: int | None = None) -> None:
-        """Add traffic under `name`: `messages` sends (default: one if any byte was sent)."""
+    def record(self, name: str, sent: int, received: int) -> None:
         self.sent[name] += sent
         self.received[name] += received
-        self.messages[name] += (1 if sent else 0) if messages is None else messages
+        if sent:
+            self.messages[name] += 1
 
     def total_sent(self) -> int:
         return sum(self.sent.values())

@@ -38,11 +38,11 @@ def binomial_broadcast(buf: Array, rank: int, size: int, root: int) -> Steps:
     relative = (rank - root) % size
     mask = _parent_mask(relative, size)
     if relative:
-        yield Step(None, -1, buf, (rank - mask) % size)
+        yield Step(recv=buf, source=(rank - mask) % size)
     mask >>= 1
     while mask:
         if relative + mask < size:
-            yield Step(buf, (rank + mask) % size)
+            yield Step(send=buf, dest=(rank + mask) % size)
         mask >>= 1
 
 
@@ -77,12 +77,12 @@ def binomial_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduc
     mask = 1
     while mask < size:
         if relative & mask:
-            yield Step(partial, (rank - mask) % size)
+            yield Step(send=partial, dest=(rank - mask) % size)
             return
         if relative + mask < size:
             if arrived is None:
                 arrived = get_array_module(x).empty_like(x)
-            yield Step(None, -1, arrived, (rank + mask) % size)
+            yield Step(recv=arrived, source=(rank + mask) % size)
             reduce(partial, arrived, out)
             partial = out
         mask <<= 1
