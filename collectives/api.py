@@ -9,6 +9,11 @@ The communicator's settings apply to every call: with `check_arguments` (MPIPARA
 compares its arguments (shape, dtype, op, algo, root) across ranks and raises a clear `CollectiveMismatchError`
 on all ranks instead of hanging or corrupting data; the pipelined algorithms cut messages at its
 `segment_bytes` (MPIPARALLEL_SEGMENT_BYTES). See `Communicator`.
+
+The common path is kept lean because a small collective takes a few microseconds: the local checks and the
+algorithm choice run once per kind of call (`_Plan`, cached on the communicator), and `Communicator.run`
+drives the steps with one MPI call each. What remains per call on two ranks is about 2-3 µs of Python
+(the plan lookup, the output check, the step generator, the ledger) around each MPI message.
 """
 
 from __future__ import annotations
