@@ -9,11 +9,15 @@ The communicator's settings apply to every call: with `check_arguments` (MPIPARA
 compares its arguments (shape, dtype, op, algo, root) across ranks and raises a clear `CollectiveMismatchError`
 on all ranks instead of hanging or corrupting data; the pipelined algorithms cut messages at its
 `segment_bytes` (MPIPARALLEL_SEGMENT_BYTES). See `Communicator`.
+
+The common path is kept lean because a small collective takes a few microseconds: the local checks and the
+algorithm choice run once per kind of call (`_Plan`, cached on the communicator), and `Communicator.run`
+drives the steps with one MPI call each. What remains per call on two ranks is about 2-3 µs of Python
+(the plan lookup, the output check, the step generator, the ledger) around each MPI message.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,39 +78,39 @@ def algorithms(collective: str) -> list[str]:
 
 def all_reduce(x: Array, comm: Any, op: str = "sum", algo: str = "auto", out: Array | None = None) -> Array:
     """Elementwise reduction of `x` over all ranks; any shape and size."""
-    return _all_reduce(x, comm, op, algo, out, asynchronous=False)
+    return _collective("all_reduce", x, comm, op, algo, out, False)
 
 
 def all_reduce_async(x: Array, comm: Any, op: str = "sum", algo: str = "auto",
                      out: Array | None = None) -> CollectiveHandle:
     """Start `all_reduce`; `handle.test()` progresses it, `handle.wait()` returns the result."""
-    return _all_reduce(x, comm, op, algo, out, asynchronous=True)
+    return _collective("all_reduce", x, comm, op, algo, out, True)
 
 
 def reduce_scatter(x: Array, comm: Any, op: str = "sum", algo: str = "auto", out: Array | None = None) -> Array:
     """Reduce `x` over ranks and return block `rank` of its `size` equal blocks along axis 0."""
-    return _reduce_scatter(x, comm, op, algo, out, asynchronous=False)
+    return _collective("reduce_scatter", x, comm, op, algo, out, False)
 
 
 def reduce_scatter_async(x: Array, comm: Any, op: str = "sum", algo: str = "auto",
                          out: Array | None = None) -> CollectiveHandle:
     """Start `reduce_scatter`; `handle.wait()` returns this rank's reduced block."""
-    return _reduce_scatter(x, comm, op, algo, out, asynchronous=True)
+    return _collective("reduce_scatter", x, comm, op, algo, out, True)
 
 
 def all_gather(x: Array, comm: Any, algo: str = "auto", out: Array | None = None) -> Array:
     """Concatenate every rank's `x` (all the same shape) along axis 0, in rank order."""
-    return _all_gather(x, comm, algo, out, asynchronous=False)
+    return _collective("all_gather", x, comm, None, algo, out, False)
 
 
 def all_gather_async(x: Array, comm: Any, algo: str = "auto", out: Array | None = None) -> CollectiveHandle:
     """Start `all_gather`; `handle.wait()` returns the concatenation."""
-    return _all_gather(x, comm, algo, out, asynchronous=True)
+    return _collective("all_gather", x, comm, None, algo, out, True)
 
 
 def all_to_all(x: Array, comm: Any, algo: str = "auto", out: Array | None = None) -> Array:
     """Block j of `x` along axis 0 goes to rank j; returns the blocks received, ordered by source rank."""
-    return _collective("all_to_all", x, comm, None, algo, out, x.shape, asynchronous=False)
+    return _collective("all_to_all", x, comm, None, algo, out, False)
 
 
 def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "auto") -> tuple[Array, list[int]]:
@@ -115,7 +119,11 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
     Returns (rows received, ordered by source rank; recv_counts, the number of rows from each rank).
     """
     comm = Communicator.of(comm)
-    algo = _prepare(comm, "all_to_allv", x, None, algo)
+    algo = _checked_algorithm(comm, "all_to_allv", x, None, algo)  # not planned: row counts vary call to call
+    if comm.check_arguments:
+        _check_agreement(comm, "all_to_allv", x, None, algo, 0)
+    if algo == "auto":
+        algo = "pairwise"
     send_counts = check_send_counts(send_counts, x, comm.size)
     recv_counts = [int(c) for c in all_to_all(np.asarray(send_counts, np.int64), comm,
                                               algo="mpi" if algo == "mpi" else "pairwise")]
@@ -133,19 +141,16 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
 
 def broadcast(x: Array, comm: Any, root: int = 0, algo: str = "auto", out: Array | None = None) -> Array:
     """Every rank returns root's `x`; the others' `x` only gives the shape and dtype (as in MPI_Bcast)."""
-    comm = Communicator.of(comm)
-    check_root(root, comm.size)
-    algo = _prepare(comm, "broadcast", x, None, algo, root=root)
-    out = output_array(x, out, x.shape)
-    buf = out.reshape(-1)
-    if comm.rank == root:
-        buf[...] = flat(x)
-    if comm.size == 1 or buf.size == 0:
-        pass
-    elif algo == "mpi":
-        native.mpi_broadcast(buf, comm.comm, root)
-    else:
-        comm.run(_steps(comm, "broadcast", algo, buf, comm.rank, comm.size, root), "broadcast")
+    comm = comm if isinstance(comm, Communicator) else Communicator.of(comm)
+    plan = _plan(comm, "broadcast", x, None, algo, root, False)
+    out = output_array(x, out, plan.out_shape)
+    buf = out.ravel()  # flat(out), inlined here and below: a call costs a visible share of a small collective
+    if comm.rank == root and out is not x:
+        buf[...] = x.ravel()
+    if plan.native:
+        plan.algorithm(buf, *plan.arguments)
+    elif plan.algorithm is not None:
+        comm.run(plan.steps(buf), "broadcast")
     return out
 
 
@@ -153,84 +158,111 @@ def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "aut
            out: Array | None = None) -> Array | None:
     """Reduction of `x` over ranks, returned on `root`; other ranks return None (their `out`, if given, is
     used as scratch space)."""
-    comm = Communicator.of(comm)
-    check_root(root, comm.size)
-    algo = _prepare(comm, "reduce", x, op, algo, root=root)
-    result = output_array(x, out, x.shape)  # off the root it is the accumulator the tree algorithms need
-    src, dst = flat(x), result.reshape(-1)
-    if comm.size == 1 or src.size == 0:
-        dst[...] = src
-    elif algo == "mpi":
-        native.mpi_reduce(src, dst, comm.comm, root, op)
+    comm = comm if isinstance(comm, Communicator) else Communicator.of(comm)
+    plan = _plan(comm, "reduce", x, op, algo, root, False)
+    result = output_array(x, out, plan.out_shape)  # off the root it is the accumulator the tree algorithms need
+    src, dst = x.ravel(), result.ravel()
+    if plan.native:
+        plan.algorithm(src, dst, *plan.arguments)
+    elif plan.algorithm is not None:
+        comm.run(plan.steps(src, dst), "reduce")
     else:
-        steps = _steps(comm, "reduce", algo, src, dst, comm.rank, comm.size, root, reducer(op, src))
-        comm.run(steps, "reduce")
-        if op == "avg" and comm.rank == root:
-            finish_average(dst, comm.size)
+        dst[...] = src
     return result if comm.rank == root else None
 
 
 # -- shared machinery ---------------------------------------------------------------------------------------
 
-def _all_reduce(x: Array, comm: Any, op: str, algo: str, out: Array | None, asynchronous: bool) -> Any:
-    return _collective("all_reduce", x, comm, op, algo, out, x.shape, asynchronous)
-
-
-def _reduce_scatter(x: Array, comm: Any, op: str, algo: str, out: Array | None, asynchronous: bool) -> Any:
-    comm = Communicator.of(comm)
-    shape = (x.shape[0] // comm.size, *x.shape[1:]) if x.ndim else ()
-    return _collective("reduce_scatter", x, comm, op, algo, out, shape, asynchronous)
-
-
-def _all_gather(x: Array, comm: Any, algo: str, out: Array | None, asynchronous: bool) -> Any:
-    comm = Communicator.of(comm)
-    shape = (x.shape[0] * comm.size, *x.shape[1:]) if x.ndim else ()
-    return _collective("all_gather", x, comm, None, algo, out, shape, asynchronous)
-
-
-_NATIVE = {"all_reduce": native.mpi_all_reduce, "reduce_scatter": native.mpi_reduce_scatter,
-           "all_gather": native.mpi_all_gather, "all_to_all": native.mpi_all_to_all}
+_NATIVE: dict[str, Callable[..., None]] = {
+    "all_reduce": native.mpi_all_reduce, "reduce_scatter": native.mpi_reduce_scatter,
+    "all_gather": native.mpi_all_gather, "all_to_all": native.mpi_all_to_all,
+    "broadcast": native.mpi_broadcast, "reduce": native.mpi_reduce}
 
 
 def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: Array | None,
-                out_shape: tuple, asynchronous: bool) -> Any:
+                asynchronous: bool) -> Any:
     """Run one of the unrooted collectives: all_reduce, reduce_scatter, all_gather, all_to_all.
 
     Returns the result array, or a CollectiveHandle whose wait() returns it when `asynchronous`.
     """
-    comm = Communicator.of(comm)
-    algo = _prepare(comm, name, x, op, algo, asynchronous=asynchronous)
-    out = output_array(x, out, out_shape)
-    src, dst = flat(x), flat(out)
-    if comm.size == 1 or src.size == 0:
+    comm = comm if isinstance(comm, Communicator) else Communicator.of(comm)
+    plan = _plan(comm, name, x, op, algo, 0, asynchronous)
+    out = output_array(x, out, plan.out_shape)
+    src, dst = x.ravel(), out.ravel()
+    if plan.native:
+        plan.algorithm(src, dst, *plan.arguments)
+    elif plan.algorithm is None:  # one rank, or nothing to send
         dst[...] = src
-        return comm.start(iter(()), name, out) if asynchronous else out
-    reduction = () if op is None else (op,)
-    if algo == "mpi":
-        _NATIVE[name](src, dst, comm.comm, *reduction)
-        return out
-    reduction = () if op is None else (reducer(op, src),)
-    steps = _steps(comm, name, algo, src, dst, comm.rank, comm.size, *reduction)
-    if op == "avg":
-        steps = _then_divide(steps, dst, comm.size)
-    if asynchronous:
-        return comm.start(steps, name, out)
-    comm.run(steps, name)
+        if asynchronous:
+            return comm.start(iter(()), name, out)
+    elif asynchronous:
+        return comm.start(plan.steps(src, dst), name, out)
+    else:
+        comm.run(plan.steps(src, dst), name)
     return out
 
 
-def _steps(comm: Communicator, name: str, algo: str, *arguments: Any) -> Steps:
-    """The steps of hand-written algorithm `algo` of `name`, cut at the communicator's `segment_bytes` if it
-    pipelines (declares a `segment_bytes` keyword)."""
-    algorithm = ALGORITHMS[name][algo]
-    if _takes_segment_bytes(algorithm):
-        return algorithm(*arguments, segment_bytes=comm.segment_bytes)
-    return algorithm(*arguments)
+class _Plan:
+    """How calls of one kind run on one communicator, worked out (arguments checked, algorithm chosen) once.
+
+    A kind is (collective, op, algo, dtype, shape, root, array type, async or not): every call of a kind
+    passes the same checks and runs the same algorithm, so later calls only look their plan up. On a message
+    of a few bytes the checks and the choice would otherwise cost as much time as the message itself.
+    `algorithm` is None when there is nothing to communicate (one rank, or no elements).
+    """
+
+    __slots__ = ("algo", "out_shape", "native", "algorithm", "arguments", "keywords", "average_over")
+
+    def __init__(self, comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int) -> None:
+        self.algo = algo
+        self.native = algo == "mpi" and comm.size > 1 and x.size > 0
+        self.out_shape = _result_shape(name, tuple(x.shape), comm.size)
+        self.average_over = comm.size if op == "avg" and (name != "reduce" or comm.rank == root) else 0
+        self.keywords: dict[str, int] = {}
+        rooted = (root,) if name in _ROOTED else ()
+        if comm.size == 1 or x.size == 0:
+            self.algorithm, self.arguments = None, ()
+        elif algo == "mpi":
+            self.algorithm = _NATIVE[name]
+            self.arguments = (comm.comm, *rooted, *(() if op is None else (op,)))
+        else:
+            self.algorithm = ALGORITHMS[name][algo]
+            self.arguments = (comm.rank, comm.size, *rooted, *(() if op is None else (reducer(op, x),)))
+            if "segment_bytes" in inspect.signature(self.algorithm).parameters:
+                self.keywords["segment_bytes"] = comm.segment_bytes
+
+    def steps(self, *buffers: Array) -> Steps:
+        """The hand-written algorithm's steps on these buffers (then the division, for op="avg")."""
+        steps = self.algorithm(*buffers, *self.arguments, **self.keywords)
+        return _then_divide(steps, buffers[-1], self.average_over) if self.average_over else steps
 
 
-@functools.cache
-def _takes_segment_bytes(algorithm: Callable[..., Steps]) -> bool:
-    return "segment_bytes" in inspect.signature(algorithm).parameters
+_MAX_PLANS = 4096  # shapes that change from call to call must not grow the cache without bound
+_ROOTED = ("broadcast", "reduce")
+
+
+def _plan(comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int,
+          asynchronous: bool) -> _Plan:
+    """The plan of this call's kind, made on the kind's first call; then, with check_arguments, the
+    cross-rank comparison that no cache can replace."""
+    key = (name, op, algo, x.dtype, x.shape, root, type(x), asynchronous)
+    plan = comm.call_plans.get(key)
+    if plan is None:
+        resolved = _checked_algorithm(comm, name, x, op, algo, root=root, asynchronous=asynchronous)
+        if len(comm.call_plans) >= _MAX_PLANS:
+            comm.call_plans.clear()
+        plan = comm.call_plans[key] = _Plan(comm, name, x, op, resolved, root)
+    if comm.check_arguments:
+        _check_agreement(comm, name, x, op, algo, root)
+    return plan
+
+
+def _result_shape(name: str, shape: tuple, size: int) -> tuple:
+    if name == "reduce_scatter" and shape:
+        return (shape[0] // size, *shape[1:])
+    if name == "all_gather" and shape:
+        return (shape[0] * size, *shape[1:])
+    return shape
 
 
 def _then_divide(steps: Steps, result: Array, size: int) -> Steps:
@@ -246,10 +278,12 @@ _SPLIT_ALONG_AXIS0 = ("reduce_scatter", "all_to_all")  # x.shape[0] must divide 
 _ANY_SHAPE = ("all_reduce", "broadcast", "reduce")  # 0-d arrays too: nothing is split or concatenated
 
 
-def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str, *, root: int = 0,
-             asynchronous: bool = False) -> str:
-    """Check the arguments of one call and return the algorithm to run (resolving "auto")."""
+def _checked_algorithm(comm: Communicator, name: str, x: Array, op: str | None, algo: str, *, root: int = 0,
+                       asynchronous: bool = False) -> str:
+    """Check the arguments of one call (on this rank) and return the algorithm to run (resolving "auto")."""
     valid = ALGORITHMS[name]
+    if name in _ROOTED:
+        check_root(root, comm.size)
     if algo != "auto" and algo not in valid:
         raise ValueError(f"{name} has no algorithm {algo!r}; valid: {', '.join(algorithms(name))}")
     if asynchronous and algo == "mpi":
@@ -263,12 +297,8 @@ def _prepare(comm: Communicator, name: str, x: Array, op: str | None, algo: str,
         check_rows_split_evenly(x, comm.size, name)
     elif name not in _ANY_SHAPE:
         check_has_axis(x, name)
-    if comm.check_arguments:
-        _check_agreement(comm, name, x, op, algo, root)
-    if algo != "auto":
+    if algo != "auto" or name == "all_to_allv":
         return algo
-    if name == "all_to_allv":
-        return "pairwise"
     if comm.size == 1:
         return next(iter(valid))
     return auto_algorithm(comm, name, x.nbytes * (comm.size if name == "all_gather" else 1))

@@ -14,10 +14,8 @@ from .backend import Array, get_array_module
 
 
 def flat(x: Array) -> Array:
-    """A 1-D view of `x` (a contiguous copy first if `x` is strided): the layout every algorithm works on."""
-    if not x.flags.c_contiguous:
-        x = get_array_module(x).ascontiguousarray(x)
-    return x.reshape(-1)
+    """A 1-D view of `x` (a contiguous copy if `x` is strided): the layout every algorithm works on."""
+    return x.ravel()  # a view whenever the elements already lie in C order, else a copy
 
 
 def output_array(x: Array, out: Array | None, shape: tuple) -> Array:
@@ -27,7 +25,7 @@ def output_array(x: Array, out: Array | None, shape: tuple) -> Array:
     """
     if out is None:
         return get_array_module(x).empty(shape, x.dtype)
-    if tuple(out.shape) != tuple(shape) or out.dtype != x.dtype:
+    if out.shape != shape or out.dtype != x.dtype:
         raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
                          f"expected shape {tuple(shape)} and dtype {x.dtype}")
     if not out.flags.c_contiguous:

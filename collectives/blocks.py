@@ -40,13 +40,17 @@ def finish_average(result: Array, size: int) -> None:
         result //= size
 
 
-def even_bounds(count: int, parts: int) -> list[int]:
-    """Offsets splitting `count` elements into `parts` contiguous blocks whose sizes differ by at most one."""
+@functools.lru_cache(maxsize=1024)
+def even_bounds(count: int, parts: int) -> tuple[int, ...]:
+    """Offsets splitting `count` elements into `parts` contiguous blocks whose sizes differ by at most one.
+
+    Cached: the same few splits come back on every call of a collective of one size.
+    """
     base, extra = divmod(count, parts)
     bounds = [0]
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
+    return tuple(bounds)
 
 
 def segment_count(largest_block: int, itemsize: int, segment_bytes: int) -> int:

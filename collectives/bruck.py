@@ -15,6 +15,8 @@ times: the better choice for small blocks on many ranks.
 
 from __future__ import annotations
 
+import functools
+
 from .backend import Array, get_array_module
 from .communicator import Step, Steps
 
@@ -39,15 +41,26 @@ def bruck_all_to_all(x: Array, out: Array, rank: int, size: int) -> Steps:
     """All-to-all of flat `x` (size equal blocks, block j for rank j) into flat `out` (ordered by source)."""
     xp = get_array_module(x)
     blocks = x.reshape(size, -1)
-    staged = xp.concatenate((blocks[rank:], blocks[:rank]))  # slot i is bound for rank (rank + i) % size
+    staged = xp.empty_like(blocks)  # slot i is bound for rank (rank + i) % size
+    staged[:size - rank], staged[size - rank:] = blocks[rank:], blocks[:rank]
     distance = 1
     while distance < size:
-        slots = [i for i in range(size) if i & distance]
-        outgoing = staged[slots]
+        runs = _slots_with_bit(distance, size)  # the slots whose index has this round's bit set
+        outgoing = staged[runs[0][0]:runs[0][1]] if len(runs) == 1 else xp.concatenate([staged[a:b] for a, b in runs])
         arrived = xp.empty_like(outgoing)
         yield Step(send=outgoing.reshape(-1), dest=(rank + distance) % size,
                    recv=arrived.reshape(-1), source=(rank - distance) % size)
-        staged[slots] = arrived
+        start = 0
+        for lo, hi in runs:
+            staged[lo:hi] = arrived[start:start + hi - lo]
+            start += hi - lo
         distance *= 2
-    by_source = [(rank - source) % size for source in range(size)]  # slot i came from rank (rank - i)
-    out.reshape(size, -1)[...] = staged[by_source]
+    by_source = out.reshape(size, -1)  # slot i came from rank (rank - i): sources rank, rank-1, …, 0, size-1, …
+    by_source[:rank + 1] = staged[rank::-1]
+    by_source[rank + 1:] = staged[:rank:-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _slots_with_bit(distance: int, size: int) -> tuple[tuple[int, int], ...]:
+    """The runs [lo, hi) of slot indices below `size` that have bit `distance` set: d slots every 2·d."""
+    return tuple((lo, min(lo + distance, size)) for lo in range(distance, size, 2 * distance))

@@ -76,22 +76,26 @@ def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfT
     may be the same array; `src` is only read.
     """
     v, half = fold.virtual, _largest_half(bounds, fold.p)
-    scratch = get_array_module(src).empty(half, src.dtype)  # the first round keeps the most
     segments = segment_count(half, src.itemsize, segment_bytes)
+    scratch = get_array_module(src).empty(-(-half // segments), src.dtype)  # one segment, reused: stays in cache
     lo, hi, distance = 0, fold.p, fold.p // 2
     while distance >= 1:
         mid = lo + distance
         (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if v & distance else ((lo, mid), (mid, hi))
         partner = fold.real(v ^ distance)
         keep = slice(bounds[keep_lo], bounds[keep_hi])
-        mine, target = src[keep], work[keep]
-        arrived = scratch[:len(mine)]
-
-        def reduce_piece(a: int, b: int, mine=mine, arrived=arrived, target=target) -> None:
-            reduce(mine[a:b], arrived[a:b], target[a:b])
-
-        yield from exchange_in_segments(src[bounds[give_lo]:bounds[give_hi]], partner, arrived, partner,
-                                        segments, reduce_piece)
+        mine, target, give = src[keep], work[keep], src[bounds[give_lo]:bounds[give_hi]]
+        if segments == 1:  # the common case, without the bookkeeping of pieces
+            arrived = scratch[:len(mine)]
+            yield Step(give, partner, arrived, partner)
+            reduce(mine, arrived, target)
+        else:
+            give_pieces, keep_pieces = even_bounds(len(give), segments), even_bounds(len(mine), segments)
+            for i in range(segments):
+                a, b = keep_pieces[i], keep_pieces[i + 1]
+                arrived = scratch[:b - a]
+                yield Step(give[give_pieces[i]:give_pieces[i + 1]], partner, arrived, partner)
+                reduce(mine[a:b], arrived, target[a:b])
         src = work
         lo, hi, distance = keep_lo, keep_hi, distance // 2
 
@@ -104,8 +108,12 @@ def recursive_doubling_gather(out: Array, bounds: list[int], fold: PowerOfTwoFol
         mine_lo = v & ~(distance - 1)
         theirs_lo = (v ^ distance) & ~(distance - 1)
         partner = fold.real(v ^ distance)
-        yield from exchange_in_segments(out[bounds[mine_lo]:bounds[mine_lo + distance]], partner,
-                                        out[bounds[theirs_lo]:bounds[theirs_lo + distance]], partner, segments)
+        mine = out[bounds[mine_lo]:bounds[mine_lo + distance]]
+        theirs = out[bounds[theirs_lo]:bounds[theirs_lo + distance]]
+        if segments == 1:
+            yield Step(mine, partner, theirs, partner)
+        else:
+            yield from exchange_in_segments(mine, partner, theirs, partner, segments)
         distance *= 2
 
 
@@ -131,17 +139,15 @@ def recursive_doubling_all_reduce(x: Array, out: Array, rank: int, size: int, re
     """All-reduce exchanging the whole vector in each of log2(p) rounds (plus the fold for other n).
 
     Written flat, without segments or helper generators: it is the small-message algorithm, where every
-    microsecond of Python overhead shows. The first round sends `x` itself and lands in `out`, so two ranks
-    need no copy and no scratch buffer.
+    microsecond of Python overhead shows. Each round's message lands in one scratch buffer and is reduced into
+    `out`, so `out` may be `x` itself.
     """
     fold = PowerOfTwoFold.of(rank, size)
     if fold.is_extra:
         yield Step(send=x, dest=fold.partner)
         yield Step(recv=out, source=fold.partner)
         return
-    xp = get_array_module(x)
-    needs_scratch = fold.has_extra or fold.p > 2 or xp.may_share_memory(x, out)
-    arrived = xp.empty_like(x) if needs_scratch else out
+    arrived = get_array_module(x).empty_like(x)
     current = x
     if fold.has_extra:
         yield Step(recv=arrived, source=fold.partner)
@@ -174,19 +180,23 @@ def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: 
 
 def _rank_block_bounds(fold: PowerOfTwoFold, block: int) -> list[int]:
     """Segment bounds when virtual rank v's segment is the blocks of the real ranks it represents."""
+    if not fold.rem:
+        return range(0, (fold.p + 1) * block, block) if block else [0] * (fold.p + 1)
     return [fold.first_represented(v) * block for v in range(fold.p + 1)]
 
 
 def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
                                      segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Reduce-scatter by recursive halving; `out` receives this rank's block of flat `x`."""
-    fold = PowerOfTwoFold(rank, size)
+    fold = PowerOfTwoFold.of(rank, size)
     block = len(out)
-    work = get_array_module(x).empty_like(x)
-    yield from fold_in(x, work, fold, reduce)
     if fold.is_extra:
+        yield Step(send=x, dest=fold.partner)
         yield Step(recv=out, source=fold.partner)
         return
+    work = get_array_module(x).empty_like(x)
+    if fold.has_extra:
+        yield from fold_in(x, work, fold, reduce)
     yield from recursive_halving(work if fold.has_extra else x, work, _rank_block_bounds(fold, block), fold,
                                  reduce, segment_bytes=segment_bytes)
     if fold.has_extra:  # this segment holds the extra rank's block first, then this rank's
@@ -197,7 +207,7 @@ def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int,
 def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int, *,
                                   segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-gather by recursive doubling: log2(p) rounds, windows doubling, plus the fold for other n."""
-    fold = PowerOfTwoFold(rank, size)
+    fold = PowerOfTwoFold.of(rank, size)
     block = len(x)
     out[rank * block:(rank + 1) * block] = x
     if fold.is_extra:
@@ -206,4 +216,5 @@ def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int, *,
         yield Step(recv=out[fold.partner * block:rank * block], source=fold.partner)
     if not fold.is_extra:
         yield from recursive_doubling_gather(out, _rank_block_bounds(fold, block), fold, segment_bytes=segment_bytes)
-    yield from hand_back(out, fold)
+    if fold.rem:
+        yield from hand_back(out, fold)

@@ -39,12 +39,17 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
     for step in range(size - 1):
         block = (rank - step - 2) % size
         mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
-        send_pieces, recv_pieces = even_bounds(len(send), segments), even_bounds(len(target), segments)
-        for i in range(segments):
-            lo, hi = recv_pieces[i], recv_pieces[i + 1]
-            arrived = landing[:hi - lo]
-            yield Step(send[send_pieces[i]:send_pieces[i + 1]], right, arrived, left)
-            reduce(mine[lo:hi], arrived, target[lo:hi])
+        if segments == 1:  # the common case, without the bookkeeping of pieces
+            arrived = landing[:len(target)]
+            yield Step(send, right, arrived, left)
+            reduce(mine, arrived, target)
+        else:
+            send_pieces, recv_pieces = even_bounds(len(send), segments), even_bounds(len(target), segments)
+            for i in range(segments):
+                lo, hi = recv_pieces[i], recv_pieces[i + 1]
+                arrived = landing[:hi - lo]
+                yield Step(send[send_pieces[i]:send_pieces[i + 1]], right, arrived, left)
+                reduce(mine[lo:hi], arrived, target[lo:hi])
         send = target
 
 
@@ -54,8 +59,11 @@ def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int, *
     segments = segment_count(bounds[1] - bounds[0], out.itemsize, segment_bytes)
     for step in range(size - 1):
         send_block, recv_block = (rank - step) % size, (rank - step - 1) % size
-        yield from exchange_in_segments(out[bounds[send_block]:bounds[send_block + 1]], right,
-                                        out[bounds[recv_block]:bounds[recv_block + 1]], left, segments)
+        send, recv = out[bounds[send_block]:bounds[send_block + 1]], out[bounds[recv_block]:bounds[recv_block + 1]]
+        if segments == 1:
+            yield Step(send, right, recv, left)
+        else:
+            yield from exchange_in_segments(send, right, recv, left, segments)
 
 
 def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
@@ -81,7 +89,7 @@ def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Redu
     with the parity chosen so that the last step lands in `out`.
     """
     bounds = even_bounds(len(x), size)
-    spare = get_array_module(x).empty(len(out), x.dtype)
+    spare = get_array_module(x).empty(len(out), x.dtype) if size > 2 else out
 
     def partial(step: int, block: int) -> Array:
         return out if (size - 2 - step) % 2 == 0 else spare

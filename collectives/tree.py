@@ -22,11 +22,9 @@ from .ring import ring_all_gather_phase
 
 
 def _parent_mask(relative: int, size: int) -> int:
-    """Lowest set bit of `relative` (its distance to its parent in the binomial tree); ≥ size for the root."""
-    mask = 1
-    while mask < size and not relative & mask:
-        mask <<= 1
-    return mask
+    """Lowest set bit of `relative` (its distance to its parent in the binomial tree); for the root the first
+    power of two ≥ size."""
+    return relative & -relative if relative else 1 << (size - 1).bit_length()
 
 
 def _relabel(steps: Steps, root: int, size: int) -> Steps:
@@ -69,18 +67,24 @@ def scatter_allgather_broadcast(buf: Array, rank: int, size: int, root: int, *,
 
 
 def binomial_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduce: Reducer) -> Steps:
-    """Reduce flat `x` onto `root`; `out` is the accumulator (the result on the root)."""
+    """Reduce flat `x` onto `root`; `out` is the accumulator (the result on the root).
+
+    A rank's partial result is its own `x` until the first child's arrives, then `out`: a leaf sends `x` as it
+    is, without a copy or a receive buffer.
+    """
     relative = (rank - root) % size
-    out[...] = x
-    arrived = get_array_module(x).empty_like(x)
+    partial, arrived = x, None
     mask = 1
     while mask < size:
         if relative & mask:
-            yield Step(send=out, dest=(rank - mask) % size)
+            yield Step(send=partial, dest=(rank - mask) % size)
             return
         if relative + mask < size:
+            if arrived is None:
+                arrived = get_array_module(x).empty_like(x)
             yield Step(recv=arrived, source=(rank + mask) % size)
-            reduce(out, arrived, out)
+            reduce(partial, arrived, out)
+            partial = out
         mask <<= 1
 
 
