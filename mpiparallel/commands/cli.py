@@ -19,6 +19,7 @@ import click
 
 from .. import __version__
 from . import launch
+from .plan import plan as plan_command
 from .schedule import schedule as schedule_command
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
@@ -425,3 +426,4 @@ def _parse_ids(text: str) -> list[int]:
 # -- schedule (no MPI: it simulates the pipeline's ranks) -----------------------------------------------------
 
 main.add_command(schedule_command)
+main.add_command(plan_command)
