@@ -3,8 +3,8 @@
 α and β: ping-pong between ranks 0 and 1 (`collectives.cost_model.calibrate`: 8-byte and 1 MiB Sendrecv); γ: a
 local reduction. The matmul rate: FLOP/s of the model's own product shapes (rows × n_embd by n_embd × 4·n_embd,
 and back), timed on every rank at once; the elementwise rate: output bytes per second of NumPy adds and
-multiplies on arrays of a block's activation size (rows × n_embd). The figures are rank 0's (every rank runs the same work),
-written with the core count to a JSON file that `plan --machine` reads.
+multiplies on arrays of a block's activation size (rows × n_embd). The figures are rank 0's (every rank runs the
+same work), written with the core count to a JSON file that `plan --machine` reads.
 """
 
 from __future__ import annotations
