@@ -1,10 +1,11 @@
 """The planner's predictions against what `train` measures on this machine, run by run and rank by rank.
 
-Calibrates the machine first (`mpiparallel plan --calibrate -n 2`, unless --machine names a file), then trains a
-small GPT for a few steps on 1–4 ranks over several meshes and schedules with `--log-json` and
-`--memory-report`, and prints per run the predicted and measured step time (median of the steps after the
-first) and per rank the predicted and measured memory (parameters + gradients + optimizer state + activations,
-as the report counts them). Targets: step time within 25 %, memory within 10 %.
+Calibrates the machine (`mpiparallel plan --calibrate -n 2`) right before every run, so that prediction and
+measurement see the same load on a shared machine (or once, from --machine FILE), and trains a small GPT for a
+few steps on 1–4 ranks over several meshes and schedules with `--log-json` and `--memory-report`. Prints per
+run the predicted and measured step time (median of the steps after the first) and per rank the predicted and
+measured memory (parameters + gradients + optimizer state + activations, as the report counts them).
+Targets: step time within 25 %, memory within 10 %.
 
     python scripts/plan_vs_measured.py [--machine FILE] [--steps 6]
 """
@@ -78,23 +79,27 @@ def measure(ranks: int, layout: Layout, steps: int) -> tuple[float, dict[int, fl
     return statistics.median(times[1:]), memory
 
 
+def calibrate(machine: Path) -> None:
+    subprocess.run([sys.executable, "-m", "mpiparallel", "plan", "--calibrate", "-n", "2", "--machine", str(machine),
+                    "--n-embd", str(MODEL["n_embd"])], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--machine", type=Path, default=None, help="plan --calibrate's file (default: measure now)")
     parser.add_argument("--steps", type=int, default=6)
     options = parser.parse_args()
-    machine = options.machine
-    if machine is None:
-        machine = Path(tempfile.mkdtemp()) / "machine.json"
-        subprocess.run([sys.executable, "-m", "mpiparallel", "plan", "--calibrate", "-n", "2", "--machine",
-                        str(machine), "--n-embd", str(MODEL["n_embd"])], check=True, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    machine = options.machine or Path(tempfile.mkdtemp()) / "machine.json"
     model = Model(**MODEL, n_positions=1024)
-    print(f"# model {MODEL}, batch {BATCH}, float32 AdamW; machine {json.loads(machine.read_text())}")
+    print(f"# model {MODEL}, batch {BATCH}, float32 AdamW; the machine "
+          + (f"from {machine}" if options.machine else "calibrated before each run"))
     print(f"# {'run':<42} {'rank':>4} {'step pred':>10} {'measured':>10} {'ratio':>6} "
           f"{'mem pred MiB':>12} {'measured':>9} {'ratio':>6}")
     time_ratios, memory_ratios = [], []
     for ranks, layout in RUNS:
+        if options.machine is None:
+            calibrate(machine)
         plan = evaluate(model, load_machine(machine, ranks, 1e12), precision_with("float32"), layout, BATCH)
         measured_step, memory = measure(ranks, layout, options.steps)
         time_ratios.append(plan.step_s / measured_step)

@@ -3,8 +3,8 @@
 α and β: ping-pong between ranks 0 and 1 (`collectives.cost_model.calibrate`: 8-byte and 1 MiB Sendrecv); γ: a
 local reduction. The matmul rate: FLOP/s of the model's own product shapes (rows × n_embd by n_embd × 4·n_embd,
 and back), timed on every rank at once; the elementwise rate: output bytes per second of NumPy adds and
-multiplies on arrays of a block's activation size (rows × n_embd). The figures are rank 0's (every rank runs the
-same work), written with the core count to a JSON file that `plan --machine` reads.
+multiplies on arrays of the MLP's hidden size (rows × 4·n_embd: GELU's passes dominate). The figures are rank
+0's (every rank runs the same work), written with the core count to a JSON file that `plan --machine` reads.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def calibrate_machine(path: Path, n_embd: int, rows: int = 2048) -> dict[str, fl
     barrier = comm.comm.Barrier
     measured = {"alpha": link.alpha, "beta": link.beta, "gamma": link.gamma,
                 "matmul_flops": matmul_rate(n_embd, rows, barrier),
-                "elementwise_bytes": elementwise_rate(rows * n_embd, barrier),
+                "elementwise_bytes": elementwise_rate(4 * rows * n_embd, barrier),
                 "ranks": comm.size, "cores": len(os.sched_getaffinity(0)),
                 "matmul_shape": [rows, n_embd, 4 * n_embd], "dtype": "float32"}
     if comm.rank == 0:

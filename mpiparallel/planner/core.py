@@ -416,27 +416,29 @@ def _held_states(built: Any, rank: int) -> tuple[tuple[int, ...], ...]:
 
 def min_microbatches(schedule: str, pp: int, max_bubble: float) -> int:
     """The fewest microbatches whose simulated bubble (F = I = W = 1) is below `max_bubble`, exactly: the
-    makespan is an integer, so the comparison is made in fractions. Interleaved (v = 2) needs multiples of pp."""
+    makespan is an integer, so the comparison is made in fractions. The schedule's formula (cheap) gives the
+    starting count, the simulator the answer. Interleaved (v = 2) needs multiples of pp."""
     target = Fraction(max_bubble).limit_denominator(10**9)
     step = pp if schedule == "interleaved" else 1
     first = pp if schedule == "zb" else step
+    virtual = 2 if schedule == "interleaved" else 1
 
     def below(m: int) -> bool:
-        check_arguments(schedule, pp, m, 2 if schedule == "interleaved" else 1)
         return _exact_bubble(schedule, pp, m) < target
 
     high = first
-    while not below(high):
+    while bubble_formula(schedule, pp, high, virtual) >= max_bubble:
         high *= 2
-    low = first - step  # below(low) is False (or low is under the first valid count)
-    if high > first:
-        low = high // 2
-    while high - low > step:
-        middle = (low + high) // 2 // step * step
-        if middle <= low:
-            middle = low + step
-        low, high = (low, middle) if below(middle) else (middle, high)
-    return high
+    low = max(first, high // 2)
+    while high - low > step:  # bisect the formula: its bubble falls as m grows
+        middle = max(low + step, (low + high) // 2 // step * step)
+        low, high = (low, middle) if bubble_formula(schedule, pp, middle, virtual) < max_bubble else (middle, high)
+    count = high if bubble_formula(schedule, pp, low, virtual) >= max_bubble else low
+    while not below(count):  # the formula is only a lower bound for a few microbatches (ZB-V below 2p − 1)
+        count += step
+    while count - step >= first and below(count - step):
+        count -= step
+    return count
 
 
 @lru_cache(maxsize=1024)
