@@ -1,0 +1,322 @@
+"""`mpiparallel plan`: the layouts of a model on a cluster that fit, ranked by predicted step time.
+
+No MPI unless `--calibrate`, which measures this machine on `-n` ranks (relaunching under mpiexec) and writes
+the file that `--machine` reads. The arithmetic is in `mpiparallel.planner`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import ConfigError
+from ..schedules import SCHEDULES
+from . import launch
+
+_SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+DEFAULT_MACHINE = Path.home() / ".cache" / "mpiparallel" / "machine.json"
+
+
+class MemorySize(click.ParamType):
+    """80GB (10^9), 80GiB (2^30), 512MB, or plain bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        match = _SIZE.match(str(value))
+        if match is None:
+            self.fail(f"{value!r} is not a memory size like 80GB, 80GiB or 512MB", param, ctx)
+        number, prefix, binary = match.groups()
+        power = "_KMGT".index(prefix.upper()) if prefix else 0
+        return float(number) * (1024 if binary else 1000) ** power
+
+
+def _model_options(function: Any) -> Any:
+    options = [
+        click.option("--params", type=click.FloatRange(min=1), default=None,
+                     help="Parameter count (e.g. 70e9); the shape is inferred (h ≈ 128·layers) unless given."),
+        click.option("--n-layer", type=click.IntRange(min=1), default=None, help="Blocks. [default: 4]"),
+        click.option("--n-embd", type=click.IntRange(min=1), default=None, help="Channels. [default: 128]"),
+        click.option("--n-head", type=click.IntRange(min=1), default=None, help="Heads. [default: 4]"),
+        click.option("--seq-len", type=click.IntRange(min=1), default=None,
+                     help="Tokens per sequence. [default: 128, or 2048 with --params]"),
+        click.option("--vocab-size", type=click.IntRange(min=1), default=None,
+                     help="Vocabulary. [default: 256, or 50257 with --params]"),
+        click.option("--n-positions", type=click.IntRange(min=1), default=None,
+                     help="Position embeddings. [default: max(1024, seq-len), as train]"),
+        click.option("--experts", type=click.IntRange(min=0), default=0, help="MoE experts per block (0: dense)."),
+        click.option("--top-k", type=click.IntRange(min=1), default=2, help="Experts per token."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _cluster_options(function: Any) -> Any:
+    options = [
+        click.option("--gpus", type=click.IntRange(min=1), default=8, help="GPUs (ranks) in all."),
+        click.option("--gpu-memory", type=MemorySize(), default="80GB", help="Memory per GPU."),
+        click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, help="GPUs per node."),
+        click.option("--intra-bandwidth", type=click.FloatRange(min=0, min_open=True), default=450.0,
+                     help="GB/s one GPU sends inside a node (NVLink)."),
+        click.option("--intra-latency", type=click.FloatRange(min=0), default=5.0,
+                     help="Microseconds per message inside a node."),
+        click.option("--inter-bandwidth", type=click.FloatRange(min=0, min_open=True), default=50.0,
+                     help="GB/s one GPU sends across nodes (400 Gb/s InfiniBand)."),
+        click.option("--inter-latency", type=click.FloatRange(min=0), default=10.0,
+                     help="Microseconds per message across nodes."),
+        click.option("--peak-flops", type=click.FloatRange(min=0, min_open=True), default=989e12,
+                     help="Peak matmul FLOP/s per GPU (H100 bf16 dense)."),
+        click.option("--memory-bandwidth", type=click.FloatRange(min=0, min_open=True), default=3.35e12,
+                     help="Bytes/s of GPU memory (elementwise work)."),
+        click.option("--efficiency", type=click.FloatRange(min=0, max=1, min_open=True), default=0.5,
+                     help="Fraction of the peak rates reached."),
+        click.option("--machine", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Rates and α, β, γ measured by `plan --calibrate` (one machine; --gpus ranks on it)."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _choice_options(function: Any) -> Any:
+    options = [click.option(f"--{axis}", type=click.IntRange(min=1), default=None,
+                            help=f"Fix the {axis.upper()} degree (searched otherwise).")
+               for axis in ("dp", "tp", "pp", "cp", "ep")]
+    options += [
+        click.option("--zero", type=click.IntRange(0, 3), default=None, help="Fix the ZeRO stage."),
+        click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Fix the microbatches."),
+        click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Fix the pipeline schedule."),
+        click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
+                     help="Fix activation recomputation."),
+        click.option("--sp/--no-sp", default=None, help="Fix sequence parallelism (with tp > 1)."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+@click.command(context_settings={"show_default": True})
+@_model_options
+@_cluster_options
+@_choice_options
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Global batch in sequences. [default: 8, or 4 per GPU with --params]")
+@click.option("--precision", type=click.Choice(["mixed", "float32", "float64"]), default=None,
+              help="mixed: bf16 weights and gradients + fp32 master and AdamW moments (16 bytes/parameter); "
+                   "float32/64: train's --dtype. [default: mixed, float32 with --machine]")
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", help="Optimizer state kept.")
+@click.option("--bytes-per-param", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Model-state bytes per parameter (the weights alone with --weights-only).")
+@click.option("--weights-only", is_flag=True,
+              help="Count only the weights (no gradients, optimizer state or activations): how many GPUs must "
+                   "share them; skips the layout search.")
+@click.option("--max-bubble", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None,
+              help="With --pp: the fewest microbatches each schedule needs for a bubble below this fraction.")
+@click.option("--top", type=click.IntRange(min=0), default=10, help="Layouts shown (0: all that fit).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the interactive parallelism map (one self-contained page) for this model on --gpus "
+                   "(at most 16) and exit.")
+@click.option("--calibrate", is_flag=True,
+              help="Measure α, β, γ and the matmul and elementwise rates here on -n ranks and write them to "
+                   "--machine (default ~/.cache/mpiparallel/machine.json).")
+@click.option("-n", "--np", "ranks", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Ranks for --calibrate (relaunches under mpiexec). [default: 2]")
+@click.pass_context
+def plan(ctx: click.Context, **options: Any) -> None:
+    """Rank the layouts of a model on a cluster by predicted step time.
+
+    Enumerates dp·tp·pp·cp (= --gpus), ep, ZeRO, microbatches, schedule, recomputation and SP — any of them
+    fixed by its option — drops the layouts that do not fit in --gpu-memory, and prints the rest fastest first:
+    memory per rank (parameters, gradients, optimizer state, activations in flight for the schedule),
+    compute, communication per axis from the collectives' α-β formulas, the simulated bubble and the exposed
+    communication. The arithmetic is in mpiparallel/planner/core.py's docstring.
+
+    \b
+    Examples:
+      mpiparallel plan --params 70e9 --gpus 256 --gpu-memory 80GB --weights-only --bytes-per-param 2 --json
+      mpiparallel plan --params 7e9 --gpus 64 --batch-size 512 --tp 8
+      mpiparallel plan --pp 8 --max-bubble 0.1 --json
+      mpiparallel plan --calibrate -n 2 && mpiparallel plan --machine ~/.cache/mpiparallel/machine.json --gpus 2
+      mpiparallel plan --gpus 8 --n-layer 8 --html map.html
+    """
+    if options["calibrate"]:
+        _calibrate(ctx, options)
+        return
+    from .. import planner
+
+    model = _model(options)
+    precision = planner.precision_with(options["precision"] or ("float32" if options["machine"] else "mixed"),
+                                       options["optimizer"], options["bytes_per_param"], options["weights_only"])
+    cluster = _cluster(options)
+    batch = options["batch_size"] or (4 * options["gpus"] if options["params"] else 8)
+    choices = planner.Choices(batch, **{name: options[name] for name in (
+        "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp")})
+    if options["html_path"] is not None:
+        _write_page(options["html_path"], model, cluster, precision, batch)
+        return
+    document = _answers(model, cluster, precision, choices, options)
+    if not options["weights_only"]:
+        plans, considered = planner.plan(model, cluster, precision, choices)
+        shown = plans if options["top"] == 0 else plans[:options["top"]]
+        document |= {"considered": considered, "feasible": len(plans), "layouts": [p.to_json() for p in shown]}
+    if options["as_json"]:
+        click.echo(json.dumps(document, indent=1))
+    else:
+        click.echo(report(document))
+
+
+def _model(options: dict[str, Any]) -> Any:
+    from ..planner import Model
+
+    shape = [options[name] for name in ("n_layer", "n_embd", "n_head")]
+    try:
+        if options["params"] and not any(shape):
+            model = replace(Model.from_parameter_count(options["params"], options["seq_len"] or 2048,
+                                                       options["vocab_size"] or 50257),
+                            experts=options["experts"], top_k=options["top_k"])
+        else:
+            seq = options["seq_len"] or 128
+            model = Model(options["n_layer"] or 4, options["n_embd"] or 128, options["n_head"] or 4, seq,
+                          options["vocab_size"] or 256, options["n_positions"] or max(1024, seq),
+                          options["experts"], options["top_k"],
+                          parameters=int(options["params"]) if options["params"] else None)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if model.n_embd % model.n_head:
+        raise ConfigError(f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}")
+    if options["experts"] and options["top_k"] > options["experts"]:
+        raise ConfigError(f"--top-k {options['top_k']} exceeds --experts {options['experts']}")
+    return model
+
+
+def _cluster(options: dict[str, Any]) -> Any:
+    from collectives.cost_model import CostModel
+
+    from ..planner import Cluster, load_machine
+
+    if options["machine"] is not None:
+        try:
+            return load_machine(options["machine"], options["gpus"], options["gpu_memory"])
+        except (OSError, ValueError, KeyError) as error:
+            raise ConfigError(f"cannot read the machine file {options['machine']}: {error}") from None
+    efficiency = options["efficiency"]
+    return Cluster(gpus=options["gpus"], gpu_memory=options["gpu_memory"],
+                   gpus_per_node=min(options["gpus_per_node"], options["gpus"]),
+                   intra=CostModel(options["intra_latency"] * 1e-6, 1 / (options["intra_bandwidth"] * 1e9),
+                                   1 / (options["memory_bandwidth"] * efficiency)),
+                   inter=CostModel(options["inter_latency"] * 1e-6, 1 / (options["inter_bandwidth"] * 1e9),
+                                   1 / (options["memory_bandwidth"] * efficiency)),
+                   matmul_flops=options["peak_flops"] * efficiency,
+                   elementwise_bytes=options["memory_bandwidth"] * efficiency)
+
+
+def _answers(model: Any, cluster: Any, precision: Any, choices: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The model, cluster and the closed-form answers (the seeds' exercises)."""
+    from dataclasses import asdict
+
+    from .. import planner
+
+    document: dict[str, Any] = {
+        "model": asdict(model) | {"total_parameters": model.total_parameters()},
+        "cluster": {"gpus": cluster.gpus, "gpu_memory": cluster.gpu_memory, "gpus_per_node": cluster.gpus_per_node,
+                    "intra": asdict(cluster.intra), "inter": asdict(cluster.inter),
+                    "matmul_flops": cluster.matmul_flops, "elementwise_bytes": cluster.elementwise_bytes},
+        "precision": asdict(precision), "batch_size": choices.batch_size,
+        "min_model_parallel": planner.min_model_parallel(model, precision, cluster.gpu_memory),
+    }
+    dp = planner.data_parallel_degree(cluster.gpus, choices)
+    if dp is not None:
+        document["dp"] = dp
+    if options["max_bubble"] is not None:
+        if not options["pp"] or options["pp"] < 2:
+            raise ConfigError("--max-bubble needs a pipeline: give --pp 2 or more")
+        try:
+            document["min_microbatches"] = {name: planner.min_microbatches(name, options["pp"], options["max_bubble"])
+                                            for name in SCHEDULES}
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return document
+
+
+def _write_page(path: Path, model: Any, cluster: Any, precision: Any, batch: int) -> None:
+    from ..planner.page import write_page
+
+    if cluster.gpus > 16:
+        raise ConfigError(f"--html draws every GPU: give --gpus 16 or fewer (not {cluster.gpus})")
+    try:
+        count = write_page(path, model, cluster, precision, batch)
+    except OSError as error:
+        raise ConfigError(f"cannot write {path}: {error.strerror}") from None
+    click.echo(f"wrote {path}: {count} layouts of {cluster.gpus} GPUs")
+
+
+def _calibrate(ctx: click.Context, options: dict[str, Any]) -> None:
+    argv = ctx.find_root().obj["argv"] if isinstance(ctx.find_root().obj, dict) else []
+    launch.ensure_world_size(options["ranks"] or 2, argv)
+    launch.limit_blas_threads(None)
+    from ..planner.calibrate import calibrate_machine
+
+    path = options["machine"] or DEFAULT_MACHINE
+    n_embd = options["n_embd"] or 128
+    calibrate_machine(path, n_embd)
+
+
+# -- the tables ---------------------------------------------------------------------------------------------------
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3f} ms" if value < 1 else f"{value:.3f} s"
+
+
+def report(document: dict[str, Any]) -> str:
+    """The text `plan` prints: the model, the closed-form answers, then one block per layout."""
+    model, cluster = document["model"], document["cluster"]
+    lines = [f"model: {model['n_layer']} layers, {model['n_embd']} channels, {model['n_head']} heads, seq "
+             f"{model['seq_len']}, vocab {model['vocab_size']}"
+             + (f", {model['experts']} experts top-{model['top_k']}" if model["experts"] else "")
+             + f": {model['total_parameters']:,} parameters; batch {document['batch_size']} sequences",
+             f"cluster: {cluster['gpus']} GPUs of {_bytes(cluster['gpu_memory'])}, {cluster['gpus_per_node']} per node",
+             f"fewest GPUs that must share the model states ({document['precision']['weights']:g}+"
+             f"{document['precision']['gradients']:g}+{document['precision']['optimizer']:g} bytes/parameter): "
+             f"{document['min_model_parallel']}"]
+    if "dp" in document:
+        lines.append(f"data-parallel degree the fixed tp·pp·cp leave: {document['dp']}")
+    if "min_microbatches" in document:
+        lines.append("fewest microbatches for the bubble asked: " + ", ".join(
+            f"{name} {count}" for name, count in document["min_microbatches"].items()))
+    if "layouts" in document:
+        lines.append(f"{document['feasible']} of {document['considered']} layouts fit; the fastest "
+                     f"{len(document['layouts'])}:")
+        for index, layout in enumerate(document["layouts"], 1):
+            lines += ["", *_layout_lines(index, layout)]
+    return "\n".join(lines)
+
+
+def _layout_lines(index: int, layout: dict[str, Any]) -> list[str]:
+    comm = ", ".join(f"{axis} {_seconds(seconds)} ({_bytes(layout['comm_bytes'][axis])})"
+                     for axis, seconds in layout["comm_s"].items() if layout["comm_bytes"][axis] or seconds)
+    lines = [f"{index:>3}. {layout['label']}: step {_seconds(layout['step_s'])}, compute "
+             f"{_seconds(layout['compute_s'])}, bubble {layout['bubble']:.1%}, exposed comm "
+             f"{_seconds(layout['exposed_comm_s'])}",
+             f"     comm per rank: {comm or 'none'}",
+             "     pp rank   parameters    gradients    optimizer  activations        total"]
+    for rank in layout["memory_per_rank"]:
+        lines.append(f"     {rank['pp_rank']:>7} " + " ".join(f"{_bytes(rank[key]):>12}" for key in (
+            "parameters", "gradients", "optimizer_state", "activations", "total")))
+    lines += [f"     note: {note}" for note in layout["notes"]]
+    return lines

@@ -1,0 +1,81 @@
+"""`plan --calibrate`: measure this machine per rank, with every rank busy at once as in training.
+
+α and β: ping-pong between ranks 0 and 1 (`collectives.cost_model.calibrate`: 8-byte and 1 MiB Sendrecv); γ: a
+local reduction. The matmul rate: FLOP/s of the model's own product shapes (rows × n_embd by n_embd × 4·n_embd,
+and back), timed on every rank at once; the elementwise rate: output bytes per second of NumPy adds and
+multiplies on arrays of the MLP's hidden size (rows × 4·n_embd: GELU's passes dominate). The figures are rank
+0's (every rank runs the same work), written with the core count to a JSON file that `plan --machine` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _timed(work, repeats: int, barrier) -> float:
+    """Median seconds of one call of `work` over five rounds, all ranks starting together."""
+    samples = []
+    for _ in range(5):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        samples.append((time.perf_counter() - start) / repeats)
+    return float(np.median(samples))
+
+
+def matmul_rate(n_embd: int, rows: int, barrier) -> float:
+    """FLOP/s of float32 products of the MLP's shapes: (rows, h) @ (h, 4h) and (rows, 4h) @ (4h, h)."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((rows, n_embd), np.float32), rng.standard_normal((n_embd, 4 * n_embd), np.float32)
+    hidden, back = np.empty((rows, 4 * n_embd), np.float32), np.empty((rows, n_embd), np.float32)
+
+    def work() -> None:
+        np.matmul(x, w, out=hidden)
+        np.matmul(hidden, w.T, out=back)
+
+    return 2 * 2 * rows * n_embd * 4 * n_embd / _timed(work, 20, barrier)
+
+
+def elementwise_rate(elements: int, barrier) -> float:
+    """Output bytes per second of float32 elementwise passes (an add and a multiply; the planner counts GELU's
+    tanh and softmax's exp as several such passes)."""
+    a, b = np.ones(elements, np.float32), np.full(elements, 0.5, np.float32)
+    out = np.empty_like(a)
+
+    def work() -> None:
+        np.add(a, b, out=out)
+        np.multiply(out, b, out=out)
+
+    return 2 * elements * 4 / _timed(work, 50, barrier)
+
+
+def calibrate_machine(path: Path, n_embd: int, rows: int = 2048) -> dict[str, float]:
+    """Measure on the running MPI ranks; rank 0 writes `path` and prints the figures."""
+    from mpi4py import MPI
+
+    from collectives import Communicator
+    from collectives.cost_model import calibrate
+
+    comm = Communicator(MPI.COMM_WORLD)
+    link = calibrate(comm)
+    barrier = comm.comm.Barrier
+    measured = {"alpha": link.alpha, "beta": link.beta, "gamma": link.gamma,
+                "matmul_flops": matmul_rate(n_embd, rows, barrier),
+                "elementwise_bytes": elementwise_rate(4 * rows * n_embd, barrier),
+                "ranks": comm.size, "cores": len(os.sched_getaffinity(0)),
+                "matmul_shape": [rows, n_embd, 4 * n_embd], "dtype": "float32"}
+    if comm.rank == 0:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(measured, indent=2) + "\n")
+        print(f"alpha {measured['alpha'] * 1e6:.2f} us, beta {1 / measured['beta'] / 1e9:.2f} GB/s, gamma "
+              f"{1 / measured['gamma'] / 1e9:.2f} GB/s, matmul {measured['matmul_flops'] / 1e9:.2f} GFLOP/s, "
+              f"elementwise {measured['elementwise_bytes'] / 1e9:.2f} GB/s per rank, {comm.size} ranks on "
+              f"{measured['cores']} cores; wrote {path}", flush=True)
+    return measured
