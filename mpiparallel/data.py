@@ -150,7 +150,8 @@ def full_batch_count(token_count: int, batch_size: int, seq_len: int) -> int:
 
 
 def batch_for_step(tokens: np.ndarray, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets), each (batch_size, seq_len), for 0-based `step`: views into `tokens`, do not modify."""
+    """(inputs, targets), each (batch_size, seq_len), for 0-based `step`: copies, so that what a layer keeps for
+    backward (the embedding keeps its token ids) holds the batch, not a view of the whole dataset."""
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
     batch_count = full_batch_count(len(tokens), batch_size, seq_len)
@@ -160,7 +161,7 @@ def batch_for_step(tokens: np.ndarray, step: int, batch_size: int, seq_len: int)
                           f"{tokens_per_batch + 1}")
     start = (step % batch_count) * tokens_per_batch
     window = tokens[start:start + tokens_per_batch + 1]
-    return window[:-1].reshape(batch_size, seq_len), window[1:].reshape(batch_size, seq_len)
+    return window[:-1].reshape(batch_size, seq_len).copy(), window[1:].reshape(batch_size, seq_len).copy()
 
 
 def rows_for_rank(inputs: np.ndarray, targets: np.ndarray, rank: int, ranks: int) -> tuple[np.ndarray, np.ndarray]:

@@ -55,26 +55,11 @@ from .schedules import (
     SEND_F,
     Action,
     Schedule,
+    stage_units,
 )
 
 PP_AXIS = "pp"
 TIED_WEIGHT = "transformer.wte.weight"
-
-
-def stage_units(n_layer: int, stages: int) -> list[range]:
-    """The units of each stage: n_layer blocks over `stages` chunks as evenly as possible (earlier chunks take the
-    extra block), the embedding (unit 0) with the first and the head (unit n_layer + 1) with the last."""
-    if stages > n_layer:
-        raise ConfigError(f"{stages} pipeline stages (pp × virtual stages) but only {n_layer} layers: every stage "
-                          f"needs at least one transformer block")
-    base, extra = divmod(n_layer, stages)
-    bounds = [0]
-    for stage in range(stages):
-        bounds.append(bounds[-1] + base + (stage < extra))
-    units = [range(1 + start, 1 + stop) for start, stop in zip(bounds, bounds[1:], strict=False)]
-    units[0] = range(0, units[0].stop)
-    units[-1] = range(units[-1].start, n_layer + 2)
-    return units
 
 
 def local_units(schedule: Schedule, rank: int, n_layer: int) -> list[int]:

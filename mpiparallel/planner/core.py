@@ -40,7 +40,7 @@ from collectives.cost_model import FORMULAS as COLLECTIVE_FORMULAS
 from collectives.cost_model import CostModel, choose
 from models.layers import QUERY_BLOCK, block_activation_elements, query_blocks
 
-from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate
+from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate, stage_units
 from ..schedules.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from ..schedules.build import V_SHAPED, check_arguments
 from ..schedules.simulator import peak_activations
@@ -208,19 +208,6 @@ def unit_parameters(model: Model, tp: int, ep: int) -> list[int]:
     block = 4 * h + attention + mlp
     head = 2 * h + padded_vocab(model.vocab_size, tp) // tp * h
     return [embedding] + [block] * model.n_layer + [head]
-
-
-def stage_units(n_layer: int, stages: int) -> list[range]:
-    """train's split (mpiparallel.pipeline_parallel.stage_units, which needs MPI): blocks as even as possible,
-    earlier stages taking the extra one, the embedding (unit 0) first, the head (unit n_layer + 1) last."""
-    base, extra = divmod(n_layer, stages)
-    bounds = [0]
-    for stage in range(stages):
-        bounds.append(bounds[-1] + base + (stage < extra))
-    units = [range(1 + start, 1 + stop) for start, stop in itertools.pairwise(bounds)]
-    units[0] = range(0, units[0].stop)
-    units[-1] = range(units[-1].start, n_layer + 2)
-    return units
 
 
 def tied_parameters(model: Model, tp: int) -> int:

@@ -39,6 +39,7 @@ from .actions import (
                       SEND_F,
                       Action,
                       Schedule,
+                      stage_units,
 )
 from .build import FORMULAS, SCHEDULES, bubble_formula, build_schedule
 from .classic import gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
@@ -47,6 +48,7 @@ from .simulator import Costs, Interval, ScheduleError, Simulation, simulate, val
 from .zero_bubble import zb_h1_schedule, zbv_schedule
 
 __all__ = [
+    "stage_units",
     "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FORWARD", "FULL_BACKWARD", "RECV_B", "RECV_F", "SEND_B", "SEND_F",
     "FORMULAS", "SCHEDULES", "Action", "Costs", "Interval", "Schedule", "ScheduleError", "Simulation", "bubble_formula",
     "build_schedule", "dualpipev_schedule", "gpipe_schedule", "interleaved_schedule", "one_f_one_b_schedule",

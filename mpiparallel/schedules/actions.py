@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+
 FORWARD = "F"
 BACKWARD_INPUT = "I"
 BACKWARD_WEIGHT = "W"
@@ -170,3 +172,19 @@ def _transfers(action: Action, stage_ranks: tuple[int, ...]) -> tuple[list[Actio
         return ([Action(stage, RECV_B, microbatch)] if next_remote else [],
                 [Action(stage, SEND_B, microbatch)] if previous_remote else [])
     return [], []
+
+
+def stage_units(n_layer: int, stages: int) -> list[range]:
+    """The units of each stage: n_layer blocks over `stages` chunks as evenly as possible (earlier chunks take the
+    extra block), the embedding (unit 0) with the first and the head (unit n_layer + 1) with the last."""
+    if stages > n_layer:
+        raise ConfigError(f"{stages} pipeline stages (pp × virtual stages) but only {n_layer} layers: every stage "
+                          f"needs at least one transformer block")
+    base, extra = divmod(n_layer, stages)
+    bounds = [0]
+    for stage in range(stages):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    units = [range(1 + start, 1 + stop) for start, stop in zip(bounds, bounds[1:], strict=False)]
+    units[0] = range(0, units[0].stop)
+    units[-1] = range(units[-1].start, n_layer + 2)
+    return units
