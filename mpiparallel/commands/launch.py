@@ -276,6 +276,10 @@ def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: 
 PEER_DEATH_GRACE_S = 1.0
 """How long a rank that got an MPI error waits before MPI_Abort (mpiexec usually ends it sooner)."""
 
+MESSAGE_GRACE_S = 0.3
+"""How long a failing rank waits between printing its message and MPI_Abort: mpiexec relays a rank's output
+through a pipe and may tear the job down before it has read the last lines (seen on a loaded machine)."""
+
 _BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _LOCAL_RANK_COUNT_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
@@ -369,6 +373,7 @@ def run_guarded(entry: Callable[[], int | None]) -> NoReturn:
     except Exception as error:
         _report_crash(error)
         if not _is_mpi_error(error):
+            time.sleep(MESSAGE_GRACE_S)
             _abort(1, ABORTED)
         # Most likely a peer died: give mpiexec a moment to notice that death itself, so that it (and the
         # self-launching parent) name the lost rank rather than this one's MPI_Abort.
