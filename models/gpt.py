@@ -449,22 +449,24 @@ class GPT:
     # -- inference -------------------------------------------------------------------------------------------
 
     def generate(self, prompt: Array, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 rng: np.random.Generator | None = None) -> Array:
+                 rng: np.random.Generator | None = None, window: int | None = None) -> Array:
         """Sample `new_tokens` tokens after `prompt` (1-D token ids) with a KV cache; returns only the new ones.
 
         temperature 0 picks the most likely token; top_k keeps only the k most likely before sampling. When
-        the context reaches n_positions, the cache is rebuilt from the most recent half of it.
+        the context reaches `window` positions (default n_positions; give the training sequence length, as
+        positions beyond it never had their embedding trained), the cache is rebuilt from its most recent half.
         """
         rng = rng or np.random.default_rng()
+        window = min(window or self.config.n_positions, self.config.n_positions)
         context = [int(t) for t in prompt]
         if not context:
             raise ValueError("generate needs a prompt of at least one token")
         generated: list[int] = []
-        caches, pending = None, context[-self.config.n_positions:]
+        caches, pending = None, context[-window:]
         while len(generated) < new_tokens:
-            if caches is None or caches[0].length + len(pending) > self.config.n_positions:
+            if caches is None or caches[0].length + len(pending) > window:
                 caches = [KVCache() for _ in self.blocks]
-                pending = context[-self.config.n_positions // 2:] if generated else pending
+                pending = context[-window // 2:] if generated else pending
             logits = self._next_logits(pending, caches)
             token = sample_token(logits, temperature, top_k, rng)
             generated.append(token)

@@ -227,7 +227,7 @@ def run(settings: TrainSettings) -> int:
         serial = GPT(config, dtype=np.dtype(settings.model.dtype))
         serial.load_state_dict(full)
         reporter.say(sample_text(serial, prompt="The ", new_tokens=settings.output.sample_tokens,
-                                 seed=settings.model.seed))
+                                 seed=settings.model.seed, window=settings.data.seq_len))
     return 0
 
 
@@ -538,10 +538,11 @@ def _sum_over(comm: Communicator, value: float) -> float:
 
 
 def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8,
-                top_k: int | None = 40) -> str:
-    """Bytes sampled from a byte-level model after `prompt`, decoded as UTF-8 (bad bytes replaced)."""
+                top_k: int | None = 40, window: int | None = None) -> str:
+    """Bytes sampled from a byte-level model after `prompt`, decoded as UTF-8 (bad bytes replaced); `window`:
+    the most positions the model attends over (its training sequence length)."""
     prompt_ids = np.frombuffer(prompt.encode(), dtype=np.uint8).astype(np.int64)
-    new = model.generate(prompt_ids, new_tokens, temperature, top_k, np.random.default_rng(seed))
+    new = model.generate(prompt_ids, new_tokens, temperature, top_k, np.random.default_rng(seed), window)
     return prompt + bytes(new.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
 
 

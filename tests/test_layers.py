@@ -188,19 +188,22 @@ def test_initialization_depends_only_on_the_seed():
     assert proj.std() == pytest.approx(0.02 / math.sqrt(4), rel=0.2)
 
 
-def test_generation_with_kv_cache_equals_recomputing_the_whole_sequence():
+@pytest.mark.parametrize(("window", "expected_rebuilds"), [(None, 1), (8, 4)])
+def test_generation_with_kv_cache_equals_recomputing_the_whole_sequence(window, expected_rebuilds):
     config = GPTConfig(vocab_size=13, n_positions=16, n_embd=8, n_layer=2, n_head=2)
     model = GPT(config, seed=1, dtype=np.float64)
     prompt = [3, 1, 4, 1, 5]
-    generated = model.generate(np.array(prompt), new_tokens=20, temperature=0)  # passes n_positions: cache rebuilt
+    generated = model.generate(np.array(prompt), new_tokens=20, temperature=0, window=window)  # cache rebuilt
+    size = window or config.n_positions
     context, window_start, rebuilds = list(prompt), 0, 0
     for token in generated:
-        if len(context) - window_start > config.n_positions:  # the cache is rebuilt from the latest half
-            window_start, rebuilds = len(context) - config.n_positions // 2, rebuilds + 1
+        if len(context) - window_start > size:  # the cache is rebuilt from the latest half
+            window_start, rebuilds = len(context) - size // 2, rebuilds + 1
         expected = int(np.argmax(model.logits(np.array([context[window_start:]]))[0, -1]))
         assert token == expected
         context.append(token)
-    assert rebuilds == 1  # the context passes n_positions = 16 at its 17th token (5 prompt + 12 new)
+    # n_positions = 16: passed at the 17th token (5 prompt + 12 new); a window of 8 at the 9th, then every 4
+    assert rebuilds == expected_rebuilds
     assert len(generated) == 20 and all(0 <= t < 13 for t in generated)
 
 
