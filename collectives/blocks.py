@@ -84,3 +84,21 @@ def exchange_in_segments(send: Array, dest: int, recv: Array, source: int, segme
         yield Step(send[send_bounds[i]:send_bounds[i + 1]], dest, recv[lo:hi], source)
         if on_arrival is not None:
             on_arrival(lo, hi)
+
+
+def exchange_and_reduce(send: Array, dest: int, source: int, mine: Array, target: Array, landing: Array,
+                        segments: int, reduce: Reducer) -> Steps:
+    """Steps sending `send` to `dest` while a block as long as `mine` arrives from `source`, cut into `segments`
+    pieces; each piece lands in the reused buffer `landing` (one segment long, so it is still in cache) and is
+    reduced at once with its piece of `mine` into `target` — the inner loop of ring and halving reductions."""
+    if segments == 1:  # the common case, without the bookkeeping of pieces
+        arrived = landing[:len(mine)]
+        yield Step(send, dest, arrived, source)
+        reduce(mine, arrived, target)
+        return
+    send_bounds, recv_bounds = even_bounds(len(send), segments), even_bounds(len(mine), segments)
+    for i in range(segments):
+        lo, hi = recv_bounds[i], recv_bounds[i + 1]
+        arrived = landing[:hi - lo]
+        yield Step(send[send_bounds[i]:send_bounds[i + 1]], dest, arrived, source)
+        reduce(mine[lo:hi], arrived, target[lo:hi])

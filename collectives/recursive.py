@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 
 from .backend import Array, get_array_module
-from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
+from .blocks import Reducer, even_bounds, exchange_and_reduce, exchange_in_segments, segment_count
 from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
 
 
@@ -85,17 +85,7 @@ def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfT
         partner = fold.real(v ^ distance)
         keep = slice(bounds[keep_lo], bounds[keep_hi])
         mine, target, give = src[keep], work[keep], src[bounds[give_lo]:bounds[give_hi]]
-        if segments == 1:  # the common case, without the bookkeeping of pieces
-            arrived = scratch[:len(mine)]
-            yield Step(give, partner, arrived, partner)
-            reduce(mine, arrived, target)
-        else:
-            give_pieces, keep_pieces = even_bounds(len(give), segments), even_bounds(len(mine), segments)
-            for i in range(segments):
-                a, b = keep_pieces[i], keep_pieces[i + 1]
-                arrived = scratch[:b - a]
-                yield Step(give[give_pieces[i]:give_pieces[i + 1]], partner, arrived, partner)
-                reduce(mine[a:b], arrived, target[a:b])
+        yield from exchange_and_reduce(give, partner, partner, mine, target, scratch, segments, reduce)
         src = work
         lo, hi, distance = keep_lo, keep_hi, distance // 2
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .backend import Array, get_array_module
-from .blocks import Reducer, even_bounds, exchange_in_segments, segment_count
+from .blocks import Reducer, even_bounds, exchange_and_reduce, exchange_in_segments, segment_count
 from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
 
 
@@ -39,17 +39,7 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
     for step in range(size - 1):
         block = (rank - step - 2) % size
         mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
-        if segments == 1:  # the common case, without the bookkeeping of pieces
-            arrived = landing[:len(target)]
-            yield Step(send, right, arrived, left)
-            reduce(mine, arrived, target)
-        else:
-            send_pieces, recv_pieces = even_bounds(len(send), segments), even_bounds(len(target), segments)
-            for i in range(segments):
-                lo, hi = recv_pieces[i], recv_pieces[i + 1]
-                arrived = landing[:hi - lo]
-                yield Step(send[send_pieces[i]:send_pieces[i + 1]], right, arrived, left)
-                reduce(mine[lo:hi], arrived, target[lo:hi])
+        yield from exchange_and_reduce(send, right, left, mine, target, landing, segments, reduce)
         send = target
 
 
