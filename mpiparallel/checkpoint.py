@@ -188,7 +188,7 @@ def load_pretrained(directory: str | Path, expected_shapes: Mapping[str, tuple[i
     path = Path(directory)
     if not path.is_dir():
         raise ConfigError(f"checkpoint directory {path} does not exist")
-    raw_config = _read_json(path / CONFIG_FILE, "model config")
+    raw_config = read_json_object(path / CONFIG_FILE, "not a checkpoint directory (model config)")
     config = gpt_config_from_json(raw_config, path / CONFIG_FILE)
     tensors = _canonical_tensors(_read_weights(path), path / WEIGHTS_FILE)
     expected = expected_shapes or parameter_shapes(config)
@@ -219,9 +219,10 @@ def gpt_config_from_json(raw: Mapping[str, Any], source: str | Path = CONFIG_FIL
         raise ConfigError(f"{source}: {error}") from None
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: Path, missing: str) -> dict[str, Any]:
+    """The JSON object in `path`, or one ConfigError: `missing` says what its absence means."""
     if not path.is_file():
-        raise ConfigError(f"{path} is missing: not a checkpoint directory ({what})")
+        raise ConfigError(f"{path} is missing: {missing}")
     try:
         content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -57,6 +57,7 @@ from collectives.backend import Array, like, to_host
 from models.gpt import GPTConfig
 from models.parameter import HELD, Placement, Sharded, counts_once, local_shape, padded_length
 
+from .checkpoint import read_json_object
 from .errors import ConfigError
 from .mesh import Mesh
 
@@ -439,13 +440,8 @@ class TrainingCheckpoint:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """manifest.json, checked enough that every later lookup in it is safe."""
     path = folder / MANIFEST
-    if not path.is_file():
-        raise ConfigError(f"{path} is missing: {folder} is not a complete training checkpoint")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    manifest = read_json_object(path, f"{folder} is not a complete training checkpoint")
+    if manifest.get("format") != FORMAT:
         raise ConfigError(f"{path} is not an mpiparallel training checkpoint manifest")
     if manifest.get("version") != VERSION or not isinstance(manifest.get("step"), int):
         raise ConfigError(f"{path}: version {manifest.get('version')!r} is not {VERSION}, or the step is missing")
