@@ -123,3 +123,21 @@ def test_max_bubble_without_a_pipeline_is_one_clear_error():
     assert finished.returncode != 0
     assert "--max-bubble needs a pipeline" in finished.stderr + finished.stdout
     assert "Traceback" not in finished.stderr
+
+
+def test_calibration_measures_the_rates_and_a_real_steps_share_of_them_which_scale_the_machine(tmp_path):
+    from mpiparallel.planner.core import load_machine
+
+    machine = tmp_path / "machine.json"
+    result = run_with_timeout([sys.executable, "-m", "mpiparallel", "plan", "--calibrate", "-n", "2", "--n-layer", "2",
+                               "--n-embd", "32", "--seq-len", "32", "--machine", str(machine)], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    measured = json.loads(machine.read_text())
+    assert measured["ranks"] == 2 and measured["efficiency_shape"]["n_layer"] == 2
+    assert measured["matmul_flops"] > 0 and measured["elementwise_bytes"] > 0
+    assert 0 < measured["compute_efficiency"] < 10
+    one_rank = load_machine(machine, ranks_per_node=1, gpu_memory=1e9)
+    share = measured["cores"] / 1
+    assert one_rank.matmul_flops == pytest.approx(measured["matmul_flops"] * share * measured["compute_efficiency"])
+    assert one_rank.elementwise_bytes == pytest.approx(measured["elementwise_bytes"] * min(1.0, share)
+                                                       * measured["compute_efficiency"])

@@ -267,7 +267,9 @@ def _calibrate(ctx: click.Context, options: dict[str, Any]) -> None:
 
     path = options["machine"] or DEFAULT_MACHINE
     n_embd = options["n_embd"] or 128
-    calibrate_machine(path, n_embd)
+    shape = {"n_layer": options["n_layer"] or 4, "n_embd": n_embd, "n_head": options["n_head"] or 4,
+             "seq_len": options["seq_len"] or 128, "vocab_size": options["vocab_size"] or 256}
+    calibrate_machine(path, n_embd, shape=shape)
 
 
 # -- the tables ---------------------------------------------------------------------------------------------------

@@ -3,8 +3,12 @@
 α and β: ping-pong between ranks 0 and 1 (`collectives.cost_model.calibrate`: 8-byte and 1 MiB Sendrecv); γ: a
 local reduction. The matmul rate: FLOP/s of the model's own product shapes (rows × n_embd by n_embd × 4·n_embd,
 and back), timed on every rank at once; the elementwise rate: output bytes per second of NumPy adds and
-multiplies on arrays of the MLP's hidden size (rows × 4·n_embd: GELU's passes dominate). The figures are rank
-0's (every rank runs the same work), written with the core count to a JSON file that `plan --machine` reads.
+multiplies on arrays of the MLP's hidden size (rows × 4·n_embd: GELU's passes dominate). Last, the compute
+efficiency: one real training step of the serial model at the given shape (`models`' layers, AdamW) timed against
+the planner's prediction for it at those rates — the share of the raw rates that real layers reach (Python's cost
+per operation, attention's small per-head products, the optimizer's passes). `plan --machine` scales both rates by
+it, so it anchors the one-rank prediction; meshes, schedules and rank counts are predicted from there. The figures
+are rank 0's (every rank runs the same work), written with the core count to a JSON file.
 """
 
 from __future__ import annotations
@@ -55,7 +59,45 @@ def elementwise_rate(elements: int, barrier) -> float:
     return 2 * elements * 4 / _timed(work, 50, barrier)
 
 
-def calibrate_machine(path: Path, n_embd: int, rows: int = 2048) -> dict[str, float]:
+def serial_step_seconds(shape: dict[str, int], rows: int, barrier) -> float:
+    """Seconds of one training step (forward, backward, AdamW) of the serial float32 model on `rows` sequences."""
+    from models.gpt import GPT, GPTConfig
+
+    from ..commands.launch import keep_freed_memory
+    from ..optim import AdamW
+
+    keep_freed_memory()  # as `train` does: without it each step's activations cost fresh pages from the OS
+
+    config = GPTConfig(vocab_size=shape["vocab_size"], n_positions=max(1024, shape["seq_len"]),
+                       n_embd=shape["n_embd"], n_layer=shape["n_layer"], n_head=shape["n_head"])
+    model = GPT(config, dtype=np.float32)
+    optimizer = AdamW(model.parameters(), lr=1e-4)
+    window = np.random.default_rng(0).integers(0, config.vocab_size, (rows, shape["seq_len"] + 1))
+    inputs, targets = window[:, :-1], window[:, 1:]
+
+    def work() -> None:
+        for param in model.parameters():
+            param.grad[...] = 0
+        _, saved = model.forward(inputs, targets, normalizer=inputs.size)
+        model.backward(saved)
+        optimizer.step()
+
+    return _timed(work, 2, barrier)
+
+
+def compute_efficiency(shape: dict[str, int], rows: int, matmul_flops: float, elementwise_bytes: float,
+                       barrier) -> float:
+    """The planner's predicted seconds for one serial step at the measured rates, over the measured seconds."""
+    from .core import Cluster, Layout, Model, evaluate, precision_with
+
+    model = Model(shape["n_layer"], shape["n_embd"], shape["n_head"], shape["seq_len"], shape["vocab_size"])
+    cluster = Cluster(gpus=1, gpus_per_node=1, matmul_flops=matmul_flops, elementwise_bytes=elementwise_bytes)
+    predicted = evaluate(model, cluster, precision_with("float32"), Layout(), rows).step_s
+    return predicted / serial_step_seconds(shape, rows, barrier)
+
+
+def calibrate_machine(path: Path, n_embd: int, rows: int = 2048, shape: dict[str, int] | None = None,
+                      step_rows: int = 8) -> dict[str, float]:
     """Measure on the running MPI ranks; rank 0 writes `path` and prints the figures."""
     from mpi4py import MPI
 
@@ -70,12 +112,17 @@ def calibrate_machine(path: Path, n_embd: int, rows: int = 2048) -> dict[str, fl
                 "elementwise_bytes": elementwise_rate(4 * rows * n_embd, barrier),
                 "ranks": comm.size, "cores": len(os.sched_getaffinity(0)),
                 "matmul_shape": [rows, n_embd, 4 * n_embd], "dtype": "float32"}
+    shape = shape or {"n_layer": 4, "n_embd": n_embd, "n_head": 4, "seq_len": 128, "vocab_size": 256}
+    measured["efficiency_shape"] = {**shape, "rows": step_rows}
+    measured["compute_efficiency"] = compute_efficiency(shape, step_rows, measured["matmul_flops"],
+                                                        measured["elementwise_bytes"], barrier)
     if comm.rank == 0:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured, indent=2) + "\n")
         print(f"alpha {measured['alpha'] * 1e6:.2f} us, beta {1 / measured['beta'] / 1e9:.2f} GB/s, gamma "
               f"{1 / measured['gamma'] / 1e9:.2f} GB/s, matmul {measured['matmul_flops'] / 1e9:.2f} GFLOP/s, "
-              f"elementwise {measured['elementwise_bytes'] / 1e9:.2f} GB/s per rank, {comm.size} ranks on "
+              f"elementwise {measured['elementwise_bytes'] / 1e9:.2f} GB/s per rank; a real training step reaches "
+              f"{measured['compute_efficiency']:.0%} of them; {comm.size} ranks on "
               f"{measured['cores']} cores; wrote {path}", flush=True)
     return measured

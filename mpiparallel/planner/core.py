@@ -739,11 +739,13 @@ def data_parallel_degree(gpus: int, choices: Choices) -> int | None:
 def load_machine(path: Path, ranks_per_node: int, gpu_memory: float) -> Cluster:
     """A cluster of `ranks_per_node` ranks on one machine from `plan --calibrate`'s file. Its rates were measured
     per rank with every core busy (one rank per core); fewer ranks than cores give each rank more BLAS threads
-    (matmul rate × cores / ranks), more ranks share the cores (both rates × cores / ranks)."""
+    (matmul rate × cores / ranks), more ranks share the cores (both rates × cores / ranks); both are scaled by the
+    compute efficiency measured on a real serial training step."""
     measured = json.loads(Path(path).read_text())
     cores = measured["cores"]
     share = cores / ranks_per_node
+    efficiency = measured.get("compute_efficiency", 1.0)  # the share of the raw rates a real step reaches
     link = CostModel(measured["alpha"], measured["beta"], measured["gamma"])
     return Cluster(gpus=ranks_per_node, gpu_memory=gpu_memory, gpus_per_node=ranks_per_node, intra=link,
-                   inter=link, matmul_flops=measured["matmul_flops"] * share,
-                   elementwise_bytes=measured["elementwise_bytes"] * min(1.0, share))
+                   inter=link, matmul_flops=measured["matmul_flops"] * share * efficiency,
+                   elementwise_bytes=measured["elementwise_bytes"] * min(1.0, share) * efficiency)
