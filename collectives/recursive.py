@@ -26,6 +26,7 @@ import functools
 from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds, exchange_and_reduce, exchange_in_segments, segment_count
 from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
+from .scratch import scratch
 
 
 class PowerOfTwoFold:
@@ -77,17 +78,17 @@ def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfT
     """
     v, half = fold.virtual, _largest_half(bounds, fold.p)
     segments = segment_count(half, src.itemsize, segment_bytes)
-    scratch = get_array_module(src).empty(-(-half // segments), src.dtype)  # one segment, reused: stays in cache
     lo, hi, distance = 0, fold.p, fold.p // 2
-    while distance >= 1:
-        mid = lo + distance
-        (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if v & distance else ((lo, mid), (mid, hi))
-        partner = fold.real(v ^ distance)
-        keep = slice(bounds[keep_lo], bounds[keep_hi])
-        mine, target, give = src[keep], work[keep], src[bounds[give_lo]:bounds[give_hi]]
-        yield from exchange_and_reduce(give, partner, partner, mine, target, scratch, segments, reduce)
-        src = work
-        lo, hi, distance = keep_lo, keep_hi, distance // 2
+    with scratch(src, -(-half // segments)) as landing:  # one segment, reused: it stays in cache
+        while distance >= 1:
+            mid = lo + distance
+            (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if v & distance else ((lo, mid), (mid, hi))
+            partner = fold.real(v ^ distance)
+            keep = slice(bounds[keep_lo], bounds[keep_hi])
+            mine, target, give = src[keep], work[keep], src[bounds[give_lo]:bounds[give_hi]]
+            yield from exchange_and_reduce(give, partner, partner, mine, target, landing, segments, reduce)
+            src = work
+            lo, hi, distance = keep_lo, keep_hi, distance // 2
 
 
 def recursive_doubling_gather(out: Array, bounds: list[int], fold: PowerOfTwoFold, *, segment_bytes: int) -> Steps:
@@ -112,9 +113,9 @@ def fold_in(x: Array, work: Array, fold: PowerOfTwoFold, reduce: Reducer) -> Ste
     if fold.is_extra:
         yield Step(send=x, dest=fold.partner)
     elif fold.has_extra:
-        arrived = get_array_module(x).empty_like(x)
-        yield Step(recv=arrived, source=fold.partner)
-        reduce(x, arrived, work)
+        with scratch(x, len(x)) as arrived:
+            yield Step(recv=arrived, source=fold.partner)
+            reduce(x, arrived, work)
 
 
 def hand_back(result: Array, fold: PowerOfTwoFold) -> Steps:
@@ -184,14 +185,14 @@ def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int,
         yield Step(send=x, dest=fold.partner)
         yield Step(recv=out, source=fold.partner)
         return
-    work = get_array_module(x).empty_like(x)
-    if fold.has_extra:
-        yield from fold_in(x, work, fold, reduce)
-    yield from recursive_halving(work if fold.has_extra else x, work, _rank_block_bounds(fold, block), fold,
-                                 reduce, segment_bytes=segment_bytes)
-    if fold.has_extra:  # this segment holds the extra rank's block first, then this rank's
-        yield Step(send=work[(rank - 1) * block:rank * block], dest=fold.partner)
-    out[...] = work[rank * block:(rank + 1) * block]
+    with scratch(x, len(x)) as work:
+        if fold.has_extra:
+            yield from fold_in(x, work, fold, reduce)
+        yield from recursive_halving(work if fold.has_extra else x, work, _rank_block_bounds(fold, block), fold,
+                                     reduce, segment_bytes=segment_bytes)
+        if fold.has_extra:  # this segment holds the extra rank's block first, then this rank's
+            yield Step(send=work[(rank - 1) * block:rank * block], dest=fold.partner)
+        out[...] = work[rank * block:(rank + 1) * block]
 
 
 def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int, *,

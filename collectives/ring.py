@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .backend import Array, get_array_module
+from .backend import Array
 from .blocks import Reducer, even_bounds, exchange_and_reduce, exchange_in_segments, segment_count
 from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
+from .scratch import scratch
 
 
 def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int, reduce: Reducer,
@@ -34,13 +35,13 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
     """
     right, left = (rank + 1) % size, (rank - 1) % size
     segments = segment_count(bounds[1] - bounds[0], x.itemsize, segment_bytes)  # the first block is the largest
-    landing = get_array_module(x).empty(-(-(bounds[1] - bounds[0]) // segments), x.dtype)
     send = x[bounds[left]:bounds[left + 1]]
-    for step in range(size - 1):
-        block = (rank - step - 2) % size
-        mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
-        yield from exchange_and_reduce(send, right, left, mine, target, landing, segments, reduce)
-        send = target
+    with scratch(x, -(-(bounds[1] - bounds[0]) // segments)) as landing:
+        for step in range(size - 1):
+            block = (rank - step - 2) % size
+            mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
+            yield from exchange_and_reduce(send, right, left, mine, target, landing, segments, reduce)
+            send = target
 
 
 def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int, *, segment_bytes: int) -> Steps:
@@ -79,12 +80,12 @@ def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Redu
     with the parity chosen so that the last step lands in `out`.
     """
     bounds = even_bounds(len(x), size)
-    spare = get_array_module(x).empty(len(out), x.dtype) if size > 2 else out
+    with scratch(x, len(out) if size > 2 else 0) as spare:
 
-    def partial(step: int, block: int) -> Array:
-        return out if (size - 2 - step) % 2 == 0 else spare
+        def partial(step: int, block: int) -> Array:
+            return out if (size - 2 - step) % 2 == 0 else spare
 
-    yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial, segment_bytes=segment_bytes)
+        yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial, segment_bytes=segment_bytes)
 
 
 def ring_all_gather(x: Array, out: Array, rank: int, size: int, *,

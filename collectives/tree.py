@@ -14,11 +14,12 @@
 
 from __future__ import annotations
 
-from .backend import Array, get_array_module
+from .backend import Array
 from .blocks import Reducer, even_bounds
 from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
 from .recursive import PowerOfTwoFold, fold_in, recursive_halving
 from .ring import ring_all_gather_phase
+from .scratch import scratch
 
 
 def _parent_mask(relative: int, size: int) -> int:
@@ -73,37 +74,35 @@ def binomial_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduc
     is, without a copy or a receive buffer.
     """
     relative = (rank - root) % size
-    partial, arrived = x, None
-    mask = 1
+    partial, mask = x, 1
     while mask < size:
         if relative & mask:
             yield Step(send=partial, dest=(rank - mask) % size)
             return
         if relative + mask < size:
-            if arrived is None:
-                arrived = get_array_module(x).empty_like(x)
-            yield Step(recv=arrived, source=(rank + mask) % size)
-            reduce(partial, arrived, out)
+            with scratch(x, len(x)) as arrived:
+                yield Step(recv=arrived, source=(rank + mask) % size)
+                reduce(partial, arrived, out)
             partial = out
         mask <<= 1
 
 
 def rabenseifner_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduce: Reducer, *,
                         segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
-    """Reduce flat `x` onto `root` by recursive halving, then a direct gather of the p pieces."""
-    fold = PowerOfTwoFold(rank, size)
-    work = get_array_module(x).empty_like(x)
+    """Reduce flat `x` onto `root` by recursive halving, then a direct gather of the p pieces.
+
+    `out` holds the partial results on every rank (off the root it is the caller's scratch space), so the
+    root's own piece is already in place and the others land next to it.
+    """
+    fold = PowerOfTwoFold.of(rank, size)
     bounds = even_bounds(len(x), fold.p)
-    yield from fold_in(x, work, fold, reduce)
+    yield from fold_in(x, out, fold, reduce)
     if not fold.is_extra:
-        yield from recursive_halving(work if fold.has_extra else x, work, bounds, fold, reduce,
+        yield from recursive_halving(out if fold.has_extra else x, out, bounds, fold, reduce,
                                      segment_bytes=segment_bytes)
         if rank != root:
-            yield Step(send=work[bounds[fold.virtual]:bounds[fold.virtual + 1]], dest=root)
+            yield Step(send=out[bounds[fold.virtual]:bounds[fold.virtual + 1]], dest=root)
     if rank == root:
         for virtual in range(fold.p):
-            piece = slice(bounds[virtual], bounds[virtual + 1])
-            if fold.real(virtual) == rank:
-                out[piece] = work[piece]
-            else:
-                yield Step(recv=out[piece], source=fold.real(virtual))
+            if fold.real(virtual) != rank:
+                yield Step(recv=out[bounds[virtual]:bounds[virtual + 1]], source=fold.real(virtual))

@@ -78,6 +78,14 @@ def test_async_collectives_in_flight_together_equal_the_sync_forms(ranks):
                                      env={"MPIPARALLEL_SEGMENT_BYTES": "8"}))
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_pooled_scratch_buffers_are_never_shared_by_collectives_in_flight(ranks):
+    """Every temporary from the scratch pool (normally only those of 1 MiB or more): async handles in flight
+    together still equal the sync forms, in place too, and their buffers are back in the pool at the end."""
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_async_equals_sync", count=1001, pool_everything=True))
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_out_aliasing_input", pool_everything=True))
+
+
 def test_bad_arguments_raise_value_errors_naming_the_valid_choices():
     messages = run_on_ranks(2, f"{CHECKS}:check_errors_are_clear")[0]
     assert "median" in messages["bad_op"] and "sum, prod, max, min, avg" in messages["bad_op"]

@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as C
+import collectives.scratch as scratch_pool
 from collectives.cost_model import CostModel
 
 DTYPES = {name: np.dtype(name) for name in ("float16", "float32", "float64", "int32", "int64")}
@@ -264,8 +265,18 @@ def ledger_volumes(count: int) -> dict:
     return volumes
 
 
-def check_async_equals_sync(count: int) -> list[str]:
-    """Several asynchronous collectives in flight at once, progressed by interleaved test(), equal the sync forms."""
+def pool_every_temporary() -> None:
+    """Make every algorithm temporary come from the scratch pool, however small (it pools >= 1 MiB otherwise)."""
+    scratch_pool.POOLED_BYTES = 0
+
+
+def check_async_equals_sync(count: int, pool_everything: bool = False) -> list[str]:
+    """Several asynchronous collectives in flight at once, progressed by interleaved test(), equal the sync forms.
+
+    With `pool_everything`, every temporary comes from the scratch pool: handles in flight together must each
+    hold their own buffers, and all of them are back in the pool at the end."""
+    if pool_everything:
+        pool_every_temporary()
     comm = C.world()
     n = comm.size
     rng = np.random.default_rng(comm.rank)
@@ -286,6 +297,11 @@ def check_async_equals_sync(count: int) -> list[str]:
         pending = [handle for handle in pending if not handle.test()]
     for what, handle, want in calls:
         failures.expect_equal(handle.wait(), want, f"async {what}")
+    if pool_everything and comm.size > 1:
+        in_pool = len(scratch_pool._free)
+        C.reduce_scatter(x, comm, algo="ring")  # takes a buffer it gives back, so the count cannot change
+        if not scratch_pool.pooled_bytes() or len(scratch_pool._free) != in_pool:
+            failures.append(f"pool: {in_pool} buffers before a reduce_scatter, {len(scratch_pool._free)} after")
     return failures
 
 
@@ -372,8 +388,10 @@ def check_point_to_point_and_split() -> list[str]:
     return failures
 
 
-def check_out_aliasing_input() -> list[str]:
+def check_out_aliasing_input(pool_everything: bool = False) -> list[str]:
     """out=x (in place) works for every algorithm, the native reference included."""
+    if pool_everything:
+        pool_every_temporary()
     comm = C.world()
     failures = Failures()
     x = exact_data(np.random.default_rng(comm.rank), (1001,), np.dtype("float64"), "sum", comm.size)
