@@ -2,10 +2,19 @@
 
 A message of m bytes costs α + m·β (latency plus inverse bandwidth); reducing or copying m bytes locally
 costs m·γ. Each algorithm's predicted time is its formula from the module that implements it; "auto" picks the
-smallest. The three constants are measured on the machine by `mpiparallel bench --calibrate` (ping-pong of
-tiny and 1 MiB messages, and a timed local reduction), stored per rank count in a JSON file
-(MPIPARALLEL_CALIBRATION, default ~/.cache/mpiparallel/calibration.json), and broadcast from rank 0 so that
-every rank makes the same choice — a disagreement would deadlock.
+smallest.
+
+More ranks than cores. When k ranks share each core of a node (k = ranks on the node / its cores > 1), they
+take turns, and an algorithm in which every rank works at every step (ring, recursive doubling and halving,
+Bruck, pairwise) runs k times slower. A binomial tree keeps fewer ranks busy: its n−1 messages spread over
+⌈log2 n⌉ rounds, each busying a sender and a receiver, so on average a fraction 2(n−1)/(n·⌈log2 n⌉) of the ranks
+work at once, and it slows by max(1, k × that fraction) only. On 4 ranks on 2 cores this makes the tree
+broadcast beat scatter + all-gather at every size, as measured (scripts/bench_collectives.py).
+
+The three constants are measured on the machine by `mpiparallel bench --calibrate` (ping-pong of tiny and 1 MiB
+messages, and a timed local reduction), stored per rank count in a JSON file (MPIPARALLEL_CALIBRATION, default
+~/.cache/mpiparallel/calibration.json), and broadcast from rank 0 with k so that every rank makes the same
+choice — a disagreement would deadlock.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
 from .communicator import Communicator
 
@@ -35,6 +45,8 @@ class CostModel:
     alpha: float = 4.8e-6
     beta: float = 1 / 13.6e9
     gamma: float = 1 / 15.4e9
+    ranks_per_core: float = 1.0
+    """Ranks on the node / its cores, where above 1 (set by `model_for` from the communicator, not stored)."""
 
 
 def _log2(n: int) -> int:
@@ -90,19 +102,36 @@ FORMULAS: dict[str, dict[str, Formula]] = {
 }
 
 
+TREES = {("broadcast", "binomial"), ("reduce", "binomial")}
+"""The algorithms in which only some ranks work at a time (the others wait for their parent or child)."""
+
+
+def busy_fraction(collective: str, algo: str, n: int) -> float:
+    """The mean fraction of the n ranks working at once: 1, or 2(n−1)/(n·⌈log2 n⌉) for a binomial tree."""
+    if (collective, algo) not in TREES or n < 2:
+        return 1.0
+    return 2 * (n - 1) / (n * _log2(n))
+
+
 def predict(model: CostModel, collective: str, algo: str, nbytes: int, size: int) -> float:
-    """Predicted seconds for one call."""
-    return FORMULAS[collective][algo](model, float(nbytes), size)
+    """Predicted seconds for one call (its formula, slowed down where ranks share cores)."""
+    time = FORMULAS[collective][algo](model, float(nbytes), size)
+    if model.ranks_per_core > 1:
+        time *= max(1.0, model.ranks_per_core * busy_fraction(collective, algo, size))
+    return time
 
 
 def choose(model: CostModel, collective: str, nbytes: int, size: int) -> str:
     """The algorithm with the smallest predicted time; near-ties (rounding) go to the first listed."""
-    costs = {algo: formula(model, float(nbytes), size) for algo, formula in FORMULAS[collective].items()}
+    costs = {algo: predict(model, collective, algo, nbytes, size) for algo in FORMULAS[collective]}
     best = min(costs.values())
     return next(algo for algo, cost in costs.items() if cost <= best * (1 + 1e-9))
 
 
 # -- measured constants -------------------------------------------------------------------------------------
+
+_STORED = ("alpha", "beta", "gamma")  # ranks_per_core belongs to the job, not the machine
+
 
 def calibration_path() -> Path:
     default = Path.home() / ".cache" / "mpiparallel" / "calibration.json"
@@ -115,7 +144,7 @@ def load_calibration(size: int, path: Path | None = None) -> CostModel:
     try:
         stored = json.loads(path.read_text())
         nearest = min(stored, key=lambda key: abs(int(key) - size))
-        return CostModel(**stored[nearest])
+        return CostModel(**{key: float(stored[nearest][key]) for key in _STORED})
     except (OSError, ValueError, TypeError, KeyError):
         return CostModel()
 
@@ -126,7 +155,7 @@ def save_calibration(model: CostModel, size: int, path: Path | None = None) -> P
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
-    stored[str(size)] = asdict(model)
+    stored[str(size)] = {key: asdict(model)[key] for key in _STORED}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
     return path
@@ -141,13 +170,24 @@ def auto_algorithm(comm: Communicator, collective: str, nbytes: int) -> str:
     return choice
 
 
+def ranks_per_core(comm: Communicator) -> float:
+    """Ranks of `comm` on this rank's node per core of the node (collective: every rank of comm calls it)."""
+    node = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() / (os.cpu_count() or 1)
+    finally:
+        node.Free()
+
+
 def model_for(comm: Communicator) -> CostModel:
-    """The cost model of `comm`: loaded on its rank 0 once, broadcast, then cached on the communicator."""
+    """The cost model of `comm`: loaded on its rank 0 once, with rank 0's node's ranks per core, broadcast, then
+    cached on the communicator."""
     if comm.cost_model is None:
-        values = np.zeros(3)
+        sharing = ranks_per_core(comm)
+        values = np.zeros(4)
         if comm.rank == 0:
             loaded = load_calibration(comm.size)
-            values[:] = (loaded.alpha, loaded.beta, loaded.gamma)
+            values[:] = (loaded.alpha, loaded.beta, loaded.gamma, sharing)
         comm.comm.Bcast(values, root=0)
         comm.cost_model = CostModel(*values.tolist())
     return comm.cost_model
@@ -170,7 +210,11 @@ def _time_exchanges(comm: Communicator, nbytes: int, repeats: int) -> float:
 
 
 def calibrate(comm: Communicator) -> CostModel:
-    """Measure α, β, γ on this machine with this many ranks; every rank returns rank 0's figures."""
+    """Measure α, β, γ on this machine with this many ranks; every rank returns rank 0's figures.
+
+    Every rank is busy during the measurement, which the model counts as slowed down by the ranks per core k:
+    the constants kept are the measured ones / k (those of a rank with a core to itself).
+    """
     large = 1 << 20
     alpha = _time_exchanges(comm, 8, 2000)
     beta = max(_time_exchanges(comm, large, 50) - alpha, 1e-9) / large
@@ -179,7 +223,8 @@ def calibrate(comm: Communicator) -> CostModel:
     for _ in range(50):
         np.add(a, b, out=a)
     gamma = (time.perf_counter() - start) / 50 / large
-    values = np.array([alpha, beta, gamma])
+    sharing = ranks_per_core(comm)
+    values = np.array([alpha, beta, gamma, sharing]) / ([max(sharing, 1.0)] * 3 + [1.0])
     comm.comm.Bcast(values, root=0)
     comm.cost_model = CostModel(*values.tolist())
     comm.auto_choices.clear()

@@ -7,7 +7,16 @@ import json
 import pytest
 
 from collectives import ALGORITHMS
-from collectives.cost_model import FORMULAS, CostModel, choose, load_calibration, predict, save_calibration
+from collectives.cost_model import (
+    FORMULAS,
+    TREES,
+    CostModel,
+    busy_fraction,
+    choose,
+    load_calibration,
+    predict,
+    save_calibration,
+)
 
 MODEL = CostModel(alpha=3e-6, beta=1e-10, gamma=1e-10)
 
@@ -58,3 +67,44 @@ def test_missing_or_corrupt_calibration_gives_the_defaults(tmp_path):
     corrupt.write_text("{not json")
     assert load_calibration(4, corrupt) == CostModel()
 
+
+
+SHARED = CostModel(alpha=MODEL.alpha, beta=MODEL.beta, gamma=MODEL.gamma, ranks_per_core=2.0)  # 4 ranks, 2 cores
+
+
+def test_ranks_sharing_cores_slow_every_all_busy_algorithm_by_the_ranks_per_core():
+    for collective, table in FORMULAS.items():
+        for algo in table:
+            if (collective, algo) not in TREES:
+                alone = predict(MODEL, collective, algo, 1 << 20, 4)
+                assert predict(SHARED, collective, algo, 1 << 20, 4) == pytest.approx(2 * alone), (collective, algo)
+
+
+def test_a_binomial_tree_keeps_part_of_the_ranks_busy_and_slows_down_less():
+    assert busy_fraction("broadcast", "binomial", 4) == pytest.approx(2 * 3 / (4 * 2))
+    assert busy_fraction("broadcast", "binomial", 2) == 1.0
+    tree = predict(SHARED, "broadcast", "binomial", 1 << 20, 4)
+    assert tree == pytest.approx(1.5 * predict(MODEL, "broadcast", "binomial", 1 << 20, 4))
+    eight = predict(MODEL, "broadcast", "binomial", 1 << 20, 8)
+    assert predict(SHARED, "broadcast", "binomial", 1 << 20, 8) == pytest.approx(2 * (2 * 7 / (8 * 3)) * eight)
+    half_busy = CostModel(ranks_per_core=1.5)  # 1.5 × 7/12 < 1: the tree's ranks find a free core
+    assert predict(half_busy, "broadcast", "binomial", 1 << 20, 8) == predict(CostModel(), "broadcast", "binomial",
+                                                                              1 << 20, 8)
+
+
+def test_on_shared_cores_the_tree_broadcast_wins_at_every_size_and_reduce_switches_later():
+    """What scripts/bench_collectives.py measured on 4 ranks and 2 cores: binomial broadcast faster than
+    scatter + all-gather from 512 KiB to 32 MiB, and binomial reduce faster up to ~512 KiB, Rabenseifner above."""
+    default = CostModel()
+    shared = CostModel(ranks_per_core=2.0)
+    assert choose(default, "broadcast", 32 << 20, 4) == "scatter_allgather"
+    assert all(choose(shared, "broadcast", s, 4) == "binomial" for s in (8, 512 << 10, 8 << 20, 64 << 20))
+    assert choose(shared, "reduce", 128 << 10, 4) == "binomial"
+    assert choose(shared, "reduce", 8 << 20, 4) == "rabenseifner"
+
+
+def test_the_calibration_file_keeps_the_machine_constants_only(tmp_path):
+    path = tmp_path / "calibration.json"
+    save_calibration(SHARED, 4, path)
+    assert set(json.loads(path.read_text())["4"]) == {"alpha", "beta", "gamma"}
+    assert load_calibration(4, path) == MODEL
