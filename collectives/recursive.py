@@ -78,17 +78,17 @@ def recursive_halving(src: Array, work: Array, bounds: list[int], fold: PowerOfT
     """
     v, half = fold.virtual, _largest_half(bounds, fold.p)
     segments = segment_count(half, src.itemsize, segment_bytes)
+    landing = get_array_module(src).empty(-(-half // segments), src.dtype)  # one segment, reused: stays in cache
     lo, hi, distance = 0, fold.p, fold.p // 2
-    with scratch(src, -(-half // segments)) as landing:  # one segment, reused: it stays in cache
-        while distance >= 1:
-            mid = lo + distance
-            (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if v & distance else ((lo, mid), (mid, hi))
-            partner = fold.real(v ^ distance)
-            keep = slice(bounds[keep_lo], bounds[keep_hi])
-            mine, target, give = src[keep], work[keep], src[bounds[give_lo]:bounds[give_hi]]
-            yield from exchange_and_reduce(give, partner, partner, mine, target, landing, segments, reduce)
-            src = work
-            lo, hi, distance = keep_lo, keep_hi, distance // 2
+    while distance >= 1:
+        mid = lo + distance
+        (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if v & distance else ((lo, mid), (mid, hi))
+        partner = fold.real(v ^ distance)
+        keep = slice(bounds[keep_lo], bounds[keep_hi])
+        mine, target, give = src[keep], work[keep], src[bounds[give_lo]:bounds[give_hi]]
+        yield from exchange_and_reduce(give, partner, partner, mine, target, landing, segments, reduce)
+        src = work
+        lo, hi, distance = keep_lo, keep_hi, distance // 2
 
 
 def recursive_doubling_gather(out: Array, bounds: list[int], fold: PowerOfTwoFold, *, segment_bytes: int) -> Steps:

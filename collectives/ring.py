@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .backend import Array
+from .backend import Array, get_array_module
 from .blocks import Reducer, even_bounds, exchange_and_reduce, exchange_in_segments, segment_count
 from .communicator import DEFAULT_SEGMENT_BYTES, Step, Steps
 from .scratch import scratch
@@ -36,12 +36,12 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
     right, left = (rank + 1) % size, (rank - 1) % size
     segments = segment_count(bounds[1] - bounds[0], x.itemsize, segment_bytes)  # the first block is the largest
     send = x[bounds[left]:bounds[left + 1]]
-    with scratch(x, -(-(bounds[1] - bounds[0]) // segments)) as landing:
-        for step in range(size - 1):
-            block = (rank - step - 2) % size
-            mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
-            yield from exchange_and_reduce(send, right, left, mine, target, landing, segments, reduce)
-            send = target
+    landing = get_array_module(x).empty(-(-(bounds[1] - bounds[0]) // segments), x.dtype)  # at most a segment
+    for step in range(size - 1):
+        block = (rank - step - 2) % size
+        mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
+        yield from exchange_and_reduce(send, right, left, mine, target, landing, segments, reduce)
+        send = target
 
 
 def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int, *, segment_bytes: int) -> Steps:

@@ -17,6 +17,9 @@ other processes hits all of them alike; each variant keeps its best round.
 The tables (rank 0 of each job writes JSON; this process prints):
 
 - time (µs) of ours (algo=auto) and of MPI, for the small sizes (≤ 4 KiB);
+- where our time goes on the smallest size: the steps of one call of auto's algorithm are recorded on every
+  rank and their MPI calls replayed alone (Sendrecv, Send, Recv, as Communicator.run makes them), timed like
+  the rest; ours − that is the Python around them and the local work (reductions, copies);
 - vs-mpi = MPI's time / ours at every size: above 1 ours is faster. For the same bytes this is also our busbw
   over MPI's busbw, so it is the latency ratio at small sizes and the bandwidth ratio at large ones;
 - auto vs best: the fastest hand-written algorithm's time / the time of the one auto picks, each timed with
@@ -138,6 +141,23 @@ def goal_lines(results: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
+def floor_lines(results: list[dict]) -> list[str]:
+    """Where our time goes on the smallest message: the MPI calls of its steps, and the rest."""
+    lines = ["## where our time goes on the smallest size (us): its steps' MPI calls replayed alone, and the rest "
+             "(Python and local work)",
+             f"{'ranks':>5}  {'collective':<15}{'size':>6}{'algorithm':>20}{'steps':>6}{'ours':>8}"
+             f"{'its MPI calls':>15}{'rest':>8}{'MPI':>8}"]
+    for job in results:
+        for name in job["collectives"]:
+            entries = [e for e in job["measurements"] if e["collective"] == name and "steps" in e]
+            if entries:
+                e = min(entries, key=lambda entry: entry["size"])
+                lines.append(f"{job['ranks']:>5}  {name:<15}{human(e['size']):>6}{e['auto_algorithm']:>20}"
+                             f"{e['steps']:>6}{e['auto_us']:>8.1f}{e['steps_us']:>15.1f}"
+                             f"{e['auto_us'] - e['steps_us']:>8.1f}{e['mpi_us']:>8.1f}")
+    return [*lines, ""]
+
+
 def report(results: list[dict]) -> list[str]:
     every_size = sorted({e["size"] for job in results for e in job["measurements"]})
     small = [s for s in every_size if s <= SMALL_BYTES]
@@ -146,6 +166,8 @@ def report(results: list[dict]) -> list[str]:
     if small:
         lines += table("time (us) ours (algo=auto) / MPI, small sizes", results, small,
                        lambda e: f"{e['auto_us']:.1f}/{e['mpi_us']:.1f}")
+    if small:
+        lines += floor_lines(results)
     lines += table("vs-mpi = MPI time / ours (= our busbw / MPI busbw); above 1 ours is faster", results,
                    every_size, lambda e: f"{vs_mpi(e):.2f}")
     lines += table("our busbw (GB/s, algo=auto) / MPI busbw, sizes >= 1 MiB", results,
@@ -209,6 +231,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def measure_size(collective, buffers, comm, args: argparse.Namespace) -> dict:
     """Every variant of one collective and size, alternated over the rounds; the best round of each."""
+    from mpi4py import MPI
+
     from mpiparallel.commands import bench
 
     bench.fill_input(buffers.x, comm.rank, comm.size, bench.value_pattern(collective, bench.BenchSettings(None)))
@@ -223,7 +247,12 @@ def measure_size(collective, buffers, comm, args: argparse.Namespace) -> dict:
             best[name] = min(best[name], median_call_seconds(variants[name], comm, iters))
     factor = collective.bus_factor(comm.size)
     settings = bench.BenchSettings(collective.name)
-    return {
+    floor = {}
+    if buffers.size <= SMALL_BYTES:
+        steps = recorded_steps(variants["auto"], comm)
+        floor = {"steps": comm.comm.allreduce(len(steps), op=MPI.MAX),
+                 "steps_us": median_call_seconds(lambda: replay(steps, comm), comm, iters) * 1e6}
+    return {**floor,
         "collective": collective.name, "bytes": buffers.size, "iters": iters,
         "auto_algorithm": bench.algorithm_used(collective, comm, settings, buffers.size),
         "auto_us": best["auto"] * 1e6, "mpi_us": best["mpi"] * 1e6,
@@ -252,6 +281,31 @@ def median_call_seconds(call, comm, iters: int) -> float:
         durations.append(time.perf_counter() - start)
     durations.sort()
     return comm.comm.allreduce(durations[len(durations) // 2], op=MPI.MAX)
+
+
+def recorded_steps(call, comm) -> list:
+    """The steps one call of ours runs on this rank, collected instead of sent (no MPI call is made)."""
+    steps = []
+    comm.run = lambda generator, name: steps.extend(generator)  # shadows Communicator.run for one call
+    try:
+        call()
+    finally:
+        del comm.run
+    return steps
+
+
+def replay(steps: list, comm) -> None:
+    """The MPI calls of recorded steps alone, as Communicator.run makes them: our algorithm without its Python."""
+    from mpi4py import MPI
+
+    mpi, byte = comm.comm, MPI.BYTE
+    for step in steps:
+        if step.send is not None and step.recv is not None:
+            mpi.Sendrecv([step.send, byte], step.dest, 0, [step.recv, byte], step.source, 0)
+        elif step.send is not None:
+            mpi.Send([step.send, byte], step.dest, 0)
+        elif step.recv is not None:
+            mpi.Recv([step.recv, byte], step.source, 0)
 
 
 def collectives_algorithms(api_name: str) -> list[str]:
