@@ -10,7 +10,8 @@ d = 2^k, every slot whose index has bit k set travels to rank r+d (packed into o
 slot i holds the block from rank r−i, and an inverse rotation orders them by source.
     ⌈log2 n⌉·α + ⌈log2 n⌉·S/2·β + ⌈log2 n⌉·S·γ_copy   (S = bytes each rank sends in all)
 Fewer messages than pairwise exchange (n−1 of them), at the price of sending every block about log2(n)/2
-times: the better choice for small blocks on many ranks.
+times: the better choice for small blocks on many ranks. (Packing and unpacking a round's slots takes about
+as much Python as a step, so auto's cost model counts 2α per round: pairwise wins on 4 ranks, Bruck from 8.)
 """
 
 from __future__ import annotations

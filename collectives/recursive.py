@@ -6,7 +6,8 @@ collective finishes in log2(p) rounds instead of the ring's p−1: the algorithm
 - recursive-doubling all-reduce: each round exchanges the whole vector and reduces it.
       log2(p)·(α + S·β + S·γ)
 - recursive-halving reduce-scatter: each round sends the half of the current window the partner keeps and
-  reduces the half it receives; after log2(p) rounds each rank holds its own 1/p, fully reduced.
+  reduces the half it receives; after log2(p) rounds each rank holds its own 1/p, fully reduced (in a work
+  buffer, out of which it is copied: + S/p·γ).
       log2(p)·α + (p−1)/p·S·β + (p−1)/p·S·γ
 - recursive-doubling all-gather: the mirror image, windows doubling.
       log2(p)·α + (p−1)/p·S·β

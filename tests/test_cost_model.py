@@ -108,3 +108,16 @@ def test_the_calibration_file_keeps_the_machine_constants_only(tmp_path):
     save_calibration(SHARED, 4, path)
     assert set(json.loads(path.read_text())["4"]) == {"alpha", "beta", "gamma"}
     assert load_calibration(4, path) == MODEL
+
+
+def test_bruck_all_to_all_pays_for_its_packing_so_pairwise_wins_small_messages_on_4_ranks_and_bruck_from_8():
+    assert choose(CostModel(), "all_to_all", 64, 4) == "pairwise"
+    assert choose(CostModel(), "all_to_all", 64, 8) == "bruck"
+    assert choose(CostModel(), "all_to_all", 64, 16) == "bruck"
+
+
+def test_recursive_halving_counts_the_copy_of_its_block_so_the_ring_takes_over_for_large_reduce_scatters():
+    assert choose(CostModel(), "reduce_scatter", 4096, 4) == "recursive_halving"
+    assert choose(CostModel(), "reduce_scatter", 2 << 20, 4) == "ring"
+    halving = predict(MODEL, "reduce_scatter", "recursive_halving", 1e6, 4)
+    assert halving == pytest.approx(2 * MODEL.alpha + 3 / 4 * 1e6 * (MODEL.beta + MODEL.gamma) + 1e6 / 4 * MODEL.gamma)
