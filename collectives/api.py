@@ -211,14 +211,13 @@ class _Plan:
     `algorithm` is None when there is nothing to communicate (one rank, or no elements).
     """
 
-    __slots__ = ("algo", "out_shape", "native", "algorithm", "arguments", "keywords", "average_over")
+    __slots__ = ("algo", "out_shape", "native", "algorithm", "arguments", "average_over")
 
     def __init__(self, comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int) -> None:
         self.algo = algo
         self.native = algo == "mpi" and comm.size > 1 and x.size > 0
         self.out_shape = _result_shape(name, tuple(x.shape), comm.size)
         self.average_over = comm.size if op == "avg" and (name != "reduce" or comm.rank == root) else 0
-        self.keywords: dict[str, int] = {}
         rooted = (root,) if name in _ROOTED else ()
         if comm.size == 1 or x.size == 0:
             self.algorithm, self.arguments = None, ()
@@ -228,12 +227,12 @@ class _Plan:
         else:
             self.algorithm = ALGORITHMS[name][algo]
             self.arguments = (comm.rank, comm.size, *rooted, *(() if op is None else (reducer(op, x),)))
-            if "segment_bytes" in inspect.signature(self.algorithm).parameters:
-                self.keywords["segment_bytes"] = comm.segment_bytes
+            if "segment_bytes" in inspect.signature(self.algorithm).parameters:  # always the last parameter
+                self.arguments += (comm.segment_bytes,)
 
     def steps(self, *buffers: Array) -> Steps:
         """The hand-written algorithm's steps on these buffers (then the division, for op="avg")."""
-        steps = self.algorithm(*buffers, *self.arguments, **self.keywords)
+        steps = self.algorithm(*buffers, *self.arguments)
         return _then_divide(steps, buffers[-1], self.average_over) if self.average_over else steps
 
 

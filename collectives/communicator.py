@@ -254,7 +254,8 @@ class Communicator:
         """
         if self.observer is not None:
             steps = self._observed(steps, name)
-        tag = self.collective_tag()
+        tag = FIRST_COLLECTIVE_TAG + self._next_tag  # collective_tag(), inlined
+        self._next_tag = (self._next_tag + 1) % _COLLECTIVE_TAG_SPAN
         if HostStaging.possible:
             self._run_staged(steps, name, tag)
             return

@@ -155,7 +155,7 @@ def recursive_doubling_all_reduce(x: Array, out: Array, rank: int, size: int, re
         yield Step(send=out, dest=fold.partner)
 
 
-def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+def rabenseifner_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer,
                             segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-reduce as recursive-halving reduce-scatter + recursive-doubling all-gather over p segments."""
     fold = PowerOfTwoFold(rank, size)
@@ -177,7 +177,7 @@ def _rank_block_bounds(fold: PowerOfTwoFold, block: int) -> list[int]:
     return [fold.first_represented(v) * block for v in range(fold.p + 1)]
 
 
-def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer,
                                      segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Reduce-scatter by recursive halving; `out` receives this rank's block of flat `x`."""
     fold = PowerOfTwoFold.of(rank, size)
@@ -196,7 +196,7 @@ def recursive_halving_reduce_scatter(x: Array, out: Array, rank: int, size: int,
         out[...] = work[rank * block:(rank + 1) * block]
 
 
-def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int, *,
+def recursive_doubling_all_gather(x: Array, out: Array, rank: int, size: int,
                                   segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-gather by recursive doubling: log2(p) rounds, windows doubling, plus the fold for other n."""
     fold = PowerOfTwoFold.of(rank, size)

@@ -57,7 +57,7 @@ def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int, *
             yield from exchange_in_segments(send, right, recv, left, segments)
 
 
-def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer,
                     segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-reduce of flat `x` into flat `out` (which may be `x` itself) without copying `x` first.
 
@@ -72,7 +72,7 @@ def ring_all_reduce(x: Array, out: Array, rank: int, size: int, reduce: Reducer,
     yield from ring_all_gather_phase(out, bounds, rank, size, segment_bytes=segment_bytes)
 
 
-def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer, *,
+def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Reducer,
                         segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Reduce-scatter of flat `x` (length divisible by size) into `out`, this rank's block.
 
@@ -88,7 +88,7 @@ def ring_reduce_scatter(x: Array, out: Array, rank: int, size: int, reduce: Redu
         yield from ring_reduce_scatter_phase(x, bounds, rank, size, reduce, partial, segment_bytes=segment_bytes)
 
 
-def ring_all_gather(x: Array, out: Array, rank: int, size: int, *,
+def ring_all_gather(x: Array, out: Array, rank: int, size: int,
                     segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """All-gather of flat `x` into flat `out` (size·len(x) elements, rank order)."""
     bounds = even_bounds(len(out), size)

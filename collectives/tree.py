@@ -47,7 +47,7 @@ def binomial_broadcast(buf: Array, rank: int, size: int, root: int) -> Steps:
         mask >>= 1
 
 
-def scatter_allgather_broadcast(buf: Array, rank: int, size: int, root: int, *,
+def scatter_allgather_broadcast(buf: Array, rank: int, size: int, root: int,
                                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Broadcast as a binomial scatter of n pieces followed by a ring all-gather of the pieces."""
     relative = (rank - root) % size
@@ -87,7 +87,7 @@ def binomial_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduc
         mask <<= 1
 
 
-def rabenseifner_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduce: Reducer, *,
+def rabenseifner_reduce(x: Array, out: Array, rank: int, size: int, root: int, reduce: Reducer,
                         segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Steps:
     """Reduce flat `x` onto `root` by recursive halving, then a direct gather of the p pieces.
 
