@@ -227,7 +227,8 @@ def calibrate(comm: Communicator) -> CostModel:
         np.add(a, b, out=a)
     gamma = (time.perf_counter() - start) / 50 / large
     sharing = ranks_per_core(comm)
-    values = np.array([alpha, beta, gamma, sharing]) / ([max(sharing, 1.0)] * 3 + [1.0])
+    slowdown = max(sharing, 1.0)  # what the model applies to an all-busy algorithm such as this measurement
+    values = np.array([alpha / slowdown, beta / slowdown, gamma / slowdown, sharing])
     comm.comm.Bcast(values, root=0)
     comm.cost_model = CostModel(*values.tolist())
     comm.auto_choices.clear()
