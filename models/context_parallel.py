@@ -64,6 +64,8 @@ from .layers import (
     Layer,
     ProjectedAttention,
     Saved,
+    group_sum,
+    grouped,
     row_sums,
     softmax_backward,
 )
@@ -143,14 +145,15 @@ def _heads(x: Array) -> Array:
 
 
 def _chunk(x: Array, index: int) -> Array:
-    """Local chunk `index` (0: the early one, 1: the late one) of a (B, H, 2c, …) per-head array, a view."""
-    return x[:, :, _chunk_slice(index, x.shape[2] // 2)]
+    """Local chunk `index` (0: the early one, 1: the late one) of a per-head array whose token axis is the second
+    to last ((B, H, 2c, d), or grouped (B, n_kv, g, 2c, d)), a view."""
+    return x[..., _chunk_slice(index, x.shape[-2] // 2), :]
 
 
 def _scores(q: Array, keys: Array, diagonal: bool) -> Array:
     """q·kᵀ of one chunk pair (q scaled already), −∞ above the diagonal of a diagonal pair (the future)."""
     xp = get_array_module(q)
-    scores = q @ keys.transpose(0, 1, 3, 2)
+    scores = q @ keys.swapaxes(-1, -2)
     if diagonal:
         scores += xp.triu(xp.full(scores.shape[-2:], -xp.inf, dtype=scores.dtype), k=1)
     return scores
@@ -168,7 +171,8 @@ class OnlineSoftmax:
     """
 
     def __init__(self, q: Array, out: Array) -> None:
-        """q: (B, H, 2c, d) local queries, scaled by 1/√d; out: (B, H, 2c, d), where the output is written."""
+        """q: (B, n_kv, g, 2c, d) local queries grouped by KV head, scaled by 1/√d; out: the same shape, where
+        the output is written."""
         xp = get_array_module(q)
         self.q, self.out = q, out
         out[...] = 0
@@ -176,7 +180,7 @@ class OnlineSoftmax:
         self.row_sum = xp.zeros((*q.shape[:-1], 1), dtype=q.dtype)
 
     def add(self, chunk: int, keys: Array, values: Array, diagonal: bool) -> None:
-        """Attend the queries of local chunk `chunk` to one chunk of keys and values (B, H, c, d)."""
+        """Attend the queries of local chunk `chunk` to one chunk of keys and values (B, n_kv, 1, c, d)."""
         xp = get_array_module(keys)
         row_max, row_sum, out = _chunk(self.row_max, chunk), _chunk(self.row_sum, chunk), _chunk(self.out, chunk)
         exps = _scores(_chunk(self.q, chunk), keys, diagonal)
@@ -211,45 +215,63 @@ class OnlineSoftmaxBackward:
         probs = _scores(q, keys, diagonal)
         probs -= _chunk(self.log_sum_exp, chunk)
         xp.exp(probs, out=probs)
-        dvalues += probs.transpose(0, 1, 3, 2) @ dout
-        dscores = softmax_backward(probs, dout @ values.transpose(0, 1, 3, 2), _chunk(self.weighted_sum, chunk))
+        dvalues += group_sum(probs.swapaxes(-1, -2) @ dout)
+        dscores = softmax_backward(probs, dout @ values.swapaxes(-1, -2), _chunk(self.weighted_sum, chunk))
         dq += dscores @ keys
-        dkeys += dscores.transpose(0, 1, 3, 2) @ q  # q holds the scale already
+        dkeys += group_sum(dscores.swapaxes(-1, -2) @ q)  # q holds the scale already
 
 
-def _queries_and_keys_values(qkv: Array, n_head: int) -> tuple[Array, Array]:
-    """From the fused projection's (B, t, 3·H·d): q (B, t, H, d) scaled by 1/√d, and the K/V block
-    (B, t, 2, H, d) — contiguous copies, because the K/V block is what travels and q is what stays."""
+def _queries_and_keys_values(qkv: Array, n_head: int, n_kv_head: int) -> tuple[Array, Array]:
+    """From the fused projection's [q | k | v] (B, t, (H + 2·n_kv)·d): q (B, t, H, d) scaled by 1/√d, and the
+    K/V block (B, t, 2, n_kv, d) — contiguous copies, because the K/V block is what travels and q is what stays."""
     batch, length, width = qkv.shape
-    parts = qkv.reshape(batch, length, 3, n_head, width // (3 * n_head))
-    q = parts[:, :, 0] * (1.0 / math.sqrt(parts.shape[-1]))
-    return q, get_array_module(qkv).ascontiguousarray(parts[:, :, 1:])
+    head_dim = width // (n_head + 2 * n_kv_head)
+    q = qkv[..., :n_head * head_dim].reshape(batch, length, n_head, head_dim) * (1.0 / math.sqrt(head_dim))
+    kv = qkv[..., n_head * head_dim:].reshape(batch, length, 2, n_kv_head, head_dim)
+    return q, get_array_module(qkv).ascontiguousarray(kv)
 
 
 class KeyValueBlockAttention(ProjectedAttention):
     """Attention of this rank's queries to every CP rank's K/V block, one block at a time; ring and all-gather
     differ only in how the blocks reach this rank and how their gradients return (`_key_value_blocks` and
     `_key_value_blocks_backward`, generators the attention loop pulls from). Backward is `ProjectedAttention`'s
-    around `_backward_to_qkv`."""
+    around `_backward_to_qkv`.
+
+    Grouped-query attention: the blocks carry only the n_kv KV heads (2·b·t·n_kv·d elements, not 2·b·t·h), and
+    each is attended by the g = H/n_kv query heads of its group. Rotary positions (`rope`): q and k are rotated
+    at this rank's global zigzag positions before the K/V block leaves, so every block arrives rotated."""
 
     input_pass_only = ("q", "kv", "merged", "log_sum_exp")
 
-    def __init__(self, qkv: Any, projection: Any, n_head: int, comm: Any) -> None:
-        self.qkv, self.projection, self.n_head = qkv, projection, n_head
+    def __init__(self, qkv: Any, projection: Any, n_head: int, comm: Any, n_kv_head: int | None = None,
+                 rope: Any = None) -> None:
+        self.qkv, self.projection, self.n_head, self.n_kv_head = qkv, projection, n_head, n_kv_head or n_head
+        self.rope = rope
         self.comm = Communicator.of(comm)
         self.chunks = zigzag_chunks(self.comm.rank, self.comm.size)
 
     def _pairs(self, source: int) -> list[tuple[int, int, bool]]:
         return causal_chunk_pairs(self.chunks, zigzag_chunks(source, self.comm.size))
 
+    def _positions(self, local_length: int) -> np.ndarray:
+        return zigzag_positions(local_length * self.comm.size, self.comm.rank, self.comm.size)
+
+    def _keys_values(self, block: Array) -> tuple[Array, Array]:
+        """Keys and values of a (B, t, 2, n_kv, d) block as (B, n_kv, 1, t, d) views, broadcast over a group."""
+        return _heads(block[:, :, 0])[:, :, None], _heads(block[:, :, 1])[:, :, None]
+
     def forward(self, x: Array) -> tuple[Array, Saved]:
         qkv, qkv_saved = self.qkv.forward(x)  # with SP: the whole of this CP rank's tokens, gathered over tp
         _check_local_length(qkv)
-        q, kv = _queries_and_keys_values(qkv, self.n_head)
+        q, kv = _queries_and_keys_values(qkv, self.n_head, self.n_kv_head)
+        if self.rope is not None:
+            positions = self._positions(q.shape[1])
+            self.rope.rotate(_heads(q), positions)
+            self.rope.rotate(_heads(kv[:, :, 0]), positions)
         merged = get_array_module(q).empty_like(q)
-        attention = OnlineSoftmax(_heads(q), _heads(merged))
+        attention = OnlineSoftmax(grouped(_heads(q), self.n_kv_head), grouped(_heads(merged), self.n_kv_head))
         for source, block in self._key_value_blocks(kv):
-            keys, values = _heads(block[:, :, 0]), _heads(block[:, :, 1])
+            keys, values = self._keys_values(block)
             for query, key, diagonal in self._pairs(source):
                 attention.add(query, _chunk(keys, key), _chunk(values, key), diagonal)
         log_sum_exp = attention.finish()
@@ -259,23 +281,30 @@ class KeyValueBlockAttention(ProjectedAttention):
                           log_sum_exp=log_sum_exp)
 
     def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
-        """d(qkv) (B, t, 3·H·d) from d(merged heads): d(q) here, d(K/V) of this rank's block from wherever its
-        keys were attended to."""
+        """d(qkv) (B, t, (H + 2·n_kv)·d) from d(merged heads): d(q) here, d(K/V) of this rank's block from
+        wherever its keys were attended to."""
         xp = get_array_module(dmerged)
-        q = saved.q
+        q, n_kv = saved.q, self.n_kv_head
+        batch, length, n_head, head_dim = q.shape
         dmerged = dmerged.reshape(q.shape)
-        weighted_sum = _heads(row_sums(dmerged * saved.merged.reshape(q.shape)))
-        dqkv = xp.zeros((*q.shape[:2], 3, *q.shape[2:]), q.dtype)
-        gradients = OnlineSoftmaxBackward(_heads(q), saved.log_sum_exp, _heads(dmerged), weighted_sum,
-                                          _heads(dqkv[:, :, 0]))
-        for source, block, dblock in self._key_value_blocks_backward(saved.kv, dqkv[:, :, 1:]):
-            keys, values = _heads(block[:, :, 0]), _heads(block[:, :, 1])
-            dkeys, dvalues = _heads(dblock[:, :, 0]), _heads(dblock[:, :, 1])
+        weighted_sum = grouped(_heads(row_sums(dmerged * saved.merged.reshape(q.shape))), n_kv)
+        dqkv = xp.zeros((batch, length, (n_head + 2 * n_kv) * head_dim), q.dtype)
+        dq = dqkv[..., :n_head * head_dim].reshape(q.shape)
+        dkv = dqkv[..., n_head * head_dim:].reshape(batch, length, 2, n_kv, head_dim)
+        gradients = OnlineSoftmaxBackward(grouped(_heads(q), n_kv), saved.log_sum_exp, grouped(_heads(dmerged), n_kv),
+                                          weighted_sum, grouped(_heads(dq), n_kv))
+        for source, block, dblock in self._key_value_blocks_backward(saved.kv, dkv):
+            keys, values = self._keys_values(block)
+            dkeys, dvalues = self._keys_values(dblock)
             for query, key, diagonal in self._pairs(source):
                 gradients.add(query, _chunk(keys, key), _chunk(values, key), _chunk(dkeys, key),
                               _chunk(dvalues, key), diagonal)
-        dqkv[:, :, 0] *= 1.0 / math.sqrt(q.shape[-1])
-        return dqkv.reshape(*q.shape[:2], -1)
+        dq *= 1.0 / math.sqrt(head_dim)
+        if self.rope is not None:
+            positions = self._positions(length)
+            self.rope.rotate_back(_heads(dq), positions)
+            self.rope.rotate_back(_heads(dkv[:, :, 0]), positions)
+        return dqkv
 
     def _key_value_blocks(self, kv: Array) -> Iterator[tuple[int, Array]]:
         """(source rank, its K/V block (B, t, 2, H, d)) for every CP rank, this rank's own `kv` among them."""
@@ -359,8 +388,9 @@ class AllGatherAttention(KeyValueBlockAttention):
     messages than the ring's.
     """
 
-    def __init__(self, qkv: Any, projection: Any, n_head: int, comm: Any, algo: str = "auto") -> None:
-        super().__init__(qkv, projection, n_head, comm)
+    def __init__(self, qkv: Any, projection: Any, n_head: int, comm: Any, algo: str = "auto",
+                 n_kv_head: int | None = None, rope: Any = None) -> None:
+        super().__init__(qkv, projection, n_head, comm, n_kv_head, rope)
         self.algo = algo
 
     def _key_value_blocks(self, kv: Array) -> Iterator[tuple[int, Array]]:
@@ -376,40 +406,84 @@ class AllGatherAttention(KeyValueBlockAttention):
 
 # -- Ulysses: re-shard from sequence to heads and back --------------------------------------------------------
 
-def sequence_to_heads(x: Array, comm: Communicator, n_head: int, parts: int, algo: str = "auto") -> Array:
-    """All-to-all: (B, s/cp, parts·H·d), this rank's tokens of all H heads, to (B, s, parts·(H/cp)·d), every token
-    (in sequence order) of this rank's H/cp heads; `parts` is 3 for the fused q, k, v, 1 for the attention
-    output. Sends (cp−1)/cp of x. Its backward is `heads_to_sequence`."""
-    cp = comm.size
+def sequence_to_heads(x: Array, comm: Communicator, head_counts: tuple[int, ...], algo: str = "auto") -> Array:
+    """All-to-all: (B, s/cp, Σ n_i·d), this rank's tokens of every head of each part i (q, k, v: n_i = H, n_kv,
+    n_kv; the attention output: (H,)), to (B, s, Σ (n_i/cp)·d), every token (in sequence order) of this rank's
+    n_i/cp heads of each part, parts side by side. Sends (cp−1)/cp of x. Its backward is `heads_to_sequence`."""
+    xp, cp = get_array_module(x), comm.size
     batch, local, width = x.shape
-    by_rank = x.reshape(batch, local, parts, cp, n_head // cp, width // (parts * n_head)).transpose(3, 0, 1, 2, 4, 5)
-    return zigzag_unsplit(all_to_all(by_rank, comm, algo=algo)).reshape(batch, cp * local, width // cp)
+    head_dim = width // sum(head_counts)
+    by_rank = xp.concatenate([part.reshape(batch, local, cp, -1).transpose(2, 0, 1, 3)
+                              for part in _parts(x, head_counts, head_dim)], axis=-1)  # (cp, B, s/cp, ·)
+    return zigzag_unsplit(all_to_all(by_rank, comm, algo=algo))
 
 
-def heads_to_sequence(x: Array, comm: Communicator, n_head: int, parts: int, algo: str = "auto") -> Array:
-    """All-to-all, the reverse of `sequence_to_heads` (and its backward): (B, s, parts·(H/cp)·d) to
-    (B, s/cp, parts·H·d). Sends (cp−1)/cp of x."""
+def heads_to_sequence(x: Array, comm: Communicator, head_counts: tuple[int, ...], algo: str = "auto") -> Array:
+    """All-to-all, the reverse of `sequence_to_heads` (and its backward): (B, s, Σ (n_i/cp)·d) to
+    (B, s/cp, Σ n_i·d). Sends (cp−1)/cp of x."""
     xp, cp = get_array_module(x), comm.size
     batch, length, width = x.shape
-    pieces = zigzag_split(x.reshape(batch, length, parts, n_head // cp, width * cp // (parts * n_head)), cp)
-    by_head_group = all_to_all(pieces, comm, algo=algo)  # (cp, B, s/cp, parts, H/cp, d), head group first
-    return xp.ascontiguousarray(by_head_group.transpose(1, 2, 3, 0, 4, 5)).reshape(batch, length // cp, width * cp)
+    head_dim = width * cp // sum(head_counts)
+    by_head_group = all_to_all(zigzag_split(x, cp), comm, algo=algo)  # (cp, B, s/cp, ·): head group first
+    local_counts = tuple(count // cp for count in head_counts)
+    return xp.concatenate([part.transpose(1, 2, 0, 3).reshape(batch, length // cp, -1)
+                           for part in _parts(by_head_group, local_counts, head_dim)], axis=-1)
+
+
+def _parts(x: Array, head_counts: tuple[int, ...], head_dim: int) -> list[Array]:
+    """The consecutive column blocks of n_i·d channels of x's last axis (views)."""
+    ends = np.cumsum([0, *head_counts]) * head_dim
+    return [x[..., a:b] for a, b in zip(ends[:-1].tolist(), ends[1:].tolist(), strict=True)]
+
+
+def replicate_key_value_heads(qkv: Array, n_head: int, n_kv_head: int, copies: int) -> Array:
+    """[q | k | v] with every KV head repeated `copies` times in place (KV head j → heads j·copies … ), so a
+    group of n_kv·copies KV heads can be shared out over that many ranks (Ulysses with n_kv < cp)."""
+    if copies == 1:
+        return qkv
+    xp = get_array_module(qkv)
+    batch, length, width = qkv.shape
+    head_dim = width // (n_head + 2 * n_kv_head)
+    q, k, v = _parts(qkv, (n_head, n_kv_head, n_kv_head), head_dim)
+    repeat = [xp.repeat(part.reshape(batch, length, n_kv_head, head_dim), copies, axis=2).reshape(batch, length, -1)
+              for part in (k, v)]
+    return xp.concatenate([q, *repeat], axis=-1)
+
+
+def replicate_key_value_heads_backward(dqkv: Array, n_head: int, n_kv_head: int, copies: int) -> Array:
+    """Backward of `replicate_key_value_heads`: each KV head's gradient is the sum over its copies."""
+    if copies == 1:
+        return dqkv
+    xp = get_array_module(dqkv)
+    batch, length, width = dqkv.shape
+    head_dim = width // (n_head + 2 * n_kv_head * copies)
+    dq, dk, dv = _parts(dqkv, (n_head, n_kv_head * copies, n_kv_head * copies), head_dim)
+    summed = [part.reshape(batch, length, n_kv_head, copies, head_dim).sum(axis=3).reshape(batch, length, -1)
+              for part in (dk, dv)]
+    return xp.concatenate([dq, *summed], axis=-1)
 
 
 class SequenceToHeads(Layer):
     """The fused qkv projection of this rank's tokens, then `sequence_to_heads`: Ulysses's attention reads q, k
-    and v of all s positions of its heads from it. Backward: `heads_to_sequence`, then the projection's."""
+    and v of all s positions of its heads from it. With fewer KV heads than CP ranks (n_kv < cp) each KV head is
+    first repeated cp/n_kv times, so every rank receives the one its query heads read. Backward:
+    `heads_to_sequence`, the sum over the repeats, then the projection's."""
 
-    def __init__(self, qkv: Any, comm: Communicator, n_head: int, algo: str = "auto") -> None:
-        self.qkv, self.comm, self.n_head, self.algo = qkv, comm, n_head, algo
+    def __init__(self, qkv: Any, comm: Communicator, n_head: int, n_kv_head: int, algo: str = "auto") -> None:
+        self.qkv, self.comm, self.n_head, self.n_kv_head, self.algo = qkv, comm, n_head, n_kv_head, algo
+        self.copies = max(comm.size // n_kv_head, 1)
+        self.head_counts = (n_head, n_kv_head * self.copies, n_kv_head * self.copies)
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         qkv, saved = self.qkv.forward(x)  # with SP: the whole of this CP rank's tokens, gathered over tp
         _check_local_length(qkv)
-        return sequence_to_heads(qkv, self.comm, self.n_head, 3, self.algo), saved
+        qkv = replicate_key_value_heads(qkv, self.n_head, self.n_kv_head, self.copies)
+        return sequence_to_heads(qkv, self.comm, self.head_counts, self.algo), saved
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
-        return self.qkv.backward_input(saved, heads_to_sequence(dout, self.comm, self.n_head, 3, self.algo))
+        dqkv = heads_to_sequence(dout, self.comm, self.head_counts, self.algo)
+        dqkv = replicate_key_value_heads_backward(dqkv, self.n_head, self.n_kv_head, self.copies)
+        return self.qkv.backward_input(saved, dqkv)
 
     def backward_weights(self, saved: Saved) -> None:
         self.qkv.backward_weights(saved)
@@ -420,14 +494,14 @@ class HeadsToSequence(Layer):
     Backward: the projection's, then `sequence_to_heads`."""
 
     def __init__(self, projection: Any, comm: Communicator, n_head: int, algo: str = "auto") -> None:
-        self.projection, self.comm, self.n_head, self.algo = projection, comm, n_head, algo
+        self.projection, self.comm, self.head_counts, self.algo = projection, comm, (n_head,), algo
 
     def forward(self, merged: Array) -> tuple[Array, Saved]:
-        return self.projection.forward(heads_to_sequence(merged, self.comm, self.n_head, 1, self.algo))
+        return self.projection.forward(heads_to_sequence(merged, self.comm, self.head_counts, self.algo))
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         dmerged = self.projection.backward_input(saved, dout)
-        return sequence_to_heads(dmerged, self.comm, self.n_head, 1, self.algo)
+        return sequence_to_heads(dmerged, self.comm, self.head_counts, self.algo)
 
     def backward_weights(self, saved: Saved) -> None:
         self.projection.backward_weights(saved)
@@ -435,25 +509,34 @@ class HeadsToSequence(Layer):
 
 class UlyssesAttention(Layer):
     """DeepSpeed Ulysses: all-to-all from sequence shards to head shards, so each CP rank holds all s positions
-    of n_head/cp heads and runs the serial `CausalSelfAttention` on them (query blocks, `keep_probabilities`),
-    then all-to-all back. Needs n_head (this rank's heads) divisible by cp. `algo` picks the all-to-all algorithm.
+    of n_head/cp heads and runs the serial `CausalSelfAttention` on them (query blocks, `keep_probabilities`,
+    RoPE at positions 0 … s−1 — the all-to-all restores sequence order), then all-to-all back. Needs n_head
+    (this rank's heads) divisible by cp, and n_kv divisible by cp or cp by n_kv (then each KV head travels in
+    cp/n_kv copies). `algo` picks the all-to-all algorithm.
 
-    Per rank and layer (elements): forward an all-to-all of q, k, v (3·b·(s/cp)·h, of which (cp−1)/cp leaves) and
-    one of the attention output (b·(s/cp)·h), 4(cp−1)·bsh/cp²; backward the reverse all-to-alls of their
-    gradients, the same 4(cp−1)·bsh/cp². Every rank computes the whole causal attention of n_head/cp heads,
-    cp(2cp+1) chunk pairs per head; it saves them as the serial layer does for its heads (probabilities of
-    length s² unless keep_probabilities=False).
+    Per rank and layer (elements, h = this rank's attention channels, h_kv = n_kv'·d with n_kv' = max(n_kv, cp)
+    the KV heads sent): forward an all-to-all of q, k, v (b·(s/cp)·(h + 2·h_kv), of which (cp−1)/cp leaves) and
+    one of the attention output (b·(s/cp)·h), 2(cp−1)·bs(h + h_kv)/cp²; backward the reverse all-to-alls of their
+    gradients, the same. (Multi-head: 4(cp−1)·bsh/cp².) Every rank computes the whole causal attention of
+    n_head/cp heads, cp(2cp+1) chunk pairs per head; it saves them as the serial layer does for its heads
+    (probabilities of length s² unless keep_probabilities=False).
     """
 
     def __init__(self, qkv: Any, projection: Any, n_head: int, comm: Any, algo: str = "auto",
-                 query_block: int = QUERY_BLOCK, keep_probabilities: bool = True) -> None:
+                 query_block: int = QUERY_BLOCK, keep_probabilities: bool = True, n_kv_head: int | None = None,
+                 rope: Any = None) -> None:
         comm = Communicator.of(comm)
+        n_kv_head = n_kv_head or n_head
         if n_head % comm.size:
             raise ValueError(f"ulysses attention splits this rank's heads over the cp ranks: n_head ({n_head}; "
                              f"n_head/tp with tensor parallelism) must be divisible by cp ({comm.size})")
-        self.local = CausalSelfAttention(SequenceToHeads(qkv, comm, n_head, algo),
-                                         HeadsToSequence(projection, comm, n_head, algo), n_head // comm.size,
-                                         query_block, keep_probabilities)
+        if n_kv_head % comm.size and comm.size % n_kv_head:
+            raise ValueError(f"ulysses attention shares the KV heads out over the cp ranks: n_kv_head ({n_kv_head}; "
+                             f"per tensor-parallel rank) and cp ({comm.size}) must divide one another")
+        into_heads = SequenceToHeads(qkv, comm, n_head, n_kv_head, algo)
+        self.local = CausalSelfAttention(into_heads, HeadsToSequence(projection, comm, n_head, algo),
+                                         n_head // comm.size, query_block, keep_probabilities,
+                                         n_kv_head=into_heads.head_counts[1] // comm.size, rope=rope)
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         return self.local.forward(x)
@@ -469,19 +552,22 @@ class UlyssesAttention(Layer):
 
 def context_parallel_attention(variant: str, qkv: Any, projection: Any, n_head: int, comm: Any,
                                algo: str = "auto", query_block: int = QUERY_BLOCK,
-                               keep_probabilities: bool = True) -> Layer:
-    """The attention layer of `variant` ("ring", "all-gather" or "ulysses") over the CP communicator `comm`.
+                               keep_probabilities: bool = True, n_kv_head: int | None = None,
+                               rope: Any = None) -> Layer:
+    """The attention layer of `variant` ("ring", "all-gather" or "ulysses") over the CP communicator `comm`, with
+    `n_head` query heads and `n_kv_head` KV heads (default: n_head) on this rank, and rotary positions `rope`.
 
     `algo` is the collective algorithm of all-gather (its all-gather and reduce-scatter) and ulysses (its
     all-to-all); `query_block` and `keep_probabilities` apply to ulysses, whose attention is the serial one —
     ring and all-gather use chunk pairs and always rebuild probabilities in backward.
     """
+    heads = {"n_kv_head": n_kv_head, "rope": rope}
     if variant == "ring":
-        return RingAttention(qkv, projection, n_head, comm)
+        return RingAttention(qkv, projection, n_head, comm, **heads)
     if variant == "all-gather":
-        return AllGatherAttention(qkv, projection, n_head, comm, algo)
+        return AllGatherAttention(qkv, projection, n_head, comm, algo, **heads)
     if variant == "ulysses":
-        return UlyssesAttention(qkv, projection, n_head, comm, algo, query_block, keep_probabilities)
+        return UlyssesAttention(qkv, projection, n_head, comm, algo, query_block, keep_probabilities, **heads)
     raise ValueError(f"unknown context-parallel attention {variant!r}; valid: {', '.join(VARIANTS)}")
 
 

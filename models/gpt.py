@@ -34,18 +34,22 @@ from collectives import Communicator
 from collectives.backend import Array, get_array_module, like, to_host
 
 from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
+from .families import MOE_KEYS
 from .layers import (
     MLP,
     QUERY_BLOCK,
     RECOMPUTE_MODES,
     Block,
     CausalSelfAttention,
+    ConcatenatedLinear,
     Embedding,
     KVCache,
     LayerNorm,
     Linear,
     LMHead,
+    RMSNorm,
     Saved,
+    SwiGLU,
     TiedHeadCrossEntropy,
 )
 from .moe import (
@@ -58,19 +62,26 @@ from .moe import (
     local_experts,
 )
 from .parameter import Parameter, seeded_normal, shard_tensor
+from .rotary import RotaryEmbedding
 
-MOE_KEYS = ("n_experts", "moe_top_k", "moe_renormalize", "moe_aux_coef", "moe_capacity_factor", "moe_bias_rate")
-"""The config.json keys of a mixture-of-experts model (see `GPTConfig`)."""
+ARCHITECTURES = ("gpt2", "llama")
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The model's shape; field names follow transformers.GPT2Config.
+    """The model: its family and shape. Field names follow transformers.GPT2Config; the Llama family's choices
+    are named after LlamaConfig's (`models.families` maps both ways).
 
-    n_experts > 0 replaces every block's MLP by a mixture of that many GPT-2 MLP experts (`models.moe`): each
-    token goes to the moe_top_k best; moe_renormalize makes its gates sum to 1; moe_aux_coef weighs the Switch
-    load-balancing loss; moe_capacity_factor C caps each expert at ⌈C·K·tokens/E⌉ rows per token set (0:
-    unlimited); moe_bias_rate R > 0 turns on aux-loss-free balancing (the trainer updates the expert biases).
+    `arch` "gpt2": learned positions, LayerNorm, multi-head attention with biases, a 4·n_embd GELU MLP, the head
+    tied to wte. `arch` "llama": RoPE (`rope_theta`, `rope_scaling` e.g. {"rope_type": "llama3", …}), RMSNorm
+    (`rms_norm_eps`), grouped-query attention with `n_kv_head` KV heads (0: n_head), a SwiGLU MLP `ffn_hidden`
+    wide (0: 8/3·n_embd rounded up to a multiple of 64), no biases, the head untied unless `tie_embeddings`.
+
+    n_experts > 0 replaces every block's MLP by a mixture of that many experts of the family's MLP
+    (`models.moe`; Mixtral for llama): each token goes to the moe_top_k best; moe_renormalize makes its gates sum
+    to 1; moe_aux_coef weighs the Switch load-balancing loss; moe_capacity_factor C caps each expert at
+    ⌈C·K·tokens/E⌉ rows per token set (0: unlimited); moe_bias_rate R > 0 turns on aux-loss-free balancing (the
+    trainer updates the expert biases).
     """
 
     vocab_size: int = 256
@@ -84,13 +95,32 @@ class GPTConfig:
     moe_aux_coef: float = 0.01
     moe_capacity_factor: float = 0.0
     moe_bias_rate: float = 0.0
+    arch: str = "gpt2"
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_kv_head < 0 or self.ffn_hidden < 0:
+            raise ValueError(f"n_kv_head and ffn_hidden must be >= 0 (0: the default), got {self.n_kv_head} and "
+                             f"{self.ffn_hidden}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads}): each KV head "
+                             f"serves an equal group of query heads")
+        if self.arch == "gpt2":
+            self._check_gpt2_choices()
+        elif self.head_dim % 2:
+            raise ValueError(f"RoPE rotates channel pairs: the head size n_embd/n_head ({self.head_dim}) must be even")
         if self.n_experts < 0:
             raise ValueError(f"n_experts must be >= 0 (0: a dense MLP), got {self.n_experts}")
         if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
@@ -98,6 +128,40 @@ class GPTConfig:
         for name in ("moe_aux_coef", "moe_capacity_factor", "moe_bias_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def _check_gpt2_choices(self) -> None:
+        if self.kv_heads != self.n_head:
+            raise ValueError("GPT-2 has multi-head attention: n_kv_head is a llama setting (use arch llama)")
+        if self.ffn_hidden not in (0, 4 * self.n_embd):
+            raise ValueError(f"GPT-2's MLP is 4·n_embd = {4 * self.n_embd} wide: ffn_hidden is a llama setting")
+        if self.tie_embeddings is False:
+            raise ValueError("GPT-2 ties its LM head to the token embedding: --no-tie-embeddings needs arch llama")
+
+    @property
+    def is_llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads: n_kv_head, or n_head (multi-head attention) when 0."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden units: 4·n_embd for GPT-2; llama's ffn_hidden, by default 8/3·n_embd rounded up to a
+        multiple of 64 (Llama's rule without its multiplier)."""
+        if not self.is_llama:
+            return 4 * self.n_embd
+        return self.ffn_hidden or 64 * -(-(8 * self.n_embd) // (3 * 64))
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head is the token embedding (always for GPT-2; llama only with tie_embeddings)."""
+        return not self.is_llama or bool(self.tie_embeddings)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,15 +171,15 @@ class GPTConfig:
         return {key: getattr(self, key) for key in MOE_KEYS} if self.n_experts else {}
 
     def parameter_count(self) -> int:
-        c, layers = self.n_embd, self.n_layer
-        mlp = (c * 4 * c + 4 * c) + (4 * c * c + c)
-        feed_forward = self.n_experts * mlp + c * self.n_experts if self.n_experts else mlp  # experts + router
-        per_block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + feed_forward
-        return self.vocab_size * c + self.n_positions * c + layers * per_block + 2 * c
+        return sum(math.prod(shape) for shape in parameter_shapes(self).values())
 
 
 def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's Hugging Face name and shape, in checkpoint order (lm_head.weight is wte, tied)."""
+    """Every parameter's name and shape, in checkpoint order. GPT-2's are GPT2LMHeadModel's names (lm_head.weight
+    is wte, tied); llama's follow the same scheme (`transformer.h.{i}.attn.q_proj.weight`, …, `lm_head.weight`
+    when untied), [in, out] like every linear here — `models.families` maps them to Hugging Face's."""
+    if config.is_llama:
+        return _llama_shapes(config)
     c = config.n_embd
     shapes = {"transformer.wte.weight": (config.vocab_size, c), "transformer.wpe.weight": (config.n_positions, c)}
     for i in range(config.n_layer):
@@ -126,19 +190,48 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             f"{block}.attn.c_proj.weight": (c, c), f"{block}.attn.c_proj.bias": (c,),
             f"{block}.ln_2.weight": (c,), f"{block}.ln_2.bias": (c,),
         }
-        if config.n_experts:
-            shapes[f"{block}.mlp.router.weight"] = (c, config.n_experts)
-            for e in range(config.n_experts):
-                shapes |= _mlp_shapes(f"{block}.mlp.experts.{e}", c)
-        else:
-            shapes |= _mlp_shapes(f"{block}.mlp", c)
+        shapes |= _feed_forward_shapes(config, block, _mlp_shapes)
     shapes |= {"transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
     return shapes
 
 
-def _mlp_shapes(prefix: str, c: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.c_fc.weight": (c, 4 * c), f"{prefix}.c_fc.bias": (4 * c,),
-            f"{prefix}.c_proj.weight": (4 * c, c), f"{prefix}.c_proj.bias": (c,)}
+def _llama_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    c, kv = config.n_embd, config.kv_heads * config.head_dim
+    shapes = {"transformer.wte.weight": (config.vocab_size, c)}
+    for i in range(config.n_layer):
+        block = f"transformer.h.{i}"
+        shapes |= {
+            f"{block}.ln_1.weight": (c,),
+            f"{block}.attn.q_proj.weight": (c, c), f"{block}.attn.k_proj.weight": (c, kv),
+            f"{block}.attn.v_proj.weight": (c, kv), f"{block}.attn.o_proj.weight": (c, c),
+            f"{block}.ln_2.weight": (c,),
+        }
+        shapes |= _feed_forward_shapes(config, block, _swiglu_shapes)
+    shapes["transformer.ln_f.weight"] = (c,)
+    if not config.tied:
+        shapes["lm_head.weight"] = (config.vocab_size, c)
+    return shapes
+
+
+def _feed_forward_shapes(config: GPTConfig, block: str, mlp_shapes: Any) -> dict[str, tuple[int, ...]]:
+    """The block's MLP, or its router and experts."""
+    c, width = config.n_embd, config.ffn_width
+    if not config.n_experts:
+        return mlp_shapes(f"{block}.mlp", c, width)
+    shapes = {f"{block}.mlp.router.weight": (c, config.n_experts)}
+    for e in range(config.n_experts):
+        shapes |= mlp_shapes(f"{block}.mlp.experts.{e}", c, width)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.c_fc.weight": (c, width), f"{prefix}.c_fc.bias": (width,),
+            f"{prefix}.c_proj.weight": (width, c), f"{prefix}.c_proj.bias": (c,)}
+
+
+def _swiglu_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (c, width), f"{prefix}.up_proj.weight": (c, width),
+            f"{prefix}.down_proj.weight": (width, c)}
 
 
 def expert_bias_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -147,27 +240,31 @@ def expert_bias_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return {expert_bias_name(i): (config.n_experts,) for i in range(config.n_layer)} if config.n_experts else {}
 
 
-def units_using(name: str, n_layer: int) -> tuple[int, ...]:
+def units_using(name: str, n_layer: int, tied: bool = True) -> tuple[int, ...]:
     """The units whose computation reads parameter `name` (unit 0 the embedding, 1 … n_layer the blocks,
-    n_layer + 1 the head): the token embedding is read twice, by the embedding and by the tied head."""
+    n_layer + 1 the head): a tied token embedding is read twice, by the embedding and by the head."""
     short = name.removeprefix("transformer.")
     if short == "wte.weight":
-        return (0, n_layer + 1)
+        return (0, n_layer + 1) if tied else (0,)
     if short == "wpe.weight":
         return (0,)
-    if short.startswith("ln_f."):
+    if short.startswith("ln_f.") or short == "lm_head.weight":
         return (n_layer + 1,)
     return (int(short.split(".")[1]) + 1,)  # h.{i}.…
 
 
+RESIDUAL_PROJECTIONS = (".c_proj.weight", ".o_proj.weight", ".down_proj.weight")
+"""The linears whose output is added to the residual stream: initialized with std 0.02/√(2·n_layer)."""
+
+
 def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: int, dtype: Any) -> np.ndarray:
-    """The contract's initialization of one parameter, as a NumPy array."""
+    """The contract's initialization of one parameter, as a NumPy array: norms' weights 1, biases 0, residual
+    projections normal(0, 0.02/√(2·n_layer)), every other weight normal(0, 0.02) — for both families."""
     if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight")):
         return np.ones(shape, dtype)
     if name.endswith(".bias"):
         return np.zeros(shape, dtype)
-    residual_projection = name.endswith(".attn.c_proj.weight") or (".mlp." in name and name.endswith(".c_proj.weight"))
-    std = 0.02 / math.sqrt(2 * config.n_layer) if residual_projection else 0.02
+    std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith(RESIDUAL_PROJECTIONS) else 0.02
     return seeded_normal(seed, name, shape, std, np.dtype(dtype))
 
 
@@ -242,7 +339,11 @@ class GPT:
         checkpoint order."""
         local, experts = set(self.local_units), self._local_experts()
         return {name: shape for name, shape in parameter_shapes(self.config).items()
-                if local & set(units_using(name, self.config.n_layer)) and expert_index(name) in (None, *experts)}
+                if local & set(self.units_of(name)) and expert_index(name) in (None, *experts)}
+
+    def units_of(self, name: str) -> tuple[int, ...]:
+        """The units that read parameter (or expert bias) `name` (`units_using`)."""
+        return units_using(name, self.config.n_layer, self.config.tied)
 
     def _ep_size(self) -> int:
         return 1 if self.ep_comm is None else self.ep_comm.size
@@ -257,9 +358,12 @@ class GPT:
         self.recompute, self.query_block = recompute, query_block
         local, last = set(self.local_units), self.config.n_layer + 1
         self.expert_biases = self._initial_expert_biases()
+        config = self.config
+        rope = config.is_llama
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling) if rope else None
         self.embedding = self._embedding() if 0 in local else None
-        self.blocks = [self._block(i) if i + 1 in local else None for i in range(self.config.n_layer)]
-        self.head = LMHead(self._layer_norm("transformer.ln_f"), self._cross_entropy()) if last in local else None
+        self.blocks = [self._block(i) if i + 1 in local else None for i in range(config.n_layer)]
+        self.head = LMHead(self._norm("transformer.ln_f"), self._cross_entropy()) if last in local else None
         self.units = [self.embedding, *self.blocks, self.head]
         self.sequence_shards = 1  # how many pieces the sequence is cut into between the layers (SP: tp)
 
@@ -268,57 +372,93 @@ class GPT:
         like_params = next(iter(self.params.values())).data
         xp, local = get_array_module(like_params), set(self.local_units)
         return {name: xp.zeros(shape, like_params.dtype) for name, shape in expert_bias_shapes(self.config).items()
-                if local & set(units_using(name, self.config.n_layer))}
+                if local & set(self.units_of(name))}
 
     def _embedding(self) -> Any:
-        return Embedding(self.params["transformer.wte.weight"], self.params["transformer.wpe.weight"])
+        return Embedding(self.params["transformer.wte.weight"], self.params.get("transformer.wpe.weight"))
+
+    def _head_weight(self) -> Parameter:
+        """The LM head's [vocab, n_embd] weight: the token embedding when tied, else lm_head.weight."""
+        return self.params["transformer.wte.weight" if self.config.tied else "lm_head.weight"]
 
     def _cross_entropy(self) -> Any:
-        return TiedHeadCrossEntropy(self.params["transformer.wte.weight"])
+        return TiedHeadCrossEntropy(self._head_weight())
 
     def _block(self, i: int) -> Block:
         prefix = f"transformer.h.{i}"
-        attention = self._attention(self._column_parallel(f"{prefix}.attn.c_attn"),
-                                    self._row_parallel(f"{prefix}.attn.c_proj"))
+        if self.config.is_llama:
+            attention = self._attention(self._concatenated([f"{prefix}.attn.{name}_proj" for name in "qkv"], True),
+                                        self._row_parallel(f"{prefix}.attn.o_proj"))
+        else:
+            attention = self._attention(self._column_parallel(f"{prefix}.attn.c_attn"),
+                                        self._row_parallel(f"{prefix}.attn.c_proj"))
         if self.config.n_experts:
             block, mlp = MoEBlock, self._mixture_of_experts(i)
         else:
-            block = Block
-            mlp = MLP(self._column_parallel(f"{prefix}.mlp.c_fc"), self._row_parallel(f"{prefix}.mlp.c_proj"))
-        return block(self._layer_norm(f"{prefix}.ln_1"), attention, self._layer_norm(f"{prefix}.ln_2"), mlp,
+            block, mlp = Block, self._mlp(f"{prefix}.mlp")
+        return block(self._norm(f"{prefix}.ln_1"), attention, self._norm(f"{prefix}.ln_2"), mlp,
                      recompute_full=self.recompute == "full")
+
+    def _mlp(self, prefix: str) -> MLP:
+        """GPT-2's c_fc, GELU, c_proj, or llama's [gate | up], SwiGLU, down (column- then row-parallel)."""
+        if self.config.is_llama:
+            return MLP(self._concatenated([f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
+                       self._row_parallel(f"{prefix}.down_proj"), SwiGLU())
+        return MLP(self._column_parallel(f"{prefix}.c_fc"), self._row_parallel(f"{prefix}.c_proj"))
+
+    def _expert(self, prefix: str) -> MLP:
+        """One expert: the family's MLP, unsplit (experts are whole on the rank that holds them)."""
+        if self.config.is_llama:
+            return MLP(ConcatenatedLinear([self.params[f"{prefix}.gate_proj.weight"],
+                                           self.params[f"{prefix}.up_proj.weight"]]),
+                       Linear(self.params[f"{prefix}.down_proj.weight"]), SwiGLU())
+        return MLP(Linear(*self._weight_and_bias(f"{prefix}.c_fc")), Linear(*self._weight_and_bias(f"{prefix}.c_proj")))
 
     def _attention(self, qkv: Any, projection: Any) -> Any:
         """Causal self-attention over the whole sequence, or with a CP group over its zigzag chunks."""
         keep = self.recompute != "selective"
+        heads = {"n_kv_head": self._local_kv_heads(), "rope": self.rope}
         if self.context is None:
-            return CausalSelfAttention(qkv, projection, self._local_heads(), self.query_block, keep_probabilities=keep)
+            return CausalSelfAttention(qkv, projection, self._local_heads(), self.query_block, keep_probabilities=keep,
+                                       **heads)
         return context_parallel_attention(self.context.variant, qkv, projection, self._local_heads(),
-                                          self.context.comm, query_block=self.query_block, keep_probabilities=keep)
+                                          self.context.comm, query_block=self.query_block, keep_probabilities=keep,
+                                          **heads)
 
     def _mixture_of_experts(self, i: int) -> MixtureOfExperts:
         config, prefix = self.config, f"transformer.h.{i}.mlp"
         router = Router(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.moe_renormalize,
                         config.moe_capacity_factor, config.moe_aux_coef, aux_weight=1.0 / self.moe_token_sets,
                         expert_bias=self.expert_biases[expert_bias_name(i)])
-        experts = [MLP(Linear(*self._weight_and_bias(f"{prefix}.experts.{e}.c_fc")),
-                       Linear(*self._weight_and_bias(f"{prefix}.experts.{e}.c_proj"))) for e in self._local_experts()]
+        experts = [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()]
         return MixtureOfExperts(router, experts, self.ep_comm)
 
-    def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter]:
-        return self.params[f"{prefix}.weight"], self.params[f"{prefix}.bias"]
+    def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter | None]:
+        """A layer's weight and its bias (None where the family has none: llama)."""
+        return self.params[f"{prefix}.weight"], self.params.get(f"{prefix}.bias")
 
-    def _layer_norm(self, prefix: str) -> LayerNorm:
+    def _norm(self, prefix: str) -> Any:
+        """The family's norm: LayerNorm (GPT-2) or RMSNorm (llama)."""
+        if self.config.is_llama:
+            return RMSNorm(self.params[f"{prefix}.weight"], self.config.rms_norm_eps)
         return LayerNorm(*self._weight_and_bias(prefix))
 
     def _column_parallel(self, prefix: str) -> Any:
         return Linear(*self._weight_and_bias(prefix))
+
+    def _concatenated(self, prefixes: list[str], key_value: bool = False) -> Any:
+        """Bias-free projections of one input side by side (llama's q, k, v; gate and up). `key_value`: the
+        last two are KV projections (tensor parallelism may replicate their heads)."""
+        return ConcatenatedLinear([self.params[f"{prefix}.weight"] for prefix in prefixes])
 
     def _row_parallel(self, prefix: str) -> Any:
         return Linear(*self._weight_and_bias(prefix))
 
     def _local_heads(self) -> int:
         return self.config.n_head
+
+    def _local_kv_heads(self) -> int:
+        return self.config.kv_heads
 
     # -- parameters ------------------------------------------------------------------------------------------
 
@@ -336,7 +476,7 @@ class GPT:
         `ParameterHooks`)."""
         by_unit: list[list[Parameter]] = [[] for _ in range(self.unit_count)]
         for param in self.params.values():
-            for unit in units_using(param.name, self.config.n_layer):
+            for unit in self.units_of(param.name):
                 if unit in self.local_units:
                     by_unit[unit].append(param)
         head = by_unit[-1]
@@ -495,13 +635,16 @@ class GPT:
 
     def load_state_dict(self, tensors: dict[str, Array]) -> None:
         """Copy in full (serial) tensors by name, each cut to this rank's shard; names may omit `transformer.`.
-        Every parameter, and every expert bias of an MoE model, must be present."""
+        Every parameter must be present; an MoE model's expert biases start at zero where absent."""
         by_short_name = {name.removeprefix("transformer."): value for name, value in tensors.items()}
         for name, param in self.params.items():
             value = _tensor_named(by_short_name, name, param.full_shape)
             param.data[...] = shard_tensor(like(param.data, value), param.placement, self.axis_ranks())
-        for name, bias in self.expert_biases.items():
-            bias[...] = like(bias, _tensor_named(by_short_name, name, bias.shape))
+        for name, bias in self.expert_biases.items():  # absent (a checkpoint from elsewhere): zero, as initialized
+            if name.removeprefix("transformer.") in by_short_name:
+                bias[...] = like(bias, _tensor_named(by_short_name, name, bias.shape))
+            else:
+                bias[...] = 0
 
 
 def _tensor_named(by_short_name: dict[str, Array], name: str, shape: tuple[int, ...]) -> Array:

@@ -35,6 +35,9 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
+from collectives import all_reduce
 from collectives.backend import Array, get_array_module, is_device_array, scatter_add
 
 from . import kernels
@@ -142,14 +145,15 @@ class Layer:
 
 
 class Linear(Layer):
-    """y = x @ weight + bias over the last axis (weight [in, out], Conv1D layout)."""
+    """y = x @ weight + bias over the last axis (weight [in, out], Conv1D layout; bias None: none, as in Llama)."""
 
-    def __init__(self, weight: Parameter, bias: Parameter) -> None:
+    def __init__(self, weight: Parameter, bias: Parameter | None = None) -> None:
         self.weight, self.bias = weight, bias
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         out = x.reshape(-1, x.shape[-1]) @ self.weight.data
-        out += self.bias.data
+        if self.bias is not None:
+            out += self.bias.data
         return out.reshape(*x.shape[:-1], out.shape[-1]), Saved(x=x)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
@@ -160,7 +164,48 @@ class Linear(Layer):
     def backward_weights(self, saved: Saved) -> None:
         x, dout = saved.x, saved.dout.reshape(-1, saved.dout.shape[-1])
         self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dout
-        self.bias.grad += column_sums(dout)
+        if self.bias is not None:
+            self.bias.grad += column_sums(dout)
+        saved.clear()
+
+
+class ConcatenatedLinear(Layer):
+    """[x @ W_1 | x @ W_2 | …]: several bias-free projections of one input, their outputs side by side in one
+    (…, Σ out_i) array — Llama's q, k and v (and SwiGLU's gate and up) as if they were GPT-2's one fused c_attn.
+
+    The separate weights are what Hugging Face stores and what tensor parallelism cuts head by head; the one
+    output is what attention reads. `gradient_groups[i]`, when given, is a communicator whose ranks hold
+    copies of W_i that saw different inputs (grouped-query KV heads replicated over tensor-parallel ranks): the
+    weight pass sums W_i's gradient over it (an all-reduce of in·out_i elements)."""
+
+    def __init__(self, weights: list[Parameter], gradient_groups: list[Any] | None = None) -> None:
+        self.weights = list(weights)
+        self.gradient_groups = list(gradient_groups or [None] * len(self.weights))
+        ends = [0]
+        for weight in self.weights:
+            ends.append(ends[-1] + weight.data.shape[1])
+        self.columns = [slice(a, b) for a, b in zip(ends[:-1], ends[1:], strict=True)]
+
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        xp = get_array_module(x)
+        x2d = x.reshape(-1, x.shape[-1])
+        out = xp.empty((len(x2d), self.columns[-1].stop), dtype=x.dtype)
+        for weight, columns in zip(self.weights, self.columns, strict=True):
+            out[:, columns] = x2d @ weight.data
+        return out.reshape(*x.shape[:-1], out.shape[-1]), Saved(x=x)
+
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        saved.dout = dout.reshape(-1, dout.shape[-1])
+        dx = saved.dout[:, self.columns[0]] @ self.weights[0].data.T
+        for weight, columns in zip(self.weights[1:], self.columns[1:], strict=True):
+            dx += saved.dout[:, columns] @ weight.data.T
+        return dx.reshape(*dout.shape[:-1], dx.shape[-1])
+
+    def backward_weights(self, saved: Saved) -> None:
+        x2d = saved.x.reshape(-1, saved.x.shape[-1])
+        for weight, columns, group in zip(self.weights, self.columns, self.gradient_groups, strict=True):
+            grad = x2d.T @ saved.dout[:, columns]
+            weight.grad += grad if group is None else all_reduce(grad, group)
         saved.clear()
 
 
@@ -226,6 +271,37 @@ class LayerNorm(Layer):
         saved.clear()
 
 
+class RMSNorm(Layer):
+    """y = x · rsqrt(mean(x²) + eps) · weight over the last axis (Llama's norm: no mean subtracted, no bias).
+
+    The statistics are computed in the activations' dtype, float32 or float64 (never narrower). Backward, with
+    n = x·rstd the normalized input and dn = dy·weight: dx = rstd · (dn − n · mean(dn · n)), d(weight) = Σ dy·n.
+    """
+
+    def __init__(self, weight: Parameter, eps: float = 1e-6) -> None:
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        xp = get_array_module(x)
+        mean_square = row_sums(x * x) / x.shape[-1]
+        mean_square += self.eps
+        rstd = 1.0 / xp.sqrt(mean_square, out=mean_square)
+        normalized = x * rstd
+        return normalized * self.weight.data, Saved(normalized=normalized, rstd=rstd)
+
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        saved.dout = dout
+        dnorm = dout * self.weight.data
+        mean_dnorm_norm = row_sums(dnorm * saved.normalized) / dout.shape[-1]
+        dnorm -= saved.normalized * mean_dnorm_norm
+        dnorm *= saved.rstd
+        return dnorm
+
+    def backward_weights(self, saved: Saved) -> None:
+        self.weight.grad += column_sums(saved.dout * saved.normalized)
+        saved.clear()
+
+
 class GELU(Layer):
     """GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 
@@ -264,6 +340,43 @@ class GELU(Layer):
         slope *= dout
         saved.clear()
         return slope
+
+    def backward_weights(self, saved: Saved) -> None:
+        saved.clear()
+
+
+class SwiGLU(Layer):
+    """Llama's gated activation of the [gate | up] halves of its input: silu(gate) · up, silu(g) = g·σ(g).
+
+    The input is the (…, 2F) output of the concatenated gate and up projections (F of each, side by side — under
+    tensor parallelism each rank's F/n of each), the output (…, F). Backward, with s = σ(gate):
+    d(up) = dy · gate · s and d(gate) = dy · up · s · (1 + gate · (1 − s)). No weights."""
+
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        xp = get_array_module(x)
+        width = x.shape[-1] // 2
+        gate, up = x[..., :width], x[..., width:]
+        sigmoid = xp.negative(gate)
+        xp.exp(sigmoid, out=sigmoid)
+        sigmoid += 1.0
+        xp.reciprocal(sigmoid, out=sigmoid)
+        silu = gate * sigmoid
+        return silu * up, Saved(gate=gate, up=up, sigmoid=sigmoid, silu=silu)
+
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        xp = get_array_module(dout)
+        dx = xp.empty((*dout.shape[:-1], 2 * dout.shape[-1]), dtype=dout.dtype)
+        width = dout.shape[-1]
+        xp.multiply(dout, saved.silu, out=dx[..., width:])
+        # silu'(g) = s + g·s·(1 − s) = s + silu·(1 − s)
+        dgate = dx[..., :width]
+        xp.subtract(1.0, saved.sigmoid, out=dgate)
+        dgate *= saved.silu
+        dgate += saved.sigmoid
+        dgate *= saved.up
+        dgate *= dout
+        saved.clear()
+        return dx
 
     def backward_weights(self, saved: Saved) -> None:
         saved.clear()
@@ -334,13 +447,21 @@ class ProjectedAttention(Layer):
 
 
 class CausalSelfAttention(ProjectedAttention):
-    """Multi-head causal self-attention: fused qkv projection, per-head softmax(q·kᵀ/√d)·v, output projection.
+    """Causal self-attention: fused qkv projection, per-head softmax(q·kᵀ/√d)·v, output projection; multi-head
+    (GPT-2) or grouped-query (Llama: n_kv_head < n_head), with or without rotary positions.
 
-    The heads stay views into the projection's (B, T, 3, H, d) output: the matrix products read and write them
-    with strides, so no transpose is ever copied, and q is scaled by 1/√d in place there (B·H·T·d numbers rather
-    than the B·H·T·T scores). Queries go in blocks of `query_block` rows, and block [start, stop) multiplies only
-    keys [0, stop): every later key is in its future, so skipping them saves about half of q·kᵀ, the softmax
-    passes and p·v, forward and backward (FlashAttention skips the same blocks).
+    The projection's output is [q | k | v]: n_head·d, then n_kv·d and n_kv·d channels (GPT-2's c_attn is the case
+    n_kv = n_head). The heads stay views into it: the matrix products read and write them with strides, so no
+    transpose is ever copied, and q is scaled by 1/√d in place there (B·H·T·d numbers rather than the B·H·T·T
+    scores). Grouped-query attention: query head h reads KV head h // g, g = n_head/n_kv. The query heads are
+    viewed as (B, n_kv, g, T, d) and the keys as (B, n_kv, 1, T, d), so one broadcast product serves the g heads
+    of a group and the keys are never repeated; d(K) and d(V) are the sums of the group's contributions.
+    `rope` (a `models.rotary.RotaryEmbedding`) rotates q and k in place at positions 0 … T−1 (after a KV cache's
+    length when decoding); backward rotates d(q) and d(k) back.
+
+    Queries go in blocks of `query_block` rows, and block [start, stop) multiplies only keys [0, stop): every
+    later key is in its future, so skipping them saves about half of q·kᵀ, the softmax passes and p·v, forward
+    and backward (FlashAttention skips the same blocks).
 
     `keep_probabilities=False` is selective recomputation: forward keeps no softmax probabilities (no term in
     s²) and backward recomputes each query block's from the kept q and k, one block at a time.
@@ -349,83 +470,123 @@ class CausalSelfAttention(ProjectedAttention):
     input_pass_only = ("q", "k", "v", "merged", "probs")
 
     def __init__(self, qkv: Any, projection: Any, n_head: int, query_block: int = QUERY_BLOCK,
-                 keep_probabilities: bool = True) -> None:
+                 keep_probabilities: bool = True, n_kv_head: int | None = None, rope: Any = None) -> None:
         if query_block < 1:
             raise ValueError(f"query_block must be at least 1, got {query_block}")
-        self.qkv, self.projection, self.n_head = qkv, projection, n_head
-        self.query_block, self.keep_probabilities = query_block, keep_probabilities
+        n_kv_head = n_kv_head or n_head
+        if n_head % n_kv_head:
+            raise ValueError(f"grouped-query attention: n_head ({n_head}) must be divisible by n_kv_head "
+                             f"({n_kv_head})")
+        self.qkv, self.projection, self.n_head, self.n_kv_head = qkv, projection, n_head, n_kv_head
+        self.query_block, self.keep_probabilities, self.rope = query_block, keep_probabilities, rope
 
     def _split_heads(self, qkv: Array) -> tuple[Array, Array, Array]:
-        batch, length, three_channels = qkv.shape
-        head_dim = three_channels // (3 * self.n_head)
-        heads = qkv.reshape(batch, length, 3, self.n_head, head_dim).transpose(2, 0, 3, 1, 4)
-        return heads[0], heads[1], heads[2]  # each (B, H, T, head_dim)
+        """q (B, H, T, d) and k, v (B, n_kv, T, d): views into the [q | k | v] projection output."""
+        return split_heads(qkv, self.n_head, self.n_kv_head)
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         qkv, qkv_saved = self.qkv.forward(x)
         q, k, v = self._split_heads(qkv)
+        self._rotate(q, k, 0)
         q *= 1.0 / math.sqrt(q.shape[-1])
         merged, probs = self._attend(q, k, v, offset=0, keep=self.keep_probabilities)
         out, projection_saved = self.projection.forward(merged)
         return out, Saved(qkv=qkv_saved, projection=projection_saved, q=q, k=k, v=v, merged=merged, probs=probs)
 
+    def _rotate(self, q: Array, k: Array, start: int) -> None:
+        if self.rope is not None:
+            positions = np.arange(start, start + q.shape[2])
+            self.rope.rotate(q, positions)
+            self.rope.rotate(k, positions)
+
     def forward_incremental(self, x: Array, cache: KVCache) -> Array:
         """Inference: attention of the new positions `x` (B, t, C) over the cached keys and values and their own,
         appending theirs to `cache`. Nothing is kept for backward."""
         q, k, v = self._split_heads(self.qkv.forward(x)[0])
+        self._rotate(q, k, cache.length)
         keys, values = cache.append(k, v)
         q = q * (1.0 / math.sqrt(q.shape[-1]))
         merged, _ = self._attend(q, keys, values, offset=keys.shape[2] - q.shape[2], keep=False)
         return self.projection.forward(merged)[0]
 
     def _attend(self, q: Array, k: Array, v: Array, offset: int, keep: bool) -> tuple[Array, list[Array] | None]:
-        """softmax(q·kᵀ)·v of (B, H, t, d) queries (scale included) at positions offset … offset+t−1 over the keys
-        and values from position 0, merged to (B, t, H·d); also each query block's probabilities if `keep`."""
+        """softmax(q·kᵀ)·v of (B, H, t, d) queries (scale included) at positions offset … offset+t−1 over the
+        (B, n_kv, ·, d) keys and values from position 0, merged to (B, t, H·d); also each query block's
+        probabilities if `keep`."""
         xp = get_array_module(q)
         batch, n_head, queries, head_dim = q.shape
         merged = xp.empty((batch, queries, n_head, head_dim), dtype=q.dtype)
-        heads = merged.transpose(0, 2, 1, 3)  # (B, H, t, d), written through by the products
+        heads = grouped(merged.transpose(0, 2, 1, 3), k.shape[1])  # written through by the products
+        q, k, v = grouped(q, k.shape[1]), k[:, :, None], v[:, :, None]
         kept = [] if keep else None
         for start, stop in query_blocks(queries, self.query_block):
             probs = self._probabilities(q, k, start, stop, offset)
-            xp.matmul(probs, v[:, :, :offset + stop], out=heads[:, :, start:stop])
+            xp.matmul(probs, v[..., :offset + stop, :], out=heads[..., start:stop, :])
             if keep:
                 kept.append(probs)
         return merged.reshape(batch, queries, n_head * head_dim), kept
 
     @staticmethod
     def _probabilities(q: Array, k: Array, start: int, stop: int, offset: int = 0) -> Array:
-        """Causal softmax of query rows [start, stop) over keys [0, offset + stop)."""
-        scores = q[:, :, start:stop] @ k[:, :, :offset + stop].transpose(0, 1, 3, 2)
+        """Causal softmax of query rows [start, stop) over keys [0, offset + stop) (grouped 5-D views)."""
+        scores = q[..., start:stop, :] @ k[..., :offset + stop, :].swapaxes(-1, -2)
         return causal_softmax(scores, offset=offset + start)
 
     def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
         """d(qkv), in the projection output's layout, from d(merged heads)."""
         xp = get_array_module(dmerged)
         batch, length, channels = dmerged.shape
-        head_dim = channels // self.n_head
-        dheads = dmerged.reshape(batch, length, self.n_head, head_dim).transpose(0, 2, 1, 3)
+        head_dim, n_kv = channels // self.n_head, self.n_kv_head
+        dheads = grouped(dmerged.reshape(batch, length, self.n_head, head_dim).transpose(0, 2, 1, 3), n_kv)
         # zeroed because every query block adds into the keys and values it saw
-        dqkv = xp.zeros((batch, length, 3, self.n_head, head_dim), dmerged.dtype)
-        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
+        dqkv = xp.zeros((batch, length, (self.n_head + 2 * n_kv) * head_dim), dmerged.dtype)
+        dq, dk, dv = split_heads(dqkv, self.n_head, n_kv)
+        dq5, dk5, dv5 = grouped(dq, n_kv), dk[:, :, None], dv[:, :, None]
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, C) instead of (B, H, T, T)
         weighted_sum = row_sums((dmerged * saved.merged).reshape(batch, length, self.n_head, head_dim))
-        weighted_sum = weighted_sum.transpose(0, 2, 1, 3)
-        q, k, v = saved.q, saved.k, saved.v
+        weighted_sum = grouped(weighted_sum.transpose(0, 2, 1, 3), n_kv)
+        q, k, v = grouped(saved.q, n_kv), saved.k[:, :, None], saved.v[:, :, None]
         for index, (start, stop) in enumerate(query_blocks(length, self.query_block)):
             rows = slice(start, stop)
             probs = saved.probs[index] if saved.probs is not None else self._probabilities(q, k, start, stop)
-            dv[:, :, :stop] += probs.transpose(0, 1, 3, 2) @ dheads[:, :, rows]
-            dprobs = dheads[:, :, rows] @ v[:, :, :stop].transpose(0, 1, 3, 2)
-            dscores = softmax_backward(probs, dprobs, weighted_sum[:, :, rows])
-            xp.matmul(dscores, k[:, :, :stop], out=dq[:, :, rows])
-            dk[:, :, :stop] += dscores.transpose(0, 1, 3, 2) @ q[:, :, rows]  # q holds the scale already
+            dv5[..., :stop, :] += group_sum(probs.swapaxes(-1, -2) @ dheads[..., rows, :])
+            dprobs = dheads[..., rows, :] @ v[..., :stop, :].swapaxes(-1, -2)
+            dscores = softmax_backward(probs, dprobs, weighted_sum[..., rows, :])
+            xp.matmul(dscores, k[..., :stop, :], out=dq5[..., rows, :])
+            dk5[..., :stop, :] += group_sum(dscores.swapaxes(-1, -2) @ q[..., rows, :])  # q holds the scale
         dq *= 1.0 / math.sqrt(head_dim)
-        return dqkv.reshape(batch, length, 3 * channels)
+        if self.rope is not None:
+            positions = np.arange(length)
+            self.rope.rotate_back(dq, positions)
+            self.rope.rotate_back(dk, positions)
+        return dqkv
+
+
+def split_heads(qkv: Array, n_head: int, n_kv_head: int) -> tuple[Array, Array, Array]:
+    """q (B, H, T, d) and k, v (B, n_kv, T, d) as views into a [q | k | v] array (B, T, (H + 2·n_kv)·d)."""
+    batch, length, width = qkv.shape
+    head_dim = width // (n_head + 2 * n_kv_head)
+    q_end, k_end = n_head * head_dim, (n_head + n_kv_head) * head_dim
+    q = qkv[..., :q_end].reshape(batch, length, n_head, head_dim)
+    k = qkv[..., q_end:k_end].reshape(batch, length, n_kv_head, head_dim)
+    v = qkv[..., k_end:].reshape(batch, length, n_kv_head, head_dim)
+    return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def grouped(heads: Array, n_kv_head: int) -> Array:
+    """(B, H, t, …) query heads as a (B, n_kv, g, t, …) view: the g = H/n_kv heads that share a KV head."""
+    batch, n_head = heads.shape[:2]
+    return heads.reshape(batch, n_kv_head, n_head // n_kv_head, *heads.shape[2:])
+
+
+def group_sum(products: Array) -> Array:
+    """Σ over the group axis (2) of per-query-head products, for the one KV head they share (keepdims)."""
+    return products if products.shape[2] == 1 else products.sum(axis=2, keepdims=True)
 
 
 class KVCache:
-    """Keys and values (B, H, positions, head_dim) of the positions seen so far, for incremental decoding."""
+    """Keys (rotated, with RoPE) and values (B, n_kv, positions, head_dim) of the positions seen so far, for
+    incremental decoding; grouped-query attention caches only its n_kv heads."""
 
     def __init__(self) -> None:
         self.keys: Array | None = None
@@ -446,20 +607,21 @@ class KVCache:
 
 
 class MLP(Layer):
-    """c_fc (C -> 4C), GELU, c_proj (4C -> C)."""
+    """expand, activation, contract: GPT-2's c_fc (C → 4C), GELU, c_proj (4C → C), or Llama's concatenated
+    gate and up projections (C → 2F), SwiGLU, down (F → C)."""
 
-    def __init__(self, expand: Any, contract: Any) -> None:
-        self.expand, self.gelu, self.contract = expand, GELU(), contract
+    def __init__(self, expand: Any, contract: Any, activation: Layer | None = None) -> None:
+        self.expand, self.activation, self.contract = expand, activation or GELU(), contract
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         hidden, expand = self.expand.forward(x)
-        activated, gelu = self.gelu.forward(hidden)
+        activated, activation = self.activation.forward(hidden)
         out, contract = self.contract.forward(activated)
-        return out, Saved(expand=expand, gelu=gelu, contract=contract)
+        return out, Saved(expand=expand, activation=activation, contract=contract)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         dactivated = self.contract.backward_input(saved.contract, dout)
-        dhidden = self.gelu.backward_input(saved.gelu, dactivated)
+        dhidden = self.activation.backward_input(saved.activation, dactivated)
         return self.expand.backward_input(saved.expand, dhidden)
 
     def backward_weights(self, saved: Saved) -> None:
@@ -512,16 +674,18 @@ class Block(Layer):
 
 
 class Embedding(Layer):
-    """x = wte[tokens] + wpe[positions]."""
+    """x = wte[tokens] + wpe[positions] (GPT-2), or x = wte[tokens] without `position` (Llama: RoPE instead)."""
 
-    def __init__(self, token: Parameter, position: Parameter) -> None:
+    def __init__(self, token: Parameter, position: Parameter | None = None) -> None:
         self.token, self.position = token, position
 
     def forward(self, tokens: Array, start: int = 0, positions: Array | None = None) -> tuple[Array, Saved]:
         """Embed (B, T) token ids sitting at positions start … start+T−1, or at the distinct `positions` (T,)
         given (context parallelism holds two chunks of the sequence)."""
         rows = slice(start, start + tokens.shape[-1]) if positions is None else positions
-        x = self.token.data[tokens] + self.position.data[rows]
+        x = self.token.data[tokens]
+        if self.position is not None:
+            x += self.position.data[rows]
         return x, Saved(tokens=tokens, rows=rows)
 
     def backward_input(self, saved: Saved, dout: Array) -> None:
@@ -539,7 +703,8 @@ class Embedding(Layer):
             scatter_add(grad.reshape(-1), entries.reshape(-1), dout.reshape(-1))
         else:  # a strided gradient view: reshape(-1) would scatter into a copy
             scatter_add(grad, tokens.reshape(-1), dout.reshape(-1, channels))
-        self.position.grad[saved.rows] += dout.sum(axis=0)  # distinct positions: no index repeats
+        if self.position is not None:
+            self.position.grad[saved.rows] += dout.sum(axis=0)  # distinct positions: no index repeats
         saved.clear()
 
 

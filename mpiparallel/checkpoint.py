@@ -1,6 +1,8 @@
 """Checkpoints in Hugging Face's format (`--save`, `--init`).
 
-A model checkpoint is a directory `transformers.GPT2LMHeadModel.from_pretrained` loads:
+A GPT-2 checkpoint is a directory `transformers.GPT2LMHeadModel.from_pretrained` loads; a llama-family one a
+directory `LlamaForCausalLM` / `MixtralForCausalLM.from_pretrained` loads (names, layouts and config keys:
+`models.families`; transformers 4 and 5 configs are read alike). For GPT-2:
 
     config.json          GPT2Config fields (vocab_size, n_positions, n_embd, n_layer, n_head, …)
     model.safetensors    GPT2LMHeadModel tensor names and layouts: transformer.wte.weight [vocab, n_embd],
@@ -34,7 +36,8 @@ import safetensors
 import safetensors.numpy
 
 from collectives.backend import to_host
-from models.gpt import MOE_KEYS, GPTConfig, parameter_shapes
+from models import families
+from models.gpt import MOE_KEYS, GPTConfig, expert_bias_shapes, parameter_shapes
 
 from .errors import ConfigError
 
@@ -47,7 +50,7 @@ GPT2_EOS_TOKEN = 50256
 SHAPE_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 
 SUPPORTED_VALUES = {
-    "model_type": ("gpt2",),
+    "model_type": ("gpt2", *families.LLAMA_TYPES),
     "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
     "tie_word_embeddings": (True,),
     "scale_attn_weights": (True,),
@@ -78,7 +81,8 @@ def save_pretrained(directory: str | Path, config: GPTConfig, tensors: Mapping[s
 
 
 def gpt2_config_json(config: GPTConfig, dtype: np.dtype, extra_config: Mapping[str, Any] | None = None) -> dict:
-    """config.json for GPT2LMHeadModel: our shape plus GPT-2's fixed choices (GELU tanh, LN eps 1e-5, no dropout)."""
+    """config.json for GPT2LMHeadModel: our shape plus GPT-2's fixed choices (GELU tanh, LN eps 1e-5, no dropout),
+    and our MoE keys for a mixture of experts."""
     eos = GPT2_EOS_TOKEN if config.vocab_size > GPT2_EOS_TOKEN else config.vocab_size - 1
     fields = {
         "model_type": "gpt2",
@@ -102,7 +106,7 @@ def gpt2_config_json(config: GPTConfig, dtype: np.dtype, extra_config: Mapping[s
         "bos_token_id": eos,
         "eos_token_id": eos,
         "torch_dtype": np.dtype(dtype).name,
-    }
+    } | config.moe_settings()
     clashes = sorted(set(fields) & set(extra_config or {}))
     if clashes:
         raise ValueError(f"extra_config may not redefine {clashes}")
@@ -111,6 +115,15 @@ def gpt2_config_json(config: GPTConfig, dtype: np.dtype, extra_config: Mapping[s
 
 def _write_model_files(directory: Path, config: GPTConfig, tensors: Mapping[str, Any],
                        extra_config: Mapping[str, Any] | None) -> None:
+    if config.is_llama:
+        arrays = {name: _host_array(value) for name, value in families.to_hugging_face(config, tensors).items()}
+        content = families.hugging_face_config(config, arrays["model.embed_tokens.weight"].dtype)
+        clashes = sorted(set(content) & set(extra_config or {}))
+        if clashes:
+            raise ValueError(f"extra_config may not redefine {clashes}")
+        _write_json(directory / CONFIG_FILE, content | dict(extra_config or {}))
+        _write_safetensors(directory / WEIGHTS_FILE, arrays)
+        return
     arrays = {_with_prefix(name): _host_array(value) for name, value in tensors.items()
               if name.removeprefix(PREFIX) != "lm_head.weight"}  # tied to wte: transformers re-ties it on load
     if PREFIX + "wte.weight" not in arrays:
@@ -180,17 +193,25 @@ def _publish_files(staging: Path, target: Path) -> None:
 
 def load_pretrained(directory: str | Path, expected_shapes: Mapping[str, tuple[int, ...]] | None = None
                     ) -> tuple[GPTConfig, dict[str, np.ndarray], dict[str, Any]]:
-    """(config, tensors by `transformer.…` name in model order, config.json as read) from a Hugging Face GPT-2 dir.
+    """(config, tensors by our name in model order, config.json as read) from a Hugging Face GPT-2, Llama or
+    Mixtral directory.
 
     Every tensor of `expected_shapes` (default: `parameter_shapes(config)`) must be present with that shape;
-    further tensors are returned as they are (extensions such as MoE experts check their own).
+    further tensors are returned as they are (extensions such as MoE experts check their own). A MoE checkpoint
+    without expert biases (any from elsewhere) gets zero biases.
     """
     path = Path(directory)
     if not path.is_dir():
         raise ConfigError(f"checkpoint directory {path} does not exist")
     raw_config = read_json_object(path / CONFIG_FILE, "not a checkpoint directory (model config)")
     config = gpt_config_from_json(raw_config, path / CONFIG_FILE)
-    tensors = _canonical_tensors(_read_weights(path), path / WEIGHTS_FILE)
+    if config.is_llama:
+        tensors = families.from_hugging_face(config, _read_weights(path))
+    else:
+        tensors = _canonical_tensors(_read_weights(path), path / WEIGHTS_FILE)
+        dtype = next(iter(tensors.values())).dtype if tensors else np.float32
+        tensors |= {name: np.zeros(shape, dtype) for name, shape in expert_bias_shapes(config).items()
+                    if name not in tensors}
     expected = expected_shapes or parameter_shapes(config)
     _check_shapes(tensors, expected, path / WEIGHTS_FILE)
     in_model_order = {name: tensors[name] for name in expected} | tensors  # safetensors sorts names alphabetically
@@ -198,7 +219,12 @@ def load_pretrained(directory: str | Path, expected_shapes: Mapping[str, tuple[i
 
 
 def gpt_config_from_json(raw: Mapping[str, Any], source: str | Path = CONFIG_FILE) -> GPTConfig:
-    """The model shape from GPT2Config fields, refusing settings this GPT-2 does not implement."""
+    """The model from GPT2Config, LlamaConfig or MixtralConfig fields, refusing settings we do not implement."""
+    if raw.get("model_type") in families.LLAMA_TYPES:
+        try:
+            return GPTConfig(**families.config_fields(raw))
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"{source}: {error}") from None
     shape = {}
     for key in SHAPE_KEYS:
         value = raw.get(key, raw.get("n_ctx")) if key == "n_positions" else raw.get(key)

@@ -220,7 +220,7 @@ def run(settings: TrainSettings) -> int:
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
     if settings.output.save:
         if is_root:
-            checkpoint.save_pretrained(settings.output.save, config, full, extra_config=config.moe_settings())
+            checkpoint.save_pretrained(settings.output.save, config, full)
         mesh.world.barrier()
         reporter.say(f"saved the model to {settings.output.save}")
     if settings.output.sample_tokens and config.vocab_size == 256 and is_root:

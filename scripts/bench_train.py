@@ -346,7 +346,7 @@ class LayerProfile:
             self.wrap(block.attn.projection, "linear attn proj")
             self.wrap(block.mlp, "mlp glue")
             self.wrap(block.mlp.expand, "linear mlp fc")
-            self.wrap(block.mlp.gelu, "gelu")
+            self.wrap(block.mlp.activation, "gelu")
             self.wrap(block.mlp.contract, "linear mlp proj")
 
     def report(self, steps: int, step_seconds: float) -> None:

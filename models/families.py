@@ -1,0 +1,224 @@
+"""Model families as data: Hugging Face's Llama and Mixtral configs and tensor names, both ways.
+
+A family is not a second model class (see `models.gpt.GPTConfig`): the transformer is built from named choices,
+and this module holds what makes a Llama or Mixtral checkpoint ours and ours theirs:
+
+    ours (one scheme for both families)              Hugging Face (LlamaForCausalLM / MixtralForCausalLM)
+    transformer.wte.weight         [V, C]            model.embed_tokens.weight         [V, C]
+    transformer.h.{i}.ln_1.weight                    model.layers.{i}.input_layernorm.weight
+    transformer.h.{i}.attn.q_proj.weight  [C, H·d]   model.layers.{i}.self_attn.q_proj.weight  [H·d, C]  (ᵀ)
+    … k_proj, v_proj [C, n_kv·d], o_proj [H·d, C]    … k_proj, v_proj, o_proj                            (ᵀ)
+    transformer.h.{i}.ln_2.weight                    model.layers.{i}.post_attention_layernorm.weight
+    transformer.h.{i}.mlp.gate_proj/up_proj/down_proj  model.layers.{i}.mlp.gate_proj/up_proj/down_proj (ᵀ)
+    transformer.h.{i}.mlp.router.weight   [C, E]     model.layers.{i}.block_sparse_moe.gate.weight [E, C] (ᵀ)
+    transformer.h.{i}.mlp.experts.{e}.gate_proj      … block_sparse_moe.experts.{e}.w1                 (ᵀ)
+    … up_proj / down_proj                            … w3 / w2                                         (ᵀ)
+    transformer.h.{i}.mlp.router.expert_bias  [E]    … block_sparse_moe.expert_bias (ours: aux-loss-free)
+    transformer.ln_f.weight                          model.norm.weight
+    lm_head.weight                 [V, C]            lm_head.weight (absent when tied)
+
+Our linears keep GPT-2's [in, out] layout (y = x @ W), so every llama matrix is transposed on the way to
+nn.Linear's [out, in]. Reading also accepts the fused expert tensors transformers 5 writes
+(`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2F, C], `mlp.experts.down_proj` [E, C, F]).
+
+Configs: transformers 4 writes `rope_theta` and `rope_scaling`, transformers 5 `rope_parameters`; both are read,
+and both are written so either version loads what we save. No communication.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .rotary import rope_type
+
+LLAMA_TYPES = ("llama", "mixtral")
+MOE_KEYS = ("n_experts", "moe_top_k", "moe_renormalize", "moe_aux_coef", "moe_capacity_factor", "moe_bias_rate")
+"""Our config.json keys of a mixture-of-experts model (GPT-2 and Mixtral alike)."""
+
+_LAYER_NAMES = (  # ours after transformer.h.{i}., Hugging Face's after model.layers.{i}., transposed?
+    ("ln_1.weight", "input_layernorm.weight", False),
+    ("attn.q_proj.weight", "self_attn.q_proj.weight", True),
+    ("attn.k_proj.weight", "self_attn.k_proj.weight", True),
+    ("attn.v_proj.weight", "self_attn.v_proj.weight", True),
+    ("attn.o_proj.weight", "self_attn.o_proj.weight", True),
+    ("ln_2.weight", "post_attention_layernorm.weight", False),
+)
+_MLP_NAMES = (("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj"))
+_EXPERT_NAMES = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+
+
+def name_map(config: Any) -> list[tuple[str, str, bool]]:
+    """(our name, Hugging Face's name, transposed) for every tensor of a llama-family model, expert biases
+    included, in our checkpoint order."""
+    names = [("transformer.wte.weight", "model.embed_tokens.weight", False)]
+    for i in range(config.n_layer):
+        ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
+        names += [(ours + a, theirs + b, t) for a, b, t in _LAYER_NAMES]
+        if config.n_experts:
+            moe = theirs + "block_sparse_moe."
+            names.append((ours + "mlp.router.weight", moe + "gate.weight", True))
+            names += [(f"{ours}mlp.experts.{e}.{a}.weight", f"{moe}experts.{e}.{b}.weight", True)
+                      for e in range(config.n_experts) for a, b in _EXPERT_NAMES]
+            names.append((ours + "mlp.router.expert_bias", moe + "expert_bias", False))
+        else:
+            names += [(f"{ours}mlp.{a}.weight", f"{theirs}mlp.{b}.weight", True) for a, b in _MLP_NAMES]
+    names.append(("transformer.ln_f.weight", "model.norm.weight", False))
+    if not config.tied:
+        names.append(("lm_head.weight", "lm_head.weight", False))
+    return names
+
+
+def to_hugging_face(config: Any, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Our tensors (by our names) as Hugging Face's names and [out, in] layouts; names absent here are skipped."""
+    return {theirs: (tensors[ours].T if transposed else tensors[ours])
+            for ours, theirs, transposed in name_map(config) if ours in tensors}
+
+
+def from_hugging_face(config: Any, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Hugging Face's tensors as ours (names, [in, out] layouts). Tensors it lacks are left out (the caller
+    reports what is missing); an absent expert bias is zero (a checkpoint from elsewhere has none)."""
+    tensors = _unfused_experts(dict(tensors))
+    ours = {}
+    for name, theirs, transposed in name_map(config):
+        if theirs in tensors:
+            value = tensors[theirs]
+            ours[name] = np.ascontiguousarray(value.T) if transposed else value
+        elif name.endswith(".expert_bias"):
+            ours[name] = np.zeros(config.n_experts, dtype=tensors["model.embed_tokens.weight"].dtype)
+    return ours
+
+
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+
+
+def _unfused_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers 5's fused Mixtral tensors as the per-expert w1/w3/w2 of the hub's format."""
+    for name in [name for name in tensors if _FUSED_EXPERTS.match(name)]:
+        layer, kind = _FUSED_EXPERTS.match(name).groups()
+        value, moe = tensors.pop(name), f"model.layers.{layer}.block_sparse_moe."
+        if kind == "gate.weight":
+            tensors[moe + "gate.weight"] = value
+        elif kind == "experts.gate_up_proj":
+            width = value.shape[1] // 2
+            for e, fused in enumerate(value):
+                tensors[f"{moe}experts.{e}.w1.weight"] = fused[:width]
+                tensors[f"{moe}experts.{e}.w3.weight"] = fused[width:]
+        else:
+            for e, down in enumerate(value):
+                tensors[f"{moe}experts.{e}.w2.weight"] = down
+    return tensors
+
+
+# -- config.json ---------------------------------------------------------------------------------------------
+
+
+def hugging_face_config(config: Any, dtype: np.dtype) -> dict[str, Any]:
+    """config.json for LlamaForCausalLM, or MixtralForCausalLM when the model has experts."""
+    mixtral = bool(config.n_experts)
+    rope = {"rope_type": "default"} if not config.rope_scaling else dict(config.rope_scaling)
+    fields = {
+        "model_type": "mixtral" if mixtral else "llama",
+        "architectures": ["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.ffn_width,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.n_positions,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if not config.rope_scaling else dict(config.rope_scaling),
+        "rope_parameters": {"rope_theta": config.rope_theta, **rope},
+        "tie_word_embeddings": config.tied,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": np.dtype(dtype).name,
+    }
+    if mixtral:
+        fields |= {"num_local_experts": config.n_experts, "num_experts_per_tok": config.moe_top_k,
+                   "router_aux_loss_coef": config.moe_aux_coef, "output_router_logits": False,
+                   "router_jitter_noise": 0.0, "sliding_window": None}
+        fields |= {key: getattr(config, key) for key in MOE_KEYS}
+    return fields
+
+
+def config_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`GPTConfig` keyword arguments from a Llama or Mixtral config.json (either transformers version).
+
+    Raises ValueError naming a setting our llama does not compute (biases, another activation, a head size
+    other than hidden/heads, a rope type other than default or llama3, sliding windows)."""
+    model_type = raw.get("model_type")
+    if model_type not in LLAMA_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not a llama-family model ({', '.join(LLAMA_TYPES)})")
+    shape = {name: _integer(raw, key) for name, key in (
+        ("vocab_size", "vocab_size"), ("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
+        ("n_head", "num_attention_heads"), ("ffn_hidden", "intermediate_size"))}
+    shape["n_kv_head"] = _integer(raw, "num_key_value_heads", shape["n_head"])
+    shape["n_positions"] = _integer(raw, "max_position_embeddings", 2048)
+    _check_unsupported(raw, shape)
+    theta, scaling = _rope(raw)
+    fields = shape | {"arch": "llama", "rope_theta": theta, "rope_scaling": scaling,
+                      "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+                      "tie_embeddings": bool(raw.get("tie_word_embeddings", False))}
+    if model_type == "mixtral":
+        fields |= _mixtral_fields(raw)
+    return fields
+
+
+def _integer(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _check_unsupported(raw: Mapping[str, Any], shape: Mapping[str, int]) -> None:
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key, False):
+            raise ValueError(f"{key} = true is not supported (llama has no biases here)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act = {raw['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and head_dim * shape["n_head"] != shape["n_embd"]:
+        raise ValueError(f"head_dim = {head_dim} is not supported: heads must split hidden_size "
+                         f"({shape['n_embd']}) exactly ({shape['n_embd'] // shape['n_head']} per head)")
+    if raw.get("sliding_window") not in (None, 0) and raw.get("use_sliding_window", True):
+        window = raw["sliding_window"]
+        if window < raw.get("max_position_embeddings", math.inf):
+            raise ValueError(f"sliding_window = {window} is not supported (attention here is full causal)")
+
+
+def _rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(θ, scaling or None) from rope_parameters (transformers 5) or rope_theta + rope_scaling (4)."""
+    parameters = raw.get("rope_parameters")
+    if isinstance(parameters, Mapping):
+        theta = float(parameters.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = dict(raw.get("rope_scaling") or {})
+    kind = rope_type(scaling)
+    if kind == "default":
+        return theta, None
+    scaling.pop("type", None)
+    return theta, {"rope_type": kind, **{key: value for key, value in scaling.items() if key != "rope_type"}}
+
+
+def _mixtral_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Experts and routing. Without our own keys, the aux loss is Hugging Face's objective: its coefficient when
+    output_router_logits is on (only then does transformers add it), else none."""
+    hf_aux = float(raw.get("router_aux_loss_coef", 0.001)) if raw.get("output_router_logits") else 0.0
+    fields = {"n_experts": _integer(raw, "num_local_experts", 8), "moe_top_k": _integer(raw, "num_experts_per_tok", 2),
+              "moe_aux_coef": hf_aux}
+    return fields | {key: raw[key] for key in MOE_KEYS if key in raw}
