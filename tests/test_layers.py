@@ -49,10 +49,11 @@ def block() -> Block:
 def parameters_of(layer) -> list[Parameter]:
     found = []
     for value in vars(layer).values():
-        if isinstance(value, Parameter):
-            found.append(value)
-        elif hasattr(value, "__dict__") and not isinstance(value, np.ndarray):
-            found += parameters_of(value)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, Parameter):
+                found.append(item)
+            elif hasattr(item, "__dict__") and not isinstance(item, np.ndarray):
+                found += parameters_of(item)
     return found
 
 
