@@ -4,7 +4,8 @@ A parameter's `placement` maps mesh axis names ("tp", "dp", …) to one of three
 holds it `Replicated`:
 
     Replicated()          every rank of the axis holds the whole tensor, and computes the same gradient
-    Sharded(dim, blocks)  dimension `dim` is cut over the axis: `blocks` equal blocks side by side (3 for GPT-2's
+    Sharded(dim, blocks, replicas)  dimension `dim` is cut over the axis (replicas > 1: each piece on that many
+                          consecutive ranks): `blocks` equal blocks side by side (3 for GPT-2's
                           fused [q | k | v] columns, else 1), each zero-padded to a multiple of the axis size and
                           split evenly; rank r holds its piece of every block, in order
     Partial()             every rank holds the whole tensor, but its gradient is a partial sum: each rank saw
@@ -39,10 +40,19 @@ class Replicated:
 
 @dataclass(frozen=True)
 class Sharded:
-    """Dimension `dim` cut over the axis, as `blocks` equal blocks each split evenly (zero-padded at its end)."""
+    """Dimension `dim` cut over the axis, as `blocks` equal blocks each split evenly (zero-padded at its end).
+
+    `replicas` > 1: the axis of n ranks holds n/replicas pieces, each on `replicas` consecutive ranks (grouped-query
+    KV heads when tp exceeds them: rank r holds piece r // replicas). The copies compute partial gradients that
+    the layer sums over them; one copy counts (`counts_once`)."""
 
     dim: int
     blocks: int = 1
+    replicas: int = 1
+
+    def cut(self, rank: int, size: int) -> tuple[int, int]:
+        """(the piece rank `rank` holds, the number of pieces) on an axis of `size` ranks."""
+        return rank // self.replicas, size // self.replicas
 
 
 @dataclass(frozen=True)
@@ -106,8 +116,12 @@ class Parameter:
 def counts_once(placement: Mapping[str, Placement], coordinates: Mapping[str, int]) -> bool:
     """Whether this rank's copy of a (fully reduced) gradient piece is the one to count in a sum over all ranks:
     a piece sharded over an axis is distinct on every rank of it, a replicated one counts on coordinate 0 only."""
-    return all(isinstance(placement.get(axis, REPLICATED), (Sharded, Held, FlatShard)) or coordinate == 0
-               for axis, coordinate in coordinates.items())
+    def counts(how: Placement, coordinate: int) -> bool:
+        if isinstance(how, Sharded):
+            return coordinate % how.replicas == 0
+        return isinstance(how, (Held, FlatShard)) or coordinate == 0
+
+    return all(counts(placement.get(axis, REPLICATED), coordinate) for axis, coordinate in coordinates.items())
 
 
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float, dtype: np.dtype) -> np.ndarray:
@@ -149,8 +163,9 @@ def gather_along(shard: Array, sharded: Sharded, comm: Any, length: int) -> Arra
     dim, blocks = sharded.dim, sharded.blocks
     moved = xp.ascontiguousarray(xp.moveaxis(shard, dim, 0))
     rest, piece = moved.shape[1:], moved.shape[0] // blocks
-    gathered = all_gather(moved, comm).reshape(comm.size, blocks, piece, *rest)
-    by_block = gathered.swapaxes(0, 1).reshape(blocks, comm.size * piece, *rest)
+    pieces = comm.size // sharded.replicas
+    gathered = all_gather(moved, comm).reshape(pieces, sharded.replicas, blocks, piece, *rest)[:, 0]
+    by_block = gathered.swapaxes(0, 1).reshape(blocks, pieces * piece, *rest)
     full = by_block[:, :length // blocks].reshape(length, *rest)
     return xp.ascontiguousarray(xp.moveaxis(full, 0, dim))
 
@@ -161,8 +176,7 @@ def shard_tensor(full: Array, placement: Mapping[str, Placement], ranks: Mapping
     shard = full.copy()
     for axis, how in placement.items():
         if isinstance(how, Sharded):
-            rank, size = ranks.get(axis, (0, 1))
-            shard = shard_along(shard, how, rank, size)
+            shard = shard_along(shard, how, *how.cut(*ranks.get(axis, (0, 1))))
     return shard
 
 
@@ -183,7 +197,7 @@ def local_shape(full_shape: tuple[int, ...], placement: Mapping[str, Placement],
     shape = list(full_shape)
     for axis, how in placement.items():
         if isinstance(how, Sharded):
-            size = sizes.get(axis, 1)
+            size = sizes.get(axis, 1) // how.replicas
             shape[how.dim] = padded_length(shape[how.dim], how.blocks, size) // size
     return tuple(shape)
 

@@ -73,7 +73,7 @@ from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
 from .gpt import GPT, GPTConfig, initial_value
-from .layers import QUERY_BLOCK, Layer, Linear, Saved
+from .layers import QUERY_BLOCK, ConcatenatedLinear, Layer, Linear, Saved
 from .moe import expert_placement
 from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
 
@@ -176,15 +176,13 @@ class TensorParallelGroup:
 
 # -- parallel linear layers -----------------------------------------------------------------------------------
 
-class ColumnParallelLinear(Layer):
-    """y_r = x @ W[:, columns_r] + b[columns_r]: rank r computes its columns of the output from the whole input.
+class ColumnParallel(Layer):
+    """A layer whose weights are cut by output columns (`local`: its math on this rank's shard): its input enters
+    through `into_column_parallel` (TP: nothing forward, all-reduce of d(input) backward; SP: all-gather forward,
+    reduce-scatter backward) once, however many projections read it (llama's q, k and v)."""
 
-    The local math is `models.layers.Linear` on the shard; the input enters through `into_column_parallel`
-    (TP: nothing forward, all-reduce of d(input) backward; SP: all-gather forward, reduce-scatter backward).
-    """
-
-    def __init__(self, weight: Parameter, bias: Parameter, group: TensorParallelGroup) -> None:
-        self.local, self.group = Linear(weight, bias), group
+    def __init__(self, local: Layer, group: TensorParallelGroup) -> None:
+        self.local, self.group = local, group
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         return self.local.forward(self.group.into_column_parallel(x))
@@ -194,6 +192,14 @@ class ColumnParallelLinear(Layer):
 
     def backward_weights(self, saved: Saved) -> None:
         self.local.backward_weights(saved)  # the input it saw is the gathered one: no communication
+
+
+class ColumnParallelLinear(ColumnParallel):
+    """y_r = x @ W[:, columns_r] + b[columns_r]: rank r computes its columns of the output from the whole input
+    (`models.layers.Linear` on the shard)."""
+
+    def __init__(self, weight: Parameter, bias: Parameter | None, group: TensorParallelGroup) -> None:
+        super().__init__(Linear(weight, bias), group)
 
 
 class RowParallelLinear(Layer):
@@ -206,13 +212,14 @@ class RowParallelLinear(Layer):
     that whole d(output), so it is complete on every rank even when the bias was added to a sequence slice.
     """
 
-    def __init__(self, weight: Parameter, bias: Parameter, group: TensorParallelGroup) -> None:
+    def __init__(self, weight: Parameter, bias: Parameter | None, group: TensorParallelGroup) -> None:
         self.weight, self.bias, self.group = weight, bias, group
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         partial = x.reshape(-1, x.shape[-1]) @ self.weight.data
         out = self.group.out_of_row_parallel(partial.reshape(*x.shape[:-1], partial.shape[-1]))
-        out += self.bias.data
+        if self.bias is not None:
+            out += self.bias.data
         return out, Saved(x=x)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
@@ -223,14 +230,15 @@ class RowParallelLinear(Layer):
     def backward_weights(self, saved: Saved) -> None:
         x, dpartial = saved.x, saved.dpartial.reshape(-1, saved.dpartial.shape[-1])
         self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dpartial
-        self.bias.grad += dpartial.sum(axis=0)
+        if self.bias is not None:
+            self.bias.grad += dpartial.sum(axis=0)
         saved.clear()
 
 
 # -- vocab-parallel embedding and cross-entropy ---------------------------------------------------------------
 
 class VocabParallelEmbedding(Layer):
-    """x = wte[tokens] + wpe[positions] with wte split by vocabulary rows.
+    """x = wte[tokens] + wpe[positions] (wpe: GPT-2 only) with wte split by vocabulary rows.
 
     Each rank looks up the tokens in its slice [vocab_start, vocab_start + V/n) and writes zeros for the
     others; the partial embeddings leave like a row-parallel layer's output (TP: all-reduce of b·s·h; SP:
@@ -239,7 +247,8 @@ class VocabParallelEmbedding(Layer):
     summed into wpe.
     """
 
-    def __init__(self, token: Parameter, position: Parameter, group: TensorParallelGroup, vocab_start: int) -> None:
+    def __init__(self, token: Parameter, position: Parameter | None, group: TensorParallelGroup,
+                 vocab_start: int) -> None:
         self.token, self.position, self.group, self.vocab_start = token, position, group, vocab_start
 
     def forward(self, tokens: Array, positions: Array | None = None) -> tuple[Array, Saved]:
@@ -254,7 +263,8 @@ class VocabParallelEmbedding(Layer):
         partial = self.token.data[rows]
         partial[elsewhere] = 0
         x = self.group.out_of_row_parallel(partial)
-        x += self.position.data[positions[self.group.sequence_positions(tokens.shape[-1])]]
+        if self.position is not None:  # GPT-2's learned positions; llama has none (RoPE)
+            x += self.position.data[positions[self.group.sequence_positions(tokens.shape[-1])]]
         return x, Saved(rows=rows, elsewhere=elsewhere, positions=positions)
 
     def backward_input(self, saved: Saved, dout: Array) -> None:
@@ -265,7 +275,8 @@ class VocabParallelEmbedding(Layer):
         dpartial = self.group.out_of_row_parallel_backward(saved.dout)  # (B, T, C): the whole sequence
         here = ~saved.elsewhere
         scatter_add(self.token.grad, saved.rows[here], dpartial[here])
-        self.position.grad[saved.positions] += dpartial.sum(axis=0)  # distinct positions
+        if self.position is not None:
+            self.position.grad[saved.positions] += dpartial.sum(axis=0)  # distinct positions
         saved.clear()
 
 
@@ -333,18 +344,41 @@ class VocabParallelCrossEntropy(Layer):
 
 _SPLITS = {  # name suffix -> how the tp axis cuts it; every other parameter is replicated
     "wte.weight": Sharded(0),  # vocabulary rows
+    "lm_head.weight": Sharded(0),  # llama's untied head: vocabulary rows, as wte
     "attn.c_attn.weight": Sharded(1, 3),  # the columns of q, k and v: each C wide, head-major, so split each by heads
     "attn.c_attn.bias": Sharded(0, 3),
     "attn.c_proj.weight": Sharded(0),  # rows = the heads' outputs
+    "attn.q_proj.weight": Sharded(1),  # query heads
+    "attn.o_proj.weight": Sharded(0),
     "mlp.c_fc.weight": Sharded(1),  # columns = hidden units
     "mlp.c_fc.bias": Sharded(0),
     "mlp.c_proj.weight": Sharded(0),  # rows = hidden units
+    "mlp.gate_proj.weight": Sharded(1),  # SwiGLU: gate and up cut alike, so each rank pairs its own units
+    "mlp.up_proj.weight": Sharded(1),
+    "mlp.down_proj.weight": Sharded(0),
 }
+_KEY_VALUE = ("attn.k_proj.weight", "attn.v_proj.weight")
 
 
-def tensor_parallel_placement(name: str, sequence_parallel: bool = False) -> dict[str, Placement]:
-    """How the tp axis holds the parameter called `name`: sharded (see `_SPLITS`); with SP the LayerNorms'
-    gradients are partial sums (each rank normalizes only its sequence slice); everything else replicated."""
+def key_value_replicas(n_kv_head: int, tp: int) -> int:
+    """How many TP ranks hold each KV head: 1 when tp divides n_kv (each rank its n_kv/tp heads), tp/n_kv when
+    n_kv divides tp (Megatron's rule: each head on tp/n_kv ranks); otherwise one clear ValueError."""
+    if n_kv_head % tp == 0:
+        return 1
+    if tp % n_kv_head == 0:
+        return tp // n_kv_head
+    raise ValueError(f"tensor parallelism splits the KV heads: n_kv_head ({n_kv_head}) and tp ({tp}) must divide "
+                     f"one another (tp ≤ n_kv: each rank holds n_kv/tp heads; tp > n_kv: each head is replicated on "
+                     f"tp/n_kv ranks)")
+
+
+def tensor_parallel_placement(name: str, sequence_parallel: bool = False,
+                              key_value_copies: int = 1) -> dict[str, Placement]:
+    """How the tp axis holds the parameter called `name`: sharded (see `_SPLITS`; llama's KV projections by KV
+    head, each on `key_value_copies` ranks); with SP the norms' gradients are partial sums (each rank normalizes
+    only its sequence slice); everything else replicated."""
+    if name.endswith(_KEY_VALUE):
+        return {TP_AXIS: Sharded(1, replicas=key_value_copies)}
     for suffix, sharded in _SPLITS.items():
         if name.endswith(suffix):
             return {TP_AXIS: sharded}
@@ -358,10 +392,11 @@ def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
     problems = []
     if config.n_head % tp:
         problems.append(f"n_head ({config.n_head}) divisible by tp ({tp}) (attention is split by heads)")
-    if 4 * config.n_embd % tp:
-        problems.append(f"the MLP width 4·n_embd ({4 * config.n_embd}) divisible by tp ({tp})")
+    if config.ffn_width % tp:
+        problems.append(f"the MLP width ({config.ffn_width}) divisible by tp ({tp})")
     if problems:
         raise ValueError("tensor parallelism needs " + " and ".join(problems))
+    key_value_replicas(config.kv_heads, tp)
 
 
 # -- the model -----------------------------------------------------------------------------------------------
@@ -389,6 +424,10 @@ class TensorParallelGPT(GPT):
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
+        self.key_value_copies = key_value_replicas(config.kv_heads, tp)
+        # the ranks that hold the same KV heads sum those heads' weight gradients (None: no copies)
+        self.key_value_group = (self.comm.split(self.group.rank // self.key_value_copies, self.group.rank)
+                                if self.key_value_copies > 1 else None)
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets
@@ -398,20 +437,21 @@ class TensorParallelGPT(GPT):
         self._assemble(recompute, query_block)
         self.sequence_shards = tp if sequence_parallel else 1
 
-    def _vocab_start(self) -> int:
-        """The first vocabulary row of this rank's wte shard."""
-        return self.group.rank * self.params["transformer.wte.weight"].data.shape[0]
+    def _vocab_start(self, table: Parameter) -> int:
+        """The first vocabulary row of this rank's shard of a [vocab, n_embd] table (wte or lm_head)."""
+        return self.group.rank * table.data.shape[0]
 
     def _embedding(self) -> VocabParallelEmbedding:
-        return VocabParallelEmbedding(self.params["transformer.wte.weight"], self.params["transformer.wpe.weight"],
-                                      self.group, self._vocab_start())
+        token = self.params["transformer.wte.weight"]
+        return VocabParallelEmbedding(token, self.params.get("transformer.wpe.weight"), self.group,
+                                      self._vocab_start(token))
 
     def _cross_entropy(self) -> VocabParallelCrossEntropy:
-        return VocabParallelCrossEntropy(self.params["transformer.wte.weight"], self.group, self._vocab_start(),
-                                         self.config.vocab_size)
+        head = self._head_weight()
+        return VocabParallelCrossEntropy(head, self.group, self._vocab_start(head), self.config.vocab_size)
 
     def _shard(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
-        placement = tensor_parallel_placement(name, self.group.sequence_parallel)
+        placement = tensor_parallel_placement(name, self.group.sequence_parallel, self.key_value_copies)
         placement |= expert_placement(name, 1 if self.ep_comm is None else self.ep_comm.size)
         shard = shard_tensor(full, placement, self.axis_ranks())
         return Parameter(name, xp.asarray(shard), placement, full_shape=full.shape)
@@ -425,8 +465,20 @@ class TensorParallelGPT(GPT):
     def _row_parallel(self, prefix: str) -> RowParallelLinear:
         return RowParallelLinear(*self._weight_and_bias(prefix), self.group)
 
+    def _concatenated(self, prefixes: list[str], key_value: bool = False) -> ColumnParallel:
+        """Column-parallel projections of one input (entering the group once); KV heads held on several ranks sum
+        their weight gradients over those ranks."""
+        weights = [self.params[f"{prefix}.weight"] for prefix in prefixes]
+        groups = [None] * len(weights)
+        if key_value:
+            groups[-2:] = [self.key_value_group] * 2
+        return ColumnParallel(ConcatenatedLinear(weights, groups), self.group)
+
     def _local_heads(self) -> int:
         return self.config.n_head // self.group.size
+
+    def _local_kv_heads(self) -> int:
+        return max(self.config.kv_heads // self.group.size, 1)
 
     def generate(self, *args: Any, **kwargs: Any) -> Array:
         raise NotImplementedError("sample from the serial model: GPT(config).load_state_dict(full_state_dict(...))")

@@ -110,8 +110,9 @@ def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> MPI
 
 def sum_tied_gradient(model: GPT, comm: Communicator, first: int, last: int) -> None:
     """The tied token embedding: the first stage's rank (embedding) and the last stage's (LM head) each hold a
-    partial gradient; exchange them and add, so both hold the sum (a + b = b + a: bitwise equal on both)."""
-    if first == last or comm.rank not in (first, last):
+    partial gradient; exchange them and add, so both hold the sum (a + b = b + a: bitwise equal on both). An
+    untied head (llama's default) shares nothing: no exchange."""
+    if first == last or comm.rank not in (first, last) or not model.config.tied:
         return
     grad = model.params[TIED_WEIGHT].grad
     other = last if comm.rank == first else first

@@ -61,8 +61,8 @@ from .training_checkpoint import MOMENT_KEYS, TrainingCheckpoint, load_pieces, o
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """The model: its shape (or `init`, a Hugging Face directory to start from), seed, precision, device, the
-    activation recomputation mode, and a mixture of experts (experts > 0) with its routing settings."""
+    """The model: its family and shape (or `init`, a Hugging Face directory to start from), seed, precision,
+    device, the activation recomputation mode, and a mixture of experts (experts > 0) with its routing settings."""
 
     n_layer: int = 4
     n_head: int = 4
@@ -80,6 +80,11 @@ class ModelSettings:
     capacity_factor: float = 0.0
     moe_renormalize: bool = True
     moe_bias_rate: float = 0.0
+    arch: str = "gpt2"
+    n_kv_head: int | None = None
+    ffn_hidden: int | None = None
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -501,7 +506,7 @@ class Trainer:
                 predicted[axis] += traffic.data_parallel_bytes(engine, self.microbatches, shape.itemsize,
                                                                hooked=self.pipeline is None)
         if self.pipeline is not None:
-            wte = self.model.params.get(TIED_WEIGHT)  # its shape from the placement: ZeRO-3 may have freed it
+            wte = self.model.params.get(TIED_WEIGHT) if config.tied else None  # ZeRO-3 may have freed its data
             tied = 0 if wte is None else shape.itemsize * math.prod(
                 local_shape(wte.full_shape, wte.placement, {"tp": mesh.shape.tp}))
             predicted["pp"] = traffic.pipeline_bytes(shape, self.pipeline.schedule, mesh.pp.rank, mesh.shape.tp, tied)
@@ -598,12 +603,25 @@ def _model_config(settings: TrainSettings) -> GPTConfig:
                                n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head,
                                n_experts=shape.experts, moe_top_k=shape.top_k, moe_renormalize=shape.moe_renormalize,
                                moe_aux_coef=shape.moe_aux_coef, moe_capacity_factor=shape.capacity_factor,
-                               moe_bias_rate=shape.moe_bias_rate)
+                               moe_bias_rate=shape.moe_bias_rate, **_family_choices(shape))
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if settings.data.seq_len > config.n_positions:
         raise ConfigError(f"--seq-len {settings.data.seq_len} exceeds the model's n_positions ({config.n_positions})")
     return config
+
+
+def _family_choices(shape: ModelSettings) -> dict[str, Any]:
+    """The GPTConfig fields of --arch and its llama options; a llama option given for GPT-2 is one clear error."""
+    choices = {"n_kv_head": shape.n_kv_head, "ffn_hidden": shape.ffn_hidden, "tie_embeddings": shape.tie_embeddings}
+    given = [f"--{name.replace('_', '-')}" for name, value in choices.items() if value is not None]
+    if shape.rope_theta != 10000.0:
+        given.append("--rope-theta")
+    if shape.arch == "gpt2" and given:
+        raise ConfigError(f"{', '.join(given)} set(s) a llama choice: add --arch llama (GPT-2 has multi-head "
+                          f"attention, a 4·n_embd MLP, learned positions and a tied head)")
+    return {"arch": shape.arch, "n_kv_head": shape.n_kv_head or 0, "ffn_hidden": shape.ffn_hidden or 0,
+            "rope_theta": shape.rope_theta, "tie_embeddings": shape.tie_embeddings}
 
 
 def _build_schedule(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> Schedule | None:
@@ -706,9 +724,10 @@ def _gradient_group(mesh: Mesh) -> tuple[Communicator, tuple[str, ...]]:
 
 
 def _place_on_pipeline(model: GPT, schedule: Schedule) -> None:
-    """Each stage's parameters are held by its rank alone; the tied token embedding, read by the first stage and
-    the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank holds both."""
-    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1]
+    """Each stage's parameters are held by its rank alone; a tied token embedding, read by the first stage and
+    the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank holds both (an
+    untied llama head is the last stage's own)."""
+    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.tied
     for name, param in model.params.items():
         param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
 
@@ -774,6 +793,17 @@ def _due(step: int, every: int, steps: int) -> bool:
 
 # -- reporting ----------------------------------------------------------------------------------------------
 
+def describe_model(config: GPTConfig) -> str:
+    """GPT-2, Llama or Mixtral (a llama with experts)."""
+    if not config.is_llama:
+        return "GPT-2"
+    return "Mixtral" if config.n_experts else "Llama"
+
+
+def kv_heads(config: GPTConfig) -> str:
+    return f" ({config.kv_heads} KV)" if config.kv_heads != config.n_head else ""
+
+
 class Reporter:
     """Rank 0's view of training: a progress line (rewritten in place on a terminal) and the JSON log."""
 
@@ -786,7 +816,8 @@ class Reporter:
         self.every = max(1, settings.data.steps // 20)
         self.recent_losses: list[float] = []  # since the last printed line: one batch's loss is noisy
         if is_root:
-            self.say(f"GPT-2 {config.n_layer} layers, {config.n_embd} channels, {config.n_head} heads, vocab "
+            self.say(f"{describe_model(config)} {config.n_layer} layers, {config.n_embd} channels, "
+                     f"{config.n_head} heads{kv_heads(config)}, vocab "
                      f"{config.vocab_size}: {config.parameter_count() / 1e6:.2f} M parameters; "
                      f"{settings.data.batch_size}×{settings.data.seq_len} tokens per step, {settings.model.dtype}")
 

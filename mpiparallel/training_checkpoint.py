@@ -153,7 +153,7 @@ def _dimension_runs(piece: Piece) -> list[list[tuple[int, int, int]]]:
             if runs[how.dim] != [(0, 0, piece.shape[how.dim])]:
                 raise ValueError(f"{piece.name}: two axes shard dimension {how.dim}; checkpoints cut one axis per "
                                  f"dimension")
-            rank, size = piece.ranks.get(axis, (0, 1))
+            rank, size = how.cut(*piece.ranks.get(axis, (0, 1)))
             runs[how.dim] = _sharded_runs(piece.shape[how.dim], how.blocks, rank, size)
     return runs
 

@@ -31,7 +31,14 @@ DENSE = {"n_layer": 4, "n_head": 4, "n_embd": 16, "seq_len": 16, "batch_size": 8
 MOE = {**DENSE, "experts": 4, "top_k": 2, "moe_aux_coef": 0.0}
 # aux-loss-free balancing instead: expert biases moved after every step from the global batch's counts
 MOE_BIAS = {**MOE, "top_k": 1, "moe_bias_rate": 0.01}
-MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS}
+# the llama family: grouped-query attention (2 KV heads for 4 query heads), RoPE, RMSNorm, SwiGLU, untied head;
+# multi-query (1 KV head, so tp 2 replicates it) with a tied head; Mixtral experts
+LLAMA = {**DENSE, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 24}
+LLAMA_MQA = {**LLAMA, "n_kv_head": 1, "tie_embeddings": True}
+MIXTRAL = {**LLAMA, "experts": 4, "top_k": 2, "moe_aux_coef": 0.0}
+MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "llama-mqa": LLAMA_MQA,
+          "mixtral": MIXTRAL}
+LLAMA_FAMILY = ("llama", "llama-mqa", "mixtral")
 TOLERANCE = 1e-9
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -106,6 +113,24 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
                   "virtual_stages": 2}),
     (8, "dense", {"dp": 2, "tp": 2, "cp": 2, "cp_attention": "all-gather", "zero": 1}),
     (8, "moe", {"dp": 4, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 3}),
+    # the llama family: every pair of axes, TP beyond the KV heads, Ulysses with replicated KV heads, Mixtral
+    (2, "llama", {"dp": 2, "zero": 3, "recompute": "full"}),
+    (2, "llama", {"tp": 2, "sp": True, "recompute": "selective"}),
+    (2, "llama-mqa", {"tp": 2, "recompute": "full"}),  # 1 KV head on 2 TP ranks: replicated, gradients summed
+    (2, "llama", {"pp": 2, "schedule": "zbv"}),  # the untied head on the last stage
+    (2, "llama-mqa", {"cp": 2, "cp_attention": "ulysses"}),  # 1 KV head over 2 CP ranks: replicated
+    (2, "mixtral", {"dp": 2, "ep": 2, "zero": 2}),
+    (4, "llama", {"dp": 2, "tp": 2, "sp": True, "zero": 1}),
+    (4, "llama", {"dp": 2, "pp": 2, "schedule": "1f1b", "zero": 2, "recompute": "selective"}),
+    (4, "llama-mqa", {"dp": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2}),  # the tied exchange
+    (4, "llama", {"dp": 2, "cp": 2, "cp_attention": "all-gather", "zero": 3}),
+    (4, "llama", {"tp": 2, "pp": 2, "sp": True, "schedule": "gpipe", "microbatches": 4}),
+    (4, "llama", {"tp": 2, "cp": 2, "cp_attention": "ulysses"}),  # 1 KV head per TP rank over 2 CP ranks
+    (4, "llama-mqa", {"tp": 4, "sp": True}),  # 1 KV head on 4 TP ranks
+    (4, "llama", {"pp": 2, "cp": 2, "cp_attention": "ring", "schedule": "1f1b"}),
+    (4, "mixtral", {"dp": 2, "ep": 2, "tp": 2, "sp": True}),
+    (4, "mixtral", {"dp": 2, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 1}),
+    (4, "mixtral", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ring"}),
 ]
 # pipelines on device arrays: the CuPy double (tests/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)
@@ -171,6 +196,14 @@ def test_the_matrix_covers_every_pair_of_axes():
     assert not missing, f"no row of MATRIX combines {missing}"
 
 
+def test_the_llama_family_rows_cover_every_pair_of_axes():
+    pairs = {frozenset(pair) for pair in itertools.combinations(AXES, 2)}
+    missing = sorted(sorted(pair) for pair in pairs
+                     if not any(pair <= features(ranks, options) for ranks, model, options in MATRIX
+                                if model in LLAMA_FAMILY))
+    assert not missing, f"no llama-family row of MATRIX combines {missing}"
+
+
 def test_the_matrix_has_the_three_axis_layouts():
     for layout_ranks, model, sizes, extra in THREE_AXIS_LAYOUTS:
         assert any(ranks == layout_ranks and name == model
@@ -218,7 +251,9 @@ def assert_equals_serial(result: dict, model: str) -> None:
     steps = settings["steps"]
     config = GPTConfig(n_layer=settings["n_layer"], n_embd=settings["n_embd"], n_head=settings["n_head"],
                        vocab_size=settings["vocab_size"], n_experts=settings.get("experts", 0),
-                       moe_top_k=settings.get("top_k", 2))
+                       moe_top_k=settings.get("top_k", 2), arch=settings.get("arch", "gpt2"),
+                       n_kv_head=settings.get("n_kv_head", 0), ffn_hidden=settings.get("ffn_hidden", 0),
+                       tie_embeddings=settings.get("tie_embeddings"))
     assert result["steps"] == steps and result["losses"] == steps + 1, options  # + the validation loss
     assert result["gradients_compared"] == steps * len(parameter_shapes(config)), options
     assert result["loss_error"] <= TOLERANCE, (options, result["loss_error"])

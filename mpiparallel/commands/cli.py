@@ -264,6 +264,17 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--n-head", type=click.IntRange(min=1), default=4, help="Attention heads.")
 @click.option("--n-embd", type=click.IntRange(min=1), default=128, help="Channels.")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=256, help="Vocabulary (256 for byte data).")
+@click.option("--arch", type=click.Choice(["gpt2", "llama"]), default="gpt2",
+              help="Model family of a model from scratch: gpt2 (learned positions, LayerNorm, GELU, tied head) or "
+                   "llama (RoPE, RMSNorm, grouped-query attention, SwiGLU, no biases; with --experts: Mixtral).")
+@click.option("--n-kv-head", type=click.IntRange(min=1), default=None,
+              help="llama: key/value heads of grouped-query attention (must divide --n-head). [default: n_head]")
+@click.option("--ffn-hidden", type=click.IntRange(min=1), default=None,
+              help="llama: SwiGLU hidden units. [default: 8/3·n_embd rounded up to a multiple of 64]")
+@click.option("--rope-theta", type=click.FloatRange(min=0, min_open=True), default=10000.0,
+              help="llama: RoPE base θ.")
+@click.option("--tie-embeddings/--no-tie-embeddings", default=None,
+              help="llama: share the LM head with the token embedding. [default: untied; GPT-2 is always tied]")
 @click.option("--seq-len", type=click.IntRange(min=1), default=128, help="Tokens per sequence (T).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Sequences per step, global (B).")
 @click.option("--steps", type=click.IntRange(min=0), default=200,
@@ -288,7 +299,8 @@ def threads_option(command: Callable) -> Callable:
               help="A .npy array of token ids, or any other file read as UTF-8 bytes (vocab 256). "
                    "[default: Python's own documentation text, which ships with every Python]")
 @click.option("--init", type=click.Path(file_okay=False), default=None,
-              help="Start from this Hugging Face GPT-2 directory; the model shape comes from its config.json.")
+              help="Start from this Hugging Face GPT-2, Llama or Mixtral directory; the family and shape come from "
+                   "its config.json.")
 @click.option("--save", type=click.Path(file_okay=False), default=None,
               help="Write the trained model here as a Hugging Face directory.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
@@ -360,7 +372,7 @@ def threads_option(command: Callable) -> Callable:
 @click.pass_context
 def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | None, tp: int, pp: int, cp: int,
           ep: int, **options: Any) -> None:
-    """Train GPT-2 with hand-written forward and backward passes.
+    """Train GPT-2 or a Llama-family model with hand-written forward and backward passes.
 
     Without --data it trains a byte-level model on the documentation text that ships with Python, so the
     loss visibly falls within a minute or two on a laptop.
@@ -376,6 +388,8 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8
       mpiparallel train -n 4 --cp 2 --tp 2 --cp-attention ulysses
       mpiparallel train -n 4 --experts 8 --top-k 2 --ep 4
+      mpiparallel train --arch llama --n-head 8 --n-kv-head 2 --n-embd 128 --steps 300
+      mpiparallel train -n 4 --arch llama --n-head 4 --n-kv-head 1 --tp 4 --experts 4 --ep 2
     """
     _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
     if options["experts"] and options["top_k"] > options["experts"]:
