@@ -17,9 +17,12 @@ gradient buckets an engine reduces:
           (4L + 2)·h; with MoE also the router and experts)                        (`models.tensor_parallel`)
     pp    per microbatch and stage boundary to another rank: S forward, S backward; the tied embedding's
           gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
-    cp    per block and microbatch, K and V of the whole sequence: ring 2(c−1)/c·bsh forward and
-          2(2c−1)/c·bsh backward, all-gather 2(c−1)/c and 4(c−1)/c, Ulysses 4(c−1)/c² each way, with h/tp
-          channels under TP (`models.context_parallel`)
+    cp    per block and microbatch, K and V of the whole sequence: ring 2(c−1)/c·bs·h_kv forward and
+          2(2c−1)/c·bs·h_kv backward, all-gather 2(c−1)/c and 4(c−1)/c, with h_kv = n_kv·d channels of this TP
+          rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
+          each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`models.context_parallel`)
+    tp    (llama, tp > n_kv) per block and microbatch besides: the K/V weight gradients summed over the tp/n_kv
+          ranks holding each KV head, 2(k−1)/k·2·h·d
 
 Expert parallelism's dispatch and combine move as many rows as the router sends to other ranks, which depends
 on the data: no formula is printed for ep (its bytes are still counted).
@@ -69,6 +72,20 @@ class RunShape:
     seq_len: int            # the whole sequence (cp's K/V)
     cp_attention: str
     moe: bool               # experts replace the MLP, replicated over TP: only attention exchanges over tp
+    n_head: int = 1         # query heads of the whole model (the llama family's KV heads below)
+    kv_heads: int = 1       # KV heads of the whole model (n_head for multi-head attention)
+    tp: int = 1
+
+    @property
+    def local_heads(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head size) on one TP rank; a KV head shared by tp/n_kv ranks is on each."""
+        n_head, kv_heads = max(self.n_head, 1), max(self.kv_heads, 1)
+        return n_head // self.tp, max(kv_heads // self.tp, 1), self.channels // n_head
+
+    @property
+    def key_value_copies(self) -> int:
+        """TP ranks holding each KV head (1 unless tp > n_kv)."""
+        return max(self.tp // max(self.kv_heads, 1), 1)
 
 
 def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: bool = True) -> float:
@@ -108,8 +125,20 @@ def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_
         per_microbatch += exchange + collective_bytes("all_reduce", tokens * shape.itemsize, comm) \
             + collective_bytes("all_reduce", 2 * tokens * shape.itemsize, comm)
     total = shape.microbatches * per_microbatch
+    # KV heads replicated on tp/n_kv ranks: each microbatch's K and V weight gradients summed over the copies
+    total += shape.microbatches * shape.blocks * key_value_gradient_bytes(shape)
     # SP: the gradients that are partial sums over tp (LayerNorms; with MoE the router and experts), summed once
     return total + collective_bytes("all_reduce", partial_gradient_bytes, comm)
+
+
+def key_value_gradient_bytes(shape: RunShape) -> float:
+    """Per block and microbatch: the all-reduce of the k_proj and v_proj weight gradients (h × d each) over the
+    tp/n_kv ranks that hold the same KV head (a ring: 2(k−1)/k of it, k the copies); 0 without copies."""
+    copies = shape.key_value_copies
+    if copies == 1:
+        return 0.0
+    _, kv_heads, head_dim = shape.local_heads
+    return 2 * (copies - 1) / copies * 2 * shape.channels * kv_heads * head_dim * shape.itemsize
 
 
 def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weight_bytes: float) -> float:
@@ -123,21 +152,27 @@ def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weig
     return shape.microbatches * boundaries * s + tied
 
 
-CP_ELEMENTS = {  # elements of b·s·h one rank sends per block, forward and backward (models.context_parallel)
+CP_ELEMENTS = {  # (forward, backward) K/V elements of b·s·h_kv one rank sends per block (models.context_parallel)
     "ring": lambda c: (2 * (c - 1) / c, 2 * (2 * c - 1) / c),
     "all-gather": lambda c: (2 * (c - 1) / c, 4 * (c - 1) / c),
-    "ulysses": lambda c: (4 * (c - 1) / c**2, 4 * (c - 1) / c**2),
 }
 
 
 def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
-    """Bytes per step on the CP group: K and V (h/tp channels each) of every block, every microbatch."""
+    """Bytes per step on the CP group, every block and microbatch: ring and all-gather move K and V (h_kv =
+    n_kv·d channels of this TP rank: GQA moves n_kv/n_head of multi-head attention's); Ulysses moves q, k, v and
+    the output, 2(c−1)/c²·bs·(h + h_kv') each way, h_kv' the KV channels sent (n_kv' = max(n_kv, c) heads)."""
     if cp == 1:
         return 0.0
-    forward, backward = CP_ELEMENTS[shape.cp_attention](cp)
+    heads, kv_heads, head_dim = shape.local_heads
+    tokens = shape.rows * shape.seq_len * shape.itemsize
     forwards = 2 if shape.recompute == "full" else 1
-    bsh = shape.rows * shape.seq_len * shape.channels // tp * shape.itemsize
-    return shape.microbatches * shape.blocks * (forwards * forward + backward) * bsh
+    if shape.cp_attention == "ulysses":
+        each_way = 2 * (cp - 1) / cp**2 * tokens * (heads + max(kv_heads, cp)) * head_dim
+        forward, backward = each_way, each_way
+    else:
+        forward, backward = (factor * tokens * kv_heads * head_dim for factor in CP_ELEMENTS[shape.cp_attention](cp))
+    return shape.microbatches * shape.blocks * (forwards * forward + backward)
 
 
 def report(counted: dict[str, int], predicted: dict[str, float | None]) -> list[AxisTraffic]:

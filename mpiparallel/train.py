@@ -491,7 +491,8 @@ class Trainer:
             itemsize=np.dtype(settings.model.dtype).itemsize, microbatches=self.microbatches,
             blocks=len(local - {0, config.n_layer + 1}), has_embedding=0 in local,
             has_head=config.n_layer + 1 in local, sp=settings.mesh.sp, recompute=settings.model.recompute,
-            seq_len=settings.data.seq_len, cp_attention=settings.mesh.cp_attention, moe=bool(config.n_experts))
+            seq_len=settings.data.seq_len, cp_attention=settings.mesh.cp_attention, moe=bool(config.n_experts),
+            n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp)
         partial = sum(piece.grad.nbytes for piece in self.engine.optimizer_parameters()
                       if isinstance(piece.placement.get("tp"), Partial))
         axis_of = {id(comm): axis for axis, comm in mesh.communicators().items()}
@@ -515,7 +516,11 @@ class Trainer:
         return traffic.report(counted, predicted)
 
     def _bytes_sent(self) -> dict[str, int]:
-        return {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
+        sent = {axis: comm.ledger.total_sent() for axis, comm in self.mesh.communicators().items()}
+        copies = getattr(self.model, "key_value_group", None)  # KV heads replicated over tp: part of tp's traffic
+        if copies is not None:
+            sent["tp"] += copies.ledger.total_sent()
+        return sent
 
 
 class RouterTally:
