@@ -22,7 +22,7 @@ gradient buckets an engine reduces:
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
           each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`models.context_parallel`)
     tp    (llama, tp > n_kv) per block and microbatch besides: the K/V weight gradients summed over the tp/n_kv
-          ranks holding each KV head, 2(k−1)/k·2·h·d
+          ranks holding each KV head, 2·AR(h·d)
 
 Expert parallelism's dispatch and combine move as many rows as the router sends to other ranks, which depends
 on the data: no formula is printed for ep (its bytes are still counted).
@@ -82,11 +82,6 @@ class RunShape:
         n_head, kv_heads = max(self.n_head, 1), max(self.kv_heads, 1)
         return n_head // self.tp, max(kv_heads // self.tp, 1), self.channels // n_head
 
-    @property
-    def key_value_copies(self) -> int:
-        """TP ranks holding each KV head (1 unless tp > n_kv)."""
-        return max(self.tp // max(self.kv_heads, 1), 1)
-
 
 def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: bool = True) -> float:
     """One `DataParallel` engine's bytes per step on its communicator. `hooked=False`: the model ran without the
@@ -107,8 +102,10 @@ def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: b
     return total
 
 
-def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_bytes: float) -> float:
-    """Bytes per step on the TP group; `partial_gradient_bytes`: this rank's gradients placed `Partial` on tp."""
+def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_bytes: float,
+                          key_value_comm: Communicator | None = None) -> float:
+    """Bytes per step on the TP group; `partial_gradient_bytes`: this rank's gradients placed `Partial` on tp;
+    `key_value_comm`: the ranks holding the same KV heads, when tp exceeds them (llama)."""
     if comm.size == 1:
         return 0.0
     s = shape.rows * shape.positions * shape.channels * shape.itemsize
@@ -126,19 +123,17 @@ def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_
             + collective_bytes("all_reduce", 2 * tokens * shape.itemsize, comm)
     total = shape.microbatches * per_microbatch
     # KV heads replicated on tp/n_kv ranks: each microbatch's K and V weight gradients summed over the copies
-    total += shape.microbatches * shape.blocks * key_value_gradient_bytes(shape)
+    if key_value_comm is not None:
+        total += shape.microbatches * shape.blocks * key_value_gradient_bytes(shape, key_value_comm)
     # SP: the gradients that are partial sums over tp (LayerNorms; with MoE the router and experts), summed once
     return total + collective_bytes("all_reduce", partial_gradient_bytes, comm)
 
 
-def key_value_gradient_bytes(shape: RunShape) -> float:
-    """Per block and microbatch: the all-reduce of the k_proj and v_proj weight gradients (h × d each) over the
-    tp/n_kv ranks that hold the same KV head (a ring: 2(k−1)/k of it, k the copies); 0 without copies."""
-    copies = shape.key_value_copies
-    if copies == 1:
-        return 0.0
+def key_value_gradient_bytes(shape: RunShape, copies: Communicator) -> float:
+    """Per block and microbatch: the all-reduces of the k_proj and v_proj weight gradients (h × d each) over the
+    tp/n_kv ranks that hold the same KV head (`copies`)."""
     _, kv_heads, head_dim = shape.local_heads
-    return 2 * (copies - 1) / copies * 2 * shape.channels * kv_heads * head_dim * shape.itemsize
+    return 2 * collective_bytes("all_reduce", shape.channels * kv_heads * head_dim * shape.itemsize, copies)
 
 
 def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weight_bytes: float) -> float:

@@ -498,7 +498,7 @@ class Trainer:
         axis_of = {id(comm): axis for axis, comm in mesh.communicators().items()}
         engines = getattr(self.engine, "engines", [self.engine])
         predicted: dict[str, float | None] = {
-            "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial),
+            "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial, getattr(self.model, "key_value_group", None)),
             "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp), "ep": None}
         for engine in engines:
             axis = axis_of.get(id(engine.comm))

@@ -27,6 +27,12 @@ MESHES = [
     (4, "--pp 2 --dp 2 --zero 2 --microbatches 2"),
     (4, "--pp 2 --dp 2 --zero 3 --microbatches 2 --bucket-mb 0.01"),
     (4, "--experts 4 --top-k 2 --tp 2 --sp --dp 2 --ep 2"),
+    # the llama family: GQA's K/V over cp (n_kv of n_head), Ulysses replicating KV heads, KV heads past tp
+    (2, "--arch llama --n-kv-head 2 --cp 2 --recompute full"),
+    (2, "--arch llama --n-kv-head 1 --cp 2 --cp-attention ulysses"),
+    (4, "--arch llama --n-kv-head 1 --tp 4 --sp --microbatches 2"),
+    (4, "--arch llama --n-kv-head 2 --tp 2 --cp 2 --cp-attention all-gather --pp 1"),
+    (4, "--arch llama --n-kv-head 2 --pp 2 --dp 2 --experts 4 --ep 2 --top-k 2"),
 ]
 LINE = re.compile(r"^rank (\d+): (.*)$")
 AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, ratio ([\d.]+)|no formula[^)]*)\)")
