@@ -25,6 +25,10 @@ Saved activations, per transformer block and microbatch (elements; b·s tokens, 
     softmax probabilities    per query block of q rows, over its ≤ stop keys       a·b·Σ_blocks q·stop ≈ a·b·s²/2
     GELU                     input, a, gate, output (the input of c_proj)           16·bsh
 
+and a llama block (F SwiGLU units, n_kv KV heads of d channels): the same norms (RMSNorm: normalized input,
+1/rms), q, k, v of bs·(h + 2·n_kv·d), the attention output bsh, the probabilities, and SwiGLU's [gate | up]
+input, σ(gate), silu(gate) and output, 5·bs·F.
+
 `--recompute selective` keeps no probabilities and recomputes them per query block in backward; `--recompute
 full` keeps only the block's input (bsh) and reruns the block's forward at the start of its backward.
 """
@@ -84,13 +88,14 @@ def distinct_bytes(*states: Any) -> int:
 
 def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp: int = 1,
                               sequence_parallel: bool = False, recompute: str = "none",
-                              query_block: int = QUERY_BLOCK) -> int:
+                              query_block: int = QUERY_BLOCK, kv_heads: int | None = None,
+                              ffn_hidden: int | None = None) -> int:
     """Elements one transformer block saves per microbatch after its forward (NumPy path), on one rank.
 
-    With tensor parallelism over n = tp ranks, the column-parallel layers see the whole input: without SP that
-    is the LayerNorm outputs themselves (b·s·h, replicated); with SP each rank keeps its sequence slice of the
-    LayerNorms (÷ n) plus the all-gathered inputs of c_attn and c_fc (b·s·h each). The heads and the MLP's 4h
-    hidden units are split (÷ n). So, with S = b·s·h, t = b·s:
+    GPT-2 (`ffn_hidden` None). With tensor parallelism over n = tp ranks, the column-parallel layers see the
+    whole input: without SP that is the LayerNorm outputs themselves (b·s·h, replicated); with SP each rank keeps
+    its sequence slice of the LayerNorms (÷ n) plus the all-gathered inputs of c_attn and c_fc (b·s·h each). The
+    heads and the MLP's 4h hidden units are split (÷ n). So, with S = b·s·h, t = b·s:
 
         none, tp only:   4S + 2t + 20S/n + probabilities/n
         none, tp + sp:   2S + (22S + 2t)/n + probabilities/n
@@ -98,6 +103,13 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
         full:            the block's input: S (tp only) or S/n (sp)
 
     and probabilities = b·a·Σ over query blocks [start, stop) of (stop − start)·stop (≈ b·a·s²/2).
+
+    Llama (`ffn_hidden` F given, `kv_heads` n_kv): the RMSNorms keep the same as LayerNorms (normalized input
+    and 1/rms), the q, k, v output is t·(h/n + 2·h_kv) with h_kv = max(n_kv/n, 1)·d this rank's KV channels, and
+    SwiGLU keeps its [gate | up] input, σ(gate), silu(gate) and its output: 5·t·F/n. So
+
+        none, tp only:   4S + 2t + t·(h/n + 2·h_kv) + S/n + 5tF/n + probabilities/n
+        none, tp + sp:   2S + 2(S + t)/n + t·(h/n + 2·h_kv) + S/n + 5tF/n + probabilities/n
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -108,6 +120,11 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
     if recompute == "none":
         pairs = sum((stop - start) * stop for start, stop in query_blocks(seq, query_block))
         probabilities = batch * (heads // n) * pairs
+    norms = 2 * (activation + tokens) // n if sequence_parallel else 2 * (activation + tokens)
+    if ffn_hidden is not None:
+        kv_channels = max((kv_heads or heads) // n, 1) * (hidden // heads)
+        attention = tokens * (hidden // n + 2 * kv_channels) + activation // n
+        return norms + 2 * activation + attention + 5 * tokens * ffn_hidden // n + probabilities
     if sequence_parallel:
         return 2 * activation + (22 * activation + 2 * tokens) // n + probabilities
     return 4 * activation + 2 * tokens + 20 * activation // n + probabilities

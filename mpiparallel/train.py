@@ -479,7 +479,8 @@ class Trainer:
         rows = settings.data.batch_size // (self.mesh.dp.size * self.microbatches)
         return np.dtype(settings.model.dtype).itemsize * block_activation_elements(
             rows, settings.data.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.mesh.sp,
-            settings.model.recompute, self.model.query_block)
+            settings.model.recompute, self.model.query_block, config.kv_heads,
+            config.ffn_width if config.is_llama else None)
 
     def traffic_by_axis(self, counted: dict[str, int]) -> list[traffic.AxisTraffic]:
         """The step's bytes sent per axis (`counted`, from its log record) beside what the formulas predict."""

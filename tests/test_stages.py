@@ -130,6 +130,19 @@ def test_saved_bytes_per_block_equal_the_formula(mode, query_block, length):
     assert saved.nbytes() == 0
 
 
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_a_llama_blocks_saved_bytes_equal_the_formula(mode, kv_heads):
+    config = GPTConfig(arch="llama", vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=4,
+                       n_kv_head=kv_heads, ffn_hidden=24)
+    tokens, targets = batch(rows=3, length=10)
+    llama = GPT(config, dtype=np.float64, recompute=mode, query_block=4)
+    _, saved = llama.forward(tokens, targets)
+    expected = 8 * block_activation_elements(3, 10, 16, 4, recompute=mode, query_block=4, kv_heads=kv_heads,
+                                             ffn_hidden=24)
+    assert [saved.per_unit[block].nbytes() for block in (1, 2)] == [expected, expected]
+
+
 def test_recomputation_saves_what_it_promises():
     """selective drops exactly the s² probabilities; full keeps one activation per block."""
     b, s, h, a = 3, 10, CONFIG.n_embd, CONFIG.n_head
