@@ -98,6 +98,21 @@ def test_a_pipeline_run_saved_on_pp2_1f1b_resumes_on_tp2_sp_and_on_cp2_tp2(tmp_p
     assert files_of(tensors["transformer.ln_f.weight"]) <= {"rank-00002.safetensors", "rank-00003.safetensors"}
 
 
+def test_a_llama_saved_on_tp4_with_replicated_kv_heads_resumes_on_pp2_cp2_and_dp4_zero3(tmp_path, tokens):
+    """GQA with 2 KV heads: tp 4 holds each on two ranks (written once), the other meshes hold them whole."""
+    common = TINY | {"n_layer": 2, "vocab_size": 257, "data": tokens, "arch": "llama", "n_kv_head": 2,
+                     "ffn_hidden": 24}
+    meshes = [{"tp": 4, "sp": True}, {"pp": 2, "cp": 2, "schedule": "1f1b"}, {"zero": 3},
+              {"tp": 2, "cp": 2, "cp_attention": "ulysses"}]
+    results = run_on_ranks(4, f"{CHECKS}:resume_on_other_meshes", timeout=300, common=common, saved_mesh=meshes[0],
+                           resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
+    assert_resumed(results, every=2, steps=4)
+    manifest = json.loads((step_folder(tmp_path / "saved" / "checkpoints", 2) / MANIFEST).read_text())
+    key = manifest["tensors"]["transformer.h.0.attn.k_proj.weight"]
+    assert coverage(key).min() == coverage(key).max() == 1  # each KV head written once, by one of its two holders
+    assert len(key["shards"]) == 2
+
+
 def test_moe_saved_on_ep2_resumes_on_ep4_and_ep1_with_its_expert_biases(tmp_path, tokens):
     common = TINY | {"n_layer": 2, "vocab_size": 257, "data": tokens, "experts": 4, "top_k": 2,
                      "moe_bias_rate": 0.01}
