@@ -720,6 +720,10 @@ def _context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextP
     if variant == "ulysses" and config.n_head % (cp * tp):
         raise ConfigError(f"--cp-attention ulysses shares the heads out over cp·tp = {cp * tp} ranks: n_head "
                           f"({config.n_head}) must be divisible by {cp * tp}")
+    kv_heads = max(config.kv_heads // tp, 1)  # per TP rank
+    if variant == "ulysses" and kv_heads % cp and cp % kv_heads:
+        raise ConfigError(f"--cp-attention ulysses shares the KV heads out over --cp {cp} ranks: the {kv_heads} KV "
+                          f"head(s) per tensor-parallel rank and cp must divide one another")
     return ContextParallelGroup(mesh.cp, variant)
 
 

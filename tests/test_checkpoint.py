@@ -446,3 +446,16 @@ def test_we_load_what_transformers_saves(tmp_path):
     assert config == CONFIG
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(tensors[name], value)
+
+
+def test_a_moe_checkpoint_without_expert_biases_starts_with_zero_biases(tmp_path):
+    """Checkpoints from elsewhere have no aux-loss-free biases: they load with zeros, on the serial model too."""
+    config = GPTConfig(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2, n_experts=2, moe_bias_rate=0.1)
+    model = GPT(config, seed=1)
+    state = {name: value for name, value in model.state_dict().items() if not name.endswith("expert_bias")}
+    save_pretrained(tmp_path, config, state)
+    _, tensors, _ = load_pretrained(tmp_path)
+    np.testing.assert_array_equal(tensors["transformer.h.0.mlp.router.expert_bias"], np.zeros(2, np.float32))
+    model.expert_biases["transformer.h.0.mlp.router.expert_bias"][...] = 5.0
+    model.load_state_dict(state)
+    np.testing.assert_array_equal(model.expert_biases["transformer.h.0.mlp.router.expert_bias"], 0.0)
