@@ -26,6 +26,12 @@ collectives send exactly these, others may send more):
     ulysses      all-to-all sequence → heads         4(cp−1)·bsh/cp²       4(cp−1)·bsh/cp²       cp(2cp+1) per head,
                  and back (DeepSpeed)                                                             n_head/cp heads
 
+Grouped-query attention (llama, n_kv KV heads of d channels): ring and all-gather move only the KV heads, so
+read h_kv = n_kv·d for h in their rows; Ulysses moves q (h), the KV heads (h_kv' = max(n_kv, cp)·d: with fewer
+KV heads than CP ranks each travels in cp/n_kv copies, their gradients summed back) and the output (h), so
+2(cp−1)·bs(h + h_kv')/cp² each way. RoPE rotates q and k at each token's global (zigzag) position before the
+K/V blocks leave (ring, all-gather) or, for Ulysses, after the all-to-all restored sequence order.
+
 A chunk pair is one (query chunk, key chunk) product of c × c scores per head; two of each rank's 2cp+1 are the
 diagonal ones, half masked. Ulysses computes the same number of scores (cp(2cp+1) pairs of n_head/cp heads). Its
 volume falls with cp², the others' do not; ring overlaps its transfers with attention, all-gather does not.

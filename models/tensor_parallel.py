@@ -13,8 +13,16 @@ What each rank holds and computes (H heads, C = n_embd, V vocabulary, n = tp):
                   V/n columns of the logits; the cross-entropy never gathers the full logits
     LayerNorms, wpe, row-parallel biases: replicated
 
-A transformer block is the serial `models.layers.Block` with its four linears replaced by `ColumnParallelLinear`
-and `RowParallelLinear`; LayerNorm, attention, GELU and MLP are the serial classes, run on local shards.
+The llama family (`GPTConfig.arch` "llama") splits the same way: q_proj by query heads, o_proj by rows,
+gate_proj and up_proj by the same hidden units (so each rank's SwiGLU pairs its own gate and up), down_proj by
+rows, an untied lm_head by vocabulary rows like wte, RMSNorms replicated. Grouped-query attention's k_proj and
+v_proj are split by KV heads when tp divides n_kv; when tp > n_kv (tp a multiple of n_kv) each KV head is held
+whole by the tp/n_kv ranks whose query heads read it (placement `Sharded(1, replicas=tp/n_kv)`), and those
+ranks sum its weight gradients in the weight pass — an all-reduce of the h × d gradients over a communicator
+of tp/n_kv ranks per block and microbatch (Megatron's rule). Any other tp is one clear error.
+
+A transformer block is the serial `models.layers.Block` with its linears replaced by `ColumnParallel` and
+`RowParallelLinear`; the norms, attention, the activations and MLP are the serial classes, run on local shards.
 
 Communication. A layer talks in only two places: where activations enter a column-parallel layer (the whole
 input is needed) and where they leave a row-parallel one (partial sums). Megatron names the pairs f and g (TP)
@@ -33,7 +41,8 @@ of the sequence: with SP that activation memory falls by n, for the same communi
 
 Cost per transformer block, with S = b·s·h elements of one activation (batch · sequence · hidden), per rank
 and ring algorithms: forward 2 all-reduces of S (after attention and after the MLP), 2·2(n−1)/n·S elements
-sent; backward 2 all-reduces of S (the d(input) of c_attn and c_fc), the same again. With SP forward is
+sent; backward 2 all-reduces of S (the d(input) of c_attn and c_fc), the same again (a llama block alike: its
+q, k, v enter the group once together, as do its gate and up). With SP forward is
 2 × (all-gather + reduce-scatter) of S, (n−1)/n·S each, so 2·2(n−1)/n·S — the volume of the all-reduces it
 replaces — and backward the same. Once per step besides: the embedding (forward all-reduce of S; SP:
 reduce-scatter forward, all-gather backward), the head's input (backward all-reduce of S; SP: all-gather forward,
