@@ -31,7 +31,7 @@ def page_layouts(model: Model, cluster: Cluster) -> list[Layout]:
         for pp in (p for p in range(1, gpus + 1) if gpus % p == 0):
             rows_needed = 2 * pp
             choices = Choices(batch_size=max(8, rows_needed * gpus), pp=pp, microbatches=2 * pp, recompute="none",
-                              sp=False)
+                              sp=False, cp_attention="ring")
             found += [layout for layout in candidate_layouts(model, sub, choices)
                       if layout.zero <= 1 or layout.pp == 1]
     return found
