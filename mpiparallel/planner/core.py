@@ -361,8 +361,9 @@ def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision) ->
     # the vocab-parallel cross-entropy: the row maxima, then the sums and target logits in one message
     head_collectives = (Collective("all_reduce", tokens * item, "tp"),
                         Collective("all_reduce", 2 * tokens * item, "tp")) if tp > 1 else ()
-    # the final norm keeps its output and 1/σ (or 1/rms), the logits their probabilities
-    head = UnitCost(saved=2 * s + tokens * vocab + tokens, flops_forward=2 * tokens * h * vocab,
+    # the final norm keeps its output and 1/σ (or 1/rms) (sequence slices under SP), the cross-entropy its whole
+    # input (all-gathered under SP) and the probabilities of this rank's vocabulary shard
+    head = UnitCost(saved=(s + tokens) / seq_shard + s + tokens * vocab, flops_forward=2 * tokens * h * vocab,
                     flops_backward=4 * tokens * h * vocab, elementwise_forward=6 * s / seq_shard + 6 * tokens * vocab,
                     elementwise_backward=10 * s / seq_shard,
                     collectives_forward=head_collectives, collectives_backward=exchange)
