@@ -19,7 +19,7 @@ from models.layers import (
     SwiGLU,
 )
 from models.parameter import Parameter
-from models.rotary import RotaryEmbedding
+from models.rotary import RotaryEmbedding, inverse_frequencies
 
 RNG = np.random.default_rng(77)
 B, T, C, H, KV = 2, 7, 16, 4, 2
