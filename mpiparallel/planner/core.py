@@ -1,20 +1,38 @@
-"""The planner: memory, time and communication of every layout of a GPT on a cluster, ranked. Pure Python, no MPI.
+"""The planner: memory, time and communication of every layout of a GPT-2 or a llama (Mixtral) on a cluster,
+ranked. Pure Python, no MPI.
 
 A layout is dp·tp·pp·cp (= the GPUs), ep (dividing dp), ZeRO stage, microbatches, pipeline schedule,
-recomputation and sequence parallelism. For each the planner predicts, per pipeline rank and per stage:
+recomputation, sequence parallelism and the CP attention (ring, all-gather, Ulysses). For each the planner
+predicts, per pipeline rank and per stage:
 
 - memory: parameters, gradients and optimizer state of the units the rank holds (embedding, blocks, head; TP
   shards, the vocabulary padded to a multiple of tp, the last stage's copy of the tied embedding, E/ep experts),
   divided by dp where ZeRO shards them; plus the activations in flight: the schedule simulator's list of
   actions walked in order, each stage holding its microbatches between F and W (or B), each microbatch costing
-  what its units save (`models.layers.block_activation_elements` per block, the head's logits);
-- compute: the matrix products (6·N·tokens FLOPs over all ranks, plus attention; `--recompute full` adds one
-  more forward of the blocks, `selective` the attention scores) at the matmul rate, and the elementwise passes
-  (LayerNorm, GELU, softmax, AdamW) at the elementwise rate;
+  what its units save (`models.layers.block_activation_elements` per block, the family's formula; the head's
+  logits). Per block, h channels, d = h/n_head, F the MLP width, E experts:
+
+      GPT-2   LayerNorms 4h, c_attn (3h² + 3h)/tp, c_proj h²/tp + h, MLP (8h² + 5h) with F = 4h, wpe, tied head
+      llama   RMSNorms 2h, q and o 2h²/tp, k and v 2·h·n_kv'·d (n_kv' = n_kv/tp, or 1 head replicated on
+              tp/n_kv ranks when tp > n_kv; tp must divide n_kv or be a multiple of it), SwiGLU 3·h·F/tp, no
+              biases, no wpe, final RMSNorm h, lm_head V·h unless tied
+      MoE     E/ep experts of the family's MLP (replicated over tp) and a router h·E; saved: per routed token
+              the router's arrays and K·(2h + the expert's hidden units), balanced routing assumed
+
+- compute: the matrix products at the matmul rate — per block and token forward 2·(2h² + 2h·h_kv)/tp for the
+  attention projections (h_kv = n_kv'·d; 8h²/tp for multi-head attention), the scores 4·pairs·h/tp, the MLP
+  2·2·h·4h/tp (GPT-2) or 2·3·h·F/tp (SwiGLU), MoE K experts per token plus the router's 2·h·E; backward twice
+  forward; `--recompute full` adds one more forward of the blocks, `selective` the attention scores — and the
+  elementwise passes (norms, GELU or SwiGLU, RoPE, softmax, AdamW) at the elementwise rate;
 - communication per axis from the α-β-γ formulas the collectives use (`collectives.cost_model`, the cheapest
-  algorithm as algo="auto" picks): tp 4 all-reduces of b·s·h per block and microbatch (reduce-scatter +
-  all-gather with SP), cp the ring passing K/V, ep four all-to-alls of K·tokens·h per MoE block, pp one
-  message of b·s·h per microbatch and stage boundary each way, dp the gradient all-reduce (ZeRO: reduce-scatter
+  algorithm as algo="auto" picks), the volumes `mpiparallel.traffic` states: tp 2 all-reduces of b·s·h per
+  block and microbatch each way (1 with MoE; reduce-scatter + all-gather with SP; the forward's again with
+  `--recompute full`), and when tp > n_kv the k and v weight gradients (h·d each) all-reduced over the tp/n_kv
+  ranks holding each KV head; cp per block, with t = b·s/cp this rank's tokens: ring 2(c−1)·t·h_kv forward and
+  2(2c−1)·t·h_kv backward, all-gather the whole sequence's K and V forward and backward plus their gradients'
+  reduce-scatter, Ulysses all-to-alls of t·(h/tp + 2·max(n_kv', c)·d) and t·h/tp each way; ep four
+  all-to-alls of K·tokens·h per MoE block; pp one message of b·s·h per microbatch and stage boundary each way,
+  and the tied embedding's gradient between the end stages; dp the gradient all-reduce (ZeRO: reduce-scatter
   + all-gather; ZeRO-3 all-gathers the parameters in forward and backward too);
 - the bubble: the schedule simulated with F = I = W = 1 (the step then lasts makespan/3 × the slowest chunk's
   F + B); exposed communication: tp, cp and ep block the compute; pp exposes its pipeline fill and drain; dp
