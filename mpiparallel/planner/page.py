@@ -219,7 +219,8 @@ function fromHash() {
 const m = DATA.model;
 document.getElementById('model').textContent = (m.arch === 'llama' ? 'Llama ' : 'GPT-2 ') + m.n_layer +
   ' layers, ' + m.n_embd + ' channels, ' + m.n_head + ' heads' +
-  (m.arch === 'llama' ? ' (' + m.kv_heads + ' KV heads)' : '') + ', seq ' + m.seq_len + ', vocab ' + m.vocab_size + (m.experts ? ', ' + m.experts + ' experts' : '') +
+  (m.arch === 'llama' ? ' (' + m.kv_heads + ' KV heads)' : '') + ', seq ' + m.seq_len + ', vocab ' + m.vocab_size +
+  (m.experts ? ', ' + m.experts + ' experts' : '') +
   '; toggle each axis and its degree; the URL hash names the layout.';
 window.addEventListener('hashchange', fromHash);
 fromHash();
