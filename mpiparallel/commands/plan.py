@@ -40,8 +40,11 @@ class MemorySize(click.ParamType):
 
 def _model_options(function: Any) -> Any:
     options = [
+        click.option("--arch", type=click.Choice(["gpt2", "llama"]), default="gpt2",
+                     help="Model family (train's --arch): llama has RoPE, RMSNorm, GQA, SwiGLU and an untied head."),
         click.option("--params", type=click.FloatRange(min=1), default=None,
-                     help="Parameter count (e.g. 70e9); the shape is inferred (h ≈ 128·layers) unless given."),
+                     help="Parameter count (e.g. 70e9); the shape is inferred (h ≈ 128·layers, 128 channels per "
+                          "head; llama n_head/4 KV heads) unless given."),
         click.option("--n-layer", type=click.IntRange(min=1), default=None, help="Blocks. [default: 4]"),
         click.option("--n-embd", type=click.IntRange(min=1), default=None, help="Channels. [default: 128]"),
         click.option("--n-head", type=click.IntRange(min=1), default=None, help="Heads. [default: 4]"),
@@ -53,6 +56,12 @@ def _model_options(function: Any) -> Any:
                      help="Position embeddings. [default: max(1024, seq-len), as train]"),
         click.option("--experts", type=click.IntRange(min=0), default=0, help="MoE experts per block (0: dense)."),
         click.option("--top-k", type=click.IntRange(min=1), default=2, help="Experts per token."),
+        click.option("--n-kv-head", type=click.IntRange(min=0), default=0,
+                     help="llama: KV heads (grouped-query attention; 0: n_head, or n_head/4 with --params)."),
+        click.option("--ffn-hidden", type=click.IntRange(min=0), default=0,
+                     help="llama: SwiGLU hidden units (0: 8/3·n_embd rounded up to a multiple of 64)."),
+        click.option("--tie-embeddings/--no-tie-embeddings", default=None,
+                     help="llama: tie the LM head to the token embedding. [default: untied; GPT-2 always ties]"),
     ]
     for option in reversed(options):
         function = option(function)
@@ -97,6 +106,8 @@ def _choice_options(function: Any) -> Any:
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
                      help="Fix activation recomputation."),
         click.option("--sp/--no-sp", default=None, help="Fix sequence parallelism (with tp > 1)."),
+        click.option("--cp-attention", type=click.Choice(["ring", "all-gather", "ulysses"]), default=None,
+                     help="Fix the context-parallel attention (with cp > 1; searched otherwise)."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -144,6 +155,8 @@ def plan(ctx: click.Context, **options: Any) -> None:
     Examples:
       mpiparallel plan --params 70e9 --gpus 256 --gpu-memory 80GB --weights-only --bytes-per-param 2 --json
       mpiparallel plan --params 7e9 --gpus 64 --batch-size 512 --tp 8
+      mpiparallel plan --arch llama --n-layer 32 --n-embd 4096 --n-head 32 --n-kv-head 8 --ffn-hidden 14336 \
+          --vocab-size 128256 --seq-len 8192 --gpus 64 --batch-size 256
       mpiparallel plan --pp 8 --max-bubble 0.1 --json
       mpiparallel plan --calibrate -n 2 && mpiparallel plan --machine ~/.cache/mpiparallel/machine.json --gpus 2
       mpiparallel plan --gpus 8 --n-layer 8 --html map.html
@@ -159,7 +172,7 @@ def plan(ctx: click.Context, **options: Any) -> None:
     cluster = _cluster(options)
     batch = options["batch_size"] or (4 * options["gpus"] if options["params"] else 8)
     choices = planner.Choices(batch, **{name: options[name] for name in (
-        "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp")})
+        "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention")})
     if options["html_path"] is not None:
         _write_page(options["html_path"], model, cluster, precision, batch)
         return
@@ -178,23 +191,29 @@ def _model(options: dict[str, Any]) -> Any:
     from ..planner import Model
 
     shape = [options[name] for name in ("n_layer", "n_embd", "n_head")]
+    family = {"arch": options["arch"], "tie_embeddings": options["tie_embeddings"]}
+    family |= {name: options[name] for name in ("n_kv_head", "ffn_hidden") if options[name]}
     try:
         if options["params"] and not any(shape):
-            model = replace(Model.from_parameter_count(options["params"], options["seq_len"] or 2048,
-                                                       options["vocab_size"] or 50257),
-                            experts=options["experts"], top_k=options["top_k"])
+            inferred = Model.from_parameter_count(options["params"], options["seq_len"] or 2048,
+                                                  options["vocab_size"] or 50257, options["arch"])
+            model = replace(inferred, experts=options["experts"], top_k=options["top_k"], **family)
         else:
             seq = options["seq_len"] or 128
             model = Model(options["n_layer"] or 4, options["n_embd"] or 128, options["n_head"] or 4, seq,
                           options["vocab_size"] or 256, options["n_positions"] or max(1024, seq),
                           options["experts"], options["top_k"],
-                          parameters=int(options["params"]) if options["params"] else None)
+                          parameters=int(options["params"]) if options["params"] else None, **family)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if model.n_embd % model.n_head:
         raise ConfigError(f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}")
     if options["experts"] and options["top_k"] > options["experts"]:
         raise ConfigError(f"--top-k {options['top_k']} exceeds --experts {options['experts']}")
+    try:
+        model.config  # noqa: B018 -- train's checks of the shape (n_kv_head, RoPE's even head size, ...)
+    except ValueError as error:
+        raise ConfigError(f"the model: {error}") from None
     return model
 
 
@@ -226,7 +245,8 @@ def _answers(model: Any, cluster: Any, precision: Any, choices: Any, options: di
     from .. import planner
 
     document: dict[str, Any] = {
-        "model": asdict(model) | {"total_parameters": model.total_parameters()},
+        "model": asdict(model) | {"total_parameters": model.total_parameters(), "kv_heads": model.kv_heads,
+                                  "ffn_width": model.ffn_width, "tied": model.tied},
         "cluster": {"gpus": cluster.gpus, "gpu_memory": cluster.gpu_memory, "gpus_per_node": cluster.gpus_per_node,
                     "intra": asdict(cluster.intra), "inter": asdict(cluster.inter),
                     "matmul_flops": cluster.matmul_flops, "elementwise_bytes": cluster.elementwise_bytes},
@@ -288,8 +308,8 @@ def _seconds(value: float) -> str:
 def report(document: dict[str, Any]) -> str:
     """The text `plan` prints: the model, the closed-form answers, then one block per layout."""
     model, cluster = document["model"], document["cluster"]
-    lines = [f"model: {model['n_layer']} layers, {model['n_embd']} channels, {model['n_head']} heads, seq "
-             f"{model['seq_len']}, vocab {model['vocab_size']}"
+    lines = [f"model: {model['arch']}, {model['n_layer']} layers, {model['n_embd']} channels, {model['n_head']} "
+             f"heads{_llama_shape(model)}, seq {model['seq_len']}, vocab {model['vocab_size']}"
              + (f", {model['experts']} experts top-{model['top_k']}" if model["experts"] else "")
              + f": {model['total_parameters']:,} parameters; batch {document['batch_size']} sequences",
              f"cluster: {cluster['gpus']} GPUs of {_bytes(cluster['gpu_memory'])}, {cluster['gpus_per_node']} per node",
@@ -307,6 +327,14 @@ def report(document: dict[str, Any]) -> str:
         for index, layout in enumerate(document["layouts"], 1):
             lines += ["", *_layout_lines(index, layout)]
     return "\n".join(lines)
+
+
+def _llama_shape(model: dict[str, Any]) -> str:
+    """' (8 KV heads, SwiGLU 14336, untied head)' for llama; nothing for GPT-2."""
+    if model["arch"] != "llama":
+        return ""
+    return (f" ({model['kv_heads']} KV heads, SwiGLU {model['ffn_width']}, "
+            f"{'tied' if model['tied'] else 'untied'} head)")
 
 
 def _layout_lines(index: int, layout: dict[str, Any]) -> list[str]:

@@ -1,20 +1,38 @@
-"""The planner: memory, time and communication of every layout of a GPT on a cluster, ranked. Pure Python, no MPI.
+"""The planner: memory, time and communication of every layout of a GPT-2 or a llama (Mixtral) on a cluster,
+ranked. Pure Python, no MPI.
 
 A layout is dp·tp·pp·cp (= the GPUs), ep (dividing dp), ZeRO stage, microbatches, pipeline schedule,
-recomputation and sequence parallelism. For each the planner predicts, per pipeline rank and per stage:
+recomputation, sequence parallelism and the CP attention (ring, all-gather, Ulysses). For each the planner
+predicts, per pipeline rank and per stage:
 
 - memory: parameters, gradients and optimizer state of the units the rank holds (embedding, blocks, head; TP
   shards, the vocabulary padded to a multiple of tp, the last stage's copy of the tied embedding, E/ep experts),
   divided by dp where ZeRO shards them; plus the activations in flight: the schedule simulator's list of
   actions walked in order, each stage holding its microbatches between F and W (or B), each microbatch costing
-  what its units save (`models.layers.block_activation_elements` per block, the head's logits);
-- compute: the matrix products (6·N·tokens FLOPs over all ranks, plus attention; `--recompute full` adds one
-  more forward of the blocks, `selective` the attention scores) at the matmul rate, and the elementwise passes
-  (LayerNorm, GELU, softmax, AdamW) at the elementwise rate;
+  what its units save (`models.layers.block_activation_elements` per block, the family's formula; the head's
+  logits). Per block, h channels, d = h/n_head, F the MLP width, E experts:
+
+      GPT-2   LayerNorms 4h, c_attn (3h² + 3h)/tp, c_proj h²/tp + h, MLP (8h² + 5h) with F = 4h, wpe, tied head
+      llama   RMSNorms 2h, q and o 2h²/tp, k and v 2·h·n_kv'·d (n_kv' = n_kv/tp, or 1 head replicated on
+              tp/n_kv ranks when tp > n_kv; tp must divide n_kv or be a multiple of it), SwiGLU 3·h·F/tp, no
+              biases, no wpe, final RMSNorm h, lm_head V·h unless tied
+      MoE     E/ep experts of the family's MLP (replicated over tp) and a router h·E; saved: per routed token
+              the router's arrays and K·(2h + the expert's hidden units), balanced routing assumed
+
+- compute: the matrix products at the matmul rate — per block and token forward 2·(2h² + 2h·h_kv)/tp for the
+  attention projections (h_kv = n_kv'·d; 8h²/tp for multi-head attention), the scores 4·pairs·h/tp, the MLP
+  2·2·h·4h/tp (GPT-2) or 2·3·h·F/tp (SwiGLU), MoE K experts per token plus the router's 2·h·E; backward twice
+  forward; `--recompute full` adds one more forward of the blocks, `selective` the attention scores — and the
+  elementwise passes (norms, GELU or SwiGLU, RoPE, softmax, AdamW) at the elementwise rate;
 - communication per axis from the α-β-γ formulas the collectives use (`collectives.cost_model`, the cheapest
-  algorithm as algo="auto" picks): tp 4 all-reduces of b·s·h per block and microbatch (reduce-scatter +
-  all-gather with SP), cp the ring passing K/V, ep four all-to-alls of K·tokens·h per MoE block, pp one
-  message of b·s·h per microbatch and stage boundary each way, dp the gradient all-reduce (ZeRO: reduce-scatter
+  algorithm as algo="auto" picks), the volumes `mpiparallel.traffic` states: tp 2 all-reduces of b·s·h per
+  block and microbatch each way (1 with MoE; reduce-scatter + all-gather with SP; the forward's again with
+  `--recompute full`), and when tp > n_kv the k and v weight gradients (h·d each) all-reduced over the tp/n_kv
+  ranks holding each KV head; cp per block, with t = b·s/cp this rank's tokens: ring 2(c−1)·t·h_kv forward and
+  2(2c−1)·t·h_kv backward, all-gather the whole sequence's K and V forward and backward plus their gradients'
+  reduce-scatter, Ulysses all-to-alls of t·(h/tp + 2·max(n_kv', c)·d) and t·h/tp each way; ep four
+  all-to-alls of K·tokens·h per MoE block; pp one message of b·s·h per microbatch and stage boundary each way,
+  and the tied embedding's gradient between the end stages; dp the gradient all-reduce (ZeRO: reduce-scatter
   + all-gather; ZeRO-3 all-gathers the parameters in forward and backward too);
 - the bubble: the schedule simulated with F = I = W = 1 (the step then lasts makespan/3 × the slowest chunk's
   F + B); exposed communication: tp, cp and ep block the compute; pp exposes its pipeline fill and drain; dp
@@ -32,13 +50,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from collectives.cost_model import FORMULAS as COLLECTIVE_FORMULAS
 from collectives.cost_model import CostModel, choose
+from models.context_parallel import VARIANTS as CP_ATTENTIONS
+from models.gpt import GPTConfig
 from models.layers import QUERY_BLOCK, block_activation_elements, query_blocks
+from models.tensor_parallel import check_tensor_parallel_shape, key_value_replicas
 
 from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate, stage_units
 from ..schedules.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
@@ -57,7 +78,9 @@ second); beyond, the bubble is the schedule's formula, exact at unit costs for m
 
 @dataclass(frozen=True)
 class Model:
-    """A GPT-2 shape (train's model); `parameters` overrides the count (`--params` without a shape)."""
+    """A model of either family (train's model: `models.gpt.GPTConfig`); `parameters` overrides the count
+    (`--params` without a shape). `arch`, `n_kv_head` (0: n_head), `ffn_hidden` (0: the family's default) and
+    `tie_embeddings` (None: the family's default) are GPTConfig's, whose rules `config` applies."""
 
     n_layer: int
     n_embd: int
@@ -68,14 +91,54 @@ class Model:
     experts: int = 0
     top_k: int = 2
     parameters: int | None = None
+    arch: str = "gpt2"
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    tie_embeddings: bool | None = None
 
     @classmethod
-    def from_parameter_count(cls, parameters: float, seq_len: int = 2048, vocab_size: int = 50257) -> Model:
-        """A shape with about `parameters` weights (12·L·h² in the blocks, h ≈ 128·L as GPT-3 and Llama roughly
-        have, rounded to a multiple of 1024), 128 channels per head; the count itself stays `parameters`."""
-        layers = max(1, round((parameters / (12 * 128**2)) ** (1 / 3)))
-        width = max(1024, round(math.sqrt(parameters / (12 * layers)) / 1024) * 1024)  # heads: a multiple of 8
-        return cls(layers, width, width // 128, seq_len, vocab_size, max(1024, seq_len), parameters=int(parameters))
+    def from_parameter_count(cls, parameters: float, seq_len: int = 2048, vocab_size: int = 50257,
+                             arch: str = "gpt2") -> Model:
+        """A shape with about `parameters` weights in its blocks, h ≈ 128·L as GPT-3 and Llama roughly have,
+        rounded to a multiple of 1024, 128 channels per head; the count itself stays `parameters`. GPT-2's
+        block holds 12·h² (4h² attention, 8h² MLP); llama's 10.5·h²: n_kv = n_head/4 KV heads (as Llama 2 70B
+        and Llama 3 have, 8 of 32 or 64 query heads: 2h² + 2h·h/4 in q, k, v, o) and the SwiGLU default
+        F = 8/3·h (3·h·F = 8h²)."""
+        per_block = 10.5 if arch == "llama" else 12
+        layers = max(1, round((parameters / (per_block * 128**2)) ** (1 / 3)))
+        width = max(1024, round(math.sqrt(parameters / (per_block * layers)) / 1024) * 1024)  # heads: 8·k
+        heads = width // 128
+        return cls(layers, width, heads, seq_len, vocab_size, max(1024, seq_len), parameters=int(parameters),
+                   arch=arch, n_kv_head=heads // 4 if arch == "llama" else 0)
+
+    @cached_property
+    def config(self) -> GPTConfig:
+        """train's configuration of this shape; building it checks the shape (ValueError)."""
+        return GPTConfig(vocab_size=self.vocab_size, n_positions=self.n_positions, n_embd=self.n_embd,
+                         n_layer=self.n_layer, n_head=self.n_head, n_experts=self.experts, moe_top_k=self.top_k,
+                         arch=self.arch, n_kv_head=self.n_kv_head, ffn_hidden=self.ffn_hidden,
+                         tie_embeddings=self.tie_embeddings)
+
+    @property
+    def is_llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's (and each expert's) hidden units F: 4h for GPT-2, llama's ffn_hidden or 8/3·h rounded."""
+        return self.config.ffn_width
+
+    @property
+    def tied(self) -> bool:
+        return self.config.tied
 
     def total_parameters(self) -> int:
         if self.parameters is not None:
@@ -86,8 +149,7 @@ class Model:
         """Weights a token passes through: top_k of the experts (6·N·tokens counts these)."""
         if not self.experts:
             return self.total_parameters()
-        expert = 8 * self.n_embd**2 + 5 * self.n_embd
-        return self.total_parameters() - self.n_layer * (self.experts - self.top_k) * expert
+        return self.total_parameters() - self.n_layer * (self.experts - self.top_k) * expert_parameters(self)
 
 
 @dataclass(frozen=True)
@@ -153,6 +215,7 @@ class Layout:
     schedule: str = "1f1b"
     recompute: str = "none"
     sp: bool = False
+    cp_attention: str = "ring"
 
     @property
     def chunks(self) -> int:
@@ -164,7 +227,8 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     def label(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sp else ''}", f"pp{self.pp}", f"cp{self.cp}"]
+        cp = f"cp{self.cp}" + (f"-{self.cp_attention}" if self.cp > 1 else "")
+        parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sp else ''}", f"pp{self.pp}", cp]
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         schedule = f" {self.schedule}" if self.pp > 1 else ""
@@ -186,6 +250,7 @@ class Choices:
     schedule: str | None = None
     recompute: str | None = None
     sp: bool | None = None
+    cp_attention: str | None = None
 
 
 # -- parameters per unit ------------------------------------------------------------------------------------
@@ -196,23 +261,51 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 def unit_parameters(model: Model, tp: int, ep: int) -> list[int]:
     """Parameters one rank holds of each unit (embedding, blocks…, head), for one TP and EP rank. The head holds
-    the tied embedding's vocabulary shard (only counted once when one rank holds both)."""
+    its vocabulary shard: the tied embedding's (only counted once when one rank holds both) or llama's lm_head."""
     h = model.n_embd
-    embedding = padded_vocab(model.vocab_size, tp) // tp * h + model.n_positions * h
-    attention = (3 * h * h + 3 * h) // tp + (h * h) // tp + h
-    mlp_one = (4 * h * h + 4 * h) // tp + (4 * h * h) // tp + h
-    if model.experts:  # experts replicated over the TP group, E/ep of them here, a router [h, E]
-        mlp = model.experts // ep * (8 * h * h + 5 * h) + h * model.experts
-    else:
-        mlp = mlp_one
-    block = 4 * h + attention + mlp
-    head = 2 * h + padded_vocab(model.vocab_size, tp) // tp * h
-    return [embedding] + [block] * model.n_layer + [head]
+    vocab_rows = padded_vocab(model.vocab_size, tp) // tp * h
+    positions = 0 if model.is_llama else model.n_positions * h  # llama's RoPE has no weights
+    final_norm = h if model.is_llama else 2 * h
+    block = attention_parameters(model, tp) + mlp_parameters(model, tp, ep)
+    return [vocab_rows + positions] + [block] * model.n_layer + [final_norm + vocab_rows]
+
+
+def attention_parameters(model: Model, tp: int) -> int:
+    """One block's norms and attention on one TP rank. GPT-2: LayerNorms 4h, c_attn (3h² + 3h)/tp, c_proj
+    h²/tp + h (its bias replicated). Llama: RMSNorms 2h, q and o 2h²/tp, k and v 2·h·h_kv with h_kv = n_kv'·d
+    this rank's KV channels (n_kv/tp heads, or one head replicated on tp/n_kv ranks when tp > n_kv)."""
+    h = model.n_embd
+    if not model.is_llama:
+        return 4 * h + (3 * h * h + 3 * h) // tp + (h * h) // tp + h
+    return 2 * h + 2 * h * h // tp + 2 * h * local_kv_heads(model, tp) * model.head_dim
+
+
+def mlp_parameters(model: Model, tp: int, ep: int) -> int:
+    """One block's MLP on one TP rank (GPT-2: 8h² + 4h weights and biases, llama's SwiGLU 3·h·F, split over tp;
+    GPT-2's c_proj bias replicated), or its E/ep experts (replicated over the TP group) and router [h, E]."""
+    h, width = model.n_embd, model.ffn_width
+    if model.experts:
+        return model.experts // ep * expert_parameters(model) + h * model.experts
+    if model.is_llama:
+        return 3 * h * width // tp
+    return (h * width + width) // tp + (width * h) // tp + h
+
+
+def expert_parameters(model: Model) -> int:
+    """One whole expert: the family's MLP (GPT-2 c_fc and c_proj with biases, llama gate, up and down)."""
+    h, width = model.n_embd, model.ffn_width
+    return 3 * h * width if model.is_llama else 2 * h * width + width + h
+
+
+def local_kv_heads(model: Model, tp: int) -> int:
+    """KV heads one TP rank holds: n_kv/tp, or 1 when each head is replicated on tp/n_kv ranks."""
+    return max(model.kv_heads // tp, 1)
 
 
 def tied_parameters(model: Model, tp: int) -> int:
-    """The token embedding's vocabulary shard, held by both the embedding and the head unit."""
-    return padded_vocab(model.vocab_size, tp) // tp * model.n_embd
+    """The token embedding's vocabulary shard when the head is tied to it (held by both the embedding and the
+    head unit); 0 for llama's untied lm_head."""
+    return padded_vocab(model.vocab_size, tp) // tp * model.n_embd if model.tied else 0
 
 
 def scaled_unit_parameters(model: Model, layout: Layout) -> tuple[list[float], float]:
@@ -233,18 +326,28 @@ def held_parameters(units: list[int], per_unit: list[float], tied: float) -> flo
 
 # -- activations and work per unit and microbatch -----------------------------------------------------------
 
+class Collective(NamedTuple):
+    """A collective a unit waits for: its name, the bytes of its buffer (all_gather: the gathered size), its
+    mesh axis, and the ranks of that axis taking part (0: all of them)."""
+
+    name: str
+    nbytes: float
+    axis: str
+    ranks: int = 0
+
+
 @dataclass(frozen=True)
 class UnitCost:
     """One unit, one microbatch, one rank: elements saved, matmul FLOPs and elementwise elements, forward and
-    backward; and the communication it blocks on (collective name, bytes, axis) per direction."""
+    backward; and the collectives it blocks on per direction."""
 
     saved: float
     flops_forward: float
     flops_backward: float
     elementwise_forward: float
     elementwise_backward: float
-    collectives_forward: tuple[tuple[str, float, str], ...] = ()
-    collectives_backward: tuple[tuple[str, float, str], ...] = ()
+    collectives_forward: tuple[Collective, ...] = ()
+    collectives_backward: tuple[Collective, ...] = ()
 
 
 def _causal_pairs(seq: int) -> int:
@@ -252,69 +355,162 @@ def _causal_pairs(seq: int) -> int:
     return sum((stop - start) * stop for start, stop in query_blocks(seq, QUERY_BLOCK))
 
 
+def tp_exchanges(nbytes: float, layout: Layout, count: int) -> tuple[Collective, ...]:
+    """`count` exchanges of one activation over tp: an all-reduce each, or under SP a reduce-scatter and an
+    all-gather in its place (the same volume)."""
+    if layout.tp == 1:
+        return ()
+    one = (Collective("reduce_scatter", nbytes, "tp"), Collective("all_gather", nbytes, "tp")) if layout.sp \
+        else (Collective("all_reduce", nbytes, "tp"),)
+    return one * count
+
+
 def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision) -> list[UnitCost]:
     """Embedding, one block, head: what one microbatch of `rows` sequences costs on one rank."""
     h, tp, item = model.n_embd, layout.tp, precision.activations
-    seq = model.seq_len // layout.cp
-    tokens = rows * seq
+    tokens = rows * (model.seq_len // layout.cp)
     s = tokens * h
     vocab = padded_vocab(model.vocab_size, tp) // tp
     seq_shard = tp if layout.sp else 1
-    tp_collectives: tuple[tuple[str, float, str], ...] = ()
-    if tp > 1:
-        pair = (("reduce_scatter", s * item, "tp"), ("all_gather", s * item, "tp")) if layout.sp else \
-            (("all_reduce", s * item, "tp"),)
-        tp_collectives = pair * 2
-    embedding = UnitCost(saved=tokens * 8 / item, flops_forward=0, flops_backward=0,
+    exchange = tp_exchanges(s * item, layout, 1)
+    embedding = UnitCost(saved=tokens * 8 / item, flops_forward=0, flops_backward=0,  # the int64 token ids
                          elementwise_forward=2 * s / seq_shard, elementwise_backward=2 * s,
-                         collectives_forward=tp_collectives[:len(tp_collectives) // 2],
-                         collectives_backward=())
+                         collectives_forward=exchange)
     # the vocab-parallel cross-entropy: the row maxima, then the sums and target logits in one message
-    head_collectives = (("all_reduce", tokens * item, "tp"), ("all_reduce", 2 * tokens * item, "tp")) if tp > 1 else ()
-    head = UnitCost(saved=2 * s + tokens * vocab + tokens, flops_forward=2 * tokens * h * vocab,
+    head_collectives = (Collective("all_reduce", tokens * item, "tp"),
+                        Collective("all_reduce", 2 * tokens * item, "tp")) if tp > 1 else ()
+    # the final norm keeps its output and 1/σ (or 1/rms) (sequence slices under SP), the cross-entropy its whole
+    # input (all-gathered under SP) and the probabilities of this rank's vocabulary shard
+    head = UnitCost(saved=(s + tokens) / seq_shard + s + tokens * vocab, flops_forward=2 * tokens * h * vocab,
                     flops_backward=4 * tokens * h * vocab, elementwise_forward=6 * s / seq_shard + 6 * tokens * vocab,
                     elementwise_backward=10 * s / seq_shard,
-                    collectives_forward=head_collectives,
-                    collectives_backward=tp_collectives[:len(tp_collectives) // 2])
-    return [embedding, block_cost(model, layout, rows, precision, tp_collectives), head]
+                    collectives_forward=head_collectives, collectives_backward=exchange)
+    return [embedding, block_cost(model, layout, rows, precision), head]
 
 
-def block_cost(model: Model, layout: Layout, rows: int, precision: Precision,
-               tp_collectives: tuple[tuple[str, float, str], ...]) -> UnitCost:
-    h, tp, item = model.n_embd, layout.tp, precision.activations
-    seq = model.seq_len // layout.cp
+def block_cost(model: Model, layout: Layout, rows: int, precision: Precision) -> UnitCost:
+    """One transformer block of either family on one rank, one microbatch."""
+    h, tp, cp = model.n_embd, layout.tp, layout.cp
+    seq = model.seq_len // cp
     tokens = rows * seq
     s = tokens * h
     seq_shard = tp if layout.sp else 1
-    probabilities = rows * (model.n_head // tp) * _causal_pairs(seq) * (layout.cp if layout.cp > 1 else 1)
-    attention_flops = 4 * rows * _causal_pairs(seq) * h / tp * layout.cp
-    if model.experts:
-        mlp_flops = 16 * tokens * h * h * model.top_k
-        mlp_elements = 4 * s * model.top_k
-    else:
-        mlp_flops = 16 * tokens * h * h / tp
-        mlp_elements = 4 * s / tp
-    flops_forward = 8 * tokens * h * h / tp + mlp_flops + attention_flops
-    # LayerNorms and residual adds (sharded with SP), biases, the attention's head reshapes, GELU, softmax
-    elementwise_forward = 12 * s / seq_shard + 8 * s / tp + 7 * mlp_elements + 5 * probabilities
-    saved = float(block_activation_elements(rows, seq, h, model.n_head, tp, layout.sp, layout.recompute))
-    if model.experts:  # each token's K expert MLPs keep their hidden units instead of the dense MLP's
-        saved += 8 * s * (model.top_k - 1 / tp)
-    if layout.cp > 1 and layout.recompute != "full":  # K/V of the other chunks seen by ring attention
-        saved += 2 * s / tp * (layout.cp - 1)
+    kv_channels = local_kv_heads(model, tp) * model.head_dim
+    probabilities = rows * (model.n_head // tp) * _causal_pairs(seq) * cp  # ≈ 1/cp of the sequence's pairs
+    attention_flops = 4 * rows * _causal_pairs(seq) * h / tp * cp
+    projection_flops = 2 * tokens * (2 * h * h / tp + 2 * h * kv_channels)  # q and o; k and v (GQA: h_kv ≤ h/tp)
+    # LayerNorms or RMSNorms and residual adds (sharded with SP); GPT-2's biases and head reshapes, llama's head
+    # reshapes and RoPE on q and k; the softmax
+    attention_elements = 8 * s / tp if not model.is_llama else 8 * tokens * (h / tp + kv_channels)
+    mlp_flops, mlp_elements = _mlp_work(model, layout, tokens)
+    flops_forward = projection_flops + attention_flops + mlp_flops
+    elementwise_forward = 12 * s / seq_shard + attention_elements + mlp_elements + 5 * probabilities
     recompute_flops = {"none": 0.0, "selective": attention_flops / 2, "full": flops_forward}[layout.recompute]
     recompute_elements = {"none": 0.0, "selective": 5 * probabilities, "full": elementwise_forward}[layout.recompute]
-    collectives = list(tp_collectives)
-    if layout.cp > 1:  # ring attention: K and V of one chunk pair per step, cp − 1 steps; backward the same twice
-        collectives.append(("ring_pass", (layout.cp - 1) * 2 * s / tp * item, "cp"))
-    if model.experts and layout.ep > 1:  # dispatch and combine: K copies of every token
-        collectives += [("all_to_all", model.top_k * s * item, "ep")] * 2
-    forward = tuple(collectives)
-    backward = tuple(c if c[0] != "ring_pass" else (c[0], 2 * c[1], c[2]) for c in collectives)
-    return UnitCost(saved=saved, flops_forward=flops_forward, flops_backward=2 * flops_forward + recompute_flops,
+    forward, backward = block_collectives(model, layout, tokens, precision.activations)
+    return UnitCost(saved=block_saved_elements(model, layout, rows, precision.activations),
+                    flops_forward=flops_forward, flops_backward=2 * flops_forward + recompute_flops,
                     elementwise_forward=elementwise_forward,
                     elementwise_backward=2 * elementwise_forward + recompute_elements,
                     collectives_forward=forward, collectives_backward=backward)
+
+
+def _moe_tokens(layout: Layout, tokens: int) -> float:
+    """Tokens the router and experts of one rank see: all of them on every TP rank (experts are replicated over
+    TP), this rank's sequence slice under SP."""
+    return tokens / (layout.tp if layout.sp else 1)
+
+
+def _mlp_work(model: Model, layout: Layout, tokens: int) -> tuple[float, float]:
+    """Forward matmul FLOPs and elementwise elements of the MLP: GPT-2's c_fc and c_proj (2·2·h·4h per token)
+    and GELU (~7 passes over 4h), llama's gate, up and down (2·3·h·F) and SwiGLU (~6 passes over F); split over
+    tp, or K experts per token plus the router's 2·h·E."""
+    h, width = model.n_embd, model.ffn_width
+    matrices, passes = (3, 6) if model.is_llama else (2, 7)
+    if model.experts:
+        routed = _moe_tokens(layout, tokens)
+        hidden = routed * width * model.top_k
+        return 2 * matrices * h * hidden + 2 * routed * h * model.experts, passes * hidden
+    hidden = tokens * width / layout.tp
+    return 2 * matrices * h * hidden, passes * hidden
+
+
+def block_saved_elements(model: Model, layout: Layout, rows: int, item: float) -> float:
+    """Elements one block saves per microbatch on one rank: the runtime's `block_activation_elements` (either
+    family), with the MoE block's and context-parallel attention's differences; `item` bytes per element (the
+    int64 index arrays count 8/item)."""
+    h, tp, cp = model.n_embd, layout.tp, layout.cp
+    seq = model.seq_len // cp
+    tokens = rows * seq
+    recompute = "selective" if cp > 1 and layout.recompute == "none" else layout.recompute  # CP's: below
+    family = {"kv_heads": model.kv_heads, "ffn_hidden": model.ffn_width} if model.is_llama else {}
+    saved = float(block_activation_elements(rows, seq, h, model.n_head, tp, layout.sp, recompute, **family))
+    if layout.recompute == "full":
+        return saved
+    if model.experts:
+        saved += _moe_saved_change(model, layout, tokens, item)
+    heads = model.n_head // tp
+    if cp > 1 and layout.cp_attention != "ulysses":  # the online softmax keeps one log-sum-exp per query row
+        saved += rows * heads * seq
+    elif cp > 1 and layout.recompute == "none":  # Ulysses: the serial attention of n_head/cp heads, all s positions
+        saved += rows * heads // cp * _causal_pairs(model.seq_len)
+    return saved
+
+
+def _moe_saved_change(model: Model, layout: Layout, tokens: int, item: float) -> float:
+    """What an MoE block saves instead of the dense MLP's hidden units (GPT-2 16h per token: c_fc's output and
+    GELU's three arrays of 4h; llama 5F): per routed token the router's probabilities (E), its top-K choice
+    (an argsort of E int64), 1/Σ of the chosen probabilities, the K gates and K int64 assignments; then the K
+    rows gathered for the experts, their K outputs, and the experts' hidden units (balanced: K·tokens rows)."""
+    h, experts, k = model.n_embd, model.experts, model.top_k
+    hidden = 5 * model.ffn_width if model.is_llama else 16 * h
+    router = experts + experts * 8 / item + 1 + k + k * 8 / item
+    return _moe_tokens(layout, tokens) * (router + k * (2 * h + hidden)) - tokens * hidden / layout.tp
+
+
+def block_collectives(model: Model, layout: Layout, tokens: int, item: float) -> tuple[tuple[Collective, ...],
+                                                                                     tuple[Collective, ...]]:
+    """(forward, backward) collectives of one block and microbatch, as `mpiparallel.traffic` counts them:
+    tp two exchanges each way (one with MoE: the experts are replicated over TP), cp the K/V of the chosen
+    attention, ep the dispatch and combine; backward also the KV weight gradients' all-reduces over the tp/n_kv
+    ranks that hold each KV head (llama, tp > n_kv), and with --recompute full the forward's again."""
+    s = tokens * model.n_embd * item
+    exchanges = tp_exchanges(s, layout, 1 if model.experts else 2)
+    cp_forward, cp_backward = context_parallel_collectives(model, layout, tokens, item)
+    forward, backward = exchanges + cp_forward, exchanges + cp_backward
+    if model.experts and layout.ep > 1:  # dispatch and combine: K copies of every routed token
+        moved = (Collective("all_to_all", model.top_k * _moe_tokens(layout, tokens) * model.n_embd * item, "ep"),) * 2
+        forward, backward = forward + moved, backward + moved
+    copies = key_value_replicas(model.kv_heads, layout.tp) if model.is_llama else 1
+    if copies > 1:
+        backward += (Collective("all_reduce", model.n_embd * model.head_dim * item, "tp", copies),) * 2
+    if layout.recompute == "full":
+        backward = forward + backward
+    return forward, backward
+
+
+def context_parallel_collectives(model: Model, layout: Layout, tokens: int,
+                                 item: float) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """(forward, backward) of the CP attention over c ranks, with h_kv = n_kv'·d this TP rank's KV channels and
+    t = b·s/c this rank's tokens: ring passes 2(c−1)·t·h_kv forward and 2(2c−1)·t·h_kv backward (K/V again,
+    with dK/dV); all-gather gathers K and V of the sequence (2·c·t·h_kv) forward, again backward and
+    reduce-scatters their gradients; Ulysses all-to-alls q, k, v (t·(h/tp + 2·max(n_kv', c)·d)) and the
+    output (t·h/tp) each way."""
+    c = layout.cp
+    if c == 1:
+        return (), ()
+    heads, kv_heads, d = model.n_head // layout.tp, local_kv_heads(model, layout.tp), model.head_dim
+    kv = tokens * kv_heads * d * item
+    if layout.cp_attention == "ring":
+        return ((Collective("ring_pass", 2 * (c - 1) * kv, "cp"),),
+                (Collective("ring_pass", 2 * (2 * c - 1) * kv, "cp"),))
+    if layout.cp_attention == "all-gather":
+        gathered = 2 * c * kv
+        return ((Collective("all_gather", gathered, "cp"),),
+                (Collective("all_gather", gathered, "cp"), Collective("reduce_scatter", gathered, "cp")))
+    into_heads = Collective("all_to_all", tokens * (heads + 2 * max(kv_heads, c)) * d * item, "cp")
+    into_sequence = Collective("all_to_all", tokens * heads * d * item, "cp")
+    return (into_heads, into_sequence), (into_sequence, into_heads)
 
 
 # -- time of a collective on an axis ------------------------------------------------------------------------
@@ -524,8 +720,9 @@ def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layou
     memory_per_rank = [_rank_memory(setting, rank, per_unit, tied, stage_saved) for rank in range(layout.pp)]
     plan = _timed_plan(setting, per_unit, tied, memory_per_rank, memory_per_stage)
     plan.fits = plan.max_memory <= cluster.gpu_memory
-    if model.experts or layout.cp > 1:
-        plan.notes.append("activations and ep/cp traffic approximate (no exact formula for experts or ring attention)")
+    if layout.cp > 1 or model.experts and (layout.tp > 1 or layout.ep > 1):
+        plan.notes.append("activations and ep traffic approximate (balanced routing; CP attention's buffers "
+                          "not measured)")
     if shape and not shape.simulated:
         plan.notes.append(f"bubble from the schedule's formula (more than {SIMULATED_ACTIONS} actions to simulate)")
     return plan
@@ -559,8 +756,8 @@ def _blocking(setting: _Setting, cost: UnitCost) -> tuple[dict[str, float], dict
     """Per axis, seconds and bytes sent of the collectives one microbatch of a unit waits for."""
     layout = setting.layout
     seconds, bytes_sent = dict.fromkeys(AXES, 0.0), dict.fromkeys(AXES, 0.0)
-    for name, nbytes, axis in cost.collectives_forward + cost.collectives_backward:
-        ranks = axis_size(layout, axis)
+    for name, nbytes, axis, group in cost.collectives_forward + cost.collectives_backward:
+        ranks = group or axis_size(layout, axis)
         seconds[axis] += collective_seconds(name, nbytes, ranks, axis_link(layout, axis, setting.cluster))
         bytes_sent[axis] += collective_bytes_sent(name, nbytes, ranks)
     return seconds, bytes_sent
@@ -593,6 +790,9 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
         boundary = collective_seconds("send", message, 2, axis_link(layout, "pp", setting.cluster))
         sends = 2 * m * layout.chunks
         comm_s["pp"], comm_bytes["pp"] = sends * boundary, sends * message
+        tied_bytes = _tied_gradient_bytes(setting, busiest, tied)
+        comm_s["pp"] += collective_seconds("send", tied_bytes, 2, axis_link(layout, "pp", setting.cluster))
+        comm_bytes["pp"] += tied_bytes
         fill_and_drain = 2 * (layout.pp * layout.chunks - 1) * boundary  # each boundary once each way, waited for
         pipeline = setting.shape.makespan_units / 3 * max(chunk_seconds) + fill_and_drain
         bubble = setting.shape.bubble
@@ -615,6 +815,15 @@ def _stage_message_bytes(setting: _Setting) -> float:
     layout, model = setting.layout, setting.model
     positions = model.seq_len // layout.cp // (layout.tp if layout.sp else 1)
     return setting.rows * positions * model.n_embd * setting.precision.activations
+
+
+def _tied_gradient_bytes(setting: _Setting, rank: int, tied: float) -> float:
+    """The tied embedding's gradient, sent once per step between the first and the last stage's ranks when
+    they differ (GPT-2 and tied llama; `mpiparallel.traffic.pipeline_bytes`)."""
+    ends = (setting.stage_ranks[0], setting.stage_ranks[-1])
+    if not tied or ends[0] == ends[1] or rank not in ends:
+        return 0.0
+    return tied * setting.precision.gradients
 
 
 def _data_parallel(setting: _Setting, count: float) -> tuple[float, float, float]:
@@ -657,15 +866,18 @@ def divisors(n: int) -> list[int]:
 
 def candidate_layouts(model: Model, cluster: Cluster, choices: Choices) -> Iterator[Layout]:
     """Every layout train would accept for this model on `cluster.gpus` ranks, with the fixed choices kept:
-    tp inside a node dividing the heads, pp·chunks ≤ layers, 2·cp dividing the sequence, ep dividing dp and the
-    experts, microbatches ≥ pp dividing the batch rows of a DP rank, ZeRO ≤ 1 with a pipeline."""
+    tp inside a node dividing the heads and the MLP width, and dividing the KV heads or a multiple of them
+    (`models.tensor_parallel.check_tensor_parallel_shape`), pp·chunks ≤ layers, 2·cp dividing the sequence
+    (Ulysses: cp dividing the heads of a TP rank, and dividing their KV heads or a multiple of them), ep
+    dividing dp and the experts, microbatches ≥ pp dividing the batch rows of a DP rank, ZeRO ≤ 1 with a
+    pipeline."""
     def pick(name: str, values: list) -> list:
         fixed = getattr(choices, name)
         return [fixed] if fixed is not None else values
 
     for tp, pp, cp in itertools.product(pick("tp", divisors(cluster.gpus)), pick("pp", divisors(cluster.gpus)),
                                         pick("cp", divisors(cluster.gpus))):
-        if cluster.gpus % (tp * pp * cp) or model.n_head % tp or model.seq_len % (2 * cp if cp > 1 else 1):
+        if cluster.gpus % (tp * pp * cp) or not _splits(model, tp) or model.seq_len % (2 * cp if cp > 1 else 1):
             continue
         if choices.tp is None and tp > cluster.gpus_per_node or pp > model.n_layer:
             continue
@@ -675,17 +887,37 @@ def candidate_layouts(model: Model, cluster: Cluster, choices: Choices) -> Itera
         yield from _inner_choices(model, choices, dp, tp, pp, cp, pick)
 
 
+def _splits(model: Model, tp: int) -> bool:
+    """Whether tensor parallelism over tp ranks can split this model (heads, MLP width, KV heads)."""
+    try:
+        check_tensor_parallel_shape(model.config, tp)
+    except ValueError:
+        return False
+    return True
+
+
+def _cp_attentions(model: Model, tp: int, cp: int, fixed: str | None) -> list[str]:
+    """The CP attentions this cp can run: ring and all-gather always, Ulysses when cp divides this TP rank's
+    heads and its KV heads divide cp or cp them."""
+    if cp == 1:
+        return [fixed or "ring"]
+    heads, kv_heads = model.n_head // tp, local_kv_heads(model, tp)
+    ulysses = heads % cp == 0 and (kv_heads % cp == 0 or cp % kv_heads == 0)
+    return [a for a in ([fixed] if fixed else CP_ATTENTIONS) if a != "ulysses" or ulysses]
+
+
 def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp: int, pick: Any) -> Iterator[Layout]:
     eps = pick("ep", [e for e in divisors(dp) if model.experts and model.experts % e == 0] or [1])
     zeros = pick("zero", [0, 1] if pp > 1 else [0, 1, 2, 3])
     schedules = pick("schedule", list(SCHEDULES)) if pp > 1 else ["1f1b"]
     sps = pick("sp", [False, True]) if tp > 1 else [False]
     microbatch_counts = pick("microbatches", _microbatch_candidates(choices.batch_size // dp, pp))
-    for ep, zero, schedule, m, recompute, sp in itertools.product(eps, zeros, schedules, microbatch_counts,
-                                                                   pick("recompute", list(RECOMPUTE)), sps):
+    attentions = _cp_attentions(model, tp, cp, choices.cp_attention)
+    for ep, zero, schedule, m, recompute, sp, attention in itertools.product(
+            eps, zeros, schedules, microbatch_counts, pick("recompute", list(RECOMPUTE)), sps, attentions):
         if (choices.batch_size // dp) % m or ep > 1 and dp % ep:
             continue
-        layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp)
+        layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention)
         if pp > 1 and not _valid_schedule(layout, model.n_layer):
             continue
         yield layout

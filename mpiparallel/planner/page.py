@@ -31,7 +31,7 @@ def page_layouts(model: Model, cluster: Cluster) -> list[Layout]:
         for pp in (p for p in range(1, gpus + 1) if gpus % p == 0):
             rows_needed = 2 * pp
             choices = Choices(batch_size=max(8, rows_needed * gpus), pp=pp, microbatches=2 * pp, recompute="none",
-                              sp=False)
+                              sp=False, cp_attention="ring")
             found += [layout for layout in candidate_layouts(model, sub, choices)
                       if layout.zero <= 1 or layout.pp == 1]
     return found
@@ -106,7 +106,8 @@ def page_data(model: Model, cluster: Cluster, precision: Precision, batch: int) 
                for axis in ("dp", "tp", "pp", "cp", "ep", "zero")}
     options["schedule"] = sorted({key.split("schedule=")[1] for key in layouts})
     return {"model": {"n_layer": model.n_layer, "n_embd": model.n_embd, "n_head": model.n_head,
-                      "seq_len": model.seq_len, "vocab_size": model.vocab_size, "experts": model.experts},
+                      "seq_len": model.seq_len, "vocab_size": model.vocab_size, "experts": model.experts,
+                      "arch": model.arch, "kv_heads": model.kv_heads},
             "gpus": cluster.gpus, "gpu_memory": cluster.gpu_memory, "options": options, "layouts": layouts}
 
 
@@ -216,8 +217,10 @@ function fromHash() {
   render();
 }
 const m = DATA.model;
-document.getElementById('model').textContent = 'GPT-2 ' + m.n_layer + ' layers, ' + m.n_embd + ' channels, ' +
-  m.n_head + ' heads, seq ' + m.seq_len + ', vocab ' + m.vocab_size + (m.experts ? ', ' + m.experts + ' experts' : '') +
+document.getElementById('model').textContent = (m.arch === 'llama' ? 'Llama ' : 'GPT-2 ') + m.n_layer +
+  ' layers, ' + m.n_embd + ' channels, ' + m.n_head + ' heads' +
+  (m.arch === 'llama' ? ' (' + m.kv_heads + ' KV heads)' : '') + ', seq ' + m.seq_len + ', vocab ' + m.vocab_size +
+  (m.experts ? ', ' + m.experts + ' experts' : '') +
   '; toggle each axis and its degree; the URL hash names the layout.';
 window.addEventListener('hashchange', fromHash);
 fromHash();
