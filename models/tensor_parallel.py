@@ -402,7 +402,8 @@ def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
     if config.n_head % tp:
         problems.append(f"n_head ({config.n_head}) divisible by tp ({tp}) (attention is split by heads)")
     if config.ffn_width % tp:
-        problems.append(f"the MLP width ({config.ffn_width}) divisible by tp ({tp})")
+        width = "the SwiGLU width ffn_hidden" if config.is_llama else "the MLP width 4·n_embd"
+        problems.append(f"{width} ({config.ffn_width}) divisible by tp ({tp})")
     if problems:
         raise ValueError("tensor parallelism needs " + " and ".join(problems))
     key_value_replicas(config.kv_heads, tp)

@@ -189,7 +189,7 @@ def duplicate_without_prefix(tensors):
     (edit_config(n_head=5), r"n_embd \(32\) must be divisible by n_head \(5\)"),
     (edit_config(n_embd="32"), "n_embd must be an integer"),
     (edit_config(activation_function="relu"), "activation_function = 'relu' is not supported"),
-    (edit_config(model_type="llama"), "model_type"),
+    (edit_config(model_type="bert"), "model_type"),
     (edit_config(n_inner=100), "n_inner"),
     (remove("model.safetensors"), r"model\.safetensors is missing"),
     (pytorch_bin_only, "only model.safetensors is read"),
