@@ -149,6 +149,15 @@ class NodeLayout:
         return self.nodes[a] != self.nodes[b]
 
 
+def describe_nodes(nodes: Sequence[int]) -> str:
+    """'2 nodes of 4, 4 ranks (emulated: MPIPARALLEL_RANKS_PER_NODE=4)', or '1 node'."""
+    layout = NodeLayout.of(tuple(nodes))
+    k = emulated_ranks_per_node()
+    how = f" (emulated: {RANKS_PER_NODE_VARIABLE}={k})" if k is not None else " (MPI's shared-memory nodes)"
+    sizes = ", ".join(str(len(members)) for members in layout.members)
+    return f"{layout.count} node{'s' if layout.count > 1 else ''} of {sizes} ranks{how}"
+
+
 def inter_node_bytes(collective: str, algo: str, nbytes: float, nodes: Sequence[int], rank: int) -> float | None:
     """Bytes `rank` sends to other nodes in one call of `collective` with `algo` on a communicator whose ranks
     live on `nodes` (the formulas of the module docstring); None where no formula is written (mpi, Bruck,
