@@ -58,6 +58,11 @@ Measured here: one 32 MiB Sendrecv ran at 3 GB/s, the same bytes in 1-4 MiB piec
 """
 
 
+EMULATED_POLL_SECONDS = 20e-6
+"""How long a wait sleeps between tests while MPIPARALLEL_EMULATED_INTER_NODE is set (Linux rounds it up to
+some tens of microseconds: the emulated transport's own latency, which calibration measures with the rest)."""
+
+
 class Step:
     """One round of an algorithm: an optional send of `send` to `dest` and receive into `recv` from `source`."""
 
@@ -251,6 +256,17 @@ class Communicator:
         return Communicator(self.comm.Split(color, key), check_arguments=self.check_arguments,
                             segment_bytes=self.segment_bytes, node=self.node)
 
+    def _emulated_step(self, send: Array | None, dest: int, recv: Array | None, source: int, tag: int) -> None:
+        """One step over the emulated slow link: the receive posted first, the send delayed if it crosses nodes,
+        then a wait that sleeps between tests instead of spinning — so that with more ranks than cores a rank
+        whose delay is over finds a free core (MPI's spinning waits would hold them all), as on a network."""
+        requests = [] if recv is None else [self.comm.Irecv([recv, MPI.BYTE], source, tag)]
+        if send is not None:
+            self._delay(send.nbytes, dest)
+            requests.append(self.comm.Isend([send, MPI.BYTE], dest, tag))
+        while not MPI.Request.Testall(requests):
+            time.sleep(EMULATED_POLL_SECONDS)
+
     def _inter_node(self, nbytes: int, dest: int) -> int:
         """`nbytes` if a message to `dest` leaves this node, else 0."""
         return nbytes if self.remote is not None and self.remote[dest] else 0
@@ -271,13 +287,13 @@ class Communicator:
     def run_step(self, step: Step, tag: int) -> None:
         """Execute one step with blocking MPI calls and record its bytes."""
         send, recv = step.send, step.recv
-        if send is not None:
-            self._delay(send.nbytes, step.dest)
         staging = HostStaging() if HostStaging.possible else None
         if staging is not None:
             send = None if send is None else staging.outgoing(send)
             recv = None if recv is None else staging.incoming(recv)
-        if send is not None and recv is not None:
+        if self.emulated_link is not None:
+            self._emulated_step(send, step.dest, recv, step.source, tag)
+        elif send is not None and recv is not None:
             self.comm.Sendrecv([send, MPI.BYTE], step.dest, tag, [recv, MPI.BYTE], step.source, tag)
         elif send is not None:
             self.comm.Send([send, MPI.BYTE], step.dest, tag)
