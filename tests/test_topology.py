@@ -185,3 +185,28 @@ def test_train_prints_each_axis_inter_node_bytes_beside_the_formula_and_tp_insid
             assert axes[axis][0] > 0, line
     record = json.loads(log.read_text().splitlines()[0])
     assert record["inter_node_bytes"]["tp"] == 0 and record["inter_node_bytes"][next(iter(spanning))] > 0
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False])
+def test_hierarchical_collectives_on_device_arrays_across_emulated_nodes(cuda_aware):
+    """The CuPy path (tests/fake_cupy.py's double) with nodes of 2 on 3 ranks: every collective and algorithm,
+    hierarchical included, against native MPI, staged or synchronized as the device contract says."""
+    results = run_on_ranks(3, "workers.device_checks:collectives_on_device", timeout=240, env=_emulated(2),
+                           cuda_aware=cuda_aware, sizes=[0, 1, 7, 1000])
+    for rank, result in enumerate(results):
+        assert not result["failures"], f"rank {rank}: {result['failures'][:5]}"
+        assert result["traffic"]["unsynchronized_mpi_calls"] == 0
+
+
+def test_the_topology_benchmark_prints_predictions_beside_measurements_and_auto_s_pick(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_topology.py")
+    out = tmp_path / "topology.json"
+    result = run_with_timeout([sys.executable, script, "--ranks", "4", "--ranks-per-node", "2", "--latency", "1e-4",
+                               "--sizes", "64,64K", "--rounds", "1", "--json", str(out)], 600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["nodes"] == [0, 0, 1, 1] and report["model"]["alpha_inter_us"] > report["model"]["alpha_us"]
+    for row in report["rows"]:
+        assert "hierarchical" in row["measured_us"] and set(row["predicted_us"]) == set(row["measured_us"])
+        assert row["auto"] in row["measured_us"]
+    assert "emulated inter-node link: 100 us" in result.stdout
