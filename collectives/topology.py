@@ -23,8 +23,11 @@ Emulated slow links (benchmarks only, never on by default): `MPIPARALLEL_EMULATE
 message sent to another node wait α seconds plus bytes / B before it leaves (a sleep on the sender, so a
 synchronous step of any algorithm lasts as long as its slowest crossing message), on the blocking path, the
 asynchronous handles and direct sends alike. With emulated nodes on one machine, that is what makes the node
-boundary cost something, as a network would. `time.sleep` overshoots by some tens of microseconds on Linux;
-`cost_model.calibrate` measures the links as they are, delay included.
+boundary cost something, as a network would. On the blocking path of a communicator that spans nodes, every
+step's wait then sleeps between tests instead of spinning in MPI: with more ranks than cores, spinning
+receivers would hold the cores the senders need when their delay is over (measured: 2-3× the emulated delay per
+step). `time.sleep` overshoots by some tens of microseconds on Linux; `cost_model.calibrate` measures the links
+as they are, delay and polling included.
 """
 
 from __future__ import annotations
@@ -114,7 +117,6 @@ class NodeLayout:
                       for members in self.members for local in range(self.k)}
         self.block_order = tuple(r for lane in range(self.k) for j in range(self.count)
                                  for r in self.owned[self.members[j][lane]])
-        self.block_position = {r: p for p, r in enumerate(self.block_order)}
         self.lane_blocks = tuple(sum(len(self.owned[self.members[j][lane]]) for j in range(self.count))
                                  for lane in range(self.k))
 
