@@ -40,6 +40,7 @@ from .blocks import OPS, check_op, finish_average, reducer
 from .bruck import bruck_all_gather, bruck_all_to_all
 from .communicator import CollectiveHandle, Communicator, Steps
 from .cost_model import auto_algorithm
+from .hierarchical import hierarchical_all_gather, hierarchical_all_reduce, hierarchical_reduce_scatter
 from .pairwise import pairwise_all_to_all, pairwise_all_to_allv
 from .recursive import (
     rabenseifner_all_reduce,
@@ -52,11 +53,11 @@ from .tree import binomial_broadcast, binomial_reduce, rabenseifner_reduce, scat
 
 ALGORITHMS: dict[str, dict[str, Callable[..., Steps] | None]] = {
     "all_reduce": {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
-                   "rabenseifner": rabenseifner_all_reduce, "mpi": None},
+                   "rabenseifner": rabenseifner_all_reduce, "hierarchical": hierarchical_all_reduce, "mpi": None},
     "reduce_scatter": {"ring": ring_reduce_scatter, "recursive_halving": recursive_halving_reduce_scatter,
-                       "mpi": None},
+                       "hierarchical": hierarchical_reduce_scatter, "mpi": None},
     "all_gather": {"ring": ring_all_gather, "recursive_doubling": recursive_doubling_all_gather,
-                   "bruck": bruck_all_gather, "mpi": None},
+                   "bruck": bruck_all_gather, "hierarchical": hierarchical_all_gather, "mpi": None},
     "all_to_all": {"pairwise": pairwise_all_to_all, "bruck": bruck_all_to_all, "mpi": None},
     "all_to_allv": {"pairwise": None, "mpi": None},
     "broadcast": {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast, "mpi": None},
@@ -227,7 +228,10 @@ class _Plan:
         else:
             self.algorithm = ALGORITHMS[name][algo]
             self.arguments = (comm.rank, comm.size, *rooted, *(() if op is None else (reducer(op, x),)))
-            if "segment_bytes" in inspect.signature(self.algorithm).parameters:  # always the last parameter
+            parameters = inspect.signature(self.algorithm).parameters
+            if "layout" in parameters:  # the hierarchical algorithms: where the ranks live
+                self.arguments += (comm.topology,)
+            if "segment_bytes" in parameters:  # always the last parameter
                 self.arguments += (comm.segment_bytes,)
 
     def steps(self, *buffers: Array) -> Steps:

@@ -21,7 +21,9 @@ asynchronous collectives in flight on one communicator never match each other's 
 point-to-point messages should use tags below `FIRST_COLLECTIVE_TAG`.
 
 Every byte sent or received through this class is recorded in `ledger`, under the name of the operation
-that is running (`all_reduce`, `reduce_scatter`, ..., or `p2p` for direct calls).
+that is running (`all_reduce`, `reduce_scatter`, ..., or `p2p` for direct calls); bytes sent to a rank on
+another node are counted a second time apart (`ledger.inter_node_sent()`). A communicator knows the node of each
+of its ranks (`nodes`, `topology`: see `collectives.topology`), found when it is built: one small all-gather.
 
 Settings. A communicator carries the two settings the collectives run with, `check_arguments` and
 `segment_bytes` (see `Communicator`); the algorithms read them from the communicator they are given, never
@@ -39,6 +41,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .backend import Array, HostStaging
+from .topology import NodeLayout, emulated_inter_node_link, node_labels
 
 FIRST_COLLECTIVE_TAG = 1 << 14
 _COLLECTIVE_TAG_SPAN = 1 << 14  # MPI guarantees tags up to at least 32767
@@ -53,6 +56,11 @@ Large single messages are slow on shared memory (the copy streams through buffer
 cutting a block into cache-sized segments and reducing each right after it arrives keeps the data in cache.
 Measured here: one 32 MiB Sendrecv ran at 3 GB/s, the same bytes in 1-4 MiB pieces near 10 GB/s.
 """
+
+
+EMULATED_POLL_SECONDS = 20e-6
+"""How long a wait sleeps between tests while MPIPARALLEL_EMULATED_INTER_NODE is set (Linux rounds it up to
+some tens of microseconds: the emulated transport's own latency, which calibration measures with the rest)."""
 
 
 class Step:
@@ -77,22 +85,35 @@ Steps = Generator[Step, None, None]
 
 
 class Ledger:
-    """Bytes and messages sent and received, per operation name. Reset with `reset()`."""
+    """Bytes and messages sent and received, per operation name, and the bytes of them sent to another node.
+    Reset with `reset()`."""
 
     def __init__(self) -> None:
         self.sent: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
         self.messages: dict[str, int] = defaultdict(int)
+        self.inter_node: dict[str, int] = defaultdict(int)
         self.operation = "p2p"
 
-    def record(self, name: str, sent: int, received: int) -> None:
+    def record(self, name: str, sent: int, received: int, inter_node: int = 0) -> None:
         self.sent[name] += sent
         self.received[name] += received
         if sent:
             self.messages[name] += 1
+        if inter_node:
+            self.inter_node[name] += inter_node
 
     def total_sent(self) -> int:
         return sum(self.sent.values())
+
+    def inter_node_sent(self, name: str | None = None) -> int:
+        """Bytes sent to ranks on other nodes: all operations, or the one named."""
+        return sum(self.inter_node.values()) if name is None else self.inter_node.get(name, 0)
+
+    def intra_node_sent(self, name: str | None = None) -> int:
+        """Bytes sent to ranks on this rank's node."""
+        sent = self.total_sent() if name is None else self.sent.get(name, 0)
+        return sent - self.inter_node_sent(name)
 
     def total_received(self) -> int:
         return sum(self.received.values())
@@ -101,10 +122,11 @@ class Ledger:
         self.sent.clear()
         self.received.clear()
         self.messages.clear()
+        self.inter_node.clear()
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {name: {"sent": self.sent[name], "received": self.received[name],
-                       "messages": self.messages[name]}
+                       "messages": self.messages[name], "inter_node_sent": self.inter_node[name]}
                 for name in sorted(set(self.sent) | set(self.received))}
 
 
@@ -137,6 +159,10 @@ class Communicator:
     - `segment_bytes` (MPIPARALLEL_SEGMENT_BYTES; default 1 MiB, `DEFAULT_SEGMENT_BYTES`): the largest single
       message of the pipelined algorithms (ring, recursive halving and doubling, and the broadcast and reduce
       built on them); larger blocks travel in segments, each reduced as soon as it arrives.
+
+    Nodes: `nodes[r]` is the node of rank r (world node numbers, so a sub-communicator's agree with the
+    world's), `topology` their `NodeLayout`; `node` this rank's. `split` passes this rank's node on. With
+    MPIPARALLEL_EMULATED_INTER_NODE set (benchmarks only), messages to other nodes are delayed (`topology`).
     """
 
     _keyval: int | None = None
@@ -146,7 +172,7 @@ class Communicator:
     each collective run by `run` or `start` has finished (times from time.perf_counter())."""
 
     def __init__(self, comm: MPI.Comm, *, check_arguments: bool | None = None,
-                 segment_bytes: int | None = None) -> None:
+                 segment_bytes: int | None = None, node: int | None = None) -> None:
         if isinstance(comm, Communicator):
             comm = comm.comm
         if not isinstance(comm, MPI.Comm):
@@ -161,6 +187,13 @@ class Communicator:
         self.cost_model: Any = None  # set lazily by collectives.cost_model (same on every rank)
         self.auto_choices: dict[tuple[str, int], str] = {}  # (collective, bytes) -> algorithm, for algo="auto"
         self.call_plans: dict[tuple, Any] = {}  # how each kind of collective call runs (collectives.api)
+        self.nodes = node_labels(comm, node)
+        self.node = self.nodes[self.rank]
+        self.topology = NodeLayout.of(self.nodes)
+        # per destination rank: does a message to it leave this node (None: every rank is on this node)
+        self.remote = tuple(n != self.node for n in self.nodes) if self.topology.spans_nodes else None
+        link = emulated_inter_node_link() if self.remote is not None else None
+        self.emulated_link = link
 
     @classmethod
     def of(cls, comm: MPI.Comm | Communicator) -> Communicator:
@@ -183,8 +216,9 @@ class Communicator:
     def send(self, x: Array, dest: int, tag: int = 0) -> None:
         """Blocking send of a contiguous array's bytes."""
         staging = HostStaging()
+        self._delay(x.nbytes, dest)
         self.comm.Send(_byte_buffer(staging.outgoing(x)), dest, tag)
-        self.ledger.record(self.ledger.operation, x.nbytes, 0)
+        self.ledger.record(self.ledger.operation, x.nbytes, 0, self._inter_node(x.nbytes, dest))
 
     def recv(self, out: Array, source: int, tag: int = 0) -> Array:
         """Blocking receive into the contiguous array `out` (its size must match the message); returns it."""
@@ -201,8 +235,9 @@ class Communicator:
 
     def isend(self, x: Array, dest: int, tag: int = 0) -> MPI.Request:
         """Nonblocking send; keep `x` unchanged until the request completes."""
+        self._delay(x.nbytes, dest)
         request = self.comm.Isend(_byte_buffer(HostStaging().outgoing(x)), dest, tag)
-        self.ledger.record(self.ledger.operation, x.nbytes, 0)
+        self.ledger.record(self.ledger.operation, x.nbytes, 0, self._inter_node(x.nbytes, dest))
         return request
 
     def irecv(self, out: Array, source: int, tag: int = 0) -> MPI.Request:
@@ -219,7 +254,28 @@ class Communicator:
     def split(self, color: int, key: int = 0) -> Communicator:
         """Sub-communicator of the ranks with the same `color`, ordered by `key` (MPI_Comm_split)."""
         return Communicator(self.comm.Split(color, key), check_arguments=self.check_arguments,
-                            segment_bytes=self.segment_bytes)
+                            segment_bytes=self.segment_bytes, node=self.node)
+
+    def _emulated_step(self, send: Array | None, dest: int, recv: Array | None, source: int, tag: int) -> None:
+        """One step over the emulated slow link: the receive posted first, the send delayed if it crosses nodes,
+        then a wait that sleeps between tests instead of spinning — so that with more ranks than cores a rank
+        whose delay is over finds a free core (MPI's spinning waits would hold them all), as on a network."""
+        requests = [] if recv is None else [self.comm.Irecv([recv, MPI.BYTE], source, tag)]
+        if send is not None:
+            self._delay(send.nbytes, dest)
+            requests.append(self.comm.Isend([send, MPI.BYTE], dest, tag))
+        while not MPI.Request.Testall(requests):
+            time.sleep(EMULATED_POLL_SECONDS)
+
+    def _inter_node(self, nbytes: int, dest: int) -> int:
+        """`nbytes` if a message to `dest` leaves this node, else 0."""
+        return nbytes if self.remote is not None and self.remote[dest] else 0
+
+    def _delay(self, nbytes: int, dest: int) -> None:
+        """With an emulated slow link, wait as long as a message of `nbytes` to `dest` would take on it."""
+        if self.emulated_link is not None and self.remote[dest]:
+            latency, bandwidth = self.emulated_link
+            time.sleep(latency + nbytes / bandwidth)
 
     # -- collective engine ------------------------------------------------------------------------------
 
@@ -235,7 +291,9 @@ class Communicator:
         if staging is not None:
             send = None if send is None else staging.outgoing(send)
             recv = None if recv is None else staging.incoming(recv)
-        if send is not None and recv is not None:
+        if self.emulated_link is not None:
+            self._emulated_step(send, step.dest, recv, step.source, tag)
+        elif send is not None and recv is not None:
             self.comm.Sendrecv([send, MPI.BYTE], step.dest, tag, [recv, MPI.BYTE], step.source, tag)
         elif send is not None:
             self.comm.Send([send, MPI.BYTE], step.dest, tag)
@@ -243,8 +301,9 @@ class Communicator:
             self.comm.Recv([recv, MPI.BYTE], step.source, tag)
         if staging is not None:
             staging.finish()
-        self.ledger.record(self.ledger.operation,
-                           0 if send is None else send.nbytes, 0 if recv is None else recv.nbytes)
+        self.ledger.record(self.ledger.operation, 0 if send is None else send.nbytes,
+                           0 if recv is None else recv.nbytes, 0 if send is None else self._inter_node(send.nbytes,
+                                                                                                        step.dest))
 
     def run(self, steps: Steps, name: str) -> None:
         """Run an algorithm's steps to completion with blocking calls, recording traffic under `name`.
@@ -256,11 +315,11 @@ class Communicator:
             steps = self._observed(steps, name)
         tag = FIRST_COLLECTIVE_TAG + self._next_tag  # collective_tag(), inlined
         self._next_tag = (self._next_tag + 1) % _COLLECTIVE_TAG_SPAN
-        if HostStaging.possible:
+        if HostStaging.possible or self.emulated_link is not None:
             self._run_staged(steps, name, tag)
             return
-        comm, byte = self.comm, MPI.BYTE
-        sent = received = messages = 0
+        comm, byte, remote = self.comm, MPI.BYTE, self.remote
+        sent = received = messages = inter_node = 0
         for step in steps:
             send, recv = step.send, step.recv
             if send is None:
@@ -276,13 +335,18 @@ class Communicator:
             if send.nbytes:
                 sent += send.nbytes
                 messages += 1
+                if remote is not None and remote[step.dest]:
+                    inter_node += send.nbytes
         ledger = self.ledger  # Ledger.record, inlined: a call costs a visible share of a small collective
         ledger.sent[name] += sent
         ledger.received[name] += received
         ledger.messages[name] += messages
+        if inter_node:
+            ledger.inter_node[name] += inter_node
 
     def _run_staged(self, steps: Steps, name: str, tag: int) -> None:
-        """`run` when device arrays may appear: each step staged through host memory where MPI needs it."""
+        """`run` when device arrays may appear (each step staged through host memory where MPI needs it), or when
+        inter-node messages are delayed: one `run_step` per step."""
         ledger = self.ledger
         previous, ledger.operation = ledger.operation, name
         try:
@@ -333,10 +397,12 @@ class CollectiveHandle:
         mpi, tag, requests = self._comm.comm, self._tag, []
         if step.recv is not None:
             requests.append(mpi.Irecv(_byte_buffer(self._staging.incoming(step.recv)), step.source, tag))
+        sent = 0 if step.send is None else step.send.nbytes
         if step.send is not None:
+            self._comm._delay(sent, step.dest)
             requests.append(mpi.Isend(_byte_buffer(self._staging.outgoing(step.send)), step.dest, tag))
-        self._comm.ledger.record(self._name, 0 if step.send is None else step.send.nbytes,
-                                 0 if step.recv is None else step.recv.nbytes)
+        self._comm.ledger.record(self._name, sent, 0 if step.recv is None else step.recv.nbytes,
+                                 0 if step.send is None else self._comm._inter_node(sent, step.dest))
         self._requests = requests
 
     def _advance(self) -> None:

@@ -26,17 +26,21 @@ from .scratch import scratch
 
 
 def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int, reduce: Reducer,
-                              partial: Callable[[int, int], Array], *, segment_bytes: int) -> Steps:
+                              partial: Callable[[int, int], Array], *, segment_bytes: int,
+                              largest_block: int = 0) -> Steps:
     """The n−1 reduce-scatter steps over the blocks `bounds` of the flat array `x`.
 
     At step s rank r receives block b = (r−s−2) mod n, reduces it with its own x[b] into `partial(s, b)` and
     sends that partial result on at step s+1; after the last step block `rank` is complete. Each segment lands
     in one small reused buffer, so the reduction reads it from cache (and `partial` may alias `x`).
+    `largest_block` (elements) is needed when the first block is not the largest (bounds other than
+    `even_bounds`).
     """
     right, left = (rank + 1) % size, (rank - 1) % size
-    segments = segment_count(bounds[1] - bounds[0], x.itemsize, segment_bytes)  # the first block is the largest
+    largest = largest_block or bounds[1] - bounds[0]  # even_bounds: the first block is the largest
+    segments = segment_count(largest, x.itemsize, segment_bytes)
     send = x[bounds[left]:bounds[left + 1]]
-    landing = get_array_module(x).empty(-(-(bounds[1] - bounds[0]) // segments), x.dtype)  # at most a segment
+    landing = get_array_module(x).empty(-(-largest // segments), x.dtype)  # at most a segment
     for step in range(size - 1):
         block = (rank - step - 2) % size
         mine, target = x[bounds[block]:bounds[block + 1]], partial(step, block)
@@ -44,10 +48,11 @@ def ring_reduce_scatter_phase(x: Array, bounds: list[int], rank: int, size: int,
         send = target
 
 
-def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int, *, segment_bytes: int) -> Steps:
+def ring_all_gather_phase(out: Array, bounds: list[int], rank: int, size: int, *, segment_bytes: int,
+                          largest_block: int = 0) -> Steps:
     """The n−1 all-gather steps: `out` holds block `rank` on entry and every block on exit."""
     right, left = (rank + 1) % size, (rank - 1) % size
-    segments = segment_count(bounds[1] - bounds[0], out.itemsize, segment_bytes)
+    segments = segment_count(largest_block or bounds[1] - bounds[0], out.itemsize, segment_bytes)
     for step in range(size - 1):
         send_block, recv_block = (rank - step) % size, (rank - step - 1) % size
         send, recv = out[bounds[send_block]:bounds[send_block + 1]], out[bounds[recv_block]:bounds[recv_block + 1]]

@@ -15,6 +15,10 @@ cluster, the same node) and pipeline stages are the farthest apart (they exchang
 - `ep` and `expert_dp`: expert parallelism splits each DP group into dp/ep groups of ep consecutive DP ranks
   (`ep`: the all-to-all of tokens to experts); `expert_dp` joins the ranks that hold the same experts, whose
   expert gradients are summed.
+
+Nodes. The world communicator knows the node of every rank (`collectives.topology`); `describe` shows it and
+says which axes keep every group inside one node, and `topology_warning` flags a tensor-parallel group (and so
+its sequence-parallel exchanges) that spans nodes: the chattiest axis on the slowest links.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from collectives import Communicator
+from collectives.topology import describe_nodes
 
 from .errors import ConfigError
 
@@ -116,12 +121,35 @@ class Mesh:
         return axes | {"dp_cp": self.dp_cp} if self.shape.cp > 1 else axes
 
     def describe(self) -> str:
-        """A table of every world rank's coordinates (for --show-mesh)."""
-        s = self.shape
+        """A table of every world rank's coordinates and node (for --show-mesh), and which axes stay in nodes."""
+        s, nodes = self.shape, self.world.nodes
         lines = [f"mesh: dp {s.dp} × tp {s.tp} × pp {s.pp} × cp {s.cp} = {self.world.size} ranks"
                  f"{f', ep {s.ep}' if s.ep > 1 else ''}; rank = ((pp·{s.dp} + dp)·{s.cp} + cp)·{s.tp} + tp",
-                 "  rank    pp    dp    cp    tp    ep"]
+                 f"nodes: {describe_nodes(nodes)}",
+                 "  rank    pp    dp    cp    tp    ep  node"]
         for rank in range(self.world.size):
             c = coordinates_of(rank, s)
-            lines.append(f"  {rank:>4}  {c.pp:>4}  {c.dp:>4}  {c.cp:>4}  {c.tp:>4}  {c.dp % s.ep:>4}")
+            lines.append(f"  {rank:>4}  {c.pp:>4}  {c.dp:>4}  {c.cp:>4}  {c.tp:>4}  {c.dp % s.ep:>4}  {nodes[rank]:>4}")
+        spanning = axes_spanning_nodes(s, nodes)
+        inside = [axis for axis in ("tp", "cp", "dp", "pp") if getattr(s, axis) > 1 and axis not in spanning]
+        lines.append(f"inside a node: {', '.join(inside) or 'no axis'}; across nodes: "
+                     f"{', '.join(a for a in ('tp', 'cp', 'dp', 'pp') if a in spanning) or 'no axis'}")
         return "\n".join(lines)
+
+    def topology_warning(self) -> str | None:
+        """One line when a tensor-parallel (and sequence-parallel) group spans nodes, else None."""
+        if "tp" not in axes_spanning_nodes(self.shape, self.world.nodes):
+            return None
+        return (f"warning: tensor-parallel groups of {self.shape.tp} ranks span nodes (their all-reduces, and "
+                f"--sp's exchanges, cross the slow links every layer); use a --tp that divides the ranks per node")
+
+
+def axes_spanning_nodes(shape: MeshShape, nodes: tuple[int, ...]) -> set[str]:
+    """The axes with a group whose ranks are on more than one node (nodes[r]: the node of world rank r)."""
+    groups: dict[tuple[str, tuple[int, ...]], set[int]] = {}
+    for rank, node in enumerate(nodes):
+        c = coordinates_of(rank, shape)
+        for axis in ("tp", "cp", "dp", "pp"):
+            others = tuple(getattr(c, a) for a in ("pp", "dp", "cp", "tp") if a != axis)
+            groups.setdefault((axis, others), set()).add(node)
+    return {axis for (axis, _), members in groups.items() if len(members) > 1}

@@ -26,6 +26,13 @@ gradient buckets an engine reduces:
 
 Expert parallelism's dispatch and combine move as many rows as the router sends to other ranks, which depends
 on the data: no formula is printed for ep (its bytes are still counted).
+
+Across nodes. The same formulas, with each collective's bytes replaced by the bytes of it that leave the node
+(`collectives.topology.inter_node_bytes`: the ring's 2(n−1)/n·S if the rank's ring neighbour is on another
+node, the hierarchical all-reduce's 2(N−1)/N·S/k, …), give each axis's inter-node bytes: `AcrossNodesMesh` hands
+the formulas communicators seen that way. An axis whose ranks share a node (tp inside a node) sends 0 across.
+Pipeline boundaries count when the neighbouring stage's rank is on another node; cp's ring of K/V has no
+inter-node formula here (unless the cp group is on one node: 0).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 from collectives import Communicator
 from collectives.cost_model import CostModel, auto_algorithm, predict
+from collectives.topology import inter_node_bytes
 
 BYTES_ONLY = CostModel(alpha=0.0, beta=1.0, gamma=0.0)  # a formula's β term: the bytes it sends
 
@@ -43,7 +51,38 @@ def collective_bytes(collective: str, nbytes: float, comm: Communicator) -> floa
     """Bytes one rank sends in `collective` of `nbytes` (all_gather: the gathered size) over `comm`."""
     if comm.size == 1 or nbytes == 0:
         return 0.0
-    return predict(BYTES_ONLY, collective, auto_algorithm(comm, collective, int(nbytes)), nbytes, comm.size)
+    if isinstance(comm, AcrossNodes):
+        return comm.collective_bytes(collective, nbytes)
+    return predict(BYTES_ONLY, collective, auto_algorithm(comm, collective, int(nbytes)), nbytes, comm.size,
+                   comm.topology.count)
+
+
+class AcrossNodes:
+    """A communicator seen through its node boundary: `collective_bytes` on it gives the bytes that leave the
+    node (NaN where no inter-node formula is written for the algorithm "auto" runs)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm, self.size, self.rank, self.remote = comm, comm.size, comm.rank, comm.remote
+
+    def collective_bytes(self, collective: str, nbytes: float) -> float:
+        if not self.comm.topology.spans_nodes:
+            return 0.0
+        algo = auto_algorithm(self.comm, collective, int(nbytes))
+        found = inter_node_bytes(collective, algo, nbytes, self.comm.nodes, self.comm.rank)
+        return float("nan") if found is None else found
+
+
+class AcrossNodesMesh:
+    """A mesh whose axis communicators are seen `AcrossNodes` (for the per-axis inter-node formulas)."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh, self.shape = mesh, mesh.shape
+        self._axes = {axis: AcrossNodes(comm) for axis, comm in mesh.communicators().items()}
+        for axis, view in self._axes.items():
+            setattr(self, axis, view)
+
+    def communicators(self) -> dict[str, AcrossNodes]:
+        return self._axes
 
 
 @dataclass
@@ -83,10 +122,12 @@ class RunShape:
         return n_head // self.tp, max(kv_heads // self.tp, 1), self.channels // n_head
 
 
-def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: bool = True) -> float:
-    """One `DataParallel` engine's bytes per step on its communicator. `hooked=False`: the model ran without the
-    engine's per-unit hooks (a pipeline), so ZeRO-2/3 reduce once per step and ZeRO-3 gathers everything once."""
-    comm = engine.comm
+def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: bool = True,
+                        comm: Any = None) -> float:
+    """One `DataParallel` engine's bytes per step on its communicator (or `comm`, the same one seen
+    `AcrossNodes`). `hooked=False`: the model ran without the engine's per-unit hooks (a pipeline), so ZeRO-2/3
+    reduce once per step and ZeRO-3 gathers everything once."""
+    comm = engine.comm if comm is None else comm
     total = 0.0
     for index, bucket in enumerate(engine.buckets):
         size = bucket.padded * itemsize
@@ -136,14 +177,21 @@ def key_value_gradient_bytes(shape: RunShape, copies: Communicator) -> float:
     return 2 * collective_bytes("all_reduce", shape.channels * kv_heads * head_dim * shape.itemsize, copies)
 
 
-def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weight_bytes: float) -> float:
+def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weight_bytes: float,
+                   crossing: Any = None) -> float:
     """Bytes per step this rank sends to other pipeline ranks: activations forward, their gradients backward
-    (a sequence slice of them under SP), and the tied embedding's gradient between the end stages."""
+    (a sequence slice of them under SP), and the tied embedding's gradient between the end stages. `crossing`
+    (a pp communicator's `remote`, or None for every rank on this node): only those sent to another node."""
     s = shape.rows * shape.positions * shape.channels * shape.itemsize / (tp if shape.sp else 1)
     ranks = schedule.stage_ranks
-    boundaries = sum((stage + 1 < len(ranks) and ranks[stage + 1] != rank) + (stage > 0 and ranks[stage - 1] != rank)
+
+    def counted(other: int) -> bool:
+        return other != rank and (crossing is None or crossing[other])
+
+    boundaries = sum((stage + 1 < len(ranks) and counted(ranks[stage + 1])) + (stage > 0 and counted(ranks[stage - 1]))
                      for stage, owner in enumerate(ranks) if owner == rank)
-    tied = tied_weight_bytes if ranks[0] != ranks[-1] and rank in (ranks[0], ranks[-1]) else 0.0
+    tied = tied_weight_bytes if counted(ranks[0] if rank == ranks[-1] else ranks[-1]) and ranks[0] != ranks[-1] \
+        and rank in (ranks[0], ranks[-1]) else 0.0
     return shape.microbatches * boundaries * s + tied
 
 
@@ -170,21 +218,29 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
     return shape.microbatches * shape.blocks * (forwards * forward + backward)
 
 
-def report(counted: dict[str, int], predicted: dict[str, float | None]) -> list[AxisTraffic]:
+def context_parallel_inter_node_bytes(shape: RunShape, cp_comm: Any) -> float | None:
+    """CP's bytes across nodes: 0 when the CP group lives on one node, else no formula here (None)."""
+    return 0.0 if cp_comm.size == 1 or cp_comm.remote is None else None
+
+
+def report(counted: dict[str, int], predicted: dict[str, float | None],
+           keep: set[str] = frozenset()) -> list[AxisTraffic]:
     """Axis by axis, the ledger's bytes beside the formula's (axes that sent nothing and have no formula left
-    out)."""
+    out, unless in `keep`)."""
     return [AxisTraffic(axis, predicted.get(axis), bytes_sent) for axis, bytes_sent in counted.items()
-            if bytes_sent or predicted.get(axis)]
+            if bytes_sent or predicted.get(axis) or axis in keep]
 
 
-def format_line(rank: int, rows: list[AxisTraffic]) -> str:
-    """'rank 0: dp 3.83 MB (formula 3.83 MB, 1.000) | tp …'."""
+def format_line(rank: int, rows: list[AxisTraffic], where: str = "") -> str:
+    """'rank 0: dp 3.83 MB (formula 3.83 MB, 1.000) | tp …' (`where`: 'rank 0 across nodes: …')."""
     parts = []
     for row in rows:
-        if row.predicted is None:
+        if row.predicted is not None and row.predicted != row.predicted:  # NaN: no formula across nodes
+            parts.append(f"{row.axis} {row.counted / 1e6:.3f} MB (no inter-node formula for this algorithm)")
+        elif row.predicted is None:
             parts.append(f"{row.axis} {row.counted / 1e6:.3f} MB (no formula: depends on routing)")
         else:
-            ratio = row.counted / row.predicted if row.predicted else float("inf")
+            ratio = row.counted / row.predicted if row.predicted else (1.0 if row.counted == 0 else float("inf"))
             parts.append(f"{row.axis} {row.counted / 1e6:.3f} MB (formula {row.predicted / 1e6:.3f} MB, "
                          f"ratio {ratio:.4f})")
-    return f"rank {rank}: " + (" | ".join(parts) if parts else "nothing sent")
+    return f"rank {rank}{' ' + where if where else ''}: " + (" | ".join(parts) if parts else "nothing sent")

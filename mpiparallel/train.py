@@ -186,6 +186,8 @@ def run(settings: TrainSettings) -> int:
     is_root = mesh.world.rank == 0
     if settings.output.show_mesh and is_root:
         print(mesh.describe(), flush=True)
+    if mesh.topology_warning() and is_root:
+        print(mesh.topology_warning(), flush=True)
     _check_batch(settings, mesh)
     config = _model_config(settings)
     schedule = _build_schedule(settings, mesh, config)
@@ -219,6 +221,10 @@ def run(settings: TrainSettings) -> int:
                      "(mpiparallel/traffic.py):")
         line = traffic.format_line(mesh.world.rank, trainer.traffic_by_axis(record["comm_bytes"]))
         reporter.say_from_every_rank(line, mesh.world)
+        if "inter_node_bytes" in record:
+            reporter.say("of them, the bytes sent to another node, beside the formula's:")
+            rows = trainer.traffic_by_axis(record["inter_node_bytes"], across_nodes=True)
+            reporter.say_from_every_rank(traffic.format_line(mesh.world.rank, rows, "across nodes"), mesh.world)
     if trainer.tracer is not None:
         trainer.tracer.write(settings.output.trace)
         reporter.say(f"wrote the trace to {settings.output.trace}")
@@ -254,6 +260,7 @@ class Trainer:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
         settings, engine = self.settings, self.engine
         start, sent_before = time.perf_counter(), self._bytes_sent()
+        inter_node_before = self._inter_node_bytes_sent()
         inputs, targets = data.batch_for_step(tokens, step, settings.data.batch_size, settings.data.seq_len)
         pieces = data.microbatches(*self._rows_here(inputs, targets), self.microbatches)
         engine.zero_grad()
@@ -281,6 +288,9 @@ class Trainer:
         if self.model.config.n_experts:
             record |= self._balance_experts()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
+        if self.mesh.world.topology.spans_nodes:  # the bytes of `sent` that left this rank's node
+            record["inter_node_bytes"] = {axis: after - inter_node_before[axis]
+                                          for axis, after in self._inter_node_bytes_sent().items()}
         if self.tracer is not None:
             self.tracer.step(step, start, time.perf_counter())
         return record | {"time_s": time.perf_counter() - start, "grad_norm": grad_norm, "comm_bytes": sent}
@@ -482,9 +492,11 @@ class Trainer:
             settings.model.recompute, self.model.query_block, config.kv_heads,
             config.ffn_width if config.is_llama else None)
 
-    def traffic_by_axis(self, counted: dict[str, int]) -> list[traffic.AxisTraffic]:
-        """The step's bytes sent per axis (`counted`, from its log record) beside what the formulas predict."""
-        settings, mesh, config = self.settings, self.mesh, self.model.config
+    def traffic_by_axis(self, counted: dict[str, int], across_nodes: bool = False) -> list[traffic.AxisTraffic]:
+        """The step's bytes sent per axis (`counted`, from its log record) beside what the formulas predict;
+        `across_nodes`: only the bytes that left the node (`counted` from the record's inter_node_bytes)."""
+        settings, config = self.settings, self.model.config
+        mesh = traffic.AcrossNodesMesh(self.mesh) if across_nodes else self.mesh
         local = set(self.model.local_units)
         shape = traffic.RunShape(
             rows=settings.data.batch_size // (mesh.shape.dp * self.microbatches),
@@ -496,24 +508,30 @@ class Trainer:
             n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp)
         partial = sum(piece.grad.nbytes for piece in self.engine.optimizer_parameters()
                       if isinstance(piece.placement.get("tp"), Partial))
-        axis_of = {id(comm): axis for axis, comm in mesh.communicators().items()}
+        key_value_group = getattr(self.model, "key_value_group", None)  # KV heads held by several TP ranks
+        axis_of = {id(comm): axis for axis, comm in self.mesh.communicators().items()}
         engines = getattr(self.engine, "engines", [self.engine])
         predicted: dict[str, float | None] = {
-            "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial, getattr(self.model, "key_value_group", None)),
-            "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp), "ep": None}
+            "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial, None if across_nodes else key_value_group),
+            "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp) if not across_nodes
+            else traffic.context_parallel_inter_node_bytes(shape, mesh.cp), "ep": None}
         for engine in engines:
             axis = axis_of.get(id(engine.comm))
             if axis is not None:
                 predicted[axis] = predicted.get(axis) or 0.0
                 predicted[axis] += traffic.data_parallel_bytes(engine, self.microbatches, shape.itemsize,
-                                                               hooked=self.pipeline is None)
+                                                               hooked=self.pipeline is None,
+                                                               comm=mesh.communicators()[axis])
         if self.pipeline is not None:
             wte = self.model.params.get(TIED_WEIGHT) if config.tied else None  # ZeRO-3 may have freed its data
             tied = 0 if wte is None else shape.itemsize * math.prod(
                 local_shape(wte.full_shape, wte.placement, {"tp": mesh.shape.tp}))
-            predicted["pp"] = traffic.pipeline_bytes(shape, self.pipeline.schedule, mesh.pp.rank, mesh.shape.tp, tied)
+            predicted["pp"] = traffic.pipeline_bytes(shape, self.pipeline.schedule, mesh.pp.rank, mesh.shape.tp, tied,
+                                                     crossing=mesh.pp.remote if across_nodes else None)
         if mesh.shape.ep > 1 or config.n_experts:
             predicted["ep"] = None  # the router decides how many rows leave this rank
+        if across_nodes:  # an axis kept inside nodes shows its 0
+            return traffic.report(counted, predicted, keep={a for a, c in mesh.communicators().items() if c.size > 1})
         return traffic.report(counted, predicted)
 
     def _bytes_sent(self) -> dict[str, int]:
@@ -522,6 +540,9 @@ class Trainer:
         if copies is not None:
             sent["tp"] += copies.ledger.total_sent()
         return sent
+
+    def _inter_node_bytes_sent(self) -> dict[str, int]:
+        return {axis: comm.ledger.inter_node_sent() for axis, comm in self.mesh.communicators().items()}
 
 
 class RouterTally:

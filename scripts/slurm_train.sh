@@ -10,6 +10,16 @@
 #
 # Layout: ranks are laid out innermost tp, cp, dp, pp (rank = ((pp·dp + dp_i)·cp + cp_i)·tp + tp_i), and srun
 # numbers ranks node by node, so keep tp × cp ≤ GPUs per node: the chattiest axes then stay on NVLink.
+#
+# What to look for in mpiparallel-<job>.out (README "On a cluster"):
+#   - the --show-mesh table: a node column (MPI's shared-memory nodes) and "inside a node: tp; across nodes: dp"
+#     (no "warning: tensor-parallel groups ... span nodes" line);
+#   - at the end, each rank's bytes per axis beside the formula, then "rank r across nodes: tp 0.000 MB ... |
+#     dp X MB (formula X MB, ratio 1.0000)": tp sends nothing across nodes, dp's gradient all-reduce does.
+#     With --tp 2 on 4-GPU nodes each dp group has k = 2 ranks per node, and where algo="auto" picks the
+#     hierarchical all-reduce, dp's bytes across nodes fall to 2(N−1)/N·S/k per rank (N nodes).
+# Calibrate once per allocation size so that "auto" knows both tiers (α, β inside and across nodes):
+#   srun mpiparallel bench --calibrate
 #SBATCH --job-name=mpiparallel
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
@@ -30,7 +40,7 @@ CHECKPOINTS=${CHECKPOINTS:-$PWD/checkpoints-$SLURM_JOB_NAME}
 
 # each rank takes GPU (local rank mod GPU count), so one rank per GPU needs --ntasks-per-node = GPUs per node;
 # --resume makes a requeued job continue from the newest complete checkpoint
-srun --cpu-bind=cores mpiparallel train --device gpu \
+srun --cpu-bind=cores mpiparallel train --device gpu --show-mesh \
     --tp "$GPUS_PER_NODE" --sp --zero 1 \
     --n-layer 12 --n-embd 768 --n-head 12 --seq-len 1024 --batch-size 64 --microbatches 4 \
     --dtype float32 --steps 5000 --lr 6e-4 --warmup-steps 200 --lr-schedule cosine --grad-clip 1 \

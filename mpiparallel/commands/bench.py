@@ -52,6 +52,7 @@ from collectives.backend import to_host
 from collectives.blocks import finish_average
 from collectives.cost_model import calibrate, choose, model_for, save_calibration
 from collectives.native import MPI_OPS
+from collectives.topology import EMULATED_INTER_NODE_VARIABLE, describe_nodes
 
 from ..errors import ConfigError
 from .devices import array_module, use_gpu
@@ -442,7 +443,7 @@ def algorithm_used(collective: Collective, comm: Communicator, settings: BenchSe
         return "local"  # nothing to communicate: every algorithm is a local copy
     if settings.algo != "auto":
         return settings.algo
-    return choose(model_for(comm), collective.api_name, nbytes, comm.size)
+    return choose(model_for(comm), collective.api_name, nbytes, comm.size, comm.topology.count)
 
 
 def size_sweep(settings: BenchSettings) -> list[int]:
@@ -547,6 +548,14 @@ def preamble(collective: Collective, comm: Communicator, settings: BenchSettings
         model = model_for(comm)
         lines.append(f"# algo=auto picks by the cost model (column algo): alpha {model.alpha * 1e6:.2f} us, "
                      f"beta {1 / model.beta / 1e9:.2f} GB/s, gamma {1 / model.gamma / 1e9:.2f} GB/s")
+        if comm.topology.spans_nodes:
+            across = model.across()
+            lines.append(f"# across nodes: alpha {across.alpha * 1e6:.2f} us, beta {1 / across.beta / 1e9:.2f} GB/s")
+    lines.append(f"# nodes: {describe_nodes(comm.nodes)}")
+    if comm.emulated_link is not None:
+        latency, bandwidth = comm.emulated_link
+        lines.append(f"# emulated inter-node link ({EMULATED_INTER_NODE_VARIABLE}): each message to another node "
+                     f"waits {latency * 1e6:.0f} us + bytes / {bandwidth / 1e9:.2f} GB/s")
     if not collective.aliases_in_place:
         lines.append(f"# in-place: {collective.name} cannot alias input and output in this API; the in-place "
                      "columns repeat the out-of-place call (out= a preallocated buffer)")
@@ -648,6 +657,11 @@ def run_calibration(comm: Communicator) -> None:
     _say(comm, f"# calibrated for {comm.size} ranks: alpha {model.alpha * 1e6:.2f} us, "
                f"beta {model.beta * 1e9:.4f} ns/B ({1 / model.beta / 1e9:.2f} GB/s), "
                f"gamma {model.gamma * 1e9:.4f} ns/B ({1 / model.gamma / 1e9:.2f} GB/s); saved to {path}")
+    if model.alpha_inter is not None or model.beta_inter is not None:
+        across = model.across()
+        how = "measured" if comm.topology.spans_nodes else "from the planner's machine file"
+        _say(comm, f"# across nodes ({how}): alpha {across.alpha * 1e6:.2f} us, "
+                   f"beta {across.beta * 1e9:.4f} ns/B ({1 / across.beta / 1e9:.2f} GB/s)")
 
 
 def prepare_device(comm: Communicator, settings: BenchSettings) -> nccl.NcclComm | None:

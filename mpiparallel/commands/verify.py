@@ -36,6 +36,7 @@ from mpi4py import MPI
 import collectives
 from collectives import Communicator, backend, nccl
 from collectives.backend import to_host
+from collectives.topology import describe_nodes
 
 from ..errors import ConfigError
 from .devices import array_module, use_gpu
@@ -347,6 +348,7 @@ def check_all(comm: Communicator, reference: Reference, settings: VerifySettings
     _say(comm, f"# mpiparallel verify --against {reference.name}: {comm.size} ranks, {mpi_library()}, "
                f"seed {settings.seed}")
     _say(comm, device_line(device))
+    _say(comm, f"# nodes: {describe_nodes(comm.nodes)}")
     if reference.describe():
         _say(comm, reference.describe())
     _say(comm, f"# counts: {' '.join(map(str, counts))}")

@@ -111,7 +111,8 @@ def calibrate_machine(path: Path, n_embd: int, rows: int = 2048, shape: dict[str
                 "matmul_flops": matmul_rate(n_embd, rows, barrier),
                 "elementwise_bytes": elementwise_rate(4 * rows * n_embd, barrier),
                 "ranks": comm.size, "cores": len(os.sched_getaffinity(0)),
-                "matmul_shape": [rows, n_embd, 4 * n_embd], "dtype": "float32"}
+                "matmul_shape": [rows, n_embd, 4 * n_embd], "dtype": "float32",
+                "alpha_inter": link.alpha_inter, "beta_inter": link.beta_inter}  # None on one node
     shape = shape or {"n_layer": 4, "n_embd": n_embd, "n_head": 4, "seq_len": 128, "vocab_size": 256}
     measured["efficiency_shape"] = {**shape, "rows": step_rows}
     measured["compute_efficiency"] = compute_efficiency(shape, step_rows, measured["matmul_flops"],

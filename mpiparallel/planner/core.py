@@ -54,8 +54,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from collectives.cost_model import FORMULAS as COLLECTIVE_FORMULAS
-from collectives.cost_model import CostModel, choose
+from collectives.cost_model import CostModel, choose, predict
 from models.context_parallel import VARIANTS as CP_ATTENTIONS
 from models.gpt import GPTConfig
 from models.layers import QUERY_BLOCK, block_activation_elements, query_blocks
@@ -526,21 +525,39 @@ def axis_size(layout: Layout, axis: str) -> int:
 
 
 def axis_link(layout: Layout, axis: str, cluster: Cluster) -> CostModel:
-    """NVLink-like inside a node, the network once the group spans nodes."""
-    span = axis_stride(layout, axis) * axis_size(layout, axis)
-    return cluster.intra if span <= cluster.gpus_per_node else cluster.inter
+    """NVLink-like inside a node; once the group spans nodes, the two-tier model (inside and across) that the
+    collectives' cost model prices flat and hierarchical algorithms with."""
+    return group_link(axis_stride(layout, axis), axis_size(layout, axis), cluster)
 
 
-def collective_seconds(name: str, nbytes: float, ranks: int, link: CostModel) -> float:
-    """The cheapest algorithm's predicted time, as algo="auto" would choose it; a ring pass of K/V is ranks − 1
-    point-to-point messages of nbytes/(ranks − 1)."""
+def group_link(stride: int, ranks: int, cluster: Cluster) -> CostModel:
+    if stride * ranks <= cluster.gpus_per_node:
+        return cluster.intra
+    return replace(cluster.intra, alpha_inter=cluster.inter.alpha, beta_inter=cluster.inter.beta)
+
+
+def group_nodes(stride: int, ranks: int, cluster: Cluster) -> int:
+    """Nodes a group of `ranks` ranks `stride` apart spans (nodes of gpus_per_node consecutive ranks)."""
+    per_node = max(1, min(ranks, cluster.gpus_per_node // stride))
+    return math.ceil(ranks / per_node)
+
+
+def axis_nodes(layout: Layout, axis: str, cluster: Cluster) -> int:
+    return group_nodes(axis_stride(layout, axis), axis_size(layout, axis), cluster)
+
+
+def collective_seconds(name: str, nbytes: float, ranks: int, link: CostModel, nodes: int = 1) -> float:
+    """The cheapest algorithm's predicted time, as algo="auto" would choose it (`collectives.cost_model`, with
+    hierarchical algorithms where the group spans `nodes` > 1); a ring pass of K/V is ranks − 1 point-to-point
+    messages of nbytes/(ranks − 1)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     if name in ("ring_pass", "send"):
         steps = ranks - 1 if name == "ring_pass" else 1
-        return steps * (link.alpha + nbytes / steps * link.beta)
-    algo = choose(link, name, int(nbytes), ranks)
-    return COLLECTIVE_FORMULAS[name][algo](link, float(nbytes), ranks)
+        crossing = link.across() if nodes > 1 else link
+        return steps * (crossing.alpha + nbytes / steps * crossing.beta)
+    algo = choose(link, name, int(nbytes), ranks, nodes)
+    return predict(link, name, algo, int(nbytes), ranks, nodes)
 
 
 def collective_bytes_sent(name: str, nbytes: float, ranks: int) -> float:
@@ -758,7 +775,8 @@ def _blocking(setting: _Setting, cost: UnitCost) -> tuple[dict[str, float], dict
     seconds, bytes_sent = dict.fromkeys(AXES, 0.0), dict.fromkeys(AXES, 0.0)
     for name, nbytes, axis, group in cost.collectives_forward + cost.collectives_backward:
         ranks = group or axis_size(layout, axis)
-        seconds[axis] += collective_seconds(name, nbytes, ranks, axis_link(layout, axis, setting.cluster))
+        seconds[axis] += collective_seconds(name, nbytes, ranks, axis_link(layout, axis, setting.cluster),
+                                            axis_nodes(layout, axis, setting.cluster))
         bytes_sent[axis] += collective_bytes_sent(name, nbytes, ranks)
     return seconds, bytes_sent
 
@@ -787,7 +805,8 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
         pipeline, bubble = m * chunk_seconds[0], 0.0
     else:
         message = _stage_message_bytes(setting)
-        boundary = collective_seconds("send", message, 2, axis_link(layout, "pp", setting.cluster))
+        boundary = collective_seconds("send", message, 2, axis_link(layout, "pp", setting.cluster),
+                                      axis_nodes(layout, "pp", setting.cluster))
         sends = 2 * m * layout.chunks
         comm_s["pp"], comm_bytes["pp"] = sends * boundary, sends * message
         tied_bytes = _tied_gradient_bytes(setting, busiest, tied)
@@ -834,7 +853,7 @@ def _data_parallel(setting: _Setting, count: float) -> tuple[float, float, float
     ranks = layout.dp * layout.cp
     if ranks == 1 or precision.gradients == 0:
         return 0.0, 0.0, 0.0
-    link = setting.cluster.intra if layout.tp * ranks <= setting.cluster.gpus_per_node else setting.cluster.inter
+    link, nodes = group_link(layout.tp, ranks, setting.cluster), group_nodes(layout.tp, ranks, setting.cluster)
     grad_bytes = count * precision.gradients
     buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
     bucket = grad_bytes / buckets
@@ -842,7 +861,7 @@ def _data_parallel(setting: _Setting, count: float) -> tuple[float, float, float
     calls = [("all_reduce", 1)] if layout.zero == 0 else [("reduce_scatter", 1), ("all_gather", gathers)]
     seconds = sent = last_bucket = 0.0
     for name, per_bucket in calls:  # every bucket the same size: one prediction each
-        one = collective_seconds(name, bucket, ranks, link)
+        one = collective_seconds(name, bucket, ranks, link, nodes)
         seconds += buckets * per_bucket * one
         sent += buckets * per_bucket * collective_bytes_sent(name, bucket, ranks)
         last_bucket = one if last_bucket == 0 else last_bucket
@@ -978,6 +997,7 @@ def load_machine(path: Path, ranks_per_node: int, gpu_memory: float) -> Cluster:
     share = cores / ranks_per_node
     efficiency = measured.get("compute_efficiency", 1.0)  # the share of the raw rates a real step reaches
     link = CostModel(measured["alpha"], measured["beta"], measured["gamma"])
+    across = CostModel(measured.get("alpha_inter") or link.alpha, measured.get("beta_inter") or link.beta, link.gamma)
     return Cluster(gpus=ranks_per_node, gpu_memory=gpu_memory, gpus_per_node=ranks_per_node, intra=link,
-                   inter=link, matmul_flops=measured["matmul_flops"] * share * efficiency,
+                   inter=across, matmul_flops=measured["matmul_flops"] * share * efficiency,
                    elementwise_bytes=measured["elementwise_bytes"] * min(1.0, share) * efficiency)
