@@ -102,9 +102,10 @@ def test_memory_of_every_tp_rank_equals_its_shards_and_saved_arrays(recompute):
 
 
 def fake_communicator(size: int) -> SimpleNamespace:
-    """What `mpiparallel.traffic` reads of a communicator: its size and the algorithm auto picks (the
-    bandwidth-optimal one under a cost model of bytes only, as the planner counts)."""
-    return SimpleNamespace(size=size, auto_choices={}, cost_model=CostModel(alpha=0.0, beta=1.0, gamma=0.0))
+    """What `mpiparallel.traffic` reads of a communicator: its size, its nodes (one) and the algorithm auto picks
+    (the bandwidth-optimal one under a cost model of bytes only, as the planner counts)."""
+    return SimpleNamespace(size=size, auto_choices={}, cost_model=CostModel(alpha=0.0, beta=1.0, gamma=0.0),
+                           topology=SimpleNamespace(count=1, spans_nodes=False))
 
 
 @pytest.mark.parametrize("cp_attention", ["ring", "all-gather", "ulysses"])
