@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import collectives as C
 from workers import collective_checks
+from workers.errors import relative_error, worst
 
 
 def collectives_on_device(cuda_aware: bool, sizes: list[int]) -> dict:
@@ -96,4 +97,4 @@ def _train(train, settings) -> tuple[list[float], dict] | None:
 
 
 def _max_relative_difference(a: dict, b: dict) -> float:
-    return max(float(np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(a[k])), 1e-300)) for k in a)
+    return worst(relative_error(b[k], a[k]) for k in a)
