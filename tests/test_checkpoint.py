@@ -43,11 +43,27 @@ def tiny_model(dtype=np.float32, seed: int = 3) -> GPT:
     return GPT(CONFIG, seed=seed, dtype=dtype)
 
 
-def saved_model(tmp_path, dtype=np.float32):
+def saved_model(tmp_path, dtype=np.float32, randomized: bool = False):
     directory = tmp_path / "model"
-    model = tiny_model(dtype)
+    model = randomized_everywhere(tiny_model(dtype)) if randomized else tiny_model(dtype)
     save_pretrained(directory, CONFIG, model.state_dict())
     return directory, model
+
+
+def randomized_everywhere(model: GPT, seed: int = 11) -> GPT:
+    """`model` with every tensor drawn at random, each differently: a fresh model has every LayerNorm weight 1
+    and every bias 0, so a swapped or mis-mapped LayerNorm parameter or bias would compute the same logits."""
+    rng = np.random.default_rng(seed)
+    for param in model.parameters():
+        values = rng.standard_normal(param.data.shape)
+        if param.name.endswith(".bias"):
+            values *= 0.3
+        elif param.data.ndim == 1:  # LayerNorm weights: around 1, but each its own
+            values = 1 + 0.3 * values
+        else:
+            values *= 0.1
+        param.data[...] = values
+    return model
 
 
 def leftovers(directory) -> list[str]:
@@ -427,7 +443,7 @@ def test_transformers_loads_our_directory_and_computes_the_same_logits(tmp_path,
     if dtype != np.float32 and int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip(f"transformers {transformers.__version__} loads float32 whatever dtype the checkpoint says; "
                     f"5.0 and newer read it: {INTEROP}")
-    directory, model = saved_model(tmp_path, dtype)
+    directory, model = saved_model(tmp_path, dtype, randomized=True)
     hf_model = transformers.GPT2LMHeadModel.from_pretrained(str(directory)).eval()
     assert hf_model.dtype == getattr(torch, np.dtype(dtype).name)  # from config.json's torch_dtype
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(2, CONFIG.n_positions))
