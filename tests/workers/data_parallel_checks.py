@@ -84,18 +84,20 @@ def check_equals_serial(zero: int, microbatch_count: int, overlap: bool = True, 
     return failures
 
 
-def ledger_of_one_step(zero: int) -> dict:
-    """Bytes this rank sent per operation in one step (ring algorithms), and the bucket sizes behind them."""
+def ledger_of_one_step(zero: int, batch: int = BATCH) -> dict:
+    """Bytes this rank sent per operation in one step (ring algorithms), the bucket sizes behind them, and the
+    bytes it holds."""
     comm = C.world()
     model = GPT(CONFIG, seed=3, dtype=np.float64)
     engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, algo="ring")
     optimizer = optim.AdamW(engine.optimizer_parameters(), lr=LR)
-    inputs, targets = data.batch_for_step(_tokens(), 0, BATCH, LENGTH)
+    inputs, targets = data.batch_for_step(_tokens(), 0, batch, LENGTH)
     comm.ledger.reset()
     _parallel_step(model, engine, optimizer, inputs, targets, microbatch_count=1)
     last_unit = len(model.unit_parameters()) - 1
     return {"sent": dict(comm.ledger.sent),
             "bucket_bytes": [b.padded * 8 for b in engine.buckets],
+            "bucket_elements": [b.size for b in engine.buckets],
             "used_by": [sorted(b.used_by) for b in engine.buckets],
             "units": last_unit + 1,
             "memory": engine.memory(optimizer)}
