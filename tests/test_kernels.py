@@ -308,6 +308,8 @@ def xp(request, monkeypatch):
     monkeypatch.setattr(backend, "_cupy", backend._cupy)  # restored, with the rest, when the test ends
     monkeypatch.setattr(backend.HostStaging, "possible", backend.HostStaging.possible)
     monkeypatch.setitem(sys.modules, "cupyx", sys.modules.get("cupyx"))
+    monkeypatch.setattr(np, "asarray", np.asarray)  # install() makes them refuse device arrays, as CuPy does
+    monkeypatch.setattr(np, "array", np.array)
     yield fake_cupy.install()
     backend.cuda_aware_mpi.cache_clear()
 
