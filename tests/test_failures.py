@@ -103,7 +103,8 @@ def test_a_rank_killed_mid_training_ends_the_job_within_10_s_naming_it(tmp_path)
 def test_the_rank_killed_first_is_named_with_the_cpu_busy(tmp_path):
     """The same kill, again and again, with every core busy: mpiexec's own SIGKILL of the survivors must never be
     taken for the first death (seen once on a loaded machine, when the order of the processes' ends was used)."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
         for attempt in range(KILLS_UNDER_LOAD):
             kill_rank_1_mid_training(tmp_path / f"log-{attempt}.jsonl")

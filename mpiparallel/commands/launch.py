@@ -15,9 +15,10 @@ ended first, and replaces the banner with one line naming that rank:
 `mpiparallel: rank 1 (pid 4242) was lost: Killed (signal 9); mpiexec ended the other ranks`.
 "Ended first" is read the way hydra learns of a death: each rank also holds a connection to the parent (a Unix
 socket in that folder), which the kernel closes with the rank's other files. Hydra kills the survivors only after
-it saw the first one's files close, so their connections close strictly later. The process's own end (a pidfd)
-is no order: a dying process closes its files well before it becomes a zombie (its last thread must exit
-first), and on a loaded machine a rank that hydra killed became a zombie before the one that died first.
+it saw the first one's files close, so their connections close strictly later. The processes' own ends (pidfds)
+are no such order: a dying process closes its files before it becomes a zombie (its last thread must exit
+first), so on a loaded machine a rank that hydra killed can become a zombie first (seen once: that rank was
+named). Two ends seen in one wake-up of the watcher are both named.
 
 Errors. MPI jobs fail badly by default: one rank that raises and exits leaves the others blocked forever in
 their next collective, and a bad option prints the same traceback once per rank. `run_guarded` gives every
