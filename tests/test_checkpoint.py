@@ -41,19 +41,20 @@ CONFIG = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4
 
 
 def tiny_model(dtype=np.float32, seed: int = 3) -> GPT:
-    return GPT(CONFIG, seed=seed, dtype=dtype)
+    return randomized_everywhere(GPT(CONFIG, seed=seed, dtype=dtype), seed)
 
 
-def saved_model(tmp_path, dtype=np.float32, randomized: bool = False):
+def saved_model(tmp_path, dtype=np.float32):
     directory = tmp_path / "model"
-    model = randomized_everywhere(tiny_model(dtype)) if randomized else tiny_model(dtype)
+    model = tiny_model(dtype)
     save_pretrained(directory, CONFIG, model.state_dict())
     return directory, model
 
 
-def randomized_everywhere(model: GPT, seed: int = 11) -> GPT:
+def randomized_everywhere(model: GPT, seed: int) -> GPT:
     """`model` with every tensor drawn at random, each differently: a fresh model has every LayerNorm weight 1
-    and every bias 0, so a swapped or mis-mapped LayerNorm parameter or bias would compute the same logits."""
+    and every bias 0, so a swapped or mis-mapped LayerNorm parameter or bias would go unseen (the same logits
+    in transformers, the same tensors after a save and load)."""
     rng = np.random.default_rng(seed)
     for param in model.parameters():
         values = rng.standard_normal(param.data.shape)
@@ -444,7 +445,7 @@ def test_transformers_loads_our_directory_and_computes_the_same_logits(tmp_path,
     if dtype != np.float32 and int(transformers.__version__.split(".")[0]) < 5:
         missing(f"transformers {transformers.__version__} loads float32 whatever dtype the checkpoint says; "
                     f"5.0 and newer read it: {INTEROP}")
-    directory, model = saved_model(tmp_path, dtype, randomized=True)
+    directory, model = saved_model(tmp_path, dtype)
     hf_model = transformers.GPT2LMHeadModel.from_pretrained(str(directory)).eval()
     assert hf_model.dtype == getattr(torch, np.dtype(dtype).name)  # from config.json's torch_dtype
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(2, CONFIG.n_positions))
