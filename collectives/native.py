@@ -22,30 +22,31 @@ def _typed(x: Array, staging: HostStaging, incoming: bool) -> Array:
     return staging.incoming(x) if incoming else staging.outgoing(x)
 
 
-def _run(call, comm: MPI.Comm, send: Array, recv: Array, *args) -> None:
+def _run(call, send: Array, recv: Array, *args) -> None:
+    """`call` is the communicator's bound method (so a subclass of the communicator sees every call)."""
     staging = HostStaging()
-    call(comm, _typed(send, staging, incoming=False), _typed(recv, staging, incoming=True), *args)
+    call(_typed(send, staging, incoming=False), _typed(recv, staging, incoming=True), *args)
     staging.finish()
 
 
 def mpi_all_reduce(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
-    _run(MPI.Comm.Allreduce, comm, unaliased(x, out), out, MPI_OPS[op])
+    _run(comm.Allreduce, unaliased(x, out), out, MPI_OPS[op])
     if op == "avg":
         finish_average(out, comm.Get_size())
 
 
 def mpi_reduce_scatter(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
-    _run(MPI.Comm.Reduce_scatter_block, comm, x, out, MPI_OPS[op])
+    _run(comm.Reduce_scatter_block, x, out, MPI_OPS[op])
     if op == "avg":
         finish_average(out, comm.Get_size())
 
 
 def mpi_all_gather(x: Array, out: Array, comm: MPI.Comm) -> None:
-    _run(MPI.Comm.Allgather, comm, x, out)
+    _run(comm.Allgather, x, out)
 
 
 def mpi_all_to_all(x: Array, out: Array, comm: MPI.Comm) -> None:
-    _run(MPI.Comm.Alltoall, comm, x, out)
+    _run(comm.Alltoall, x, out)
 
 
 def mpi_all_to_allv(x: Array, send_counts: list[int], out: Array, recv_counts: list[int],
@@ -62,6 +63,6 @@ def mpi_broadcast(buf: Array, comm: MPI.Comm, root: int) -> None:
 
 
 def mpi_reduce(x: Array, out: Array, comm: MPI.Comm, root: int, op: str) -> None:
-    _run(MPI.Comm.Reduce, comm, unaliased(x, out), out, MPI_OPS[op], root)
+    _run(comm.Reduce, unaliased(x, out), out, MPI_OPS[op], root)
     if op == "avg" and comm.Get_rank() == root:
         finish_average(out, comm.Get_size())

@@ -477,7 +477,8 @@ class Trainer:
         formula = self._block_activation_formula()
         shown = f"{formula / 2**20:10.2f} MiB" if formula else "         - (none yet for --cp or --experts)"
         lines.append(f"  {'one block':<16} {self.block_activation_bytes / 2**20:10.2f} MiB saved  formula {shown} "
-                     f"(per microbatch, --recompute {self.settings.model.recompute})")
+                     f"(per microbatch, --recompute {self.settings.model.recompute}; "
+                     f"exactly {self.block_activation_bytes} bytes saved, formula {formula})")
         return "\n".join(lines)
 
     def _block_activation_formula(self) -> int:

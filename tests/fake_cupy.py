@@ -1,12 +1,16 @@
 """A CuPy test double for machines without a GPU: host memory that behaves like device memory where it matters.
 
 What it imitates, so the GPU code paths run (and can fail) on a CPU:
-- `DeviceArray`, a NumPy subclass standing in for `cupy.ndarray`. Like CuPy it refuses to mix with host arrays in
-  arithmetic (TypeError), so a forgotten host-to-device transfer shows up as an error, not as silent host math.
+- `DeviceArray`, a NumPy subclass standing in for `cupy.ndarray`. Like CuPy it refuses to mix with host arrays
+  (TypeError) in arithmetic, in `cupy.*` and NumPy functions (`np.dot(host, dev)`), at any depth of their
+  arguments (`xp.concatenate([dev, host])`), so a forgotten host-to-device transfer shows up as an error, not as
+  silent host math; and, once installed, `np.asarray(dev)` / `np.array(dev)` raise as CuPy's implicit conversion
+  does, so every device-to-host copy goes through a counted `.get()`.
 - Transfers: `.get()`, `.set()` and `asarray(host)` count the bytes moved each way (`TRAFFIC`).
 - A CUDA stream: every device operation marks work as queued; `get_current_stream().synchronize()` and the blocking
-  `.get()` drain it. `CheckedIntracomm` is an MPI communicator that fails any call which hands MPI a device buffer
-  while device work is still queued — the rule the backend promises to keep (synchronize before MPI).
+  `.get()` drain it. `CheckedIntracomm` is an MPI communicator that counts every call (point-to-point and the
+  native collectives, blocking or not, on it and on the communicators split from it) which hands MPI a device
+  buffer while device work is still queued — the rule the backend promises to keep (synchronize before MPI).
 - `ElementwiseKernel`, for kernels whose statements are plain arithmetic valid in both C and Python: it runs the
   operation text with NumPy, so code that builds fused kernels runs here too.
 - `cuda.alloc_pinned_memory` (plain host memory), `runtime.getDeviceCount()` (one GPU), `Device(i).use()`.
@@ -59,6 +63,25 @@ def _is_host_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) and not isinstance(x, DeviceArray)
 
 
+def _holds_host_array(x: Any) -> bool:
+    """A host array, at any depth of lists and tuples (CuPy checks the arrays inside sequences too)."""
+    if isinstance(x, list | tuple):
+        return any(_holds_host_array(item) for item in x)
+    return _is_host_array(x)
+
+
+def _holds_device_array(x: Any) -> bool:
+    if isinstance(x, list | tuple):
+        return any(_holds_device_array(item) for item in x)
+    return isinstance(x, DeviceArray)
+
+
+def _plain_deep(x: Any) -> Any:
+    if isinstance(x, list | tuple):
+        return type(x)(_plain_deep(item) for item in x)
+    return _plain(x)
+
+
 class DeviceArray(np.ndarray):
     """Stands in for cupy.ndarray."""
 
@@ -73,6 +96,16 @@ class DeviceArray(np.ndarray):
         if out is not None:
             return out[0] if len(out) == 1 else out
         return _on_device(result)
+
+    def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """NumPy functions on device arrays run as CuPy's do (real CuPy dispatches them to cupy.*), and refuse a host
+        array among their arguments."""
+        if _holds_host_array(args) or _holds_host_array(tuple(kwargs.values())):
+            raise TypeError(f"numpy.{func.__name__}: a host (NumPy) array mixed with a device array")
+        TRAFFIC.queued += 1
+        result = func(*_plain_deep(args), **{key: _plain_deep(value) for key, value in kwargs.items()})
+        out = kwargs.get("out")
+        return out if out is not None else _on_device(result)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if _is_host_array(value):
@@ -135,18 +168,20 @@ _STREAM = _Stream()
 def asarray(value: Any, dtype: Any = None, order: Any = None) -> DeviceArray:
     if isinstance(value, DeviceArray):
         return value if dtype is None or value.dtype == np.dtype(dtype) else value.astype(dtype)
-    host = np.asarray(value, dtype=dtype, order=order)
+    host = _NUMPY_ASARRAY(value, dtype=dtype, order=order)
     TRAFFIC.to_device += host.nbytes
     TRAFFIC.queued += 1
     return host.copy().view(DeviceArray)
 
 
 def array(value: Any, dtype: Any = None, copy: bool = True) -> DeviceArray:
-    return asarray(np.array(_plain(value), dtype=dtype, copy=copy) if isinstance(value, DeviceArray) else value, dtype)
+    if isinstance(value, DeviceArray):
+        return asarray(_NUMPY_ARRAY(_plain(value), dtype=dtype, copy=copy), dtype)
+    return asarray(value, dtype)
 
 
 def asnumpy(x: Any) -> np.ndarray:
-    return x.get() if isinstance(x, DeviceArray) else np.asarray(x)
+    return x.get() if isinstance(x, DeviceArray) else _NUMPY_ASARRAY(x)
 
 
 class ElementwiseKernel:
@@ -189,10 +224,10 @@ class ElementwiseKernel:
 
 def _wrapped(function: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
-        if any(_is_host_array(a) for a in args) and function.__name__ not in _HOST_ARGUMENTS_ALLOWED:
+        if _holds_host_array(args) and function.__name__ not in _HOST_ARGUMENTS_ALLOWED:
             raise TypeError(f"cupy.{function.__name__}: a host (NumPy) array passed where CuPy needs device arrays")
         TRAFFIC.queued += 1
-        plain_args = [[_plain(a) for a in arg] if isinstance(arg, list | tuple) else _plain(arg) for arg in args]
+        plain_args = _plain_deep(args)
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = _plain(out)
@@ -233,9 +268,27 @@ def _module() -> types.ModuleType:
 FAKE = _module()
 
 
+_NUMPY_ASARRAY, _NUMPY_ARRAY = np.asarray, np.array
+
+
+def _implicit_conversion_refused(convert: Any) -> Any:
+    def strict(value: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        if _holds_device_array(value):
+            raise TypeError(f"numpy.{convert.__name__} of a device array: implicit conversion to a NumPy array is "
+                            f"not allowed (CuPy); use .get() or cupy.asnumpy, which count the transfer")
+        return convert(value, *args, **kwargs)
+
+    strict.__name__ = convert.__name__
+    return strict
+
+
 def install() -> types.ModuleType:
-    """Make `collectives.backend` see this double as CuPy with one GPU; returns the fake module."""
+    """Make `collectives.backend` see this double as CuPy with one GPU, and NumPy refuse to convert its arrays
+    implicitly (np.asarray, np.array: callers that must undo it, as a test fixture, save them first); returns
+    the fake module."""
     from collectives import backend
+
+    np.asarray, np.array = _implicit_conversion_refused(_NUMPY_ASARRAY), _implicit_conversion_refused(_NUMPY_ARRAY)
 
     backend._cupy = FAKE
     backend._CUPY_IMPORT_ERROR = ""
@@ -251,32 +304,46 @@ def _scatter_add(target: DeviceArray, indices: Any, values: Any) -> None:
 
 
 class CheckedIntracomm(MPI.Intracomm):
-    """COMM_WORLD's twin that counts MPI calls given a device buffer while device work is still queued."""
+    """COMM_WORLD's twin that counts MPI calls given a device buffer while device work is still queued: every
+    point-to-point and collective call (blocking and nonblocking), on it and on the communicators made from it."""
 
     def _inspect(self, *buffers: Any) -> None:
-        for spec in buffers:
-            array = spec[0] if isinstance(spec, list | tuple) else spec
-            if isinstance(array, DeviceArray):
-                TRAFFIC.device_buffers_given_to_mpi += 1
-                if TRAFFIC.queued:
-                    TRAFFIC.unsynchronized_mpi_calls += 1
+        """Count the device buffers among one call's arguments, and the call if any is given with work queued."""
+        arrays = [spec[0] if isinstance(spec, list | tuple) and spec else spec for spec in buffers]
+        on_device = sum(isinstance(array, DeviceArray) for array in arrays)
+        TRAFFIC.device_buffers_given_to_mpi += on_device
+        if on_device and TRAFFIC.queued:
+            TRAFFIC.unsynchronized_mpi_calls += 1
 
-    def Send(self, buf: Any, *args: Any, **kwargs: Any) -> None:
-        self._inspect(buf)
-        super().Send(buf, *args, **kwargs)
 
-    def Recv(self, buf: Any, *args: Any, **kwargs: Any) -> None:
-        self._inspect(buf)
-        super().Recv(buf, *args, **kwargs)
+_BUFFER_CALLS = ("Send", "Ssend", "Bsend", "Rsend", "Recv", "Sendrecv", "Sendrecv_replace", "Bcast", "Gather",
+                 "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv", "Alltoall", "Alltoallv", "Alltoallw",
+                 "Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan")
+_MADE_FROM = ("Split", "Split_type", "Dup", "Create", "Create_group")
 
-    def Isend(self, buf: Any, *args: Any, **kwargs: Any) -> MPI.Request:
-        self._inspect(buf)
-        return super().Isend(buf, *args, **kwargs)
 
-    def Irecv(self, buf: Any, *args: Any, **kwargs: Any) -> MPI.Request:
-        self._inspect(buf)
-        return super().Irecv(buf, *args, **kwargs)
+def _checked_call(name: str) -> Any:
+    def call(self: CheckedIntracomm, *args: Any, **kwargs: Any) -> Any:
+        self._inspect(*args, *kwargs.values())
+        return getattr(super(CheckedIntracomm, self), name)(*args, **kwargs)
 
-    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int, recvbuf: Any, *args: Any, **kwargs: Any) -> None:
-        self._inspect(sendbuf, recvbuf)
-        super().Sendrecv(sendbuf, dest, sendtag, recvbuf, *args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+def _checked_maker(name: str) -> Any:
+    def make(self: CheckedIntracomm, *args: Any, **kwargs: Any) -> Any:
+        made = getattr(super(CheckedIntracomm, self), name)(*args, **kwargs)
+        return CheckedIntracomm(made) if isinstance(made, MPI.Intracomm) and made != MPI.COMM_NULL else made
+
+    make.__name__ = name
+    return make
+
+
+for _name in _BUFFER_CALLS:  # the blocking call and its nonblocking twin (Isend, Iallreduce, …)
+    for _variant in (_name, "I" + _name[0].lower() + _name[1:]):
+        if hasattr(MPI.Intracomm, _variant):
+            setattr(CheckedIntracomm, _variant, _checked_call(_variant))
+for _name in _MADE_FROM:
+    if hasattr(MPI.Intracomm, _name):
+        setattr(CheckedIntracomm, _name, _checked_maker(_name))

@@ -16,6 +16,7 @@ import safetensors
 import safetensors.numpy
 from mpi4py import MPI
 from mpi_harness import run_with_timeout
+from optional import missing, optional_module
 
 from collectives import Communicator
 from models.gpt import GPT, GPTConfig, parameter_shapes
@@ -40,7 +41,7 @@ CONFIG = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4
 
 
 def tiny_model(dtype=np.float32, seed: int = 3) -> GPT:
-    return GPT(CONFIG, seed=seed, dtype=dtype)
+    return randomized_everywhere(GPT(CONFIG, seed=seed, dtype=dtype), seed)
 
 
 def saved_model(tmp_path, dtype=np.float32):
@@ -48,6 +49,23 @@ def saved_model(tmp_path, dtype=np.float32):
     model = tiny_model(dtype)
     save_pretrained(directory, CONFIG, model.state_dict())
     return directory, model
+
+
+def randomized_everywhere(model: GPT, seed: int) -> GPT:
+    """`model` with every tensor drawn at random, each differently: a fresh model has every LayerNorm weight 1
+    and every bias 0, so a swapped or mis-mapped LayerNorm parameter or bias would go unseen (the same logits
+    in transformers, the same tensors after a save and load)."""
+    rng = np.random.default_rng(seed)
+    for param in model.parameters():
+        values = rng.standard_normal(param.data.shape)
+        if param.name.endswith(".bias"):
+            values *= 0.3
+        elif param.data.ndim == 1:  # LayerNorm weights: around 1, but each its own
+            values = 1 + 0.3 * values
+        else:
+            values *= 0.1
+        param.data[...] = values
+    return model
 
 
 def leftovers(directory) -> list[str]:
@@ -414,9 +432,9 @@ INTEROP = "pip install -e '.[interop]'"
 
 
 def hugging_face():
-    """torch and transformers, or a skip that says how to install them."""
-    torch = pytest.importorskip("torch", reason=f"needs torch to run transformers' GPT-2: {INTEROP}")
-    transformers = pytest.importorskip("transformers", reason=f"needs transformers' GPT-2: {INTEROP}")
+    """torch and transformers, or a skip that says how to install them (a failure under CI=true)."""
+    torch = optional_module("torch", f"needs torch to run transformers' GPT-2: {INTEROP}")
+    transformers = optional_module("transformers", f"needs transformers' GPT-2: {INTEROP}")
     torch.set_num_threads(1)  # a tiny model is no faster on more threads; they would take cores from other work
     return torch, transformers
 
@@ -425,7 +443,7 @@ def hugging_face():
 def test_transformers_loads_our_directory_and_computes_the_same_logits(tmp_path, dtype, rtol):
     torch, transformers = hugging_face()
     if dtype != np.float32 and int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip(f"transformers {transformers.__version__} loads float32 whatever dtype the checkpoint says; "
+        missing(f"transformers {transformers.__version__} loads float32 whatever dtype the checkpoint says; "
                     f"5.0 and newer read it: {INTEROP}")
     directory, model = saved_model(tmp_path, dtype)
     hf_model = transformers.GPT2LMHeadModel.from_pretrained(str(directory)).eval()

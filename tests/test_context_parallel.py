@@ -19,6 +19,7 @@ from workers.context_parallel_checks import (
     in_flight,
     projections,
 )
+from workers.errors import worst
 
 from models.context_parallel import (
     VARIANTS,
@@ -65,7 +66,7 @@ def launches() -> dict[int, list[dict]]:
 
 
 def worst_error(report: dict) -> float:
-    return max(report[name] for name in ("out", "dx", *PARAMETERS))
+    return worst(report[name] for name in ("out", "dx", *PARAMETERS))
 
 
 # -- equal to full causal attention ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from mpi_harness import run_on_ranks
+from workers.data_parallel_checks import CONFIG
 
 from models.gpt import GPT, GPTConfig
 from mpiparallel.data_parallel import build_buckets
@@ -78,17 +79,25 @@ def test_zero_3_adds_the_parameter_gathers_of_forward_and_backward():
                                   "all_gather": (ranks - 1) * gathered // ranks}
 
 
-def test_zero_shrinks_what_each_rank_holds():
-    ranks = 4
-    memory = {zero: run_on_ranks(ranks, f"{CHECKS}:ledger_of_one_step", zero=zero)[0]["memory"]
-              for zero in (0, 1, 2, 3)}
-    full = memory[0]
-    assert memory[1]["optimizer_state"] * ranks == pytest.approx(full["optimizer_state"], rel=0.05)
-    assert memory[1]["parameters"] == pytest.approx(full["parameters"], rel=0.05)
-    assert memory[2]["gradients"] * ranks == pytest.approx(full["gradients"], rel=0.05)
-    assert memory[3]["parameters"] * ranks == pytest.approx(full["parameters"], rel=0.05)
-    # ZeRO-1 keeps one full gradient buffer and writes the reduced shard into it, so its model states are the
-    # textbook P + G + 2P/n (3P at 2 ranks, 75 % of plain DP's 4P; 2.5P here at 4 ranks)
-    assert memory[1]["gradients"] == pytest.approx(full["gradients"], rel=0.05)
-    total = {zero: sum(memory[zero].values()) for zero in (0, 1)}
-    assert total[1] / total[0] == pytest.approx((1 + 1 + 2 / ranks) / 4, rel=0.05)
+def test_zero_shrinks_what_each_rank_holds_to_the_byte():
+    """Parameters, gradients and AdamW's two moments each rank holds (float64), exactly: with P parameters in
+    buckets padded to a multiple of the n ranks (B elements in all), plain DP holds 8P + 8B + 16P bytes; ZeRO-1
+    shards the moments (16B/n) but keeps the full parameter and gradient buffers (ZeRO-1 writes the reduced shard
+    into its gradient buffer: the textbook P + G + 2P/n); ZeRO-2 shards the gradients (8B/n); ZeRO-3 the
+    parameters too (8B/n)."""
+    ranks, itemsize = 3, 8  # 3 ranks: some buckets need padding
+    launches = {zero: run_on_ranks(ranks, f"{CHECKS}:ledger_of_one_step", zero=zero, batch=6)[0]
+                for zero in (0, 1, 2, 3)}
+    parameters = CONFIG.parameter_count()
+    elements = launches[0]["bucket_elements"]
+    assert sum(elements) == parameters
+    padded = sum(-(-used // ranks) * ranks for used in elements)  # each bucket rounded up to a multiple of n
+    assert 0 < padded - parameters < ranks * len(elements)
+    full, shard = itemsize * padded, itemsize * padded // ranks
+    want = {0: {"parameters": itemsize * parameters, "gradients": full, "optimizer_state": 2 * itemsize * parameters},
+            1: {"parameters": full, "gradients": full, "optimizer_state": 2 * shard},
+            2: {"parameters": full, "gradients": shard, "optimizer_state": 2 * shard},
+            3: {"parameters": shard, "gradients": shard, "optimizer_state": 2 * shard}}
+    for zero, launch in launches.items():
+        assert launch["bucket_elements"] == elements, zero  # the same buckets at every stage
+        assert launch["memory"] == want[zero], zero

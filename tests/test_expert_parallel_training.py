@@ -8,7 +8,9 @@ tokens; with SP each its slice, and their gradients are summed over tp)."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +49,7 @@ def results(tmp_path_factory) -> dict:
         directory = tmp_path_factory.mktemp(model)
         reference = serial_training(MODELS[model], directory)
         found[model, "reference"] = checkpoint.load_pretrained(directory / "model")[1]
+        found[model, "reference log"] = read_log(directory / "log.jsonl")
         for ranks, configs in launches:
             found[model, ranks] = parallel_training(ranks, MODELS[model], configs, reference)
     return found
@@ -83,20 +86,44 @@ def test_a_saved_moe_model_keeps_its_names_and_settings_and_trains_on_from_init(
     assert {"transformer.h.0.mlp.router.weight", "transformer.h.0.mlp.router.expert_bias",
             "transformer.h.0.mlp.experts.3.c_proj.bias"} <= set(tensors)
     assert tensors["transformer.h.0.mlp.experts.3.c_fc.weight"].shape == (32, 128)
-    resumed = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "--init", str(saved), "--seq-len", "16",
-                                "--batch-size", "4", "--steps", "1"], 120)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "aux" in resumed.stdout
+    from_init = ["train", "--init", str(saved), "--seq-len", "16", "--batch-size", "4", "--steps", "2",
+                 "--dtype", "float64"]
+    logs = {}
+    for name, mesh in (("serial", ["--microbatches", "2"]), ("ep2", ["-n", "2", "--ep", "2"])):
+        resumed = run_with_timeout([sys.executable, "-m", "mpiparallel", *from_init, *mesh,
+                                    "--log-json", str(tmp_path / f"{name}.jsonl")], 120)
+        assert resumed.returncode == 0, resumed.stderr
+        logs[name] = read_log(tmp_path / f"{name}.jsonl")
+        for record in logs[name]:  # the printed statistics are the logged ones
+            assert (f"aux {record['aux_loss']:.4f} | load max/mean {record['router']['max_over_mean_load']:.2f}, "
+                    f"dropped {record['router']['dropped_tokens']}") in resumed.stdout
+    assert_same_router_records(logs["ep2"], logs["serial"])  # the serial run's token sets are the EP ranks'
+
+
+def read_log(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def assert_same_router_records(got: list[dict], want: list[dict]) -> None:
+    """Step by step: the same aux loss (float64, 1e-9), expert loads and dropped tokens as `want`; the load ratio
+    is max / mean of the loads, computed here."""
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=TOLERANCE) and a["aux_loss"] > 0, (a, b)
+        assert a["router"]["tokens_per_expert"] == b["router"]["tokens_per_expert"], (a, b)
+        assert a["router"]["dropped_tokens"] == b["router"]["dropped_tokens"], (a, b)
+        loads = np.array(b["router"]["tokens_per_expert"])
+        assert a["router"]["max_over_mean_load"] == pytest.approx(loads.max() / loads.mean(), rel=1e-12), a
 
 
 def test_the_log_reports_the_aux_loss_and_where_the_tokens_went(results):
-    record = results["E4-top2-aux", 2][0]["logs"][0]
-    assert record["aux_loss"] > 0
-    router = record["router"]
+    got, want = results["E4-top2-aux", 2][0]["logs"], results["E4-top2-aux", "reference log"]
+    assert_same_router_records(got, want)  # the serial run (the oracle) routes the same token sets
     tokens = BASE["batch_size"] * BASE["seq_len"]
-    assert len(router["tokens_per_expert"]) == 4
-    assert sum(router["tokens_per_expert"]) == 2 * tokens * BASE["n_layer"]  # top-2 choices of every token, per layer
-    assert router["max_over_mean_load"] >= 1.0 and router["dropped_tokens"] >= 0
+    for record in got:
+        assert len(record["router"]["tokens_per_expert"]) == 4
+        assert sum(record["router"]["tokens_per_expert"]) == 2 * tokens * BASE["n_layer"]  # top-2 of every token
+    assert any(record["router"]["dropped_tokens"] > 0 for record in got)  # capacity factor 1 drops some
 
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "1"]

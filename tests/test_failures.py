@@ -22,9 +22,14 @@ from pathlib import Path
 import pytest
 from mpi_harness import mpiexec_path, run_with_timeout
 
+from mpiparallel.commands import launch
+
 TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4", "--threads", "1"]
 ENDS_WITHIN = 10.0
 """Seconds from the failure to the end of the whole job."""
+
+KILLS_UNDER_LOAD = int(os.environ.get("MPIPARALLEL_TEST_KILLS_UNDER_LOAD", "5"))
+"""How many times the kill is repeated with the CPU busy (more to hunt a race)."""
 
 
 def _parent_of(pid: int) -> int:
@@ -58,15 +63,16 @@ def rank_pid(job: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under process {job}")
 
 
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's PID in Linux's /proc")
-def test_a_rank_killed_mid_training_ends_the_job_within_10_s_naming_it(tmp_path):
-    log = tmp_path / "log.jsonl"
+def kill_rank_1_mid_training(log: Path) -> tuple[int, str]:
+    """Start `train` on 3 ranks, SIGKILL rank 1 once training is under way, and check that the job ends within
+    ENDS_WITHIN seconds, non-zero, with one line that names rank 1 and no other rank. Returns rank 1's PID and
+    the job's output."""
     command = ["train", "-n", "3", *TINY, "--batch-size", "6", "--steps", "100000", "--log-json", str(log)]
     job = subprocess.Popen([sys.executable, "-m", "mpiparallel", *command], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not (log.exists() and len(log.read_text().splitlines()) >= 3):  # training is under way
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()
             time.sleep(0.05)
@@ -80,10 +86,77 @@ def test_a_rank_killed_mid_training_ends_the_job_within_10_s_naming_it(tmp_path)
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
     assert job.returncode != 0 and seconds < ENDS_WITHIN
-    lost = [line for line in (out + err).splitlines() if f"rank 1 (pid {victim}) was lost: " in line]
-    assert len(lost) == 1, (victim, out + err)
+    lost = [line for line in (out + err).splitlines() if " was lost: " in line]
+    assert len(lost) == 1 and lost[0].startswith(f"mpiparallel: rank 1 (pid {victim}) was lost: "), (victim, out + err)
+    assert lost[0].count(" was lost: ") == 1, lost  # no rank that mpiexec killed afterwards
     assert "BAD TERMINATION" not in out + err and "Traceback" not in out + err
-    assert json.loads(log.read_text().splitlines()[-1])["step"] >= 2
+    return victim, out + err
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's PID in Linux's /proc")
+def test_a_rank_killed_mid_training_ends_the_job_within_10_s_naming_it(tmp_path):
+    kill_rank_1_mid_training(tmp_path / "log.jsonl")
+    assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])["step"] >= 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's PID in Linux's /proc")
+def test_the_rank_killed_first_is_named_with_the_cpu_busy(tmp_path):
+    """The same kill, again and again, with every core busy: mpiexec's own SIGKILL of the survivors must never be
+    taken for the first death (seen once on a loaded machine, when the order of the processes' ends was used)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        for attempt in range(KILLS_UNDER_LOAD):
+            kill_rank_1_mid_training(tmp_path / f"log-{attempt}.jsonl")
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+FAKE_RANK = textwrap.dedent("""
+    # registers with the watcher as a rank does; when told, closes its files' connection and lingers as a dying
+    # process does while its last thread exits
+    import os, sys, time
+    from mpiparallel.commands import launch
+
+    launch._register_pid()
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    launch._connection_to_parent[0].close()
+    time.sleep(3)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watcher needs Linux pidfds")
+def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zombie(tmp_path):
+    """Rank 1's files close (the moment hydra learns of a death and kills the others) while its process lingers;
+    rank 0 is killed after that and ends at once. Rank 1 died first, though rank 0 was the first to end."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    watcher = launch.Endings(pids, ranks=2)
+    watcher.start()
+    ranks = [subprocess.Popen([sys.executable, "-c", FAKE_RANK, str(tmp_path / f"go-{rank}")],
+                              env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": str(rank)})
+             for rank in (0, 1)]
+    try:
+        while len(launch._registered(pids)) < 2:
+            time.sleep(0.01)
+        time.sleep(0.2)  # both connected
+        (tmp_path / "go-1").touch()
+        noticed_by = time.monotonic() + 1.5  # well before rank 1's process ends
+        while not watcher.order and time.monotonic() < noticed_by:
+            time.sleep(0.01)
+        ranks[0].kill()
+        ranks[0].wait()
+        watcher.join(timeout=10)
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+    assert watcher.order == [[(1, ranks[1].pid)], [(0, ranks[0].pid)]]
+    message = launch.lost_rank_message("", launch._registered(pids), watcher.order, watcher.how)
+    assert message is not None and message.startswith(f"mpiparallel: rank 1 (pid {ranks[1].pid}) was lost: ")
 
 
 PLANTED_FAILURE = textwrap.dedent("""

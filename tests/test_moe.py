@@ -18,6 +18,7 @@ from moe_oracle import (
 )
 from mpi_harness import run_on_ranks
 from test_layers import numeric_gradient
+from workers.errors import worst
 
 from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes, units_using
 from models.moe import MixtureOfExperts, RouterStats, expert_capacity, local_experts, update_expert_bias
@@ -437,14 +438,14 @@ def test_expert_parallel_layer_equals_the_serial_layer_on_the_union_of_tokens(ra
     found = results_named(ranks, "union")
     assert len(found) == 4 * len(ranks)
     for name, result in found:
-        assert max(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
+        assert worst(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
 
 
 def test_expert_parallel_layer_with_capacity_and_aux_equals_the_serial_layer_per_token_set(ranks):
     found = results_named(ranks, "sets")
     assert any(result["dropped"] for _, result in found)  # capacity dropped rows somewhere
     for name, result in found:
-        assert max(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
+        assert worst(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
 
 
 def test_all_to_allv_sends_the_routed_rows_once_each_way(ranks):
@@ -460,7 +461,7 @@ def test_forced_imbalanced_routings_equal_serial_and_the_oracle_counts(ranks):
     found = results_named(ranks, "imbalance")
     assert len(found) == 5 * len(ranks)
     for name, result in found:
-        assert max(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
+        assert worst(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
         assert result["counts_match_oracle"], (name, result)
         assert result["ledger"]["forward"] == result["ledger"]["routed_bytes"], name
     hot = [result for name, result in found if name.endswith("one hot rank")]
@@ -470,7 +471,7 @@ def test_forced_imbalanced_routings_equal_serial_and_the_oracle_counts(ranks):
 def test_expert_parallel_model_equals_the_serial_model(ranks):
     for name, result in results_named(ranks, "model"):
         assert result["held_experts"] == result["expected_experts"], name
-        assert max(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
+        assert worst(result["errors"].values()) <= TOLERANCE, (name, result["errors"])
 
 
 def test_expert_parallel_model_runs_on_device_arrays():
@@ -478,4 +479,4 @@ def test_expert_parallel_model_runs_on_device_arrays():
     results = run_on_ranks(2, "workers.moe_checks:suite", env={"MPIPARALLEL_TEST_ARRAYS": "fake"},
                            checks={"model": {"check": "model_against_serial", "recompute": "none"}})
     for result in results:
-        assert max(result["model"]["errors"].values()) <= TOLERANCE, result["model"]["errors"]
+        assert worst(result["model"]["errors"].values()) <= TOLERANCE, result["model"]["errors"]

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from optional import optional_module
 
 from models.gpt import GPT, GPTConfig
 from models.parameter import Parameter
@@ -137,8 +138,8 @@ def test_pure_update_functions_leave_the_gradient_alone_and_reuse_scratch():
 
 
 def test_adamw_equals_torch_adamw():
-    torch = pytest.importorskip("torch", reason="torch is optional (pip install -e '.[interop]'); the reference "
-                                "test above covers the formula")
+    torch = optional_module("torch", "torch is optional (pip install -e '.[interop]'); the reference test above "
+                                     "covers the formula")
     torch.set_num_threads(1)  # tiny tensors are no faster on more threads; they would take cores from other work
     params = make_params()
     torch_params = [torch.nn.Parameter(torch.tensor(p.data.copy())) for p in params]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -143,11 +144,12 @@ def test_recomputation_trains_the_same_numbers_with_the_formulas_activation_byte
         run = mpiparallel("train", *common, "--recompute", mode, "--log-json", str(tmp_path / f"{mode}.jsonl"),
                           "--save", str(tmp_path / mode))
         assert run.returncode == 0, run.stderr
-        blocks = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("one block")]
+        blocks = [re.search(r"exactly (\d+) bytes saved, formula (\d+)\)", line)
+                  for line in run.stdout.splitlines() if line.strip().startswith("one block")]
         assert len(blocks) == max(1, int(mesh[1]) if mesh else 1)  # one line per rank
-        for words in blocks:  # "one block X MiB saved formula Y MiB (…)": measured equals the formula
-            assert words[2] == words[6] and float(words[2]) > 0, words
-        saved_per_block[mode] = float(blocks[0][2])
+        for block in blocks:  # "one block … exactly X bytes saved, formula Y)": measured equals the formula
+            assert block is not None and int(block[1]) == int(block[2]) > 0, run.stdout
+        saved_per_block[mode] = int(blocks[0][1])
     assert saved_per_block["full"] < saved_per_block["selective"] < saved_per_block["none"]
     from mpiparallel import checkpoint
 

@@ -13,6 +13,12 @@ necessarily the first to die: it may be a rank it killed itself. The self-launch
 PID (every rank writes it to a folder the parent names in MPIPARALLEL_RANK_PIDS), watches them, notes which
 ended first, and replaces the banner with one line naming that rank:
 `mpiparallel: rank 1 (pid 4242) was lost: Killed (signal 9); mpiexec ended the other ranks`.
+"Ended first" is read the way hydra learns of a death: each rank also holds a connection to the parent (a Unix
+socket in that folder), which the kernel closes with the rank's other files. Hydra kills the survivors only after
+it saw the first one's files close, so their connections close strictly later. The processes' own ends (pidfds)
+are no such order: a dying process closes its files before it becomes a zombie (its last thread must exit
+first), so on a loaded machine a rank that hydra killed can become a zombie first (seen once: that rank was
+named). Two ends seen in one wake-up of the watcher are both named.
 
 Errors. MPI jobs fail badly by default: one rank that raises and exits leaves the others blocked forever in
 their next collective, and a bad option prints the same traceback once per rank. `run_guarded` gives every
@@ -33,6 +39,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -127,12 +134,35 @@ ENDED, ABORTED, MPI_ERROR = "ended", "aborted", "mpi-error"
 its own exception, or an abort after an error of MPI itself (most likely a peer's death)."""
 
 
+WATCH_SOCKET = "watch.sock"
+"""The Unix socket in the RANK_PIDS folder that every rank connects to and keeps open until it ends."""
+
+_connection_to_parent: list[socket.socket] = []
+"""This rank's connection to the self-launching parent: held, never used again, so that it closes when the
+process's files close (at its death, whatever the cause)."""
+
+
 def _register_pid(ending: str = "") -> None:
     """Under a self-launching parent: tell it which PID this rank has (a file named by the PID, holding the rank),
     and later how the rank ended through `run_guarded` (so that it was not lost without a word)."""
     folder = os.environ.get(RANK_PIDS)
     if folder and Path(folder).is_dir():
         (Path(folder) / str(os.getpid())).write_text(f"{launcher_rank()} {ending}")
+        if not _connection_to_parent:
+            _connect_to_parent(Path(folder) / WATCH_SOCKET)
+
+
+def _connect_to_parent(path: Path) -> None:
+    """Connect to the parent's watch socket and say which PID this is (without it, the parent orders the
+    ranks' ends by their pidfds alone)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(str(path))
+        connection.sendall(f"{os.getpid()}\n".encode())
+    except OSError:
+        connection.close()
+        return
+    _connection_to_parent.append(connection)
 
 
 # -- the self-launching parent --------------------------------------------------------------------------------
@@ -167,40 +197,88 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
 
 
 class Endings(threading.Thread):
-    """Watches the ranks' processes (Linux pidfds, opened as the ranks register) and notes the order they end in:
-    `order` holds, per wake-up, the (rank, pid) pairs seen ending then; `how` how each ended, where its exit
-    status could still be read (from /proc, before its parent reaped it)."""
+    """Watches the ranks and notes the order they end in: `order` holds, per wake-up, the (rank, pid) pairs seen
+    ending then; `how` how each ended, where its exit status could still be read (from /proc, before its parent
+    reaped it). A rank has ended when its connection to the watch socket closed (its files closed: the moment
+    hydra sees it die too) or, without one, when its process ended (a Linux pidfd, opened as the ranks
+    register); a pidfd that fires later only tells how it ended."""
 
     def __init__(self, pids: Path, ranks: int) -> None:
         super().__init__(daemon=True)  # it may wait forever on a job that never started a rank
         self.pids, self.ranks = pids, ranks
         self.order: list[list[tuple[int, int]]] = []
         self.how: dict[int, str] = {}
+        self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.listener.bind(str(pids / WATCH_SOCKET))
+        except OSError:  # a path too long for a Unix socket: the pidfds alone order the ends
+            self.listener.close()
+            self.listener = None
+        else:
+            self.listener.listen(max(ranks, 1))
+            self.listener.setblocking(False)
 
     def run(self) -> None:
         if not hasattr(os, "pidfd_open"):
             return
-        poller, watched, seen = select.poll(), {}, set()
-        while watched or len(seen) < self.ranks:
-            ended = []
-            for pid, (rank, _) in _registered(self.pids).items():
-                if pid in seen:
-                    continue
-                seen.add(pid)
-                try:
-                    descriptor = os.pidfd_open(pid)
-                except ProcessLookupError:  # already gone
-                    ended.append((rank, pid))
-                    continue
-                watched[descriptor] = (rank, pid)
-                poller.register(descriptor, select.POLLIN)
-            for descriptor, _ in poller.poll(None if len(seen) == self.ranks and not ended else 50):
-                poller.unregister(descriptor)
-                ended.append(watched.pop(descriptor))
-                os.close(descriptor)
-            self.how |= {pid: how for _, pid in ended if (how := _zombie_status(pid)) is not None}
-            if ended:
-                self.order.append(sorted(ended))
+        self.poller = select.poll()
+        if self.listener is not None:
+            self.poller.register(self.listener, select.POLLIN)
+        self.pidfds: dict[int, int] = {}            # descriptor -> pid, until the process has ended
+        self.connections: dict[int, tuple[socket.socket, int | None]] = {}  # descriptor -> (socket, its pid)
+        self.seen: set[int] = set()                 # pids watched so far
+        self.ended: set[int] = set()
+        while len(self.ended) < self.ranks or self.pidfds:  # the pidfds of the ended still say how they ended
+            ended = self._watch_new_ranks()
+            for descriptor, _ in self.poller.poll(None if len(self.seen) == self.ranks and not ended else 50):
+                ended += self._wake_up(descriptor)
+            ranks = _registered(self.pids)
+            fresh = sorted({(ranks.get(pid, (-1, ""))[0], pid) for pid in ended if pid not in self.ended})
+            self.ended |= {pid for _, pid in fresh}
+            if fresh:
+                self.order.append(fresh)
+
+    def _watch_new_ranks(self) -> list[int]:
+        """Open a pidfd for every rank registered since the last look; the PIDs of those already gone."""
+        gone = []
+        for pid in _registered(self.pids):
+            if pid in self.seen:
+                continue
+            self.seen.add(pid)
+            try:
+                descriptor = os.pidfd_open(pid)
+            except ProcessLookupError:
+                gone.append(pid)
+                continue
+            self.pidfds[descriptor] = pid
+            self.poller.register(descriptor, select.POLLIN)
+        return gone
+
+    def _wake_up(self, descriptor: int) -> list[int]:
+        """Handle one ready descriptor; the PIDs it says have ended."""
+        if self.listener is not None and descriptor == self.listener.fileno():
+            connection, _ = self.listener.accept()
+            self.connections[connection.fileno()] = (connection, None)
+            self.poller.register(connection, select.POLLIN)
+            return []
+        if descriptor in self.pidfds:  # the process has ended (its connection, if any, closed before)
+            pid = self.pidfds.pop(descriptor)
+            self.poller.unregister(descriptor)
+            os.close(descriptor)
+            if (how := _zombie_status(pid)) is not None:
+                self.how[pid] = how
+            return [pid]
+        connection, pid = self.connections[descriptor]
+        data = connection.recv(64)
+        if data and pid is None:  # the rank says which PID it is
+            self.connections[descriptor] = (connection, int(data.split()[0]))
+            return []
+        if data:
+            return []
+        self.poller.unregister(connection)
+        del self.connections[descriptor]
+        connection.close()
+        return [] if pid is None else [pid]
 
 
 def _zombie_status(pid: int) -> str | None:
@@ -224,6 +302,8 @@ def _registered(pids: Path) -> dict[int, tuple[int, str]]:
     rank that has written its file."""
     found = {}
     for entry in pids.iterdir():
+        if not entry.name.isdigit():  # the watch socket
+            continue
         words = entry.read_text().split()
         if words:
             found[int(entry.name)] = (int(words[0]), " ".join(words[1:]))

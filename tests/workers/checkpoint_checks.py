@@ -16,6 +16,8 @@ from mpi4py import MPI
 
 from mpiparallel import checkpoint, train, training_checkpoint
 
+from .errors import relative_error, worst
+
 
 def _train(options: dict[str, Any], folder: Path, **outputs: Any) -> None:
     folder.mkdir(parents=True, exist_ok=True)
@@ -27,10 +29,6 @@ def _train(options: dict[str, Any], folder: Path, **outputs: Any) -> None:
 
 def _log(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
-
-
-def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-300))
 
 
 def resume_on_other_meshes(common: dict[str, Any], saved_mesh: dict[str, Any], resumed_meshes: list[dict[str, Any]],
@@ -56,8 +54,8 @@ def resume_on_other_meshes(common: dict[str, Any], saved_mesh: dict[str, Any], r
             want = straight_log[every:]
             results.append({
                 "mesh": mesh, "steps": [record["step"] for record in log],
-                "loss_error": max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(log, want, strict=True)),
-                "weight_error": max(_relative_error(tensors[name], value) for name, value in straight.items()),
+                "loss_error": worst(relative_error(a["loss"], b["loss"]) for a, b in zip(log, want, strict=True)),
+                "weight_error": worst(relative_error(tensors[name], value) for name, value in straight.items()),
                 "bitwise": [r["loss"] for r in log] == [r["loss"] for r in want]
                 and all(np.array_equal(tensors[name], value) for name, value in straight.items()),
                 "tensors": sorted(tensors) == sorted(straight)})

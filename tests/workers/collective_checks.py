@@ -142,6 +142,8 @@ def _check_reductions(comm: C.Communicator, rng: np.random.Generator, count: int
     roots = sorted({0, n - 1})
     want_reduce = {root: C.reduce(x, comm, root, op, algo="mpi") for root in roots}
     tag = f"count={count} dtype={dtype} op={op}"
+    if op == "avg":
+        _check_native_average(comm, x, blocks, want_all_reduce, want_reduce_scatter, want_reduce, tag, failures)
     for algo in _hand_written("all_reduce"):
         failures.expect_equal(C.all_reduce(x, comm, op, algo), want_all_reduce, f"all_reduce {algo} {tag}")
         in_place = x.copy()
@@ -158,6 +160,28 @@ def _check_reductions(comm: C.Communicator, rng: np.random.Generator, count: int
         _check_reductions_of_one_contribution(comm, x, blocks, op, tag, failures)
     _unchanged(x, original_x, f"reduction {tag}", failures)
     _unchanged(blocks, original_blocks, f"reduce_scatter {tag}", failures)
+
+
+def _sum_over_ranks_divided(total, size: int, dtype: np.dtype) -> np.ndarray | None:
+    """The average computed here from a sum, not by the library's `finish_average` (which the hand-written and the
+    native "avg" both end in, so comparing them with each other cannot see it wrong). exact_data makes every sum
+    a multiple of `size`, so float and integer division agree."""
+    return None if total is None else (_host(total).astype(np.float64) / size).astype(dtype)
+
+
+def _check_native_average(comm: C.Communicator, x, blocks, all_reduce, reduce_scatter, reduce: dict, tag: str,
+                          failures: Failures) -> None:
+    """algo="mpi" with op="avg" (the reference every algorithm's average is compared with) equals the native
+    sum divided by the rank count here."""
+    n, dtype = comm.size, x.dtype
+    failures.expect_equal(all_reduce, _sum_over_ranks_divided(C.all_reduce(x, comm, "sum", algo="mpi"), n, dtype),
+                          f"all_reduce mpi {tag} against sum / n")
+    failures.expect_equal(reduce_scatter,
+                          _sum_over_ranks_divided(C.reduce_scatter(blocks, comm, "sum", algo="mpi"), n, dtype),
+                          f"reduce_scatter mpi {tag} against sum / n")
+    for root, got in reduce.items():
+        failures.expect_equal(got, _sum_over_ranks_divided(C.reduce(x, comm, root, "sum", algo="mpi"), n, dtype),
+                              f"reduce mpi root={root} {tag} against sum / n")
 
 
 def _check_reductions_of_one_contribution(comm: C.Communicator, x, blocks, op: str, tag: str,

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from mpiparallel import checkpoint, train
 
 from .arrays import host, parallel_array_module
+from .errors import relative_error, worst
 
 
 class RecordingTrainer(train.Trainer):
@@ -51,10 +52,6 @@ def recording_gradients() -> Iterator[list[dict[str, np.ndarray]]]:
         yield RecordingTrainer.recorded
     finally:
         train.Trainer = original
-
-
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-300))
 
 
 def _train(options: dict[str, Any], directory: Path) -> list[dict[str, np.ndarray]]:
@@ -112,11 +109,11 @@ def _compare(directory: Path, gradients: list[dict[str, np.ndarray]], reference:
     weights = checkpoint.load_pretrained(directory / "model")[1]
     losses, serial_losses = _losses(directory), _losses(reference)
     return {"steps": len((directory / "log.jsonl").read_text().splitlines()), "losses": len(losses),
-            "loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses, strict=True)),
-            "gradient_error": max(relative_error(gradients[int(step)][name], serial_gradients[key])
-                                  for key in serial_gradients.files for step, name in [key.split("/", 1)]),
+            "loss_error": worst(relative_error(a, b) for a, b in zip(losses, serial_losses, strict=True)),
+            "gradient_error": worst(relative_error(gradients[int(step)][name], serial_gradients[key])
+                                    for key in serial_gradients.files for step, name in [key.split("/", 1)]),
             "gradients_compared": len(serial_gradients.files),
-            "weight_error": max(relative_error(weights[name], w) for name, w in serial_weights.items())}
+            "weight_error": worst(relative_error(weights[name], w) for name, w in serial_weights.items())}
 
 
 def unhooked_gradients_match_hooked(zeros: list[int], microbatch_count: int = 2) -> dict[int, float]:
@@ -154,4 +151,4 @@ def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
                     model.backward_weights(saved)
         engine.finish_gradients()
         gradients.append(engine.full_gradients())
-    return max(relative_error(gradients[1][name], grad) for name, grad in gradients[0].items())
+    return worst(relative_error(gradients[1][name], grad) for name, grad in gradients[0].items())

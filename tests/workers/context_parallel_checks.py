@@ -15,6 +15,7 @@ from models.layers import CausalSelfAttention, Linear
 from models.parameter import Parameter
 
 from .arrays import host, parallel_array_module
+from .errors import relative_error, worst
 
 SEED = 13
 PARAMETERS = ("c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias")
@@ -24,10 +25,6 @@ def suite(checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Run several checks in one launch: {name: {"check": function name, **its arguments}} -> {name: result}."""
     return {name: globals()[spec["check"]](**{k: v for k, v in spec.items() if k != "check"})
             for name, spec in checks.items()}
-
-
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def attention_problem(batch: int, length: int, n_embd: int, n_head: int) -> dict[str, np.ndarray]:
@@ -117,7 +114,7 @@ def in_flight(variant: str, batch: int, length: int, n_embd: int, n_head: int) -
         layer.backward_weights(state)
     errors = [relative_error(got, want) for got, want in zip(got_dx, want_dx, strict=True)]
     errors += [relative_error(interleaved[name], one_at_a_time[name]) for name in PARAMETERS]
-    return max(errors)
+    return worst(errors)
 
 
 def bytes_sent(variant: str, algo: str, batch: int, length: int, n_embd: int, n_head: int) -> dict[str, Any]:

@@ -11,14 +11,10 @@ from mpiparallel import data, optim
 from mpiparallel.data_parallel import DataParallel
 
 from .arrays import host, parallel_array_module
+from .errors import relative_error
 
 CONFIG = GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2)
 BATCH, LENGTH, LR, CLIP = 8, 8, 1e-2, 0.5
-
-
-def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    got, want = host(got), host(want)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def _tokens() -> np.ndarray:
@@ -75,11 +71,11 @@ def check_equals_serial(zero: int, microbatch_count: int, overlap: bool = True, 
         if abs(loss - want_loss) > 1e-9 * abs(want_loss):
             failures.append(f"{tag}: loss {loss} != {want_loss}")
         for name, want in want_grads.items():
-            if (error := _relative_error(grads[name], want)) > 1e-9:
+            if (error := relative_error(grads[name], want)) > 1e-9:
                 failures.append(f"{tag}: gradient {name} relative error {error:.2e}")
         weights = engine.full_parameters()
         for name, want in serial.state_dict().items():
-            if (error := _relative_error(weights[name], want)) > 1e-9:
+            if (error := relative_error(weights[name], want)) > 1e-9:
                 failures.append(f"{tag}: weight {name} relative error {error:.2e}")
         checksum = np.array([float(host(w).sum()) for w in weights.values()])
         every = C.all_gather(checksum[None], comm, algo="mpi")
@@ -88,18 +84,20 @@ def check_equals_serial(zero: int, microbatch_count: int, overlap: bool = True, 
     return failures
 
 
-def ledger_of_one_step(zero: int) -> dict:
-    """Bytes this rank sent per operation in one step (ring algorithms), and the bucket sizes behind them."""
+def ledger_of_one_step(zero: int, batch: int = BATCH) -> dict:
+    """Bytes this rank sent per operation in one step (ring algorithms), the bucket sizes behind them, and the
+    bytes it holds."""
     comm = C.world()
     model = GPT(CONFIG, seed=3, dtype=np.float64)
     engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, algo="ring")
     optimizer = optim.AdamW(engine.optimizer_parameters(), lr=LR)
-    inputs, targets = data.batch_for_step(_tokens(), 0, BATCH, LENGTH)
+    inputs, targets = data.batch_for_step(_tokens(), 0, batch, LENGTH)
     comm.ledger.reset()
     _parallel_step(model, engine, optimizer, inputs, targets, microbatch_count=1)
     last_unit = len(model.unit_parameters()) - 1
     return {"sent": dict(comm.ledger.sent),
             "bucket_bytes": [b.padded * 8 for b in engine.buckets],
+            "bucket_elements": [b.size for b in engine.buckets],
             "used_by": [sorted(b.used_by) for b in engine.buckets],
             "units": last_unit + 1,
             "memory": engine.memory(optimizer)}

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import collectives as C
 from workers import collective_checks
+from workers.errors import relative_error, worst
 
 
 def collectives_on_device(cuda_aware: bool, sizes: list[int]) -> dict:
@@ -31,21 +32,36 @@ def collectives_on_device(cuda_aware: bool, sizes: list[int]) -> dict:
             "detector_fires": _unsynchronized_send_is_noticed(world)}
 
 
-def _unsynchronized_send_is_noticed(world: C.Communicator) -> bool:
-    """The double's own check can fail: a device buffer sent right after a device operation is counted."""
+def _unsynchronized_send_is_noticed(world: C.Communicator) -> dict[str, bool]:
+    """The double's own check can fail: a device buffer handed to MPI right after a device operation is counted,
+    by a point-to-point call, by a native collective, and on a communicator split from the checked one."""
     fake = install()
+    split = world.comm.Split(0, world.rank)
+    return {"Send": _noticed(fake, world.comm), "Allreduce": _noticed_in_allreduce(fake, world.comm),
+            "Split Send": _noticed(fake, split)}
+
+
+def _noticed(fake, comm: MPI.Intracomm) -> bool:
     y = fake.asarray(np.ones(4)) + 1  # queued device work, no synchronize
     before = TRAFFIC.unsynchronized_mpi_calls
-    if world.size == 1:
+    if comm.Get_size() == 1:
         return True
-    if world.rank == 0:
-        world.comm.Send([y, MPI.BYTE], 1, 7)
+    if comm.Get_rank() == 0:
+        comm.Send([y, MPI.BYTE], 1, 7)
         return TRAFFIC.unsynchronized_mpi_calls == before + 1
-    if world.rank == 1:
+    if comm.Get_rank() == 1:
         out = fake.empty(4)
         fake.cuda.get_current_stream().synchronize()
-        world.comm.Recv([out, MPI.BYTE], 0, 7)
+        comm.Recv([out, MPI.BYTE], 0, 7)
     return TRAFFIC.unsynchronized_mpi_calls == before
+
+
+def _noticed_in_allreduce(fake, comm: MPI.Intracomm) -> bool:
+    y = fake.asarray(np.ones(4)) + 1
+    out = fake.empty(4)
+    before = TRAFFIC.unsynchronized_mpi_calls
+    comm.Allreduce([y, MPI.DOUBLE], [out, MPI.DOUBLE])
+    return TRAFFIC.unsynchronized_mpi_calls == before + 1
 
 
 def _staged_bytes_of_one_ring(world: C.Communicator) -> dict:
@@ -96,4 +112,4 @@ def _train(train, settings) -> tuple[list[float], dict] | None:
 
 
 def _max_relative_difference(a: dict, b: dict) -> float:
-    return max(float(np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(a[k])), 1e-300)) for k in a)
+    return worst(relative_error(b[k], a[k]) for k in a)

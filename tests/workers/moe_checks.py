@@ -17,6 +17,7 @@ from models.gpt import GPT, GPTConfig
 from models.moe import MixtureOfExperts, expert_index, local_experts
 
 from .arrays import host, parallel_array_module
+from .errors import relative_error
 
 SEED = 11
 H, TOKENS = 8, 8  # channels; tokens per rank (one token set each)
@@ -27,11 +28,6 @@ def suite(checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Run several checks in one launch: {name: {"check": function name, **its arguments}} -> {name: result}."""
     return {name: globals()[spec["check"]](**{k: v for k, v in spec.items() if k != "check"})
             for name, spec in checks.items()}
-
-
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    scale = float(np.abs(want).max()) if want.size else 0.0
-    return float(np.abs(got - want).max()) / max(scale, 1e-300) if want.size else 0.0
 
 
 # -- the layer ---------------------------------------------------------------------------------------------
@@ -187,7 +183,7 @@ def model_against_serial(recompute: str) -> dict[str, Any]:
     rows = slice(comm.rank, comm.rank + 1)
     loss, saved = model.forward(inputs[rows], targets[rows], normalizer=inputs.size)
     model.backward(saved)
-    errors = {"loss": abs(C.world().comm.allreduce(loss) - serial_loss) / abs(serial_loss)}
+    errors = {"loss": relative_error(C.world().comm.allreduce(loss), serial_loss)}
     for name, param in model.params.items():
         grad = param.grad if expert_index(name) is not None else C.all_reduce(param.grad, comm)
         errors[name] = relative_error(host(grad), serial.params[name].grad)

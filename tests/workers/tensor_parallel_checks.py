@@ -17,6 +17,7 @@ from mpiparallel.mesh import Mesh, MeshShape
 from mpiparallel.optim import AdamW
 
 from .arrays import host, parallel_array_module
+from .errors import relative_error, worst
 
 SEED = 7
 
@@ -29,12 +30,6 @@ def batch(config: GPTConfig, batch_size: int, length: int, step: int) -> tuple[n
     """The same (tokens, targets) on every rank for a given step."""
     window = np.random.default_rng([SEED, step]).integers(0, config.vocab_size, (batch_size, length + 1))
     return window[:, :-1], window[:, 1:]
-
-
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    got, want = host(got), host(want)
-    scale = float(np.abs(want).max()) if want.size else 0.0
-    return float(np.abs(got - want).max()) / max(scale, 1e-300) if want.size else 0.0
 
 
 def suite(checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -80,7 +75,7 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
             param.grad[...] = C.all_reduce(param.grad, mesh.dp)
         loss = float(C.all_reduce(np.array([local_loss]), mesh.dp)[0])
         report["losses"].append(loss)
-        report["loss_error"] = max(report["loss_error"], abs(loss - want_loss) / abs(want_loss))
+        report["loss_error"] = worst([report["loss_error"], relative_error(loss, want_loss)])
         for param, serial_param in zip(model.parameters(), serial.parameters(), strict=True):
             error = relative_error(gather_tensor(param.grad, param.placement, {"tp": mesh.tp}, param.full_shape),
                                    serial_param.grad)
@@ -91,7 +86,7 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
         optimizer.step()
         gathered = full_state_dict(model)
         for name, value in serial.state_dict().items():
-            report["weight_error"] = max(report["weight_error"], relative_error(gathered[name], value))
+            report["weight_error"] = worst([report["weight_error"], relative_error(gathered[name], value)])
     return report
 
 
@@ -200,7 +195,7 @@ def _gathered_gradients(model: TensorParallelGPT) -> dict[str, np.ndarray]:
 
 
 def _worst(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
-    return max(relative_error(got[name], value) for name, value in want.items())
+    return worst(relative_error(got[name], value) for name, value in want.items())
 
 
 def _one_at_a_time(model: TensorParallelGPT, pieces: list, normalizer: int) -> tuple[float, dict]:
@@ -233,8 +228,8 @@ def stateless(sequence_parallel: bool) -> dict[str, Any]:
             model.backward_weights(forwards[i][1])
         reduce_partial_gradients(model.parameters(), {"tp": model.comm})
         loss = sum(loss for loss, _ in forwards)
-        report[f"in_flight_{count}_{order}"] = max(abs(loss - want_loss) / want_loss,
-                                                   _worst(_gathered_gradients(model), want))
+        report[f"in_flight_{count}_{order}"] = worst([relative_error(loss, want_loss),
+                                                       _worst(_gathered_gradients(model), want)])
     want_loss, want = _one_at_a_time(model, [(tokens, targets)], tokens.size)
     for cut in (1, 2, 3):
         model.zero_grad()
@@ -242,13 +237,13 @@ def stateless(sequence_parallel: bool) -> dict[str, Any]:
         loss, second = model.forward(boundary, targets, units=range(cut, model.unit_count))
         model.backward(first, model.backward(second))
         reduce_partial_gradients(model.parameters(), {"tp": model.comm})
-        report[f"ranges_cut_at_{cut}"] = max(abs(loss - want_loss) / want_loss,
-                                             _worst(_gathered_gradients(model), want))
+        report[f"ranges_cut_at_{cut}"] = worst([relative_error(loss, want_loss),
+                                                 _worst(_gathered_gradients(model), want)])
     report["saved_bytes"], report["formula_bytes"] = {}, {}
     for mode in ("none", "selective", "full"):
         recomputing = _perturbed(config, sequence_parallel, recompute=mode, query_block=3)
         loss, got = _one_at_a_time(recomputing, [(tokens, targets)], tokens.size)
-        report[f"recompute_{mode}"] = max(abs(loss - want_loss) / want_loss, _worst(got, want))
+        report[f"recompute_{mode}"] = worst([relative_error(loss, want_loss), _worst(got, want)])
         saved = recomputing.forward(tokens, targets)[1]
         report["saved_bytes"][mode] = [saved.per_unit[u].nbytes() for u in range(1, config.n_layer + 1)]
         report["formula_bytes"][mode] = 8 * block_activation_elements(

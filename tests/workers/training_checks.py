@@ -9,14 +9,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from mpiparallel import checkpoint, train
 
-
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-300))
+from .errors import relative_error, worst
 
 
 def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], reference: str) -> list[dict]:
@@ -39,8 +36,9 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
             records = [json.loads(line) for line in (directory / "log.jsonl").read_text().splitlines()]
             results.append({"options": options, "steps": len(losses), "logs": records,
                             "pp_bytes_sent": [record["comm_bytes"]["pp"] for record in records],
-                            "loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, serial_losses, strict=True)),
-                            "weight_error": max(relative_error(weights[n], w) for n, w in serial_weights.items())})
+                            "loss_error": worst(relative_error(a, b)
+                                                 for a, b in zip(losses, serial_losses, strict=True)),
+                            "weight_error": worst(relative_error(weights[n], w) for n, w in serial_weights.items())})
     return results
 
 
