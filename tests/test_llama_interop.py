@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from optional import optional_module
 
 from models.gpt import GPT, GPTConfig
 from mpiparallel import optim
@@ -33,8 +34,9 @@ CASES = {
 
 
 def hugging_face():
-    torch = pytest.importorskip("torch", reason=f"needs torch to run transformers' Llama: {INTEROP}")
-    transformers = pytest.importorskip("transformers", reason=f"needs transformers' Llama: {INTEROP}")
+    """torch and transformers: a skip that says how to install them, a failure under CI=true (tests/optional.py)."""
+    torch = optional_module("torch", f"needs torch to run transformers' Llama: {INTEROP}")
+    transformers = optional_module("transformers", f"needs transformers' Llama: {INTEROP}")
     torch.set_num_threads(1)
     return torch, transformers
 
