@@ -20,6 +20,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -224,17 +225,34 @@ def run(settings: TrainSettings) -> int:
         trainer.tracer.write(settings.output.trace)
         reporter.say(f"wrote the trace to {settings.output.trace}")
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
+    tokenizer = _tokenizer(settings, dataset, config) if is_root else None
     if settings.output.save:
         if is_root:
             checkpoint.save_pretrained(settings.output.save, config, full, extra_config=config.moe_settings())
+            if tokenizer is not None:  # beside the model, where AutoTokenizer.from_pretrained looks for it
+                tokenizer.save(Path(settings.output.save))
         mesh.world.barrier()
         reporter.say(f"saved the model to {settings.output.save}")
-    if settings.output.sample_tokens and config.vocab_size == 256 and is_root:
-        serial = GPT(config, dtype=np.dtype(settings.model.dtype))
-        serial.load_state_dict(full)
-        reporter.say(sample_text(serial, prompt="The ", new_tokens=settings.output.sample_tokens,
-                                 seed=settings.model.seed, window=settings.data.seq_len))
+    if settings.output.sample_tokens and is_root:
+        if tokenizer is None:
+            reporter.say(f"no sample: the vocabulary has {config.vocab_size} tokens and neither the data nor the "
+                         f"model folder has a tokenizer.json to decode them")
+        else:
+            serial = GPT(config, dtype=np.dtype(settings.model.dtype))
+            serial.load_state_dict(full)
+            reporter.say(sample_text(serial, prompt="The " if tokenizer.kind == "byte" else "The",
+                                     new_tokens=settings.output.sample_tokens, seed=settings.model.seed,
+                                     window=settings.data.seq_len, tokenizer=tokenizer))
     return 0
+
+
+def _tokenizer(settings: TrainSettings, dataset: data.Dataset, config: GPTConfig) -> data.Tokenizer | None:
+    """What decodes this model's tokens: the data folder's tokenizer, else the --init folder's, else bytes when
+    the vocabulary is bytes (256, or 257 with the end-of-text token of `data prepare --tokenizer byte`)."""
+    found = data.tokenizer_of_folder(dataset.folder, dataset.info) or data.tokenizer_of_folder(settings.model.init)
+    if found is None and config.vocab_size <= data.ByteTokenizer.vocab_size:
+        return data.ByteTokenizer()
+    return found
 
 
 class Trainer:
@@ -559,13 +577,17 @@ def _sum_over(comm: Communicator, value: float) -> float:
     return float(collectives.all_reduce(np.array([value]), comm, algo="mpi")[0])
 
 
-def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8,
-                top_k: int | None = 40, window: int | None = None) -> str:
-    """Bytes sampled from a byte-level model after `prompt`, decoded as UTF-8 (bad bytes replaced); `window`:
-    the most positions the model attends over (its training sequence length)."""
-    prompt_ids = np.frombuffer(prompt.encode(), dtype=np.uint8).astype(np.int64)
+def sample_text(model: GPT, prompt: str | None, new_tokens: int, seed: int, temperature: float = 0.8,
+                top_k: int | None = 40, window: int | None = None, tokenizer: data.Tokenizer | None = None) -> str:
+    """Tokens sampled after `prompt`, encoded and decoded by `tokenizer` (default: bytes, as UTF-8 with bad bytes
+    replaced); no prompt starts a document (the end-of-text token) and shows only what follows. `window`: the
+    most positions the model attends over (its training sequence length)."""
+    tokenizer = tokenizer or data.ByteTokenizer()
+    prompt_ids = tokenizer.encode_batch([prompt])[0] if prompt else np.array([tokenizer.eot_id])
     new = model.generate(prompt_ids, new_tokens, temperature, top_k, np.random.default_rng(seed), window)
-    return prompt + bytes(new.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+    if not prompt:
+        return tokenizer.decode(new.tolist())
+    return tokenizer.decode([*prompt_ids.tolist(), *new.tolist()])
 
 
 # -- setting up ---------------------------------------------------------------------------------------------
@@ -896,15 +918,19 @@ class Reporter:
 
 def generate(init: str, prompt: str | None, prompt_ids: list[int] | None, new_tokens: int, temperature: float,
              top_k: int | None, seed: int) -> str:
-    """Load a checkpoint and continue the prompt; text for byte-level models, token ids otherwise."""
+    """Load a checkpoint and continue the prompt; text through the model folder's tokenizer.json (bytes for a
+    byte-level model), token ids when the prompt is given as ids."""
     config, tensors, _ = checkpoint.load_pretrained(init)
     model = GPT(config, dtype=next(iter(tensors.values())).dtype)
     model.load_state_dict(tensors)
     if prompt_ids is None:
-        if config.vocab_size != 256:
-            raise ConfigError(f"{init} has a vocabulary of {config.vocab_size} tokens, not bytes, and mpiparallel "
-                              f"has no tokenizer for it: give the prompt as --prompt-ids 15496,11,995")
-        return sample_text(model, prompt or "\n", new_tokens, seed, temperature, top_k)
+        tokenizer = data.tokenizer_of_folder(init)
+        if tokenizer is None and config.vocab_size > data.ByteTokenizer.vocab_size:
+            raise ConfigError(f"{init} has a vocabulary of {config.vocab_size} tokens, not bytes, and no "
+                              f"tokenizer.json: give the prompt as --prompt-ids 15496,11,995")
+        if tokenizer is None:
+            return sample_text(model, prompt or "\n", new_tokens, seed, temperature, top_k)
+        return sample_text(model, prompt, new_tokens, seed, temperature, top_k, tokenizer=tokenizer)
     bad = [t for t in prompt_ids if not 0 <= t < config.vocab_size]
     if bad:
         raise ConfigError(f"--prompt-ids {bad} are outside the vocabulary (0..{config.vocab_size - 1})")

@@ -165,3 +165,32 @@ def test_an_existing_tokenizer_names_its_end_of_text_token_or_it_is_an_error(tmp
     none.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ConfigError, match="has no end-of-text token"):
         load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_train_on_a_prepared_folder_samples_and_saves_through_its_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    inputs, _ = corpus(tmp_path)
+    out = tmp_path / "data"
+    info = preparing.prepare(inputs, out, "bpe", vocab_size=300, val_tokens=200)
+    model = tmp_path / "model"
+    log = tmp_path / "log.jsonl"
+    result = mpiparallel("train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16",
+                         "--batch-size", "2", "--steps", "4", "--data", str(out), "--eval-every", "2",
+                         "--eval-batches", "2", "--sample-tokens", "12", "--save", str(model), "--log-json", str(log))
+    assert result.returncode == 0, result.stderr
+    assert "vocab 300" in result.stdout  # the vocabulary comes from data.json
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert "val_loss" in records[1] and "val_loss" in records[3]
+    loaded = AutoTokenizer.from_pretrained(str(model))  # beside the model, as transformers looks for it
+    sample = result.stdout.strip().splitlines()[-1]
+    assert sample.startswith("The")
+    assert loaded.decode(loaded.encode("The quick")) == "The quick"
+    assert json.loads((model / "config.json").read_text())["vocab_size"] == info["vocab_size"]
+    generated = mpiparallel("generate", "--init", str(model), "--prompt", "def f", "--tokens", "5")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.startswith("def f")
+    too_small = mpiparallel("train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16",
+                            "--batch-size", "2", "--steps", "1", "--data", str(out), "--vocab-size", "256")
+    assert too_small.returncode != 0 and too_small.stderr.count("Error:") == 1
+    assert "tokenizer of vocabulary 300" in too_small.stderr and "--vocab-size 300" in too_small.stderr

@@ -30,7 +30,9 @@ from .sources import (
     load_tokens,
     split_train_validation,
 )
+from .tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, load_tokenizer, tokenizer_of_folder
 
-__all__ = ["BYTE_VOCAB_SIZE", "BatchOrder", "Dataset", "TokenBatches", "TokenData", "batch_for_step", "check_vocab",
-           "default_corpus", "full_batch_count", "in_memory", "load_tokens", "microbatches", "open_data", "row_range",
-           "rows_for_rank", "split_train_validation", "validation_in_folder"]
+__all__ = ["BYTE_VOCAB_SIZE", "BatchOrder", "ByteTokenizer", "Dataset", "HuggingFaceTokenizer", "TokenBatches",
+           "TokenData", "Tokenizer", "batch_for_step", "check_vocab", "default_corpus", "full_batch_count",
+           "in_memory", "load_tokenizer", "load_tokens", "microbatches", "open_data", "row_range", "rows_for_rank",
+           "split_train_validation", "tokenizer_of_folder", "validation_in_folder"]
