@@ -5,14 +5,16 @@ The tokens are a list of segments (one in-memory array, or one array per shard).
 per step, segment i holds K_i = ⌊(n_i − 1) / (B·T)⌋ full batches; a batch window never crosses a segment. The
 batches of all segments are numbered in order, 0 … K − 1 with K = ΣK_i. Step s is in epoch e = ⌊s / K⌋ and uses
 batch b = s mod K — or, with `shuffle`, batch π_e(b) where π_e is a permutation of 0 … K − 1 drawn from a
-generator seeded by (seed, e). Batch number k of segment i starts at token k·B·T of it and spans B·T + 1 tokens:
+generator seeded by (seed, e) (`shuffled_index`: a keyed Feistel permutation, so no epoch's permutation is ever
+held in memory). Batch number k of segment i starts at token k·B·T of it and spans B·T + 1 tokens:
 the inputs are its first B·T tokens as (B, T), the targets the same window shifted by one.
 
 So one `.npy` and one shard holding the same tokens train identically, every mesh and every resume sees the same
 tokens, and there is no state to checkpoint beyond the step number. Every rank computes the position from the step
 alone (no communication) and reads only its own rows (`TokenBatches.rows`): a rank with rows [a, b) of a batch
-reads tokens [start + a·T, start + b·T + 1). Cost: O(log S) to find the segment of S; with `shuffle`, one
-permutation of K int64 per epoch (8·K bytes, drawn when the epoch begins).
+reads tokens [start + a·T, start + b·T + 1). Cost: O(log S) to find the segment of S; with `shuffle`, a few
+integer rounds per step and O(1) memory whatever K (a drawn permutation of K int64 would be 8·K bytes: 31 MB for
+2·10⁹ tokens in batches of 512).
 """
 
 from __future__ import annotations
@@ -49,27 +51,58 @@ class BatchOrder:
                                                    f"; a batch never crosses a shard)")
             raise ConfigError(f"{description} has {sum(lengths)} tokens{where}, one batch of {batch_size}×{seq_len} "
                               f"needs {needed}")
-        self._permutation: tuple[int, np.ndarray] | None = None
+        self._keys: tuple[int, list[int]] | None = None  # the current epoch's round keys
 
     def batch_number(self, step: int) -> int:
         """The batch (in the numbering over all segments) that 0-based `step` uses."""
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         epoch, index = divmod(step, self.batch_count)
-        return int(self.permutation(epoch)[index]) if self.shuffle else index
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        """π_epoch: the batch numbers of that epoch in their shuffled order (the last one drawn is kept)."""
-        if self._permutation is None or self._permutation[0] != epoch:
-            generator = np.random.default_rng([self.seed, epoch])
-            self._permutation = (epoch, generator.permutation(self.batch_count))
-        return self._permutation[1]
+        if not self.shuffle:
+            return index
+        if self._keys is None or self._keys[0] != epoch:
+            self._keys = (epoch, feistel_keys(self.seed, epoch))
+        return shuffled_index(index, self.batch_count, self._keys[1])
 
     def locate(self, step: int) -> tuple[int, int]:
         """(segment, index of the batch window's first token in it) for `step`."""
         number = self.batch_number(step)
         segment = int(np.searchsorted(self.first_batch, number, side="right")) - 1
         return segment, (number - int(self.first_batch[segment])) * self.batch_size * self.seq_len
+
+
+FEISTEL_ROUNDS = 4
+_MASK64 = (1 << 64) - 1
+
+
+def feistel_keys(seed: int, epoch: int) -> list[int]:
+    """The round keys of epoch `epoch`'s permutation, from a generator seeded by (seed, epoch)."""
+    generator = np.random.default_rng([seed, epoch])
+    return [int(key) for key in generator.integers(0, 1 << 62, FEISTEL_ROUNDS)]
+
+
+def _mix(value: int, key: int) -> int:
+    """A 64-bit mixing function (splitmix64's finalizer) of value ^ key: the Feistel round function."""
+    z = (value ^ key) * 0x9E3779B97F4A7C15 & _MASK64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
+
+
+def shuffled_index(index: int, count: int, keys: list[int]) -> int:
+    """π(index) for a pseudo-random permutation π of 0 … count − 1 given by its round keys: a balanced Feistel
+    network on 2h-bit numbers (4^h ≥ count), applied again while the result lies outside [0, count) ("cycle
+    walking": since 4^h < 4·count, fewer than 4 applications on average). A bijection for any keys."""
+    half = max(1, ((count - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    value = index
+    while True:
+        left, right = value >> half, value & mask
+        for key in keys:
+            left, right = right, left ^ (_mix(right, key) & mask)
+        value = (left << half) | right
+        if value < count:
+            return value
 
 
 class TokenBatches:
