@@ -194,3 +194,13 @@ def test_train_on_a_prepared_folder_samples_and_saves_through_its_tokenizer(tmp_
                             "--batch-size", "2", "--steps", "1", "--data", str(out), "--vocab-size", "256")
     assert too_small.returncode != 0 and too_small.stderr.count("Error:") == 1
     assert "tokenizer of vocabulary 300" in too_small.stderr and "--vocab-size 300" in too_small.stderr
+
+
+def test_the_default_corpus_can_be_prepared_offline(tmp_path):
+    from mpiparallel.data import default_corpus
+
+    info = preparing.prepare([], tmp_path / "data", "byte", val_tokens=1000, default_corpus=True)
+    assert info["inputs"] == ["(default corpus)"] and info["documents"] == 1
+    np.testing.assert_array_equal(all_tokens(tmp_path / "data"), [256, *default_corpus().tokens])
+    with pytest.raises(ConfigError, match="hold no files"):
+        preparing.prepare([], tmp_path / "none", "byte")

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, TextIO
 import numpy as np
 
 from ..errors import ConfigError
+from . import sources
 from . import tokenizer as tokenizers_
 from .dataset import DATA_JSON, read_data_json
 from .shards import FORMATS, HEADER_BYTES, header_bytes, read_header, version_for_vocab
@@ -48,7 +49,7 @@ class Piece:
 # -- reading the inputs ---------------------------------------------------------------------------------------
 
 
-def input_files(inputs: Sequence[str | Path]) -> list[Path]:
+def input_files(inputs: Sequence[str | Path], default_corpus: bool = False) -> list[Path]:
     """The files the inputs name: files as given, folders' files (not hidden ones) recursively in name order."""
     files: list[Path] = []
     for given in inputs:
@@ -60,13 +61,16 @@ def input_files(inputs: Sequence[str | Path]) -> list[Path]:
             files.append(path)
         else:
             raise ConfigError(f"input {path} does not exist")
-    if not files:
-        raise ConfigError(f"the inputs {', '.join(map(str, inputs))} hold no files")
+    if not files and not default_corpus:
+        raise ConfigError(f"the inputs {', '.join(map(str, inputs)) or '(none)'} hold no files")
     return files
 
 
-def pieces(files: Sequence[Path]) -> Iterator[Piece]:
-    """Every document of every file, in order, as pieces of at most about PIECE_CHARS characters."""
+def pieces(files: Sequence[Path], default_corpus: bool = False) -> Iterator[Piece]:
+    """Every document of every file, in order, as pieces of at most about PIECE_CHARS characters; first the
+    default corpus (Python's documentation, one document) when asked for."""
+    if default_corpus:
+        yield Piece(sources.default_corpus_text()[0], True)
     for path in files:
         if path.suffix == ".jsonl":
             yield from _jsonl_documents(path)
@@ -199,7 +203,8 @@ class Progress:
 # -- the command's work -------------------------------------------------------------------------------------------
 
 
-def choose_tokenizer(spec: str, vocab_size: int | None, files: Sequence[Path]) -> tokenizers_.Tokenizer:
+def choose_tokenizer(spec: str, vocab_size: int | None, files: Sequence[Path], default_corpus: bool = False
+                     ) -> tokenizers_.Tokenizer:
     """byte, bpe (trained now on the files: needs a vocabulary size) or PATH (a tokenizer.json or model folder)."""
     if spec == "byte":
         if vocab_size is not None:
@@ -208,16 +213,17 @@ def choose_tokenizer(spec: str, vocab_size: int | None, files: Sequence[Path]) -
     if spec == "bpe":
         if vocab_size is None:
             raise ConfigError("--tokenizer bpe needs --vocab-size N (the BPE's vocabulary, e.g. 4096)")
-        return tokenizers_.train_bpe((piece.text for piece in pieces(files)), vocab_size)
+        return tokenizers_.train_bpe((piece.text for piece in pieces(files, default_corpus)), vocab_size)
     if vocab_size is not None:
         raise ConfigError("--vocab-size is for --tokenizer bpe; a tokenizer from PATH has its own vocabulary")
     return tokenizers_.load_tokenizer(spec)
 
 
 def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: str = "byte", vocab_size: int | None = None,
-            val_tokens: int = 32_768, shard_tokens: int = 100_000_000, progress: Progress | None = None
-            ) -> dict[str, Any]:
-    """Tokenize `inputs` into shards in `out` (see the module docstring); returns data.json's content."""
+            val_tokens: int = 32_768, shard_tokens: int = 100_000_000, progress: Progress | None = None,
+            default_corpus: bool = False) -> dict[str, Any]:
+    """Tokenize `inputs` (after the default corpus, with `default_corpus`) into shards in `out` (see the module
+    docstring); returns data.json's content."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not empty; choose another folder or remove it")
@@ -225,13 +231,14 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: str = "byt
         raise ConfigError(f"the folder of --out {out} does not exist")
     if shard_tokens < 1 or val_tokens < 0:
         raise ConfigError("--shard-tokens must be at least 1 and --val-tokens at least 0")
-    files = input_files(inputs)
-    chosen = choose_tokenizer(tokenizer, vocab_size, files)
+    files = input_files(inputs, default_corpus)
+    chosen = choose_tokenizer(tokenizer, vocab_size, files, default_corpus)
     staging = out.resolve().parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        info = _write(staging, files, chosen, tokenizer, val_tokens, shard_tokens, progress or Progress())
+        info = _write(staging, files, chosen, tokenizer, val_tokens, shard_tokens, progress or Progress(),
+                      default_corpus)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(staging, out)
@@ -241,12 +248,12 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: str = "byt
 
 
 def _write(folder: Path, files: Sequence[Path], tokenizer: tokenizers_.Tokenizer, spec: str, val_tokens: int,
-           shard_tokens: int, progress: Progress) -> dict[str, Any]:
+           shard_tokens: int, progress: Progress, default_corpus: bool) -> dict[str, Any]:
     version = version_for_vocab(tokenizer.vocab_size)
     stream = ShardStream(folder, version, val_tokens, shard_tokens)
     eot = np.array([tokenizer.eot_id], dtype=np.int64)
     documents = 0
-    for batch in batches_of(pieces(files)):
+    for batch in batches_of(pieces(files, default_corpus)):
         for piece, ids in zip(batch, tokenizer.encode_batch([p.text for p in batch]), strict=True):
             if piece.starts:
                 stream.append(eot)
@@ -263,7 +270,8 @@ def _write(folder: Path, files: Sequence[Path], tokenizer: tokenizers_.Tokenizer
             "tokenizer": spec if spec in ("byte", "bpe") else str(Path(spec).resolve()),
             "tokenizer_sha256": tokenizer.digest(), "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
             "shard_version": version, "documents": documents, "train_tokens": stream.written["train"],
-            "val_tokens": stream.written["val"], "shards": stream.shards, "inputs": [str(f) for f in files]}
+            "val_tokens": stream.written["val"], "shards": stream.shards,
+            "inputs": ["(default corpus)"] * default_corpus + [str(f) for f in files]}
     (folder / DATA_JSON).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
     return info
 

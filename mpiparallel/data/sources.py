@@ -85,11 +85,17 @@ def _read_npy(path: Path) -> np.ndarray:
 
 def default_corpus() -> TokenData:
     """Python's documentation topics as UTF-8 bytes (or stdlib docstrings where pydoc_data is missing)."""
+    text, source = default_corpus_text()
+    tokens = _bytes_as_tokens(text.encode("utf-8"))
+    return TokenData(tokens, int(tokens.max()) + 1, f"default corpus: {source} ({len(tokens):,} bytes)")
+
+
+def default_corpus_text() -> tuple[str, str]:
+    """The default corpus as text, and where it comes from."""
     text, source = _pydoc_topics()
     if text is None:
         text, source = _stdlib_docstrings()
-    tokens = _bytes_as_tokens(text.encode("utf-8"))
-    return TokenData(tokens, int(tokens.max()) + 1, f"default corpus: {source} ({len(tokens):,} bytes)")
+    return text, source
 
 
 def _pydoc_topics() -> tuple[str | None, str]:
