@@ -192,6 +192,7 @@ def run(settings: TrainSettings) -> int:
     schedule = _build_schedule(settings, mesh, config)
     model = _build_model(settings, mesh, config, schedule, xp)
     train_tokens, validation_tokens = _batches(settings, config, dataset, validation)
+    tokenizer = on_every_rank(mesh.world, lambda: _tokenizer(settings, dataset, config))  # read now: errors early
     data_identity = _data_identity(settings, dataset)
     resumed, first_step = _resume(settings, model, mesh, data_identity)
     # a pipeline schedule interleaves microbatches and splits backward: the gradients are reduced after it
@@ -225,7 +226,6 @@ def run(settings: TrainSettings) -> int:
         trainer.tracer.write(settings.output.trace)
         reporter.say(f"wrote the trace to {settings.output.trace}")
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
-    tokenizer = _tokenizer(settings, dataset, config) if is_root else None
     if settings.output.save:
         if is_root:
             checkpoint.save_pretrained(settings.output.save, config, full, extra_config=config.moe_settings())

@@ -204,3 +204,25 @@ def test_the_default_corpus_can_be_prepared_offline(tmp_path):
     np.testing.assert_array_equal(all_tokens(tmp_path / "data"), [256, *default_corpus().tokens])
     with pytest.raises(ConfigError, match="hold no files"):
         preparing.prepare([], tmp_path / "none", "byte")
+
+
+def test_val_data_names_the_validation_tokens_and_a_broken_tokenizer_stops_training_at_once(tmp_path):
+    inputs, _ = corpus(tmp_path)
+    out = tmp_path / "data"
+    preparing.prepare(inputs, out, "byte", val_tokens=300)
+    val = MappedShard(out / "val_000000.bin").read(0, 300)
+    np.save(tmp_path / "val.npy", val)
+    common = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
+              "--steps", "2", "--eval-every", "2", "--eval-batches", "3"]
+    losses = {}
+    for name, options in {"folder": [], "shard": ["--val-data", str(out / "val_000000.bin")],
+                          "npy": ["--val-data", str(tmp_path / "val.npy")]}.items():
+        log = tmp_path / f"{name}.jsonl"
+        result = mpiparallel("train", *common, "--data", str(out), *options, "--log-json", str(log))
+        assert result.returncode == 0, result.stderr
+        losses[name] = json.loads(log.read_text().splitlines()[-1])["val_loss"]
+    assert losses["folder"] == losses["shard"] == losses["npy"]  # the val shard, whichever way it is named
+    (out / "tokenizer.json").write_text("{broken")
+    broken = mpiparallel("train", "-n", "2", *common, "--data", str(out))
+    assert broken.returncode != 0 and broken.stderr.count("Error:") == 1
+    assert "cannot read tokenizer" in broken.stderr
