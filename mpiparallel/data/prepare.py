@@ -32,8 +32,8 @@ from . import tokenizer as tokenizers_
 from .dataset import DATA_JSON, read_data_json
 from .shards import FORMATS, HEADER_BYTES, header_bytes, read_header, version_for_vocab
 
-PIECE_CHARS = 1 << 20
-BATCH_CHARS = 8 << 20
+PIECE_CHARS = 1 << 18
+BATCH_CHARS = 1 << 20
 """Text handed to the tokenizer's batch encoder at once (its threads share the batch)."""
 FORMAT = "mpiparallel data"
 
