@@ -176,6 +176,11 @@ class ShardStream:
         self.written[role] += self._count
         self.shards.append({"file": self._name, "tokens": self._count})
 
+    @property
+    def tokens(self) -> int:
+        """Tokens appended so far (closed shards and the open one)."""
+        return sum(self.written.values()) + (self._count if self._file is not None else 0)
+
     def finish(self) -> None:
         if self._file is not None:
             self._close()
@@ -259,9 +264,9 @@ def _write(folder: Path, files: Sequence[Path], tokenizer: tokenizers_.Tokenizer
                 stream.append(eot)
                 documents += 1
             stream.append(ids)
-        progress.update(sum(stream.written.values()) + stream._count, documents)
+        progress.update(stream.tokens, documents)
     stream.finish()
-    progress.update(sum(stream.written.values()), documents, force=True)
+    progress.update(stream.tokens, documents, force=True)
     if not stream.written["train"]:
         raise ConfigError(f"the inputs give {stream.written['val']:,} tokens, all taken by --val-tokens "
                           f"{val_tokens:,}: none are left for training")
