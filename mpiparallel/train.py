@@ -20,6 +20,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -67,7 +68,7 @@ class ModelSettings:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    vocab_size: int = 256
+    vocab_size: int | None = None  # None: the data's (data.json), else 256 (bytes)
     n_positions: int = 1024
     seed: int = 0
     dtype: str = "float32"
@@ -122,9 +123,12 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class DataSettings:
-    """What is read: the token file, the batch shape, how many steps, and the held-out validation."""
+    """What is read: the tokens (file, shard, glob or folder; see `data.dataset`), the batch shape and order, how
+    many steps, and the held-out validation."""
 
     data: str | None = None
+    val_data: str | None = None
+    shuffle: bool = False
     seq_len: int = 128
     batch_size: int = 8
     steps: int = 200
@@ -189,16 +193,20 @@ def run(settings: TrainSettings) -> int:
     if mesh.topology_warning() and is_root:
         print(mesh.topology_warning(), flush=True)
     _check_batch(settings, mesh)
+    dataset, validation = _open_data(settings)
+    settings = _settle_vocab(settings, dataset)
     config = _model_config(settings)
     schedule = _build_schedule(settings, mesh, config)
     model = _build_model(settings, mesh, config, schedule, xp)
-    tokens = _load_data(settings, config)
-    train_tokens, validation_tokens = _split(settings, tokens)
-    resumed, first_step = _resume(settings, model, mesh)
+    train_tokens, validation_tokens = _batches(settings, config, dataset, validation)
+    tokenizer = on_every_rank(mesh.world, lambda: _tokenizer(settings, dataset, config))  # read now: errors early
+    data_identity = _data_identity(settings, dataset)
+    resumed, first_step = _resume(settings, model, mesh, data_identity)
     # a pipeline schedule interleaves microbatches and splits backward: the gradients are reduced after it
     engine = _build_engines(model, mesh, settings, overlap=settings.mesh.overlap and schedule is None)
     optimizer = _build_optimizer(settings, engine.optimizer_parameters())
     trainer = Trainer(model, engine, optimizer, mesh, settings, schedule)
+    trainer.data_identity = data_identity
     if resumed is not None:
         trainer.load_optimizer_state(resumed)
     reporter = Reporter(settings, config, is_root=is_root)
@@ -214,7 +222,7 @@ def run(settings: TrainSettings) -> int:
         if settings.output.memory_report and step == first_step:
             reporter.say_from_every_rank(trainer.memory_report(), mesh.world)
         if _due(step, settings.output.checkpoint_every, settings.data.steps) and settings.output.checkpoint_dir:
-            trainer.save_training_checkpoint(step + 1, len(train_tokens))
+            trainer.save_training_checkpoint(step + 1, train_tokens)
     reporter.finish()
     if mesh.world.size > 1 and settings.data.steps > first_step:
         reporter.say("bytes each rank sent in the last step, per mesh axis, beside the formula that predicts them "
@@ -232,14 +240,30 @@ def run(settings: TrainSettings) -> int:
     if settings.output.save:
         if is_root:
             checkpoint.save_pretrained(settings.output.save, config, full)
+            if tokenizer is not None:  # beside the model, where AutoTokenizer.from_pretrained looks for it
+                tokenizer.save(Path(settings.output.save))
         mesh.world.barrier()
         reporter.say(f"saved the model to {settings.output.save}")
-    if settings.output.sample_tokens and config.vocab_size == 256 and is_root:
-        serial = GPT(config, dtype=np.dtype(settings.model.dtype))
-        serial.load_state_dict(full)
-        reporter.say(sample_text(serial, prompt="The ", new_tokens=settings.output.sample_tokens,
-                                 seed=settings.model.seed, window=settings.data.seq_len))
+    if settings.output.sample_tokens and is_root:
+        if tokenizer is None:
+            reporter.say(f"no sample: the vocabulary has {config.vocab_size} tokens and neither the data nor the "
+                         f"model folder has a tokenizer.json to decode them")
+        else:
+            serial = GPT(config, dtype=np.dtype(settings.model.dtype))
+            serial.load_state_dict(full)
+            reporter.say(sample_text(serial, prompt="The " if tokenizer.kind == "byte" else "The",
+                                     new_tokens=settings.output.sample_tokens, seed=settings.model.seed,
+                                     window=settings.data.seq_len, tokenizer=tokenizer))
     return 0
+
+
+def _tokenizer(settings: TrainSettings, dataset: data.Dataset, config: GPTConfig) -> data.Tokenizer | None:
+    """What decodes this model's tokens: the data folder's tokenizer, else the --init folder's, else bytes when
+    the vocabulary is bytes (256, or 257 with the end-of-text token of `data prepare --tokenizer byte`)."""
+    found = data.tokenizer_of_folder(dataset.folder, dataset.info) or data.tokenizer_of_folder(settings.model.init)
+    if found is None and config.vocab_size <= data.ByteTokenizer.vocab_size:
+        return data.ByteTokenizer()
+    return found
 
 
 class Trainer:
@@ -255,21 +279,22 @@ class Trainer:
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
         self.tracer: Tracer | None = None  # --trace: records each step, pipeline action and collective
+        self.data_identity: dict[str, Any] = {}  # the data's fingerprint and order, recorded in checkpoints
 
-    def step(self, tokens: np.ndarray, step: int) -> dict:
+    def step(self, tokens: data.TokenBatches | np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
         settings, engine = self.settings, self.engine
         start, sent_before = time.perf_counter(), self._bytes_sent()
         inter_node_before = self._inter_node_bytes_sent()
-        inputs, targets = data.batch_for_step(tokens, step, settings.data.batch_size, settings.data.seq_len)
-        pieces = data.microbatches(*self._rows_here(inputs, targets), self.microbatches)
+        pieces = data.microbatches(*self._rows_here(self._as_batches(tokens), step), self.microbatches)
+        global_tokens = settings.data.batch_size * settings.data.seq_len
         engine.zero_grad()
         self.router = RouterTally()
         if self.pipeline is None:
-            loss = self._microbatches_one_after_another(pieces, inputs.size)
+            loss = self._microbatches_one_after_another(pieces, global_tokens)
         else:
             with engine.unhooked():  # the schedule runs the model without the engine's hooks
-                loss = self.pipeline.step(pieces, inputs.size, self.router.add)
+                loss = self.pipeline.step(pieces, global_tokens, self.router.add)
             if self.tracer is not None:
                 self.tracer.pipeline_actions(self.pipeline.timeline, self.pipeline.schedule.stage_ranks, step)
             self.activation_bytes = self.pipeline.peak_saved_bytes
@@ -284,7 +309,7 @@ class Trainer:
         lr = optim.learning_rate(step, schedule.lr, schedule.lr_schedule, schedule.warmup_steps, settings.data.steps)
         self.optimizer.step(lr)
         engine.after_update()
-        record = {"step": step, "loss": self._sum_losses(loss), "lr": lr, "tokens": int(inputs.size)}
+        record = {"step": step, "loss": self._sum_losses(loss), "lr": lr, "tokens": global_tokens}
         if self.model.config.n_experts:
             record |= self._balance_experts()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
@@ -333,11 +358,22 @@ class Trainer:
                 self.model.backward(saved, hooks=self.engine)
         return loss
 
-    def _rows_here(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's share of the global batch: its DP rank's rows, and of those its CP rank's two zigzag chunks
-        of every sequence."""
+    def _as_batches(self, tokens: data.TokenBatches | np.ndarray) -> data.TokenBatches:
+        """Batches in the contract's order; a bare token array is read in order (no shuffle)."""
+        if isinstance(tokens, data.TokenBatches):
+            return tokens
+        return data.in_memory(tokens, self.settings.data.batch_size, self.settings.data.seq_len)
+
+    def _rows_here(self, batches: data.TokenBatches, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's share of the step's batch, read alone: its DP rank's rows, and of those its CP rank's two
+        zigzag chunks of every sequence. Memory-mapped tokens are checked against the vocabulary as they are read;
+        a bad id on any rank stops every rank with one message (`on_every_rank`)."""
         mesh = self.mesh
-        x, y = data.rows_for_rank(inputs, targets, mesh.dp.rank, mesh.dp.size)
+
+        def read() -> tuple[np.ndarray, np.ndarray]:
+            return batches.rows_for_rank(step, mesh.dp.rank, mesh.dp.size)
+
+        x, y = on_every_rank(mesh.world, read) if batches.checked_when_read else read()
         if mesh.cp.size == 1:
             return x, y
         return zigzag_shard(x, mesh.cp.rank, mesh.cp.size), zigzag_shard(y, mesh.cp.rank, mesh.cp.size)
@@ -388,25 +424,26 @@ class Trainer:
                 tensors = merged
         return tensors
 
-    def evaluate(self, tokens: np.ndarray) -> float:
-        """Mean loss over the first `eval_batches` held-out batches, each DP rank taking its rows (no update)."""
-        settings, losses = self.settings, []
+    def evaluate(self, tokens: data.TokenBatches | np.ndarray) -> float:
+        """Mean loss over the first `eval_batches` held-out batches (in order), each DP rank taking its rows (no
+        update)."""
+        settings, losses, batches = self.settings, [], self._as_batches(tokens)
+        normalizer = settings.data.batch_size * settings.data.seq_len
         for i in range(settings.data.eval_batches):
-            inputs, targets = data.batch_for_step(tokens, i, settings.data.batch_size, settings.data.seq_len)
-            x, y = self._rows_here(inputs, targets)
+            x, y = self._rows_here(batches, i)
             if self.pipeline is None:
-                out, saved = self.model.forward(x, y, normalizer=inputs.size, hooks=self.engine)
+                out, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine)
                 loss = out - saved.aux_loss
             else:
                 with self.engine.unhooked(backward=False):
-                    loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), inputs.size)
+                    loss = self.pipeline.forward_only(data.microbatches(x, y, self.microbatches), normalizer)
             losses.append(self._sum_losses(loss))
             self.engine.release_all()
         return float(np.mean(losses))
 
-    def save_training_checkpoint(self, steps_done: int, token_count: int) -> None:
+    def save_training_checkpoint(self, steps_done: int, batches: data.TokenBatches) -> None:
         """Every rank writes the parameters, AdamW moments and expert biases it holds (replicas once), rank 0 the
-        manifest (`training_checkpoint`); `token_count` (the training data's) places the data position."""
+        manifest (`training_checkpoint`); `batches` (the training data's order) places the data position."""
         ranks, pieces = self.model.axis_ranks(), self.engine.optimizer_parameters()
         state = self.optimizer.state_dict()
         held = training_checkpoint.parameter_pieces(pieces, ranks)
@@ -417,15 +454,18 @@ class Trainer:
         marked = [(piece, array, training_checkpoint.writes_copy(piece.placement, self.mesh))
                   for piece, array in held]
         training_checkpoint.save(self.settings.output.checkpoint_dir, steps_done, marked, self.mesh.world,
-                                 self._checkpoint_description(steps_done, token_count), self._tensor_names(state))
+                                 self._checkpoint_description(steps_done, batches), self._tensor_names(state))
 
-    def _checkpoint_description(self, steps_done: int, token_count: int) -> dict[str, Any]:
-        """The manifest's account of the run: data position, settings, the mesh, the model, the optimizer scalars."""
+    def _checkpoint_description(self, steps_done: int, batches: data.TokenBatches) -> dict[str, Any]:
+        """The manifest's account of the run: data position (and the data's fingerprint), settings, the mesh, the
+        model, the optimizer scalars."""
         settings, shape, layout = self.settings, self.mesh.shape, self.settings.mesh
-        batches = data.full_batch_count(token_count, settings.data.batch_size, settings.data.seq_len)
+        count = batches.batch_count
         return {
-            "data_position": {"next_step": steps_done, "batch": steps_done % batches, "batches_per_pass": batches,
-                              "tokens_consumed": steps_done * settings.data.batch_size * settings.data.seq_len},
+            "data_position": {"next_step": steps_done, "epoch": steps_done // count,
+                              "batch": batches.order.batch_number(steps_done), "batches_per_pass": count,
+                              "tokens_consumed": steps_done * settings.data.batch_size * settings.data.seq_len,
+                              **self.data_identity},
             "settings": asdict(settings),
             "mesh": {"world_size": self.mesh.world.size, **asdict(shape), "sp": layout.sp, "zero": layout.zero,
                      "schedule": layout.schedule if shape.pp > 1 else None, "microbatches": self.microbatches,
@@ -570,13 +610,17 @@ def _sum_over(comm: Communicator, value: float) -> float:
     return float(collectives.all_reduce(np.array([value]), comm, algo="mpi")[0])
 
 
-def sample_text(model: GPT, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8,
-                top_k: int | None = 40, window: int | None = None) -> str:
-    """Bytes sampled from a byte-level model after `prompt`, decoded as UTF-8 (bad bytes replaced); `window`:
-    the most positions the model attends over (its training sequence length)."""
-    prompt_ids = np.frombuffer(prompt.encode(), dtype=np.uint8).astype(np.int64)
+def sample_text(model: GPT, prompt: str | None, new_tokens: int, seed: int, temperature: float = 0.8,
+                top_k: int | None = 40, window: int | None = None, tokenizer: data.Tokenizer | None = None) -> str:
+    """Tokens sampled after `prompt`, encoded and decoded by `tokenizer` (default: bytes, as UTF-8 with bad bytes
+    replaced); no prompt starts a document (the end-of-text token) and shows only what follows. `window`: the
+    most positions the model attends over (its training sequence length)."""
+    tokenizer = tokenizer or data.ByteTokenizer()
+    prompt_ids = tokenizer.encode_batch([prompt])[0] if prompt else np.array([tokenizer.eot_id])
     new = model.generate(prompt_ids, new_tokens, temperature, top_k, np.random.default_rng(seed), window)
-    return prompt + bytes(new.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+    if not prompt:
+        return tokenizer.decode(new.tolist())
+    return tokenizer.decode([*prompt_ids.tolist(), *new.tolist()])
 
 
 # -- setting up ---------------------------------------------------------------------------------------------
@@ -764,24 +808,56 @@ def _place_on_pipeline(model: GPT, schedule: Schedule) -> None:
         param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
 
 
-def _load_data(settings: TrainSettings, config: GPTConfig) -> np.ndarray:
-    tokens = data.load_tokens(settings.data.data)
-    data.check_vocab(tokens, config.vocab_size)
-    return tokens.tokens
+def _open_data(settings: TrainSettings) -> tuple[data.Dataset, data.Dataset | None]:
+    """--data (memory-mapped shards or tokens in memory) and its validation: --val-data, else the validation
+    shards of a data folder, else (None) the last --validation-fraction of the training tokens."""
+    dataset = data.open_data(settings.data.data)
+    if settings.data.val_data is not None:
+        return dataset, data.open_data(settings.data.val_data, role="val")
+    return dataset, data.validation_in_folder(settings.data.data)
 
 
-def _split(settings: TrainSettings, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Hold out the last `validation_fraction` of the tokens when validation is asked for."""
-    if not settings.data.eval_every:
-        return tokens, None
-    train_tokens, validation_tokens = data.split_train_validation(tokens, settings.data.validation_fraction)
-    needed = settings.data.batch_size * settings.data.seq_len + 1
-    if len(validation_tokens) < needed:
-        raise ConfigError(f"the held-out {settings.data.validation_fraction:.0%} of the data has "
-                          f"{len(validation_tokens)} "
-                          f"tokens; one validation batch needs {needed}. Use more data or a larger "
-                          f"--validation-fraction, or leave out --eval-every")
-    return train_tokens, validation_tokens
+def _settle_vocab(settings: TrainSettings, dataset: data.Dataset) -> TrainSettings:
+    """--vocab-size, by default the data's (data.json's tokenizer) or 256 (bytes)."""
+    if settings.model.vocab_size is not None:
+        return settings
+    return settings.with_options(vocab_size=dataset.vocab_size or data.BYTE_VOCAB_SIZE)
+
+
+def _batches(settings: TrainSettings, config: GPTConfig, dataset: data.Dataset, validation: data.Dataset | None
+             ) -> tuple[data.TokenBatches, data.TokenBatches | None]:
+    """The training batches in the contract's order and, with --eval-every, the validation batches; every token
+    source checked against the model's vocabulary (in memory now; memory-mapped shards as they are read)."""
+    vocab, shape = config.vocab_size, (settings.data.batch_size, settings.data.seq_len)
+    for source in (dataset, validation):
+        if source is not None:
+            _check_vocab(source, vocab)
+    if validation is None and settings.data.eval_every:
+        dataset, validation = dataset.split_tail(settings.data.validation_fraction)
+        if validation.token_count < shape[0] * shape[1] + 1:
+            raise ConfigError(f"the held-out {settings.data.validation_fraction:.0%} of the data has "
+                              f"{validation.token_count} tokens; one validation batch needs {shape[0] * shape[1] + 1}."
+                              f" Use more data or a larger --validation-fraction, --val-data, or leave out "
+                              f"--eval-every")
+    train_batches = dataset.batches(*shape, settings.data.shuffle, settings.model.seed, vocab)
+    if validation is None or not settings.data.eval_every:
+        return train_batches, None
+    return train_batches, validation.batches(*shape, vocab_size=vocab)
+
+
+def _check_vocab(dataset: data.Dataset, vocab_size: int) -> None:
+    """What is known before reading: the ids of tokens in memory, the vocabulary data.json names."""
+    needed = dataset.vocab_needed or dataset.vocab_size or 0
+    if needed > vocab_size:
+        what = "contains token id" if dataset.vocab_needed else "was prepared with a tokenizer of vocabulary"
+        shown = needed - 1 if dataset.vocab_needed else needed
+        raise ConfigError(f"{dataset.description} {what} {shown}, but the model's vocabulary has {vocab_size} "
+                          f"tokens; use --vocab-size {needed} or more")
+
+
+def _data_identity(settings: TrainSettings, dataset: data.Dataset) -> dict[str, Any]:
+    """What a resumed run must find again: the training data's fingerprint and its order."""
+    return {"fingerprint": dataset.fingerprint(), "shuffle": settings.data.shuffle}
 
 
 def _build_optimizer(settings: TrainSettings, params: list) -> Any:
@@ -790,7 +866,8 @@ def _build_optimizer(settings: TrainSettings, params: list) -> Any:
     return optim.AdamW(params, lr=settings.optimizer.lr, weight_decay=settings.optimizer.weight_decay)
 
 
-def _resume(settings: TrainSettings, model: GPT, mesh: Mesh) -> tuple[TrainingCheckpoint | None, int]:
+def _resume(settings: TrainSettings, model: GPT, mesh: Mesh, data_identity: dict[str, Any]
+            ) -> tuple[TrainingCheckpoint | None, int]:
     """Load the newest training checkpoint's parameters and expert biases into `model` when --resume is given,
     resharded to this mesh (before the data-parallel engines take the parameters over).
 
@@ -810,6 +887,7 @@ def _resume(settings: TrainSettings, model: GPT, mesh: Mesh) -> tuple[TrainingCh
     def load() -> TrainingCheckpoint:
         saved = TrainingCheckpoint(latest)
         saved.check_model(model.config)
+        saved.check_data(data_identity)
         held = training_checkpoint.parameter_pieces(model.params.values(), model.axis_ranks())
         load_pieces(saved, held + training_checkpoint.expert_bias_pieces(model.expert_biases))
         return saved
@@ -903,15 +981,19 @@ class Reporter:
 
 def generate(init: str, prompt: str | None, prompt_ids: list[int] | None, new_tokens: int, temperature: float,
              top_k: int | None, seed: int) -> str:
-    """Load a checkpoint and continue the prompt; text for byte-level models, token ids otherwise."""
+    """Load a checkpoint and continue the prompt; text through the model folder's tokenizer.json (bytes for a
+    byte-level model), token ids when the prompt is given as ids."""
     config, tensors, _ = checkpoint.load_pretrained(init)
     model = GPT(config, dtype=next(iter(tensors.values())).dtype)
     model.load_state_dict(tensors)
     if prompt_ids is None:
-        if config.vocab_size != 256:
-            raise ConfigError(f"{init} has a vocabulary of {config.vocab_size} tokens, not bytes, and mpiparallel "
-                              f"has no tokenizer for it: give the prompt as --prompt-ids 15496,11,995")
-        return sample_text(model, prompt or "\n", new_tokens, seed, temperature, top_k)
+        tokenizer = data.tokenizer_of_folder(init)
+        if tokenizer is None and config.vocab_size > data.ByteTokenizer.vocab_size:
+            raise ConfigError(f"{init} has a vocabulary of {config.vocab_size} tokens, not bytes, and no "
+                              f"tokenizer.json: give the prompt as --prompt-ids 15496,11,995")
+        if tokenizer is None:
+            return sample_text(model, prompt or "\n", new_tokens, seed, temperature, top_k)
+        return sample_text(model, prompt, new_tokens, seed, temperature, top_k, tokenizer=tokenizer)
     bad = [t for t in prompt_ids if not 0 <= t < config.vocab_size]
     if bad:
         raise ConfigError(f"--prompt-ids {bad} are outside the vocabulary (0..{config.vocab_size - 1})")

@@ -381,6 +381,23 @@ class TrainingCheckpoint:
                            if not isinstance(saved, dict) or saved.get(key) != value]
             raise ConfigError(f"checkpoint {self.folder} holds another model: {', '.join(differences)}")
 
+    def check_data(self, identity: Mapping[str, Any]) -> None:
+        """This run's training data must be the data saved: the same files (names, sizes, headers) in the same
+        order (shuffled or not), or the step number would point at other tokens. Checkpoints that recorded no
+        fingerprint are accepted."""
+        saved = self.manifest.get("data_position", {})
+        if "fingerprint" not in saved:
+            return
+        differences = []
+        if saved["fingerprint"] != identity.get("fingerprint"):
+            differences.append(f"it was saved training on {_describe_fingerprint(saved['fingerprint'])}, this run "
+                               f"reads {_describe_fingerprint(identity.get('fingerprint'))}")
+        if saved.get("shuffle") != identity.get("shuffle"):
+            differences.append(f"--shuffle was {'on' if saved.get('shuffle') else 'off'}")
+        if differences:
+            raise ConfigError(f"cannot resume from {self.folder} on other data: {'; '.join(differences)}. Resume "
+                              f"with the same --data (and --shuffle), or start a new --checkpoint-dir")
+
     def optimizer_scalars(self, name: str) -> dict[str, Any]:
         """The optimizer's saved scalars (kind, step count), which must be of optimizer `name`."""
         scalars = self.manifest.get("optimizer", {})
@@ -435,6 +452,17 @@ class TrainingCheckpoint:
             return file.get_slice(shard["key"])[source] if source else file.get_tensor(shard["key"])
         except (safetensors.SafetensorError, OSError, ValueError, TypeError, KeyError) as error:
             raise ConfigError(f"checkpoint shard {path} (entry {shard['key']}) cannot be read: {error}") from None
+
+
+def _describe_fingerprint(fingerprint: Any) -> str:
+    """A data fingerprint in a few words: its files (the first three) and their bytes."""
+    if not isinstance(fingerprint, dict):
+        return "unknown data"
+    files = fingerprint.get("files") or []
+    if not files:
+        return f"the default corpus ({fingerprint.get('tokens', '?')} tokens)"
+    shown = ", ".join(f"{f.get('name')} ({f.get('bytes', 0):,} bytes)" for f in files[:3])
+    return f"{len(files)} file{'s' if len(files) > 1 else ''}: {shown}{' …' if len(files) > 3 else ''}"
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

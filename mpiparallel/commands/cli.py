@@ -20,6 +20,7 @@ import click
 from .. import __version__
 from . import launch
 from .checkpoint import checkpoint as checkpoint_command
+from .data import data as data_command
 from .plan import plan as plan_command
 from .schedule import schedule as schedule_command
 
@@ -263,7 +264,8 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--n-layer", type=click.IntRange(min=1), default=4, help="Transformer blocks.")
 @click.option("--n-head", type=click.IntRange(min=1), default=4, help="Attention heads.")
 @click.option("--n-embd", type=click.IntRange(min=1), default=128, help="Channels.")
-@click.option("--vocab-size", type=click.IntRange(min=1), default=256, help="Vocabulary (256 for byte data).")
+@click.option("--vocab-size", type=click.IntRange(min=1), default=None,
+              help="Vocabulary. [default: the data folder's tokenizer (data.json), else 256 (bytes)]")
 @click.option("--arch", type=click.Choice(["gpt2", "llama"]), default="gpt2",
               help="Model family of a model from scratch: gpt2 (learned positions, LayerNorm, GELU, tied head) or "
                    "llama (RoPE, RMSNorm, grouped-query attention, SwiGLU, no biases; with --experts: Mixtral).")
@@ -295,9 +297,17 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant",
               help="After warmup: constant, or cosine decay to a tenth of --lr at the last step.")
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=0, help="Linear warmup steps.")
-@click.option("--data", type=click.Path(dir_okay=False), default=None,
-              help="A .npy array of token ids, or any other file read as UTF-8 bytes (vocab 256). "
-                   "[default: Python's own documentation text, which ships with every Python]")
+@click.option("--data", default=None, metavar="PATH",
+              help="A folder from `mpiparallel data prepare` (or of llm.c shards: *train*.bin, *val*.bin), one .bin "
+                   "shard, a quoted glob of shards (memory-mapped), a .npy array of token ids, or any other file read "
+                   "as UTF-8 bytes (vocab 256). [default: Python's own documentation text, which ships with every "
+                   "Python]")
+@click.option("--val-data", default=None, metavar="PATH",
+              help="Validation tokens (same kinds as --data) for --eval-every. [default: the data folder's *val*.bin, "
+                   "else the last --validation-fraction of --data]")
+@click.option("--shuffle", is_flag=True,
+              help="Visit each epoch's batches in a random order seeded by (--seed, epoch): still a function of the "
+                   "step, so resume is exact on any mesh.")
 @click.option("--init", type=click.Path(file_okay=False), default=None,
               help="Start from this Hugging Face GPT-2, Llama or Mixtral directory; the family and shape come from "
                    "its config.json.")
@@ -311,7 +321,8 @@ def threads_option(command: Callable) -> Callable:
               help="Steps between validation losses on held-out data (0: none).")
 @click.option("--eval-batches", type=click.IntRange(min=1), default=4, help="Batches per validation loss.")
 @click.option("--validation-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.1,
-              help="Share of the data, taken from its end, held out for validation (with --eval-every).")
+              help="Share of the data, taken from its end, held out for validation (with --eval-every and no "
+                   "validation shards).")
 @click.option("--log-json", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON object per step here (rank 0).")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None,
@@ -457,3 +468,4 @@ def _parse_ids(text: str) -> list[int]:
 main.add_command(schedule_command)
 main.add_command(checkpoint_command)
 main.add_command(plan_command)
+main.add_command(data_command)

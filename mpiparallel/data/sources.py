@@ -1,16 +1,10 @@
-"""Training data: token ids from a file (or a corpus every Python ships), and llm.c's order of batches.
+"""Token files held in memory: a `.npy` array of token ids, a file read as bytes, or the default corpus.
 
 Files (`--data PATH`): a `.npy` file holds a 1-D array of integer token ids; any other file is read as its bytes,
 one token per byte (vocabulary 256; UTF-8 text becomes its UTF-8 bytes). Without `--data`, the default corpus is
 Python's own documentation, `pydoc_data.topics` (about half a megabyte of English prose and code), so a first
-run needs no download.
-
-Batches (a fixed order that resumed runs and every mesh rely on, as llm.c's dataloader): with B sequences of T
-tokens per step there are K = ⌊(N − 1) / (B·T)⌋ full batches in N tokens. Step s reads the window
-tok[j·B·T : j·B·T + B·T + 1] with j = s mod K; the inputs are its first B·T tokens as a (B, T) array and the
-targets the same window shifted by one token. Every rank computes the same global batch from the step number
-alone — no communication, no shuffling state to checkpoint — and then keeps its rows (`rows_for_rank`) and
-splits them into microbatches (`microbatches`).
+run needs no download. These are loaded whole (8 bytes per token as int64): datasets larger than memory are
+llm.c shards (`shards`), which are memory-mapped instead. No communication: every rank reads the file itself.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 BYTE_VOCAB_SIZE = 256
 
@@ -91,11 +85,17 @@ def _read_npy(path: Path) -> np.ndarray:
 
 def default_corpus() -> TokenData:
     """Python's documentation topics as UTF-8 bytes (or stdlib docstrings where pydoc_data is missing)."""
+    text, source = default_corpus_text()
+    tokens = _bytes_as_tokens(text.encode("utf-8"))
+    return TokenData(tokens, int(tokens.max()) + 1, f"default corpus: {source} ({len(tokens):,} bytes)")
+
+
+def default_corpus_text() -> tuple[str, str]:
+    """The default corpus as text, and where it comes from."""
     text, source = _pydoc_topics()
     if text is None:
         text, source = _stdlib_docstrings()
-    tokens = _bytes_as_tokens(text.encode("utf-8"))
-    return TokenData(tokens, int(tokens.max()) + 1, f"default corpus: {source} ({len(tokens):,} bytes)")
+    return text, source
 
 
 def _pydoc_topics() -> tuple[str | None, str]:
@@ -137,49 +137,3 @@ def split_train_validation(tokens: np.ndarray, validation_fraction: float = 0.1)
     held_out = int(len(tokens) * validation_fraction)
     boundary = len(tokens) - held_out
     return tokens[:boundary], tokens[boundary:]
-
-
-# -- batches ----------------------------------------------------------------------------------------------------
-
-
-def full_batch_count(token_count: int, batch_size: int, seq_len: int) -> int:
-    """K: how many distinct (B, T) batches the tokens hold before the order wraps around."""
-    if batch_size < 1 or seq_len < 1:
-        raise ConfigError(f"batch size and sequence length must be at least 1, got {batch_size} and {seq_len}")
-    return max(token_count - 1, 0) // (batch_size * seq_len)
-
-
-def batch_for_step(tokens: np.ndarray, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets), each (batch_size, seq_len), for 0-based `step`: copies, so that what a layer keeps for
-    backward (the embedding keeps its token ids) holds the batch, not a view of the whole dataset."""
-    if step < 0:
-        raise ValueError(f"step must be non-negative, got {step}")
-    batch_count = full_batch_count(len(tokens), batch_size, seq_len)
-    tokens_per_batch = batch_size * seq_len
-    if batch_count == 0:
-        raise ConfigError(f"data has {len(tokens)} tokens, one batch of {batch_size}×{seq_len} needs "
-                          f"{tokens_per_batch + 1}")
-    start = (step % batch_count) * tokens_per_batch
-    window = tokens[start:start + tokens_per_batch + 1]
-    return window[:-1].reshape(batch_size, seq_len).copy(), window[1:].reshape(batch_size, seq_len).copy()
-
-
-def rows_for_rank(inputs: np.ndarray, targets: np.ndarray, rank: int, ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    """Data-parallel rank `rank` of `ranks` keeps rows [rank·B/ranks, (rank+1)·B/ranks) of the global batch."""
-    if not 0 <= rank < ranks:
-        raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
-    batch_size = inputs.shape[0]
-    if batch_size % ranks:
-        raise ConfigError(f"batch size {batch_size} is not divisible by {ranks} data-parallel ranks")
-    rows = batch_size // ranks
-    keep = slice(rank * rows, (rank + 1) * rows)
-    return inputs[keep], targets[keep]
-
-
-def microbatches(inputs: np.ndarray, targets: np.ndarray, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Split the rows into `count` equal microbatches, in order."""
-    batch_size = inputs.shape[0]
-    if count < 1 or batch_size % count:
-        raise ConfigError(f"{batch_size} rows per rank cannot be split into {count} equal microbatches")
-    rows = batch_size // count
-    return [(inputs[i * rows:(i + 1) * rows], targets[i * rows:(i + 1) * rows]) for i in range(count)]
