@@ -294,7 +294,7 @@ def _checked_algorithm(comm: Communicator, name: str, x: Array, op: str | None, 
                          f"valid: {', '.join(a for a in algorithms(name) if a != 'mpi')}")
     if op is not None:
         check_op(op)
-        if x.dtype.kind not in "fiu":
+        if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
             raise ValueError(f"{name} reduces float and integer arrays; got dtype {x.dtype}")
     if name in _SPLIT_ALONG_AXIS0:
         check_rows_split_evenly(x, comm.size, name)

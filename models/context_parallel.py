@@ -75,6 +75,7 @@ from .layers import (
     row_sums,
     softmax_backward,
 )
+from .precision import narrow, narrow_saved, widen, widen_saved
 
 VARIANTS = ("ring", "all-gather", "ulysses")
 KEY_VALUE_TAG, KEY_VALUE_GRADIENT_TAG = 1, 2  # the ring's point-to-point tags, below the collectives' tags
@@ -269,27 +270,32 @@ class KeyValueBlockAttention(ProjectedAttention):
     def forward(self, x: Array) -> tuple[Array, Saved]:
         qkv, qkv_saved = self.qkv.forward(x)  # with SP: the whole of this CP rank's tokens, gathered over tp
         _check_local_length(qkv)
-        q, kv = _queries_and_keys_values(qkv, self.n_head, self.n_kv_head)
+        dtype = qkv.dtype  # narrow compute dtypes: the K/V blocks travel narrow, the math runs in float32
+        q, kv = _queries_and_keys_values(widen(qkv), self.n_head, self.n_kv_head)
         if self.rope is not None:
             positions = self._positions(q.shape[1])
             self.rope.rotate(_heads(q), positions)
             self.rope.rotate(_heads(kv[:, :, 0]), positions)
+        kv = narrow(kv, dtype)
         merged = get_array_module(q).empty_like(q)
         attention = OnlineSoftmax(grouped(_heads(q), self.n_kv_head), grouped(_heads(merged), self.n_kv_head))
         for source, block in self._key_value_blocks(kv):
-            keys, values = self._keys_values(block)
+            keys, values = self._keys_values(widen(block))
             for query, key, diagonal in self._pairs(source):
                 attention.add(query, _chunk(keys, key), _chunk(values, key), diagonal)
         log_sum_exp = attention.finish()
         merged = merged.reshape(*q.shape[:2], -1)
-        out, projection_saved = self.projection.forward(merged)
-        return out, Saved(qkv=qkv_saved, projection=projection_saved, q=q, kv=kv, merged=merged,
-                          log_sum_exp=log_sum_exp)
+        out, projection_saved = self.projection.forward(narrow(merged, dtype))
+        saved = Saved(qkv=qkv_saved, projection=projection_saved, q=q, kv=kv, merged=merged, log_sum_exp=log_sum_exp)
+        narrow_saved(saved, dtype, ("q", "merged"))  # the log-sum-exp is a statistic: float32
+        return out, saved
 
     def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
         """d(qkv) (B, t, (H + 2·n_kv)·d) from d(merged heads): d(q) here, d(K/V) of this rank's block from
         wherever its keys were attended to."""
-        xp = get_array_module(dmerged)
+        xp, dtype = get_array_module(dmerged), dmerged.dtype
+        dmerged = widen(dmerged)
+        widen_saved(saved, ("q", "merged"))
         q, n_kv = saved.q, self.n_kv_head
         batch, length, n_head, head_dim = q.shape
         dmerged = dmerged.reshape(q.shape)
@@ -300,7 +306,7 @@ class KeyValueBlockAttention(ProjectedAttention):
         gradients = OnlineSoftmaxBackward(grouped(_heads(q), n_kv), saved.log_sum_exp, grouped(_heads(dmerged), n_kv),
                                           weighted_sum, grouped(_heads(dq), n_kv))
         for source, block, dblock in self._key_value_blocks_backward(saved.kv, dkv):
-            keys, values = self._keys_values(block)
+            keys, values = self._keys_values(widen(block))
             dkeys, dvalues = self._keys_values(dblock)
             for query, key, diagonal in self._pairs(source):
                 gradients.add(query, _chunk(keys, key), _chunk(values, key), _chunk(dkeys, key),
@@ -310,7 +316,7 @@ class KeyValueBlockAttention(ProjectedAttention):
             positions = self._positions(length)
             self.rope.rotate_back(_heads(dq), positions)
             self.rope.rotate_back(_heads(dkv[:, :, 0]), positions)
-        return dqkv
+        return narrow(dqkv, dtype)
 
     def _key_value_blocks(self, kv: Array) -> Iterator[tuple[int, Array]]:
         """(source rank, its K/V block (B, t, 2, H, d)) for every CP rank, this rank's own `kv` among them."""

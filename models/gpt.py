@@ -36,6 +36,7 @@ from collectives.backend import Array, get_array_module, like, to_host
 from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
 from .families import MOE_KEYS
 from .layers import (
+    GELU,
     MLP,
     QUERY_BLOCK,
     RECOMPUTE_MODES,
@@ -62,6 +63,7 @@ from .moe import (
     local_experts,
 )
 from .parameter import Parameter, seeded_normal, shard_tensor
+from .precision import Narrowed, dtype_named, is_narrow, narrow
 from .rotary import RotaryEmbedding
 
 ARCHITECTURES = ("gpt2", "llama")
@@ -314,19 +316,40 @@ class GPT:
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
-                 context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1) -> None:
+                 context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1,
+                 compute_dtype: Any = None, grad_dtype: Any = None) -> None:
         if moe_token_sets < 1:
             raise ValueError(f"moe_token_sets must be at least 1, got {moe_token_sets}")
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets
+        self._set_precision(dtype, compute_dtype, grad_dtype)
         self._hold(units)
-        self.params = {name: Parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)),
-                                       expert_placement(name, self._ep_size()))
+        self.params = {name: self._parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)),
+                                             expert_placement(name, self._ep_size()))
                        for name, shape in self.local_parameter_shapes().items()}
         self._assemble(recompute, query_block)
 
     # -- construction (the tensor-parallel model overrides the three layer factories) ---------------------------
+
+    def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any) -> None:
+        """The master dtype (`dtype`: the weights as initialized and updated), the compute dtype of the working
+        copy and the activations (default: `dtype`), and the gradients' (default: `dtype`): `models.precision`."""
+        self.master_dtype = np.dtype(dtype)
+        self.compute_dtype = dtype_named(compute_dtype or dtype)
+        self.grad_dtype = dtype_named(grad_dtype or dtype)
+
+    def _parameter(self, name: str, value: Array, placement: Any, full_shape: Any = None) -> Parameter:
+        """A parameter at the compute dtype; when that is narrower than the master dtype, it keeps `value` as its
+        master copy and holds the rounded working copy."""
+        if is_narrow(self.compute_dtype):
+            return Parameter(name, narrow(value, self.compute_dtype), placement, full_shape, self.grad_dtype,
+                             master=value)
+        return Parameter(name, value.astype(self.compute_dtype, copy=False), placement, full_shape, self.grad_dtype)
+
+    def _narrowed(self, layer: Any) -> Any:
+        """`layer` run in float32 on narrow tensors when the compute dtype is narrow (`models.precision.Narrowed`)."""
+        return Narrowed(layer, self.compute_dtype) if is_narrow(self.compute_dtype) else layer
 
     def _hold(self, units: Any) -> None:
         count = self.config.n_layer + 2
@@ -382,7 +405,7 @@ class GPT:
         return self.params["transformer.wte.weight" if self.config.tied else "lm_head.weight"]
 
     def _cross_entropy(self) -> Any:
-        return TiedHeadCrossEntropy(self._head_weight())
+        return self._narrowed(TiedHeadCrossEntropy(self._head_weight()))
 
     def _block(self, i: int) -> Block:
         prefix = f"transformer.h.{i}"
@@ -403,16 +426,18 @@ class GPT:
         """GPT-2's c_fc, GELU, c_proj, or llama's [gate | up], SwiGLU, down (column- then row-parallel)."""
         if self.config.is_llama:
             return MLP(self._concatenated([f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
-                       self._row_parallel(f"{prefix}.down_proj"), SwiGLU())
-        return MLP(self._column_parallel(f"{prefix}.c_fc"), self._row_parallel(f"{prefix}.c_proj"))
+                       self._row_parallel(f"{prefix}.down_proj"), self._narrowed(SwiGLU()))
+        return MLP(self._column_parallel(f"{prefix}.c_fc"), self._row_parallel(f"{prefix}.c_proj"),
+                   self._narrowed(GELU()))
 
     def _expert(self, prefix: str) -> MLP:
         """One expert: the family's MLP, unsplit (experts are whole on the rank that holds them)."""
         if self.config.is_llama:
-            return MLP(ConcatenatedLinear([self.params[f"{prefix}.gate_proj.weight"],
-                                           self.params[f"{prefix}.up_proj.weight"]]),
-                       Linear(self.params[f"{prefix}.down_proj.weight"]), SwiGLU())
-        return MLP(Linear(*self._weight_and_bias(f"{prefix}.c_fc")), Linear(*self._weight_and_bias(f"{prefix}.c_proj")))
+            return MLP(self._narrowed(ConcatenatedLinear([self.params[f"{prefix}.gate_proj.weight"],
+                                                          self.params[f"{prefix}.up_proj.weight"]])),
+                       self._narrowed(Linear(self.params[f"{prefix}.down_proj.weight"])), self._narrowed(SwiGLU()))
+        return MLP(self._narrowed(Linear(*self._weight_and_bias(f"{prefix}.c_fc"))),
+                   self._narrowed(Linear(*self._weight_and_bias(f"{prefix}.c_proj"))), self._narrowed(GELU()))
 
     def _attention(self, qkv: Any, projection: Any) -> Any:
         """Causal self-attention over the whole sequence, or with a CP group over its zigzag chunks."""
@@ -440,19 +465,19 @@ class GPT:
     def _norm(self, prefix: str) -> Any:
         """The family's norm: LayerNorm (GPT-2) or RMSNorm (llama)."""
         if self.config.is_llama:
-            return RMSNorm(self.params[f"{prefix}.weight"], self.config.rms_norm_eps)
-        return LayerNorm(*self._weight_and_bias(prefix))
+            return self._narrowed(RMSNorm(self.params[f"{prefix}.weight"], self.config.rms_norm_eps))
+        return self._narrowed(LayerNorm(*self._weight_and_bias(prefix)))
 
     def _column_parallel(self, prefix: str) -> Any:
-        return Linear(*self._weight_and_bias(prefix))
+        return self._narrowed(Linear(*self._weight_and_bias(prefix)))
 
     def _concatenated(self, prefixes: list[str], key_value: bool = False) -> Any:
         """Bias-free projections of one input side by side (llama's q, k, v; gate and up). `key_value`: the
         last two are KV projections (tensor parallelism may replicate their heads)."""
-        return ConcatenatedLinear([self.params[f"{prefix}.weight"] for prefix in prefixes])
+        return self._narrowed(ConcatenatedLinear([self.params[f"{prefix}.weight"] for prefix in prefixes]))
 
     def _row_parallel(self, prefix: str) -> Any:
-        return Linear(*self._weight_and_bias(prefix))
+        return self._narrowed(Linear(*self._weight_and_bias(prefix)))
 
     def _local_heads(self) -> int:
         return self.config.n_head
@@ -639,7 +664,10 @@ class GPT:
         by_short_name = {name.removeprefix("transformer."): value for name, value in tensors.items()}
         for name, param in self.params.items():
             value = _tensor_named(by_short_name, name, param.full_shape)
-            param.data[...] = shard_tensor(like(param.data, value), param.placement, self.axis_ranks())
+            shard = shard_tensor(like(param.data, value), param.placement, self.axis_ranks())
+            param.data[...] = shard
+            if param.master is not None:
+                param.master[...] = shard
         for name, bias in self.expert_biases.items():  # absent (a checkpoint from elsewhere): zero, as initialized
             if name.removeprefix("transformer.") in by_short_name:
                 bias[...] = like(bias, _tensor_named(by_short_name, name, bias.shape))

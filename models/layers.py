@@ -47,6 +47,7 @@ from collectives.backend import Array, get_array_module, is_device_array, scatte
 from . import kernels
 from .kernels import GELU_CUBIC, GELU_SCALE
 from .parameter import Parameter
+from .precision import narrow, narrow_saved, widen, widen_saved
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 QUERY_BLOCK = 64
@@ -503,12 +504,15 @@ class CausalSelfAttention(ProjectedAttention):
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         qkv, qkv_saved = self.qkv.forward(x)
-        q, k, v = self._split_heads(qkv)
+        dtype = qkv.dtype  # the compute dtype: narrow ones are widened for the math, rounded for what is kept
+        q, k, v = self._split_heads(widen(qkv))
         self._rotate(q, k, 0)
         q *= 1.0 / math.sqrt(q.shape[-1])
         merged, probs = self._attend(q, k, v, offset=0, keep=self.keep_probabilities)
-        out, projection_saved = self.projection.forward(merged)
-        return out, Saved(qkv=qkv_saved, projection=projection_saved, q=q, k=k, v=v, merged=merged, probs=probs)
+        out, projection_saved = self.projection.forward(narrow(merged, dtype))
+        saved = Saved(qkv=qkv_saved, projection=projection_saved, q=q, k=k, v=v, merged=merged, probs=probs)
+        narrow_saved(saved, dtype, self.input_pass_only)
+        return out, saved
 
     def _rotate(self, q: Array, k: Array, start: int) -> None:
         if self.rope is not None:
@@ -551,7 +555,9 @@ class CausalSelfAttention(ProjectedAttention):
 
     def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
         """d(qkv), in the projection output's layout, from d(merged heads)."""
-        xp = get_array_module(dmerged)
+        xp, dtype = get_array_module(dmerged), dmerged.dtype
+        dmerged = widen(dmerged)
+        widen_saved(saved, self.input_pass_only)
         batch, length, channels = dmerged.shape
         head_dim, n_kv = channels // self.n_head, self.n_kv_head
         dheads = grouped(dmerged.reshape(batch, length, self.n_head, head_dim).transpose(0, 2, 1, 3), n_kv)
@@ -576,7 +582,7 @@ class CausalSelfAttention(ProjectedAttention):
             positions = np.arange(length)
             self.rope.rotate_back(dq, positions)
             self.rope.rotate_back(dk, positions)
-        return dqkv
+        return narrow(dqkv, dtype)
 
 
 def split_heads(qkv: Array, n_head: int, n_kv_head: int) -> tuple[Array, Array, Array]:

@@ -80,7 +80,9 @@ PARTIAL = Partial()
 
 
 class Parameter:
-    """`data` and the gradient `grad` accumulated by backward (same shape, dtype and backend).
+    """`data` and the gradient `grad` accumulated by backward (same shape and backend; `grad_dtype`, default
+    data's dtype). Under mixed precision `data` is the compute-dtype working copy of `master` (the weights at
+    --dtype), which the optimizer updates and rounds back into `data` (`models.precision`).
 
     `name` is the GPT2LMHeadModel tensor name (`transformer.h.0.attn.c_attn.weight`), so checkpoints, gradient
     dumps and tests address parameters the way Hugging Face does. `grad` may be re-pointed at a view into a
@@ -88,13 +90,15 @@ class Parameter:
     mesh holds it (see the module docstring); `full_shape` is the shape of the whole tensor.
     """
 
-    __slots__ = ("name", "data", "grad", "placement", "full_shape")
+    __slots__ = ("name", "data", "grad", "placement", "full_shape", "master")
 
     def __init__(self, name: str, data: Array, placement: Mapping[str, Placement] | None = None,
-                 full_shape: tuple[int, ...] | None = None) -> None:
+                 full_shape: tuple[int, ...] | None = None, grad_dtype: Any = None, master: Array | None = None
+                 ) -> None:
         self.name = name
         self.data = data
-        self.grad = get_array_module(data).zeros_like(data)
+        self.master = master  # mixed precision: the full-precision weights `data` is a rounded copy of
+        self.grad = get_array_module(data).zeros(data.shape, grad_dtype or data.dtype)
         self.placement: dict[str, Placement] = dict(placement or {})
         self.full_shape = tuple(data.shape) if full_shape is None else tuple(full_shape)
 

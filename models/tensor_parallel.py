@@ -85,6 +85,7 @@ from .gpt import GPT, GPTConfig, initial_value
 from .layers import QUERY_BLOCK, ConcatenatedLinear, Layer, Linear, Saved
 from .moe import expert_placement
 from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
+from .precision import narrow, widen
 
 TP_AXIS = "tp"
 
@@ -225,19 +226,20 @@ class RowParallelLinear(Layer):
         self.weight, self.bias, self.group = weight, bias, group
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        partial = x.reshape(-1, x.shape[-1]) @ self.weight.data
-        out = self.group.out_of_row_parallel(partial.reshape(*x.shape[:-1], partial.shape[-1]))
+        partial = widen(x).reshape(-1, x.shape[-1]) @ self.weight.data  # narrow dtypes: float32 accumulation
+        partial = narrow(partial.reshape(*x.shape[:-1], partial.shape[-1]), x.dtype)  # sent at the compute dtype
+        out = self.group.out_of_row_parallel(partial)
         if self.bias is not None:
             out += self.bias.data
         return out, Saved(x=x)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         saved.dpartial = self.group.out_of_row_parallel_backward(dout)
-        dx = saved.dpartial.reshape(-1, dout.shape[-1]) @ self.weight.data.T
-        return dx.reshape(*saved.x.shape)
+        dx = widen(saved.dpartial).reshape(-1, dout.shape[-1]) @ self.weight.data.T
+        return narrow(dx.reshape(*saved.x.shape), dout.dtype)
 
     def backward_weights(self, saved: Saved) -> None:
-        x, dpartial = saved.x, saved.dpartial.reshape(-1, saved.dpartial.shape[-1])
+        x, dpartial = widen(saved.x), widen(saved.dpartial).reshape(-1, saved.dpartial.shape[-1])
         self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dpartial
         if self.bias is not None:
             self.bias.grad += dpartial.sum(axis=0)
@@ -308,8 +310,8 @@ class VocabParallelCrossEntropy(Layer):
 
     def forward(self, x: Array, targets: Array, normalizer: float) -> tuple[float, Saved]:
         xp = get_array_module(x)
-        x = self.group.into_column_parallel(x)
-        x2d = x.reshape(-1, x.shape[-1])
+        x = self.group.into_column_parallel(x)  # at the compute dtype
+        x2d = widen(x).reshape(-1, x.shape[-1])  # the logits and their softmax statistics: float32 or wider
         logits = x2d @ self.token.data.T  # (B·T, V/n): this rank's columns
         logits[:, self.padding] = -xp.inf
         logits -= self.group.all_reduce(logits.max(axis=-1), op="max")[:, None]
@@ -319,7 +321,7 @@ class VocabParallelCrossEntropy(Layer):
         xp.exp(logits, out=logits)
         sums, target_logits = self.group.all_reduce(xp.stack([logits.sum(axis=-1), target_logits]))
         logits /= sums[:, None]
-        saved = Saved(x_shape=x.shape, x2d=x2d, probs=logits, dlogits=None, normalizer=normalizer,
+        saved = Saved(x_shape=x.shape, x2d=x2d, probs=logits, dlogits=None, normalizer=normalizer, dtype=x.dtype,
                       target_rows=target_rows, target_columns=target_columns)
         return float((xp.log(sums) - target_logits).sum()) / normalizer, saved
 
@@ -342,7 +344,7 @@ class VocabParallelCrossEntropy(Layer):
 
     def backward_input(self, saved: Saved, dout: None = None) -> Array:
         dpartial = (self._gradient_of_logits(saved) @ self.token.data).reshape(saved.x_shape)
-        return self.group.into_column_parallel_backward(dpartial)
+        return self.group.into_column_parallel_backward(narrow(dpartial, saved.dtype))
 
     def backward_weights(self, saved: Saved) -> None:
         self.token.grad += self._gradient_of_logits(saved).T @ saved.x2d
@@ -430,7 +432,7 @@ class TensorParallelGPT(GPT):
     def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
                  sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
                  query_block: int = QUERY_BLOCK, units: Any = None, context: Any = None, ep_comm: Any = None,
-                 moe_token_sets: int = 1) -> None:
+                 moe_token_sets: int = 1, compute_dtype: Any = None, grad_dtype: Any = None) -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
@@ -441,6 +443,7 @@ class TensorParallelGPT(GPT):
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets
+        self._set_precision(dtype, compute_dtype, grad_dtype)
         self._hold(units)
         self.params = {name: self._shard(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}
@@ -464,13 +467,13 @@ class TensorParallelGPT(GPT):
         placement = tensor_parallel_placement(name, self.group.sequence_parallel, self.key_value_copies)
         placement |= expert_placement(name, 1 if self.ep_comm is None else self.ep_comm.size)
         shard = shard_tensor(full, placement, self.axis_ranks())
-        return Parameter(name, xp.asarray(shard), placement, full_shape=full.shape)
+        return self._parameter(name, xp.asarray(shard), placement, full.shape)
 
     def axis_ranks(self) -> dict[str, tuple[int, int]]:
         return {TP_AXIS: (self.group.rank, self.group.size)}
 
-    def _column_parallel(self, prefix: str) -> ColumnParallelLinear:
-        return ColumnParallelLinear(*self._weight_and_bias(prefix), self.group)
+    def _column_parallel(self, prefix: str) -> ColumnParallel:
+        return ColumnParallel(self._narrowed(Linear(*self._weight_and_bias(prefix))), self.group)
 
     def _row_parallel(self, prefix: str) -> RowParallelLinear:
         return RowParallelLinear(*self._weight_and_bias(prefix), self.group)
@@ -482,7 +485,7 @@ class TensorParallelGPT(GPT):
         groups = [None] * len(weights)
         if key_value:
             groups[-2:] = [self.key_value_group] * 2
-        return ColumnParallel(ConcatenatedLinear(weights, groups), self.group)
+        return ColumnParallel(self._narrowed(ConcatenatedLinear(weights, groups)), self.group)
 
     def _local_heads(self) -> int:
         return self.config.n_head // self.group.size

@@ -104,14 +104,16 @@ class ShardSegment:
     """The part of one parameter that lies in this rank's shard of a bucket: what ZeRO's optimizer updates.
 
     `data` and `grad` are 1-D views into the shard buffers; `full_shape` tells the optimizer the parameter's
-    real shape (AdamW decays only ≥2-D weights).
+    real shape (AdamW decays only ≥2-D weights). Under mixed precision `master` is the view of this rank's shard
+    of the master weights (ZeRO shards them with the moments), else None.
     """
 
-    __slots__ = ("name", "data", "grad", "full_shape", "placement", "parameter", "start", "stop")
+    __slots__ = ("name", "data", "grad", "full_shape", "placement", "parameter", "start", "stop", "master")
 
     def __init__(self, parameter: Parameter, start: int, stop: int, data: Array, grad: Array,
-                 full_shape: tuple[int, ...], axes: tuple[str, ...]) -> None:
+                 full_shape: tuple[int, ...], axes: tuple[str, ...], master: Array | None = None) -> None:
         self.name, self.data, self.grad, self.full_shape = f"{parameter.name}[{start}:{stop}]", data, grad, full_shape
+        self.master = master
         self.parameter, self.start, self.stop = parameter, start, stop
         self.placement = parameter.placement | {axis: FlatShard(start, stop) for axis in axes}
 
@@ -150,8 +152,10 @@ class DataParallel(ParameterHooks):
             for param in params:
                 param.placement |= {axis: PARTIAL for axis in axes}
         self.buckets = build_buckets(self.units, int(bucket_mb * 2**20), comm.size)
-        self.xp = get_array_module(self.buckets[0].params[0].data)
-        self.dtype = self.buckets[0].params[0].data.dtype
+        first = self.buckets[0].params[0]
+        self.xp = get_array_module(first.data)
+        self.dtype, self.grad_dtype = first.data.dtype, first.grad.dtype  # compute and gradient dtypes
+        self.master_dtype = None if first.master is None else first.master.dtype  # mixed precision
         self._shapes = {id(p): tuple(p.data.shape) for bucket in self.buckets for p in bucket.params}
         self._released = self.xp.empty(0, self.dtype)  # what a ZeRO-3 parameter points at between uses
         self._in_flight: dict[int, Any] = {}       # bucket index -> handle of its gradient reduction
@@ -173,12 +177,15 @@ class DataParallel(ParameterHooks):
         Plain DP leaves the parameters where they are (only gradients are communicated)."""
         self.flat_params: list[Array | None] = []
         self.param_shards: list[Array] = []
+        self.master_shards: list[Array] = []
         if self.zero == 0:
             return
         for bucket in self.buckets:
             flat = self.xp.zeros(bucket.padded, self.dtype)
             for param, offset in zip(bucket.params, bucket.offsets, strict=True):
                 flat[offset:offset + param.data.size] = param.data.reshape(-1)
+            if self.master_dtype is not None:
+                self.master_shards.append(self._master_shard(bucket))
             if self.zero == 3:
                 self.param_shards.append(flat[self._shard(bucket)].copy())
                 self.flat_params.append(None)
@@ -188,13 +195,22 @@ class DataParallel(ParameterHooks):
                 self.param_shards.append(flat[self._shard(bucket)])
                 self._point_parameters_at(bucket, flat)
 
+    def _master_shard(self, bucket: Bucket) -> Array:
+        """This rank's shard of the bucket's master weights; the parameters let go of their whole masters (ZeRO
+        shards them, with the moments: 12Ψ/n of the paper's 16Ψ)."""
+        flat = self.xp.zeros(bucket.padded, self.master_dtype)
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            flat[offset:offset + param.master.size] = param.master.reshape(-1)
+            param.master = None
+        return flat[self._shard(bucket)].copy()
+
     def _lay_out_gradients(self) -> None:
         """Full gradient buckets (DP, ZeRO-1) or per-rank accumulators of the reduced shard (ZeRO-2, ZeRO-3)."""
         self.flat_grads: list[Array | None] = [None] * len(self.buckets)
         self.grad_shards: list[Array] = []
         for index, bucket in enumerate(self.buckets):
             if self.zero >= 2:
-                self.grad_shards.append(self.xp.zeros(bucket.padded // self.comm.size, self.dtype))
+                self.grad_shards.append(self.xp.zeros(bucket.padded // self.comm.size, self.grad_dtype))
             else:
                 self._allocate_gradients(index)
                 if self.zero == 1:  # the reduced shard overwrites this rank's part of the full buffer
@@ -202,7 +218,7 @@ class DataParallel(ParameterHooks):
 
     def _allocate_gradients(self, index: int) -> None:
         bucket = self.buckets[index]
-        flat = self.xp.zeros(bucket.padded, self.dtype)
+        flat = self.xp.zeros(bucket.padded, self.grad_dtype)
         self.flat_grads[index] = flat
         for param, offset in zip(bucket.params, bucket.offsets, strict=True):
             param.grad = flat[offset:offset + self._size(param)].reshape(self._shape(param))
@@ -238,8 +254,10 @@ class DataParallel(ParameterHooks):
                 lo, hi = max(offset, shard.start), min(offset + self._size(param), shard.stop)
                 if lo < hi:
                     local = slice(lo - shard.start, hi - shard.start)
+                    master = self.master_shards[index][local] if self.master_shards else None
                     segments.append(ShardSegment(param, lo - offset, hi - offset, self.param_shards[index][local],
-                                                 self.grad_shards[index][local], self._shape(param), self.axes))
+                                                 self.grad_shards[index][local], self._shape(param), self.axes,
+                                                 master))
         return segments
 
     # -- a step -----------------------------------------------------------------------------------------------
@@ -417,14 +435,19 @@ class DataParallel(ParameterHooks):
     # -- inspection ------------------------------------------------------------------------------------------
 
     def full_parameters(self) -> dict[str, Array]:
-        """Every parameter's full value by name (ZeRO-3 gathers the shards; for checkpoints and tests)."""
+        """Every parameter's full value by name — the master weights under mixed precision — (ZeRO-3, and ZeRO's
+        master shards, gathered; for checkpoints and tests)."""
         values = {}
         for index, bucket in enumerate(self.buckets):
-            if self.zero == 3:
+            if self.master_shards:
+                flat = collectives.all_gather(self.master_shards[index], self.comm, algo="mpi")
+                values |= self._unflatten(bucket, flat)
+            elif self.zero == 3:
                 flat = collectives.all_gather(self.param_shards[index], self.comm, algo="mpi")
                 values |= self._unflatten(bucket, flat)
             else:
-                values |= {param.name: param.data.copy() for param in bucket.params}
+                values |= {param.name: (param.data if param.master is None else param.master).copy()
+                           for param in bucket.params}
         return values
 
     def _unflatten(self, bucket: Bucket, flat: Array) -> dict[str, Array]:
@@ -460,6 +483,9 @@ class DataParallel(ParameterHooks):
         grads = distinct_bytes(self.flat_grads, self.grad_shards)  # ZeRO-1's shards are views of the buffers
         state = sum(a.nbytes for a in getattr(optimizer, "exp_avg", {}).values())
         state += sum(a.nbytes for a in getattr(optimizer, "exp_avg_sq", {}).values())
+        # mixed precision: the master weights are optimizer state (the ZeRO paper's 12Ψ = master + m + v)
+        state += sum(s.nbytes for s in self.master_shards) + sum(
+            p.master.nbytes for b in self.buckets for p in b.params if p.master is not None)
         return {"parameters": params, "gradients": grads, "optimizer_state": state}
 
 

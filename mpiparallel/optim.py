@@ -141,13 +141,23 @@ class _Optimizer:
         return self._scratch[key][:data.size].reshape(data.shape)
 
     def step(self, lr: float | None = None) -> None:
-        """Apply one update to every parameter from its `.grad`; `lr` overrides the constructor's for this step."""
+        """Apply one update to every parameter from its `.grad`; `lr` overrides the constructor's for this step.
+
+        Mixed precision: a parameter with a `master` copy (the weights at --dtype) is updated there, from its
+        gradient widened to the master's dtype, and its working copy `data` re-rounded from it (to nearest
+        even); the moments are at the master's dtype."""
         self.step_count += 1
         rate = self.lr if lr is None else lr
         for param in self.params:
-            self.update(param, rate)
+            master = getattr(param, "master", None)
+            if master is None:
+                self.update(param, param.data, param.grad, rate)
+            else:
+                self.update(param, master, param.grad.astype(master.dtype, copy=False), rate)
+                param.data[...] = master
 
-    def update(self, param: Parameter, lr: float) -> None:
+    def update(self, param: Parameter, weights: Array, grad: Array, lr: float) -> None:
+        """Update `weights` (param's data, or its master copy) from `grad` in place."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,8 +177,15 @@ class SGD(_Optimizer):
 
     name = "sgd"
 
-    def update(self, param: Parameter, lr: float) -> None:
-        sgd_update(param.data, param.grad, lr, self.scratch_like(param.data))
+    def update(self, param: Parameter, weights: Array, grad: Array, lr: float) -> None:
+        sgd_update(weights, grad, lr, self.scratch_like(weights))
+
+
+def _zeros_like_master(param: Any) -> Array:
+    """Optimizer state for a parameter: zeros at its master's dtype (mixed precision), else its data's."""
+    reference = getattr(param, "master", None)
+    reference = param.data if reference is None else reference
+    return get_array_module(reference).zeros_like(reference)
 
 
 class AdamW(_Optimizer):
@@ -185,14 +202,14 @@ class AdamW(_Optimizer):
         if eps < 0 or weight_decay < 0:
             raise ConfigError(f"AdamW eps and weight decay must be non-negative, got {eps} and {weight_decay}")
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
-        self.exp_avg = {p.name: get_array_module(p.data).zeros_like(p.data) for p in self.params}
-        self.exp_avg_sq = {p.name: get_array_module(p.data).zeros_like(p.data) for p in self.params}
+        self.exp_avg = {p.name: _zeros_like_master(p) for p in self.params}
+        self.exp_avg_sq = {p.name: _zeros_like_master(p) for p in self.params}
 
-    def update(self, param: Parameter, lr: float) -> None:
+    def update(self, param: Parameter, weights: Array, grad: Array, lr: float) -> None:
         # A ZeRO shard segment is a flat slice of a parameter: its `full_shape` says whether the parameter decays.
         decay = self.weight_decay if weight_decay_applies(getattr(param, "full_shape", param.data.shape)) else 0.0
-        adamw_update(param.data, param.grad, self.exp_avg[param.name], self.exp_avg_sq[param.name],
-                     self.step_count, lr, self.beta1, self.beta2, self.eps, decay, self.scratch_like(param.data))
+        adamw_update(weights, grad, self.exp_avg[param.name], self.exp_avg_sq[param.name],
+                     self.step_count, lr, self.beta1, self.beta2, self.eps, decay, self.scratch_like(weights))
 
     def state_dict(self) -> dict[str, Any]:
         """{"optimizer": "adamw", "step": t, "exp_avg": {name: m}, "exp_avg_sq": {name: v}} (arrays not copied)."""

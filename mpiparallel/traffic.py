@@ -101,7 +101,7 @@ class RunShape:
     rows: int               # b: sequences per microbatch on this rank
     positions: int          # s: sequence positions held by this rank (÷ cp)
     channels: int           # h
-    itemsize: int           # e
+    itemsize: int           # e: the compute dtype's bytes (activations)
     microbatches: int       # m
     blocks: int             # L: transformer blocks on this rank
     has_embedding: bool
@@ -111,9 +111,19 @@ class RunShape:
     seq_len: int            # the whole sequence (cp's K/V)
     cp_attention: str
     moe: bool               # experts replace the MLP, replicated over TP: only attention exchanges over tp
+    grad_itemsize: int = 0  # bytes of a gradient element (0: itemsize)
     n_head: int = 1         # query heads of the whole model (the llama family's KV heads below)
     kv_heads: int = 1       # KV heads of the whole model (n_head for multi-head attention)
     tp: int = 1
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.grad_itemsize or self.itemsize
+
+    @property
+    def statistics_bytes(self) -> int:
+        """The softmax statistics' element: float32 or wider (the compute dtype when that is wider)."""
+        return max(self.itemsize, 4)
 
     @property
     def local_heads(self) -> tuple[int, int, int]:
@@ -126,12 +136,16 @@ def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: b
                         comm: Any = None) -> float:
     """One `DataParallel` engine's bytes per step on its communicator (or `comm`, the same one seen
     `AcrossNodes`). `hooked=False`: the model ran without the engine's per-unit hooks (a pipeline), so ZeRO-2/3
-    reduce once per step and ZeRO-3 gathers everything once."""
+    reduce once per step and ZeRO-3 gathers everything once. Gradients travel at the engine's gradient dtype,
+    parameters (ZeRO's all-gathers) at its compute dtype; `itemsize` is used when the engine has neither."""
     comm = engine.comm if comm is None else comm
+    grad_size = getattr(getattr(engine, "grad_dtype", None), "itemsize", itemsize)
+    param_size = getattr(getattr(engine, "dtype", None), "itemsize", itemsize)
     total = 0.0
     for index, bucket in enumerate(engine.buckets):
-        size = bucket.padded * itemsize
-        reduce_scatter, all_gather = (collective_bytes(name, size, comm) for name in ("reduce_scatter", "all_gather"))
+        size = bucket.padded * grad_size
+        reduce_scatter = collective_bytes("reduce_scatter", size, comm)
+        all_gather = collective_bytes("all_gather", bucket.padded * param_size, comm)
         if engine.zero == 0:
             total += collective_bytes("all_reduce", size, comm)
         elif engine.zero == 1 or not hooked:  # ZeRO-3: all-gathered at the start instead of after the update
@@ -160,8 +174,8 @@ def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_
         per_microbatch += exchange
     if shape.has_head:
         tokens = shape.rows * shape.positions
-        per_microbatch += exchange + collective_bytes("all_reduce", tokens * shape.itemsize, comm) \
-            + collective_bytes("all_reduce", 2 * tokens * shape.itemsize, comm)
+        per_microbatch += exchange + collective_bytes("all_reduce", tokens * shape.statistics_bytes, comm) \
+            + collective_bytes("all_reduce", 2 * tokens * shape.statistics_bytes, comm)
     total = shape.microbatches * per_microbatch
     # KV heads replicated on tp/n_kv ranks: each microbatch's K and V weight gradients summed over the copies
     if key_value_comm is not None:
@@ -174,7 +188,7 @@ def key_value_gradient_bytes(shape: RunShape, copies: Communicator) -> float:
     """Per block and microbatch: the all-reduces of the k_proj and v_proj weight gradients (h × d each) over the
     tp/n_kv ranks that hold the same KV head (`copies`)."""
     _, kv_heads, head_dim = shape.local_heads
-    return 2 * collective_bytes("all_reduce", shape.channels * kv_heads * head_dim * shape.itemsize, copies)
+    return 2 * collective_bytes("all_reduce", shape.channels * kv_heads * head_dim * shape.gradient_bytes, copies)
 
 
 def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weight_bytes: float,

@@ -40,6 +40,7 @@ from models.parameter import (
     local_shape,
     reduce_partial_gradients,
 )
+from models.precision import model_state_bytes
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
 from . import checkpoint, data, optim, traffic, training_checkpoint
@@ -72,6 +73,8 @@ class ModelSettings:
     n_positions: int = 1024
     seed: int = 0
     dtype: str = "float32"
+    compute_dtype: str | None = None  # None: dtype (mixed precision: bfloat16 or float16)
+    grad_dtype: str | None = None  # None: dtype
     device: str = "cpu"
     init: str | None = None
     recompute: str = "none"
@@ -275,7 +278,7 @@ class Trainer:
         self.model, self.engine, self.optimizer, self.mesh, self.settings = model, engine, optimizer, mesh, settings
         self.microbatches = microbatch_count(settings, mesh)
         self.pipeline = None if schedule is None else PipelineExecutor(
-            model, schedule, mesh.pp, activation_shape(settings, mesh, model.config), settings.model.dtype)
+            model, schedule, mesh.pp, activation_shape(settings, mesh, model.config), model.compute_dtype)
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
         self.tracer: Tracer | None = None  # --trace: records each step, pipeline action and collective
@@ -495,19 +498,17 @@ class Trainer:
     def memory_report(self) -> str:
         """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
         held = self.engine.memory(self.optimizer) | {"activations": self.activation_bytes}
-        n, itemsize = self.mesh.dp.size, np.dtype(self.settings.model.dtype).itemsize
+        n, model = self.mesh.dp.size, self.model
         sizes = {"tp": self.mesh.tp.size}  # from the placements: this rank's shard of every parameter
         count = sum(math.prod(local_shape(p.full_shape, p.placement, sizes)) for p in self.model.parameters())
-        state_factor = 2 if self.settings.optimizer.optimizer == "adamw" else 0
-        shards = {"parameters": n if self.settings.mesh.zero == 3 else 1,
-                  "gradients": n if self.settings.mesh.zero >= 2 else 1,
-                  "optimizer_state": n if self.settings.mesh.zero >= 1 else 1}
-        theory = {"parameters": count * itemsize / shards["parameters"],
-                  "gradients": count * itemsize / shards["gradients"],
-                  "optimizer_state": state_factor * count * itemsize / shards["optimizer_state"]}
-        lines = [f"rank {self.mesh.world.rank} (zero {self.settings.mesh.zero}, dp {n}, {self.settings.model.dtype}): "
-                 f"{count:,} parameters; mixed precision would need 16·N = {16 * count / 2**20:.1f} MiB "
-                 f"before ZeRO"]
+        per_parameter = model_state_bytes(model.compute_dtype, model.master_dtype, model.grad_dtype,
+                                          self.settings.optimizer.optimizer, self.settings.mesh.zero, n)
+        theory = {kind: count * size for kind, size in per_parameter.items()}
+        precision = f"{model.compute_dtype.name} compute, {model.grad_dtype.name} gradients, " \
+                    f"{model.master_dtype.name} master and optimizer state"
+        lines = [f"rank {self.mesh.world.rank} (zero {self.settings.mesh.zero}, dp {n}; {precision}): "
+                 f"{count:,} parameters, {sum(per_parameter.values()):.2f} bytes per parameter "
+                 f"({' + '.join(f'{size:g}' for size in per_parameter.values())})"]
         for kind, measured in held.items():
             expected = f"{theory[kind] / 2**20:10.2f} MiB" if kind in theory else "          -"
             lines.append(f"  {kind:<16} {measured / 2**20:10.2f} MiB held   theory {expected}")
@@ -528,7 +529,7 @@ class Trainer:
         if self.mesh.cp.size > 1 or config.n_experts:
             return 0
         rows = settings.data.batch_size // (self.mesh.dp.size * self.microbatches)
-        return np.dtype(settings.model.dtype).itemsize * block_activation_elements(
+        return self.model.compute_dtype.itemsize * block_activation_elements(
             rows, settings.data.seq_len, config.n_embd, config.n_head, self.mesh.tp.size, settings.mesh.sp,
             settings.model.recompute, self.model.query_block, config.kv_heads,
             config.ffn_width if config.is_llama else None)
@@ -542,7 +543,8 @@ class Trainer:
         shape = traffic.RunShape(
             rows=settings.data.batch_size // (mesh.shape.dp * self.microbatches),
             positions=settings.data.seq_len // mesh.shape.cp, channels=config.n_embd,
-            itemsize=np.dtype(settings.model.dtype).itemsize, microbatches=self.microbatches,
+            itemsize=self.model.compute_dtype.itemsize, grad_itemsize=self.model.grad_dtype.itemsize,
+            microbatches=self.microbatches,
             blocks=len(local - {0, config.n_layer + 1}), has_embedding=0 in local,
             has_head=config.n_layer + 1 in local, sp=settings.mesh.sp, recompute=settings.model.recompute,
             seq_len=settings.data.seq_len, cp_attention=settings.mesh.cp_attention, moe=bool(config.n_experts),
@@ -565,7 +567,7 @@ class Trainer:
                                                                comm=mesh.communicators()[axis])
         if self.pipeline is not None:
             wte = self.model.params.get(TIED_WEIGHT) if config.tied else None  # ZeRO-3 may have freed its data
-            tied = 0 if wte is None else shape.itemsize * math.prod(
+            tied = 0 if wte is None else shape.gradient_bytes * math.prod(
                 local_shape(wte.full_shape, wte.placement, {"tp": mesh.shape.tp}))
             predicted["pp"] = traffic.pipeline_bytes(shape, self.pipeline.schedule, mesh.pp.rank, mesh.shape.tp, tied,
                                                      crossing=mesh.pp.remote if across_nodes else None)
@@ -726,6 +728,7 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
     _check_experts(config, mesh)
     token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (tp if settings.mesh.sp else 1)
     common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
+              "compute_dtype": settings.model.compute_dtype, "grad_dtype": settings.model.grad_dtype,
               "units": units, "context": _context(settings, mesh, config)}
     if config.n_experts:
         common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
@@ -890,6 +893,9 @@ def _resume(settings: TrainSettings, model: GPT, mesh: Mesh, data_identity: dict
         saved.check_data(data_identity)
         held = training_checkpoint.parameter_pieces(model.params.values(), model.axis_ranks())
         load_pieces(saved, held + training_checkpoint.expert_bias_pieces(model.expert_biases))
+        for param in model.params.values():  # mixed precision: the working copy is the loaded master, rounded
+            if param.master is not None:
+                param.data[...] = param.master
         return saved
 
     saved = on_every_rank(mesh.world, load)

@@ -208,8 +208,15 @@ def parameter_pieces(sources: Iterable[Any], ranks: Mapping[str, tuple[int, int]
         parameter = getattr(source, "parameter", source)
         piece = Piece(prefix + parameter.name, parameter.full_shape, source.placement, ranks,
                       getattr(source, "start", 0), getattr(source, "stop", None))
-        held.append((piece, source.data if values is None else values[source.name]))
+        held.append((piece, weights_of(source) if values is None else values[source.name]))
     return held
+
+
+def weights_of(source: Any) -> Array:
+    """The weights a checkpoint holds for a parameter or ZeRO segment: its master copy under mixed precision (the
+    working copy is a rounding of it), else its data."""
+    master = getattr(source, "master", None)
+    return source.data if master is None else master
 
 
 def expert_bias_pieces(biases: Mapping[str, Array]) -> list[tuple[Piece, Array]]:

@@ -288,7 +288,12 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0,
               help="AdamW's decoupled weight decay, applied to weights of 2 or more dimensions.")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
-              help="Parameters and compute.")
+              help="Master weights, optimizer state and (by default) compute and gradients.")
+@click.option("--compute-dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default=None,
+              help="Mixed precision: the working copy of the weights, the activations and every activation sent "
+                   "between ranks (bfloat16 on NumPy via ml_dtypes, computed in float32). [default: --dtype]")
+@click.option("--grad-dtype", type=click.Choice(["bfloat16", "float32", "float64"]), default=None,
+              help="Gradients: accumulated over microbatches and reduced in this dtype. [default: --dtype]")
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu",
               help="Where parameters and compute live: NumPy on the CPU, or CuPy on the GPU of each rank's local "
                    "rank (ranks share GPUs round robin). The report says how GPU buffers reach MPI.")
