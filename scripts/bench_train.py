@@ -557,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     except FirstStepMismatch as error:
         sys.exit(str(error))
     if len(results) > 1:
-        print("\nsummary (tokens/s, median after warmup)")
+        print("\nsummary (tokens/s, median after warmup; per-step: the median of the steps' own ratios, each ours "
+              "beside the reference step right after it)")
         for result in results:
             print(result)
 
@@ -569,14 +570,16 @@ class FirstStepMismatch(Exception):
 class Result:
     """One comparison's figures, printed as a summary line."""
 
-    def __init__(self, family: str, reference: str, ours: float, theirs: float | None, bound_share: float) -> None:
-        self.family, self.reference, self.ours, self.theirs, self.bound_share = (family, reference, ours, theirs,
-                                                                                 bound_share)
+    def __init__(self, family: str, reference: str, ours: float, theirs: float | None, step_ratio: float | None,
+                 bound_share: float) -> None:
+        self.family, self.reference, self.ours, self.theirs = family, reference, ours, theirs
+        self.step_ratio, self.bound_share = step_ratio, bound_share
 
     def __str__(self) -> str:
         line = f"  {self.family:6s} ours {self.ours:9.0f}"
         if self.theirs is not None:
-            line += f"   {self.reference:>12s} {self.theirs:9.0f}   ratio ours/theirs {self.ours / self.theirs:.3f}"
+            line += (f"   {self.reference:>12s} {self.theirs:9.0f}   ratio ours/theirs {self.ours / self.theirs:.3f} "
+                     f"(per-step {self.step_ratio:.3f})")
         return line + f"   matmul-bound share of our step {self.bound_share:.0%}"
 
 
@@ -644,22 +647,23 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
     print(f"ours : {tokens_per_step / ours_seconds:9.0f} tokens/s  ({ours_seconds * 1e3:.1f} ms/step, median of "
           f"{args.steps}; matmul-bound time is {bound / ours_seconds:.0%} of it, {flops / ours_seconds / 1e9:.1f} "
           f"GFLOP/s)")
-    theirs_seconds = None
+    theirs_seconds = step_ratio = None
     if use_torch:
         theirs_seconds = median_after_warmup(theirs_times)
         print(f"{reference}: {tokens_per_step / theirs_seconds:9.0f} tokens/s  ({theirs_seconds * 1e3:.1f} ms/step; "
               f"matmul-bound time is {bound / theirs_seconds:.0%} of it, {flops / theirs_seconds / 1e9:.1f} GFLOP/s)")
         step_ratios = [theirs / ours for ours, theirs in zip(ours_times, theirs_times, strict=True)]
+        step_ratio = median_after_warmup(step_ratios)
         print(f"ratio ours/{reference} (tokens/s): {theirs_seconds / ours_seconds:.3f} (median of per-step ratios "
-              f"{median_after_warmup(step_ratios):.3f})")
+              f"{step_ratio:.3f})")
         print(f"largest loss difference over {len(ours_times)} steps: {max_difference:.2e}")
     if args.device == "gpu":
         report_mfu(flops, ours_seconds, theirs_seconds,
                    peak_tflops(device, "tf32" if args.tf32 else args.dtype, args.peak_tflops))
     if args.profile:
         profile_ours(args, ours, ours_optimizer, data)
-    return Result(family, reference, tokens_per_step / ours_seconds,
-                  None if theirs_seconds is None else tokens_per_step / theirs_seconds, bound / ours_seconds)
+    theirs_rate = None if theirs_seconds is None else tokens_per_step / theirs_seconds
+    return Result(family, reference, tokens_per_step / ours_seconds, theirs_rate, step_ratio, bound / ours_seconds)
 
 
 def print_header(args: argparse.Namespace, device: Device, config: GPTConfig, ours_optimizer, use_torch: bool) -> None:
