@@ -1,44 +1,74 @@
-"""Training speed of our hand-written GPT-2 against PyTorch eager, one thread each, in one run.
+"""Training speed of our hand-written GPT-2 and llama against PyTorch eager, same threads, in one run.
 
-Both models start from the same weights (ours, copied into torch), see the same byte batches and take the same
-AdamW steps (lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0), so their losses agree step by step; the
-steps alternate (ours, torch, ours, …) so machine noise hits both alike. A step is forward + backward +
-optimizer update + zeroing the gradients. Reported: the median tokens/s of each after the warmup steps, their
-ratio, the model FLOPs per step and how close our step comes to the time the matrix multiplications alone need
-at NumPy's measured single-thread GEMM rate.
+Two comparisons (`--model gpt2|llama|both`, default both), each of one model against its PyTorch twin:
 
-FLOPs per step (nanoGPT's / PaLM's count): 6·N·tokens + 12·L·T·C·tokens, where N = parameters without the
-position embedding (the tied token embedding counts once, as the LM head's GEMM), tokens = B·T, and the second
-term is attention's q·kᵀ and p·v (2·2·T·C per token and layer forward, ×3 with backward) over the full T×T
-scores, as the convention has it; both implementations actually skip most of the masked half (ours in causal
-query blocks, torch's flash SDPA kernel likewise). The matmul-bound time is these FLOPs at the rate NumPy
-reaches on this step's GEMM shapes (timed between the steps), so it is the time a step would take if it were
-nothing but full-rate matrix products.
+    GPT-2  against a nanoGPT-style GPT-2 written here from torch.nn primitives (weights copied from ours);
+    llama  against transformers' LlamaForCausalLM, loaded by `from_pretrained` from our weights as
+           `mpiparallel.checkpoint.save_pretrained` writes them, attn_implementation "eager" (`--hf-attention`).
 
-    python3 scripts/bench_train.py                         # GPT-2 4 layers, 256 wide, T=128, B=8, byte vocab
-    python3 scripts/bench_train.py --layers 2 --steps 10 --profile
+Both sides start from the same weights, see the same byte batches and take the same AdamW steps (lr 3e-4, betas
+(0.9, 0.95), eps 1e-8, weight decay `--weight-decay` [0] on ≥2-D weights only), so their losses agree step by
+step; the first step's losses and every tensor's gradient must agree (relative differences within
+`FIRST_LOSS_TOLERANCE` and `FIRST_GRADIENT_TOLERANCE`: 1e-4 and 1e-3 in float32) or the script stops, since the
+timings would then compare different computations. The steps alternate (ours, theirs, ours, …) so machine
+noise hits both alike. A step is forward + backward + optimizer update + zeroing the gradients. Reported: the
+median tokens/s of each after the warmup steps, their ratio, the model FLOPs per step and how close our step
+comes to the time the matrix multiplications alone need at NumPy's measured GEMM rate.
 
-torch is only needed for the comparison (`pip install -e '.[interop]'`: the pinned CPU build); without it the
-script reports ours alone.
+FLOPs per step (nanoGPT's / PaLM's count): 6·N·tokens + 12·L·T·C·tokens, where N = the parameters that enter a
+matrix product (GPT-2: all but the position embedding, the tied token embedding counting once, as the LM head's
+GEMM; llama: all but the token embedding, a lookup, when the head is untied), tokens = B·T, and the second term
+is attention's q·kᵀ and p·v (2·2·T·C per token and layer forward, ×3 with backward) over the full T×T scores, as
+the convention has it; both implementations of GPT-2 skip most of the masked half (ours in causal query blocks,
+torch's flash SDPA kernel likewise; transformers' eager llama attention does not). Grouped-query attention
+shares K and V between query heads but not the products: the attention term is the same. The matmul-bound time
+is these FLOPs at the rate NumPy reaches on this step's GEMM shapes (`step_gemms`, timed between the steps), so
+it is the time a step would take if it were nothing but full-rate matrix products.
+
+    python3 scripts/bench_train.py                     # both: 4 layers, 256 wide, 4 heads of 64, T=128, B=8
+    python3 scripts/bench_train.py --model llama --layers 2 --steps 10 --profile
+    python3 scripts/bench_train.py --threads 2         # NumPy's BLAS and torch both on 2 threads
+
+The llama default is the GPT-2 default's size class: 4 heads of 64 sharing 2 KV heads (`--kv-heads`), SwiGLU
+width by the default rule (8/3·C rounded up to a multiple of 64: 704 for C = 256; `--ffn-hidden`), untied head,
+the byte vocabulary. `--preset smollm-135m` is SmolLM-135M's shape (30 layers × 576, 9 heads / 3 KV heads,
+SwiGLU 1536, vocab 49152, T = 1024 here); flags given explicitly override a preset's values.
+
+torch is only needed for the comparisons (`pip install -e '.[interop]'`: the pinned CPU build, and transformers
+for llama); without it the script reports ours alone.
 
 On a GPU (`--device gpu`, needs CuPy; torch on CUDA for the comparison) the same step runs on CuPy arrays against
 PyTorch eager on the same GPU, both in float32 with full-precision matrix products unless `--tf32`, and the
 report adds MFU: model FLOPs per second over the GPU's peak for that precision (`--peak-tflops`, or a table of
-known GPUs). GPT-2 124M as in the GPU issue:
+known GPUs). GPT-2 124M as in the GPU issue, and SmolLM-135M:
 
     python3 scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10
+    python3 scripts/bench_train.py --device gpu --preset smollm-135m --batch 8 --steps 10
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+
+def _threads_from_command_line(argv: list[str]) -> int:
+    """`--threads N` read off the command line before NumPy loads: BLAS fixes its thread pool when it starts."""
+    for i, word in enumerate(argv):
+        if word.startswith("--threads="):
+            return int(word.split("=", 1)[1])
+        if word == "--threads" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return 1
+
+
+THREADS = _threads_from_command_line(sys.argv[1:])
 for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # before NumPy/torch load BLAS
-    os.environ[_variable] = "1"
+    os.environ[_variable] = str(THREADS)
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -49,6 +79,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from collectives.backend import to_host  # noqa: E402
+from models.families import name_map  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.layers import QUERY_BLOCK, RECOMPUTE_MODES  # noqa: E402
 from mpiparallel.commands.launch import keep_freed_memory  # noqa: E402
@@ -58,7 +89,7 @@ try:
     import torch.nn.functional as F
     from torch import nn
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
 except ImportError:
     torch = None
 
@@ -141,7 +172,7 @@ class Device:
 
     def name(self) -> str:
         if self.kind == "cpu":
-            return "CPU, 1 thread"
+            return f"CPU, {THREADS} thread{'s' if THREADS > 1 else ''}"
         name = self.xp.cuda.runtime.getDeviceProperties(0)["name"]
         return name.decode() if isinstance(name, bytes) else str(name)
 
@@ -159,14 +190,14 @@ def peak_tflops(device: Device, precision: str, given: float | None) -> float | 
 
 
 def build_ours(config: GPTConfig, dtype, xp=np, query_block: int = QUERY_BLOCK,
-               recompute: str = "none") -> tuple[GPT, object]:
+               recompute: str = "none", weight_decay: float = WEIGHT_DECAY) -> tuple[GPT, object]:
     """Our model and optimizer: mpiparallel.optim.AdamW when the package has it, else the inline one above."""
     model = GPT(config, seed=0, dtype=dtype, xp=xp, query_block=query_block, recompute=recompute)
     try:
         from mpiparallel.optim import AdamW as ProjectAdamW
     except ImportError:
-        return model, AdamW(model.parameters())
-    return model, ProjectAdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        return model, AdamW(model.parameters(), weight_decay=weight_decay)
+    return model, ProjectAdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay)
 
 
 def ours_step(model: GPT, optimizer, tokens: np.ndarray, targets: np.ndarray) -> float:
@@ -235,6 +266,11 @@ if torch is not None:
                         mapping[f"h.{i}.{module}.{kind}"] = f"transformer.h.{i}.{ours_module}.{kind}"
             return mapping
 
+        def gradients(self) -> dict[str, np.ndarray]:
+            """Every parameter's gradient by our name, in our [in, out] layout."""
+            return {ours_name: _layout_of_ours(self.get_parameter(name).grad, not name.startswith(("wte", "wpe")))
+                    for name, ours_name in self.names().items()}
+
         def forward(self, tokens, targets):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = self.wte(tokens) + self.wpe(positions)
@@ -243,11 +279,55 @@ if torch is not None:
             logits = self.ln_f(x) @ self.wte.weight.T  # tied LM head
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
-    def build_torch(ours: GPT, attention: str, optimizer: str, device: str = "cpu"):
+    def build_torch(ours: GPT, attention: str, optimizer: str, device: str = "cpu",
+                    weight_decay: float = WEIGHT_DECAY):
         model = TorchGPT(ours, attention, device)
+        return model, torch_adamw(model, optimizer, weight_decay)
+
+    def torch_adamw(model, optimizer: str, weight_decay: float):
+        """torch.optim.AdamW with our settings: decay on ≥2-D weights only, as mpiparallel.optim.AdamW does."""
         kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[optimizer]
-        return model, torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                        **kind)
+        matrices = [p for p in model.parameters() if p.ndim >= 2]
+        vectors = [p for p in model.parameters() if p.ndim < 2]
+        groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **kind)
+
+    class TransformersLlama(nn.Module):
+        """transformers' LlamaForCausalLM loaded from our weights (`save_pretrained` into `directory`, then
+        `from_pretrained`), with the loss of our head: mean cross-entropy of the logits against the targets."""
+
+        def __init__(self, ours: GPT, directory: str, attention: str, device: str = "cpu") -> None:
+            super().__init__()
+            import transformers
+
+            from mpiparallel.checkpoint import save_pretrained
+
+            transformers.utils.logging.disable_progress_bar()  # its loading bar would interleave with our lines
+            self.config = ours.config
+            save_pretrained(directory, ours.config, ours.state_dict())
+            dtype = torch.float64 if ours.params["transformer.wte.weight"].data.dtype == np.float64 else torch.float32
+            self.llama = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=dtype,
+                                                                       attn_implementation=attention)
+            self.llama.config.use_cache = False  # training: no KV cache is built
+            self.llama.to(device).train()
+
+        def gradients(self) -> dict[str, np.ndarray]:
+            """Every parameter's gradient by our name, in our [in, out] layout (`models.families`' name map)."""
+            return {ours: _layout_of_ours(self.llama.get_parameter(theirs).grad, transposed)
+                    for ours, theirs, transposed in name_map(self.config)}
+
+        def forward(self, tokens, targets):
+            logits = self.llama(input_ids=tokens, use_cache=False).logits
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    def _layout_of_ours(grad, transposed: bool) -> np.ndarray:
+        value = grad.detach().cpu().numpy()
+        return value.T if transposed and value.ndim == 2 else value
+
+    def build_transformers(ours: GPT, directory: str, attention: str, optimizer: str, device: str = "cpu",
+                           weight_decay: float = WEIGHT_DECAY):
+        model = TransformersLlama(ours, directory, attention, device)
+        return model, torch_adamw(model, optimizer, weight_decay)
 
     def torch_step(model, optimizer, tokens, targets) -> float:
         optimizer.zero_grad(set_to_none=False)  # like ours: gradients live in buffers zeroed each step
@@ -257,18 +337,38 @@ if torch is not None:
         return loss.item()
 
 
+def matmul_parameters(config: GPTConfig) -> int:
+    """N of the FLOP count: the parameters that enter a matrix product. Not GPT-2's position embedding, nor an
+    untied llama's token embedding (lookups); a tied token embedding counts once, as the LM head."""
+    lookup = config.n_positions * config.n_embd if not config.is_llama else 0
+    if not config.tied:
+        lookup += config.vocab_size * config.n_embd
+    return config.parameter_count() - lookup
+
+
 def model_flops(config: GPTConfig, batch: int, length: int) -> float:
-    n = config.parameter_count() - config.n_positions * config.n_embd
     tokens = batch * length
-    return 6 * n * tokens + 12 * config.n_layer * length * config.n_embd * tokens
+    return 6 * matmul_parameters(config) * tokens + 12 * config.n_layer * length * config.n_embd * tokens
+
+
+def block_linears(config: GPTConfig) -> list[tuple[int, int]]:
+    """(in, out) of every weight matrix of a block, one matrix product each: GPT-2's c_attn, c_proj, c_fc,
+    c_proj; llama's q, k, v (KV heads · d wide), o, gate, up, down (ConcatenatedLinear multiplies each apart)."""
+    c, width = config.n_embd, config.ffn_width
+    if not config.is_llama:
+        return [(c, 3 * c), (c, c), (c, width), (width, c)]
+    kv = config.kv_heads * config.head_dim
+    return [(c, c), (c, kv), (c, kv), (c, c), (c, width), (c, width), (width, c)]
 
 
 def step_gemms(config: GPTConfig, batch: int, length: int) -> list[tuple[tuple[int, ...], tuple[int, ...], bool, bool]]:
     """Every matrix product of one training step: (a shape, b shape, transpose a, transpose b), as the layers
-    compute them (forward, d(input), d(weight) of each Linear; the attention products batched over B·H)."""
-    m, c, heads, d = batch * length, config.n_embd, batch * config.n_head, config.n_embd // config.n_head
+    compute them (forward, d(input), d(weight) of each Linear; the attention products batched over B·H: grouped
+    KV heads serve several query heads, each query head's products counted)."""
+    m, heads, d = batch * length, batch * config.n_head, config.head_dim
+    c = config.n_embd
     gemms = []
-    for k, n in ((c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)):
+    for k, n in block_linears(config):
         gemms += [((m, k), (k, n), False, False), ((m, n), (k, n), False, True), ((m, k), (m, n), True, False)]
     attention = [((heads, length, d), (heads, length, d), False, True),      # q·kᵀ
                  ((heads, length, length), (heads, length, d), False, False),  # p·v
@@ -277,7 +377,7 @@ def step_gemms(config: GPTConfig, batch: int, length: int) -> list[tuple[tuple[i
                  ((heads, length, length), (heads, length, d), False, False),  # dq = ds·k
                  ((heads, length, length), (heads, length, d), True, False)]  # dk = dsᵀ·q
     vocab = config.vocab_size
-    head = [((m, c), (vocab, c), False, True),  # logits = x·wteᵀ
+    head = [((m, c), (vocab, c), False, True),  # logits = x·wteᵀ (or lm_headᵀ)
             ((m, vocab), (vocab, c), False, False),  # dx = dlogits·wte
             ((m, vocab), (m, c), True, False)]  # dwte = dlogitsᵀ·x
     return gemms * config.n_layer + attention * config.n_layer + head
@@ -313,11 +413,15 @@ class LayerProfile:
         self.totals: dict[tuple[str, str], float] = defaultdict(float)
         self.stack: list[list] = []
 
-    def wrap(self, obj, label: str) -> None:
-        for phase in ("forward", "backward", "backward_input", "backward_weights"):
-            method = getattr(obj, phase, None)
+    PHASES = {"forward": "forward", "backward": "backward", "backward_input": "backward",
+              "backward_weights": "backward"}
+
+    def wrap(self, obj, label: str, phases: dict[str, str] | None = None) -> None:
+        """Time `obj`'s methods (name -> the phase they count in; default: the layer protocol's) under `label`."""
+        for name, phase in (phases or self.PHASES).items():
+            method = getattr(obj, name, None)
             if method is not None:
-                setattr(obj, phase, self._timed(method, label, "forward" if phase == "forward" else "backward"))
+                setattr(obj, name, self._timed(method, label, phase))
 
     def _timed(self, method, label: str, phase: str):
         def timed(*args, **kwargs):
@@ -333,57 +437,88 @@ class LayerProfile:
                     self.stack[-1][1] += elapsed
         return timed
 
-    def attach(self, model: GPT) -> None:
+    def attach(self, model: GPT, optimizer) -> None:
+        """Wrap every layer of `model` (GPT-2's or llama's names), its rotary embedding and the optimizer step."""
+        llama = model.config.is_llama
+        norm = "rmsnorm" if llama else "layernorm"
+        names = ({"qkv": "linear q|k|v", "projection": "linear o_proj", "expand": "linear gate|up",
+                  "activation": "swiglu", "contract": "linear down"} if llama else
+                 {"qkv": "linear qkv", "projection": "linear attn proj", "expand": "linear mlp fc",
+                  "activation": "gelu", "contract": "linear mlp proj"})
         self.wrap(model.embedding, "embedding")
-        self.wrap(model.head.ln_f, "layernorm")
+        self.wrap(model.head.ln_f, norm)
         self.wrap(model.head.loss, "lm head + cross-entropy")
+        if model.rope is not None:  # one object serves every block: q and k turned in forward, d(q), d(k) back
+            self.wrap(model.rope, "rope", {"rotate": "forward", "rotate_back": "backward"})
         for block in model.blocks:
             self.wrap(block, "residual adds")
             for ln in (block.ln_1, block.ln_2):
-                self.wrap(ln, "layernorm")
+                self.wrap(ln, norm)
             self.wrap(block.attn, "attention core (qkᵀ, softmax, pv)")
-            self.wrap(block.attn.qkv, "linear qkv")
-            self.wrap(block.attn.projection, "linear attn proj")
+            self.wrap(block.attn.qkv, names["qkv"])
+            self.wrap(block.attn.projection, names["projection"])
             self.wrap(block.mlp, "mlp glue")
-            self.wrap(block.mlp.expand, "linear mlp fc")
-            self.wrap(block.mlp.activation, "gelu")
-            self.wrap(block.mlp.contract, "linear mlp proj")
+            self.wrap(block.mlp.expand, names["expand"])
+            self.wrap(block.mlp.activation, names["activation"])
+            self.wrap(block.mlp.contract, names["contract"])
+        self.wrap(optimizer, "adamw", {"step": "update"})
 
     def report(self, steps: int, step_seconds: float) -> None:
-        labels = sorted({label for label, _ in self.totals}, key=lambda k: -sum(self.totals[k, p]
-                                                                                for p in ("forward", "backward")))
+        phases = ("forward", "backward", "update")
+        labels = sorted({label for label, _ in self.totals}, key=lambda k: -sum(self.totals[k, p] for p in phases))
         print(f"\nprofile of our step (exclusive ms per step, {steps} steps; step {step_seconds * 1e3:.1f} ms)")
-        print(f"{'layer':38s} {'forward':>9s} {'backward':>9s} {'share':>7s}")
+        print(f"{'layer':38s} {'forward':>9s} {'backward':>9s} {'update':>9s} {'share':>7s}")
         for label in labels:
-            forward, backward = (self.totals[label, p] / steps for p in ("forward", "backward"))
-            print(f"{label:38s} {forward * 1e3:9.2f} {backward * 1e3:9.2f} {(forward + backward) / step_seconds:7.1%}")
+            times = [self.totals[label, p] / steps for p in phases]
+            cells = " ".join(f"{t * 1e3:9.2f}" if t else f"{'':9s}" for t in times)
+            print(f"{label:38s} {cells} {sum(times) / step_seconds:7.1%}")
         covered = sum(self.totals.values()) / steps
-        print(f"{'optimizer + zero_grad + rest':38s} {'':9s} {'':9s} {1 - covered / step_seconds:7.1%}")
+        print(f"{'zero_grad + rest':38s} {'':9s} {'':9s} {'':9s} {1 - covered / step_seconds:7.1%}")
 
 
-PRESETS = {"gpt2-124m": {"layers": 12, "embd": 768, "heads": 12, "seq": 1024, "vocab": 50257}}
+PRESETS = {"gpt2-124m": {"model": "gpt2", "layers": 12, "embd": 768, "heads": 12, "seq": 1024, "vocab": 50257},
+           "smollm-135m": {"model": "llama", "layers": 30, "embd": 576, "heads": 9, "kv_heads": 3, "ffn_hidden": 1536,
+                           "seq": 1024, "vocab": 49152}}
+FIRST_LOSS_TOLERANCE = {"float32": 1e-4, "float64": 1e-6, "tf32": 1e-2}
+FIRST_GRADIENT_TOLERANCE = {"float32": 1e-3, "float64": 1e-4, "tf32": 1e-1}
+"""Relative differences allowed between the two first-step losses, and between their gradients tensor by tensor
+(‖ours − theirs‖ / ‖theirs‖): one computation up to rounding (measured: ~1e-7 and ~5e-7 in float32). The loss
+alone hardly sees some weights at initialization (near-uniform attention ignores K); the gradients do. float64 is
+held to float32-like bounds because transformers computes RMSNorm's statistics and RoPE's angles in float32."""
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("gpt2", "llama", "both"), default="both",
+                        help="which comparison: GPT-2 vs a torch GPT-2, llama vs transformers' LlamaForCausalLM")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--embd", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2, help="llama: KV heads (grouped-query attention)")
+    parser.add_argument("--ffn-hidden", type=int, default=0,
+                        help="llama: SwiGLU width [0: 8/3·embd rounded up to a multiple of 64]")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20, help="timed steps after the warmup")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads of NumPy's BLAS and of torch (read from the command line before NumPy loads)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY, help="AdamW's, on ≥2-D weights only")
     parser.add_argument("--show-losses", type=int, default=5, help="print both losses for this many first steps")
     parser.add_argument("--torch-attention", choices=("sdpa", "matmul"), default="sdpa",
-                        help="F.scaled_dot_product_attention(is_causal=True) or explicit matmul + masked softmax")
+                        help="GPT-2 reference: F.scaled_dot_product_attention(is_causal=True) or explicit matmul + "
+                             "masked softmax")
+    parser.add_argument("--hf-attention", choices=("eager", "sdpa"), default="eager",
+                        help="llama reference: transformers' attn_implementation")
     parser.add_argument("--torch-optimizer", choices=("fused", "foreach", "loop"), default="fused")
     parser.add_argument("--no-torch", action="store_true", help="time ours alone")
     parser.add_argument("--profile", action="store_true", help="also time each of our layers (separate steps)")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="gpu: ours on CuPy, torch on CUDA, on the same GPU")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (overrides --layers ... --vocab)")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="model and shape (flags given explicitly override its values)")
     parser.add_argument("--tf32", action="store_true", help="GPU: TF32 matrix products in both (CUPY_TF32=1)")
     parser.add_argument("--query-block", type=int, default=QUERY_BLOCK,
                         help="our attention's query block (rows per causal block; larger: fewer, bigger GEMMs)")
@@ -391,31 +526,83 @@ def main(argv: list[str] | None = None) -> None:
                         help="our activation recomputation mode (the same numbers, more compute, less memory)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak for MFU [default: looked up by GPU name for float32 or TF32]")
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset is not None:  # the preset's values become the defaults, so explicit flags still win
+        parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
+    if args.threads != THREADS:
+        parser.error(f"--threads {args.threads}: give it on the command line (read before NumPy loads its BLAS); "
+                     f"this process runs {THREADS}")
+    return args
+
+
+def model_config(args: argparse.Namespace, family: str) -> GPTConfig:
+    shape = {"vocab_size": args.vocab, "n_positions": args.seq, "n_embd": args.embd, "n_layer": args.layers,
+             "n_head": args.heads}
+    if family == "gpt2":
+        return GPTConfig(**shape)
+    return GPTConfig(arch="llama", n_kv_head=args.kv_heads, ffn_hidden=args.ffn_hidden, tie_embeddings=False,
+                     **shape)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_arguments(argv)
     keep_freed_memory()  # as `mpiparallel train` does; torch allocates through the same malloc
-    for name, value in PRESETS.get(args.preset, {}).items():
-        setattr(args, name, value)
     if args.tf32:
         os.environ["CUPY_TF32"] = "1"  # read by CuPy when it runs a float32 matrix product
     device = Device(args.device, args.tf32)
+    families = ("gpt2", "llama") if args.model == "both" else (args.model,)
+    try:
+        results = [compare(args, device, family) for family in families]
+    except FirstStepMismatch as error:
+        sys.exit(str(error))
+    if len(results) > 1:
+        print("\nsummary (tokens/s, median after warmup; per-step: the median of the steps' own ratios, each ours "
+              "beside the reference step right after it)")
+        for result in results:
+            print(result)
 
+
+class FirstStepMismatch(Exception):
+    """The two implementations' first losses differ: they do not compute the same thing, timings are moot."""
+
+
+class Result:
+    """One comparison's figures, printed as a summary line."""
+
+    def __init__(self, family: str, reference: str, ours: float, theirs: float | None, step_ratio: float | None,
+                 bound_share: float) -> None:
+        self.family, self.reference, self.ours, self.theirs = family, reference, ours, theirs
+        self.step_ratio, self.bound_share = step_ratio, bound_share
+
+    def __str__(self) -> str:
+        line = f"  {self.family:6s} ours {self.ours:9.0f}"
+        if self.theirs is not None:
+            line += (f"   {self.reference:>12s} {self.theirs:9.0f}   ratio ours/theirs {self.ours / self.theirs:.3f} "
+                     f"(per-step {self.step_ratio:.3f})")
+        return line + f"   matmul-bound share of our step {self.bound_share:.0%}"
+
+
+def compare(args: argparse.Namespace, device: Device, family: str) -> Result:
+    """One model against its PyTorch twin: build both, alternate their steps, report; profile ours if asked."""
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as directory:  # transformers reads our weights here
+        return _compare(args, device, family, directory)
+
+
+def _compare(args: argparse.Namespace, device: Device, family: str, directory: str) -> Result:
     dtype = np.dtype(args.dtype)
-    config = GPTConfig(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers,
-                       n_head=args.heads)
+    config = model_config(args, family)
     data = byte_batches(args.batch, args.seq) % args.vocab
-    ours, ours_optimizer = build_ours(config, dtype, device.xp, args.query_block, args.recompute)
+    ours, ours_optimizer = build_ours(config, dtype, device.xp, args.query_block, args.recompute, args.weight_decay)
     use_torch = torch is not None and not args.no_torch and device.torch_device is not None
-    if use_torch:
-        theirs, theirs_optimizer = build_torch(ours, args.torch_attention, args.torch_optimizer, device.torch_device)
-    tokens_per_step = args.batch * args.seq
-    optimizer_name = "mpiparallel.optim.AdamW" if type(ours_optimizer) is not AdamW else "the script's AdamW"
-    library = f"NumPy {np.__version__}" if args.device == "cpu" else f"CuPy {device.xp.__version__}"
-    print(f"GPT-2 {args.layers} layers, n_embd {args.embd}, {args.heads} heads, T={args.seq}, B={args.batch}, "
-          f"vocab {args.vocab}, {args.dtype}{', TF32' if args.tf32 else ''}, {device.name()}; {library} "
-          f"(query block {args.query_block}, recompute {args.recompute}) "
-          f"({optimizer_name})"
-          + (f", torch {torch.__version__} (attention {args.torch_attention}, AdamW {args.torch_optimizer})"
-             if use_torch else " (torch not " + ("used)" if torch is not None else "installed)")))
+    if use_torch and family == "llama":
+        theirs, theirs_optimizer = build_transformers(ours, directory, args.hf_attention, args.torch_optimizer,
+                                                      device.torch_device, args.weight_decay)
+    elif use_torch:
+        theirs, theirs_optimizer = build_torch(ours, args.torch_attention, args.torch_optimizer, device.torch_device,
+                                               args.weight_decay)
+    reference = "transformers" if family == "llama" else "torch"
+    print_header(args, device, config, ours_optimizer, use_torch)
 
     gemms = StepGemms(config, args.batch, args.seq, dtype, device)
     ours_times, theirs_times, gemm_times = [], [], []
@@ -437,7 +624,9 @@ def main(argv: list[str] | None = None) -> None:
             device.sync()
             theirs_times.append(time.perf_counter() - start)
             max_difference = max(max_difference, abs(ours_loss - theirs_loss))
-            line += f"  torch loss {theirs_loss:.6f}  |Δ| {abs(ours_loss - theirs_loss):.2e}"
+            line += f"  {reference} loss {theirs_loss:.6f}  |Δ| {abs(ours_loss - theirs_loss):.2e}"
+            if step == 0:
+                check_first_step(args, ours_loss, theirs_loss, ours, theirs, reference)
         gemm_times.append(gemms.run())
         if step < args.show_losses:
             print(line)
@@ -445,40 +634,102 @@ def main(argv: list[str] | None = None) -> None:
     def median_after_warmup(times: list[float]) -> float:
         return statistics.median(times[args.warmup:])
 
+    tokens_per_step = args.batch * args.seq
     ours_seconds, gemm_seconds = median_after_warmup(ours_times), median_after_warmup(gemm_times)
     flops = model_flops(config, args.batch, args.seq)
     rate = gemms.flops / gemm_seconds
     bound = flops / rate
     print(f"\nmodel FLOPs per step: {flops / 1e9:.2f} GFLOP (6·N·tokens + 12·L·T·C·tokens, N = "
-          f"{(config.parameter_count() - config.n_positions * config.n_embd) / 1e6:.2f} M)")
-    gemm_library = "NumPy single-thread" if args.device == "cpu" else "CuPy"
+          f"{matmul_parameters(config) / 1e6:.2f} M)")
+    gemm_library = f"NumPy {THREADS}-thread" if args.device == "cpu" else "CuPy"
     print(f"{gemm_library} GEMM rate on this step's {len(gemms.operands)} matrix products: {rate / 1e9:.1f} "
           f"GFLOP/s -> matmul-bound step (model FLOPs / rate) {bound * 1e3:.1f} ms")
     print(f"ours : {tokens_per_step / ours_seconds:9.0f} tokens/s  ({ours_seconds * 1e3:.1f} ms/step, median of "
           f"{args.steps}; matmul-bound time is {bound / ours_seconds:.0%} of it, {flops / ours_seconds / 1e9:.1f} "
           f"GFLOP/s)")
+    theirs_seconds = step_ratio = None
     if use_torch:
         theirs_seconds = median_after_warmup(theirs_times)
-        print(f"torch: {tokens_per_step / theirs_seconds:9.0f} tokens/s  ({theirs_seconds * 1e3:.1f} ms/step; "
+        print(f"{reference}: {tokens_per_step / theirs_seconds:9.0f} tokens/s  ({theirs_seconds * 1e3:.1f} ms/step; "
               f"matmul-bound time is {bound / theirs_seconds:.0%} of it, {flops / theirs_seconds / 1e9:.1f} GFLOP/s)")
         step_ratios = [theirs / ours for ours, theirs in zip(ours_times, theirs_times, strict=True)]
-        print(f"ratio ours/torch (tokens/s): {theirs_seconds / ours_seconds:.3f} (median of per-step ratios "
-              f"{median_after_warmup(step_ratios):.3f})")
+        step_ratio = median_after_warmup(step_ratios)
+        print(f"ratio ours/{reference} (tokens/s): {theirs_seconds / ours_seconds:.3f} (median of per-step ratios "
+              f"{step_ratio:.3f})")
         print(f"largest loss difference over {len(ours_times)} steps: {max_difference:.2e}")
     if args.device == "gpu":
-        report_mfu(flops, ours_seconds, theirs_seconds if use_torch else None,
+        report_mfu(flops, ours_seconds, theirs_seconds,
                    peak_tflops(device, "tf32" if args.tf32 else args.dtype, args.peak_tflops))
-
     if args.profile:
-        profile = LayerProfile()
-        profile.attach(ours)
-        times = []
-        for step in range(args.steps):
-            tokens, targets = window(data, step, args.batch, args.seq)
-            start = time.perf_counter()
-            ours_step(ours, ours_optimizer, tokens, targets)
-            times.append(time.perf_counter() - start)
-        profile.report(args.steps, sum(times) / len(times))
+        profile_ours(args, ours, ours_optimizer, data)
+    theirs_rate = None if theirs_seconds is None else tokens_per_step / theirs_seconds
+    return Result(family, reference, tokens_per_step / ours_seconds, theirs_rate, step_ratio, bound / ours_seconds)
+
+
+def print_header(args: argparse.Namespace, device: Device, config: GPTConfig, ours_optimizer, use_torch: bool) -> None:
+    optimizer_name = "mpiparallel.optim.AdamW" if type(ours_optimizer) is not AdamW else "the script's AdamW"
+    library = f"NumPy {np.__version__}" if args.device == "cpu" else f"CuPy {device.xp.__version__}"
+    if config.is_llama:
+        shape = (f"llama {config.n_layer} layers, n_embd {config.n_embd}, {config.n_head} heads of {config.head_dim} "
+                 f"/ {config.kv_heads} KV heads, SwiGLU {config.ffn_width}, untied head")
+        reference = (f", transformers {transformers_version()} LlamaForCausalLM (attention {args.hf_attention}, "
+                     f"AdamW {args.torch_optimizer}) on torch {torch.__version__}" if use_torch else "")
+    else:
+        shape = f"GPT-2 {config.n_layer} layers, n_embd {config.n_embd}, {config.n_head} heads"
+        reference = (f", torch {torch.__version__} (attention {args.torch_attention}, AdamW {args.torch_optimizer})"
+                     if use_torch else "")
+    if not use_torch:
+        reference = " (torch not " + ("used)" if torch is not None else "installed)")
+    print(f"\n{shape}, T={args.seq}, B={args.batch}, vocab {args.vocab}, {args.dtype}{', TF32' if args.tf32 else ''}, "
+          f"{device.name()}; {library} (query block {args.query_block}, recompute {args.recompute}) "
+          f"({optimizer_name}, weight decay {args.weight_decay}){reference}")
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def check_first_step(args: argparse.Namespace, ours_loss: float, theirs_loss: float, ours: GPT, theirs,
+                     reference: str) -> None:
+    """Stop unless the first step's losses and every gradient agree: the comparison must be of one computation."""
+    precision = "tf32" if args.tf32 else args.dtype
+    loss_difference = abs(ours_loss - theirs_loss) / max(abs(theirs_loss), 1e-30)
+    theirs_gradients = theirs.gradients()
+    gradient_differences = {name: relative_difference(to_host(param.grad), theirs_gradients[name])
+                            for name, param in ours.params.items()}
+    worst = max(gradient_differences, key=gradient_differences.get)
+    agree = (loss_difference <= FIRST_LOSS_TOLERANCE[precision]
+             and gradient_differences[worst] <= FIRST_GRADIENT_TOLERANCE[precision])
+    message = (f"first step {'agrees' if agree else 'DIFFERS'}: loss ours {ours_loss:.7f}, {reference} "
+               f"{theirs_loss:.7f}, relative difference {loss_difference:.1e} (tolerance "
+               f"{FIRST_LOSS_TOLERANCE[precision]:.0e}); gradients of {len(gradient_differences)} tensors, largest "
+               f"relative difference {gradient_differences[worst]:.1e} ({worst}; tolerance "
+               f"{FIRST_GRADIENT_TOLERANCE[precision]:.0e})")
+    if not agree:
+        raise FirstStepMismatch(message + ": the two do not compute the same thing, so their timings are not "
+                                          "compared")
+    print(message)
+
+
+def relative_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
+    """‖ours − theirs‖ / ‖theirs‖ (float64 norms)."""
+    theirs = np.asarray(theirs, dtype=np.float64)
+    return float(np.linalg.norm(ours.astype(np.float64) - theirs) / max(np.linalg.norm(theirs), 1e-300))
+
+
+def profile_ours(args: argparse.Namespace, ours: GPT, optimizer, data: np.ndarray) -> None:
+    """More of our steps with every layer, the rotary embedding and the optimizer timed (exclusive times)."""
+    profile = LayerProfile()
+    profile.attach(ours, optimizer)
+    times = []
+    for step in range(args.steps):
+        tokens, targets = window(data, step, args.batch, args.seq)
+        start = time.perf_counter()
+        ours_step(ours, optimizer, tokens, targets)
+        times.append(time.perf_counter() - start)
+    profile.report(args.steps, sum(times) / len(times))
 
 
 def report_mfu(flops: float, ours_seconds: float, theirs_seconds: float | None, peak: float | None) -> None:
