@@ -313,6 +313,7 @@ class GPT:
 
     ep_comm: Communicator | None = None  # class defaults, for subclasses that build the model their own way
     moe_token_sets: int = 1
+    loss_scale: float = 1.0  # float16's loss scaling: forward returns, and backward differentiates, S·objective
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
@@ -563,6 +564,16 @@ class GPT:
             x += saved.aux_loss
         return x, saved
 
+    def set_loss_scale(self, scale: float) -> None:
+        """Scale the objective by `scale` from the next forward on: the cross-entropy (its normalizer divided by
+        it) and each router's aux-loss weight, so forward returns and backward differentiates scale·objective.
+        The caller divides the gradients by the same scale before using them (loss scaling, float16)."""
+        self.loss_scale = scale
+        for block in self.blocks:
+            router = getattr(getattr(block, "mlp", None), "router", None)
+            if router is not None:
+                router.aux_weight = scale / self.moe_token_sets
+
     def _note_routing(self, unit: int, saved: Saved) -> None:
         """Keep an MoE block's router statistics and add its aux loss's share of the objective."""
         stats = getattr(saved.per_unit[unit], "router_stats", None)
@@ -579,7 +590,7 @@ class GPT:
             return self.blocks[unit - 1].forward(x)
         if targets is None:
             raise ValueError("the head unit computes the loss: give the targets")
-        return self.head.forward(x, like(x, targets), normalizer or targets.size)
+        return self.head.forward(x, like(x, targets), (normalizer or targets.size) / self.loss_scale)
 
     def backward_input(self, saved: Saved, dout: Array | None = None,
                        hooks: ParameterHooks = NO_HOOKS) -> Array | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -40,7 +41,7 @@ from models.parameter import (
     local_shape,
     reduce_partial_gradients,
 )
-from models.precision import model_state_bytes
+from models.precision import LossScaler, has_overflow, model_state_bytes
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
 from . import checkpoint, data, optim, traffic, training_checkpoint
@@ -75,6 +76,7 @@ class ModelSettings:
     dtype: str = "float32"
     compute_dtype: str | None = None  # None: dtype (mixed precision: bfloat16 or float16)
     grad_dtype: str | None = None  # None: dtype
+    loss_scale: str | None = None  # None: "dynamic" for float16, else off
     device: str = "cpu"
     init: str | None = None
     recompute: str = "none"
@@ -283,12 +285,16 @@ class Trainer:
         self.block_activation_bytes = 0  # of that, one transformer block's
         self.tracer: Tracer | None = None  # --trace: records each step, pipeline action and collective
         self.data_identity: dict[str, Any] = {}  # the data's fingerprint and order, recorded in checkpoints
+        self.scaler = loss_scaler(settings.model)  # float16's loss scaling (None: off)
+        self.forced_overflows = forced_overflows(mesh.world.rank)
 
     def step(self, tokens: data.TokenBatches | np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch; returns the log record (loss before the update)."""
         settings, engine = self.settings, self.engine
         start, sent_before = time.perf_counter(), self._bytes_sent()
         inter_node_before = self._inter_node_bytes_sent()
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        self.model.set_loss_scale(scale)
         pieces = data.microbatches(*self._rows_here(self._as_batches(tokens), step), self.microbatches)
         global_tokens = settings.data.batch_size * settings.data.seq_len
         engine.zero_grad()
@@ -307,12 +313,17 @@ class Trainer:
         engine.finish_gradients()
         # the data-parallel engine summed over dp; any other axis with partial gradients (tp under --sp) here
         reduce_partial_gradients(engine.optimizer_parameters(), {"tp": self.mesh.tp})
-        grad_norm = self._clip_gradients()
+        skipped = self._overflowed(step) if self.scaler is not None else False
+        grad_norm = None if skipped else self._clip_gradients(1.0 / scale)
         schedule = settings.optimizer
-        lr = optim.learning_rate(step, schedule.lr, schedule.lr_schedule, schedule.warmup_steps, settings.data.steps)
-        self.optimizer.step(lr)
-        engine.after_update()
-        record = {"step": step, "loss": self._sum_losses(loss), "lr": lr, "tokens": global_tokens}
+        updates = step - (0 if self.scaler is None else self.scaler.skipped)  # a skipped step holds the schedule
+        lr = optim.learning_rate(updates, schedule.lr, schedule.lr_schedule, schedule.warmup_steps, settings.data.steps)
+        if not skipped:
+            self.optimizer.step(lr)
+            engine.after_update()
+        record = {"step": step, "loss": self._sum_losses(loss) / scale, "lr": lr, "tokens": global_tokens}
+        if self.scaler is not None:
+            record |= {"loss_scale": scale, "skipped": skipped}
         if self.model.config.n_experts:
             record |= self._balance_experts()
         sent = {axis: after - sent_before[axis] for axis, after in self._bytes_sent().items()}
@@ -387,11 +398,24 @@ class Trainer:
         total = _sum_over(self.mesh.dp_cp, local)
         return _sum_over(self.mesh.pp, total) if self.pipeline is not None else total
 
-    def _clip_gradients(self) -> float:
-        """Global gradient-norm clipping over the whole mesh; returns the norm before clipping.
+    def _overflowed(self, step: int) -> bool:
+        """Whether any rank's gradients hold an inf or NaN — agreed over the whole world (a sum of votes), so that
+        every rank skips the same steps and no pipeline or collective waits for a rank that went on — and the
+        scaler's update with that vote (its scale backs off after `hysteresis` overflows)."""
+        grads = [piece.grad for piece in self.engine.optimizer_parameters()]
+        local = has_overflow(grads) or step in self.forced_overflows
+        overflow = _sum_over(self.mesh.world, float(local)) > 0
+        return self.scaler.update(overflow)
+
+    def _clip_gradients(self, unscale: float = 1.0) -> float:
+        """Global gradient-norm clipping over the whole mesh; returns the norm before clipping. `unscale` first
+        divides a loss-scaled gradient by its scale.
 
         One all-reduce over every rank of Σ g² over the pieces this rank counts: by their placement, a piece
         sharded over an axis (tp shards, ZeRO segments) counts on every rank of it, a replica only once."""
+        if unscale != 1.0:
+            for piece in self.engine.optimizer_parameters():
+                piece.grad *= unscale
         coordinates, expert = asdict(self.mesh.coordinates), self.mesh.expert_coordinates()
 
         def counts(piece: Any) -> bool:  # experts also name the two axes dp splits into under EP
@@ -475,6 +499,7 @@ class Trainer:
                      "virtual_stages": layout.virtual_stages},
             "model": self.model.config.to_dict(),
             "optimizer": {key: value for key, value in self.optimizer.state_dict().items() if key not in MOMENT_KEYS},
+            "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
     def _tensor_names(self, optimizer_state: dict) -> list[str]:
@@ -494,6 +519,9 @@ class Trainer:
                 held += training_checkpoint.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
         on_every_rank(self.mesh.world, lambda: load_pieces(saved, held))
         self.optimizer.load_state_dict(state)
+        scaler_state = saved.manifest.get("loss_scaler")
+        if self.scaler is not None and scaler_state:
+            self.scaler.load_state_dict(scaler_state)
 
     def memory_report(self) -> str:
         """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
@@ -683,6 +711,33 @@ def _model_config(settings: TrainSettings) -> GPTConfig:
     if settings.data.seq_len > config.n_positions:
         raise ConfigError(f"--seq-len {settings.data.seq_len} exceeds the model's n_positions ({config.n_positions})")
     return config
+
+
+def loss_scaler(model: ModelSettings) -> LossScaler | None:
+    """--loss-scale: "dynamic" (the default for float16 compute), a fixed number, or none (other dtypes)."""
+    choice = model.loss_scale or ("dynamic" if model.compute_dtype == "float16" else None)
+    if choice is None or choice == "none":
+        return None
+    if choice == "dynamic":
+        return LossScaler()
+    try:
+        scale = float(choice)
+    except ValueError:
+        raise ConfigError(f"--loss-scale must be 'dynamic', 'none' or a positive number, got {choice!r}") from None
+    if not scale > 0:
+        raise ConfigError(f"--loss-scale must be positive, got {choice}")
+    return LossScaler(scale=scale, dynamic=False)
+
+
+def forced_overflows(rank: int) -> set[int]:
+    """The steps at which this rank pretends its gradients overflowed: MPIPARALLEL_FORCE_OVERFLOW="STEP@RANK,…"
+    (for tests and demonstrations of the skip that every rank must agree on)."""
+    forced = set()
+    for item in filter(None, os.environ.get("MPIPARALLEL_FORCE_OVERFLOW", "").split(",")):
+        step, _, on = item.partition("@")
+        if int(on or rank) == rank:
+            forced.add(int(step))
+    return forced
 
 
 def _family_choices(shape: ModelSettings) -> dict[str, Any]:

@@ -294,6 +294,9 @@ def threads_option(command: Callable) -> Callable:
                    "between ranks (bfloat16 on NumPy via ml_dtypes, computed in float32). [default: --dtype]")
 @click.option("--grad-dtype", type=click.Choice(["bfloat16", "float32", "float64"]), default=None,
               help="Gradients: accumulated over microbatches and reduced in this dtype. [default: --dtype]")
+@click.option("--loss-scale", default=None, metavar="dynamic|none|S",
+              help="Loss scaling: dynamic (start 2^16, ×2 after 1000 clean steps, ×0.5 after 2 overflows), none, or "
+                   "a fixed scale. Overflowing steps are skipped on every rank. [default: dynamic for float16]")
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu",
               help="Where parameters and compute live: NumPy on the CPU, or CuPy on the GPU of each rank's local "
                    "rank (ranks share GPUs round robin). The report says how GPU buffers reach MPI.")
