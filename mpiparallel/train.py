@@ -41,7 +41,7 @@ from models.parameter import (
     local_shape,
     reduce_partial_gradients,
 )
-from models.precision import LossScaler, has_overflow, model_state_bytes
+from models.precision import LossScaler, dtype_named, has_overflow, is_narrow, model_state_bytes
 from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
 
 from . import checkpoint, data, optim, traffic, training_checkpoint
@@ -147,6 +147,7 @@ class OutputSettings:
     """What is written and printed: the final model, training checkpoints, the JSON log, reports, a sample."""
 
     save: str | None = None
+    save_dtype: str | None = None  # None: the master weights' dtype (--dtype)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
@@ -244,7 +245,9 @@ def run(settings: TrainSettings) -> int:
     full = trainer.full_model_tensors() if settings.output.save or settings.output.sample_tokens else None
     if settings.output.save:
         if is_root:
-            checkpoint.save_pretrained(settings.output.save, config, full)
+            saved_dtype = dtype_named(settings.output.save_dtype or settings.model.dtype)
+            checkpoint.save_pretrained(settings.output.save, config,
+                                       {name: value.astype(saved_dtype, copy=False) for name, value in full.items()})
             if tokenizer is not None:  # beside the model, where AutoTokenizer.from_pretrained looks for it
                 tokenizer.save(Path(settings.output.save))
         mesh.world.barrier()
@@ -1045,7 +1048,8 @@ def generate(init: str, prompt: str | None, prompt_ids: list[int] | None, new_to
     """Load a checkpoint and continue the prompt; text through the model folder's tokenizer.json (bytes for a
     byte-level model), token ids when the prompt is given as ids."""
     config, tensors, _ = checkpoint.load_pretrained(init)
-    model = GPT(config, dtype=next(iter(tensors.values())).dtype)
+    dtype = next(iter(tensors.values())).dtype
+    model = GPT(config, dtype=np.float32 if is_narrow(dtype) else dtype)  # a bfloat16 checkpoint computes in float32
     model.load_state_dict(tensors)
     if prompt_ids is None:
         tokenizer = data.tokenizer_of_folder(init)

@@ -209,3 +209,13 @@ def test_tensor_parallel_activations_travel_at_half_the_bytes_in_bfloat16():
 
     float32, bfloat16 = tp_bytes(), tp_bytes("--compute-dtype", "bfloat16")
     assert 0.5 <= bfloat16 / float32 < 0.52  # the activations halve; the cross-entropy's statistics stay float32
+
+
+def test_the_planner_counts_the_bytes_per_parameter_the_memory_report_does():
+    from mpiparallel.planner import PRECISIONS
+
+    for name, (compute, grad) in {"mixed": ("bfloat16", "bfloat16"), "bfloat16": ("bfloat16", "float32"),
+                                  "float32": ("float32", "float32")}.items():
+        expected = model_state_bytes(compute, "float32", grad)
+        plan = PRECISIONS[name]
+        assert (plan.weights, plan.gradients, plan.optimizer) == tuple(expected.values()), name

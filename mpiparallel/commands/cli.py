@@ -320,7 +320,9 @@ def threads_option(command: Callable) -> Callable:
               help="Start from this Hugging Face GPT-2, Llama or Mixtral directory; the family and shape come from "
                    "its config.json.")
 @click.option("--save", type=click.Path(file_okay=False), default=None,
-              help="Write the trained model here as a Hugging Face directory.")
+              help="Write the trained model here as a Hugging Face directory (the master weights).")
+@click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default=None,
+              help="The dtype --save writes the weights in. [default: --dtype]")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
               help="Where training checkpoints go (model + optimizer state).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")

@@ -58,6 +58,7 @@ from collectives.cost_model import CostModel, choose, predict
 from models.context_parallel import VARIANTS as CP_ATTENTIONS
 from models.gpt import GPTConfig
 from models.layers import QUERY_BLOCK, block_activation_elements, query_blocks
+from models.precision import dtype_named, model_state_bytes
 from models.tensor_parallel import check_tensor_parallel_shape, key_value_replicas
 
 from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate, stage_units
@@ -178,11 +179,20 @@ class Precision:
         return self.weights + self.gradients + self.optimizer
 
 
+def precision_of(compute: str, master: str, gradients: str) -> Precision:
+    """Bytes per parameter of `train --compute-dtype C --dtype M --grad-dtype G` with AdamW: the one formula
+    `--memory-report` uses too (`models.precision.model_state_bytes`)."""
+    per_parameter = model_state_bytes(compute, master, gradients)
+    return Precision(per_parameter["parameters"], per_parameter["gradients"], per_parameter["optimizer_state"],
+                     dtype_named(compute).itemsize)
+
+
 PRECISIONS = {
     # bf16 weights and gradients; AdamW keeps an fp32 master copy and two fp32 moments: 2 + 2 + 12 = 16 bytes
-    "mixed": Precision(2, 2, 12, 2),
-    "float32": Precision(4, 4, 8, 4),  # train --dtype float32 --optimizer adamw: weights, grads, 2 moments
-    "float64": Precision(8, 8, 16, 8),
+    "mixed": precision_of("bfloat16", "float32", "bfloat16"),
+    "bfloat16": precision_of("bfloat16", "float32", "float32"),  # --compute-dtype bfloat16: 2 + 4 + 12 = 18 bytes
+    "float32": precision_of("float32", "float32", "float32"),  # weights, grads, 2 moments: 4 + 4 + 8
+    "float64": precision_of("float64", "float64", "float64"),
 }
 
 
