@@ -993,7 +993,8 @@ class Reporter:
             self.say(f"{describe_model(config)} {config.n_layer} layers, {config.n_embd} channels, "
                      f"{config.n_head} heads{kv_heads(config)}, vocab "
                      f"{config.vocab_size}: {config.parameter_count() / 1e6:.2f} M parameters; "
-                     f"{settings.data.batch_size}×{settings.data.seq_len} tokens per step, {settings.model.dtype}")
+                     f"{settings.data.batch_size}×{settings.data.seq_len} tokens per step, {settings.model.dtype}"
+                     f"{f' ({settings.model.compute_dtype} compute)' if settings.model.compute_dtype else ''}")
 
     def step(self, record: dict) -> None:
         if not self.is_root:
