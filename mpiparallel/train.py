@@ -316,10 +316,10 @@ class Trainer:
         engine.finish_gradients()
         # the data-parallel engine summed over dp; any other axis with partial gradients (tp under --sp) here
         reduce_partial_gradients(engine.optimizer_parameters(), {"tp": self.mesh.tp})
+        updates = step - (0 if self.scaler is None else self.scaler.skipped)  # skipped steps hold the schedule
         skipped = self._overflowed(step) if self.scaler is not None else False
         grad_norm = None if skipped else self._clip_gradients(1.0 / scale)
         schedule = settings.optimizer
-        updates = step - (0 if self.scaler is None else self.scaler.skipped)  # a skipped step holds the schedule
         lr = optim.learning_rate(updates, schedule.lr, schedule.lr_schedule, schedule.warmup_steps, settings.data.steps)
         if not skipped:
             self.optimizer.step(lr)

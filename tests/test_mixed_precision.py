@@ -219,3 +219,21 @@ def test_the_planner_counts_the_bytes_per_parameter_the_memory_report_does():
         expected = model_state_bytes(compute, "float32", grad)
         plan = PRECISIONS[name]
         assert (plan.weights, plan.gradients, plan.optimizer) == tuple(expected.values()), name
+
+
+def test_the_scalers_state_is_part_of_training_checkpoints(tmp_path):
+    """A resumed float16 run continues with the scale and the skipped steps it had, so the learning-rate
+    schedule (held on skipped steps) and the next back-off are the uninterrupted run's."""
+    precision = ["--compute-dtype", "float16", "--lr-schedule", "cosine", "--warmup-steps", "2"]
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "2"]
+    forced = {"MPIPARALLEL_FORCE_OVERFLOW": "0@0,1@0,4@0"}
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    train("--steps", "6", "--log-json", str(whole), *precision, env=forced)
+    train("--steps", "2", *precision, *checkpoints, env=forced)
+    train("--steps", "6", "--resume", "--log-json", str(resumed), *precision, *checkpoints, env=forced)
+    first = [json.loads(line) for line in whole.read_text().splitlines()]
+    second = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert [r["step"] for r in second] == [2, 3, 4, 5]
+    for a, b in zip(first[2:], second, strict=True):
+        assert (a["loss_scale"], a["skipped"], a["lr"]) == (b["loss_scale"], b["skipped"], b["lr"])
+    assert first[2]["loss_scale"] == 2.0**15  # two overflows before the checkpoint: halved, and kept on resume
