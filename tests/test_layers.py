@@ -160,9 +160,8 @@ def test_cross_entropy_matches_finite_differences_and_log_softmax():
     assert_close(head.token.grad.reshape(-1)[picks], numeric, "cross-entropy wte")
 
 
-def test_whole_model_gradients_match_finite_differences():
-    config = GPTConfig(vocab_size=13, n_positions=8, n_embd=8, n_layer=2, n_head=2)
-    model = GPT(config, seed=3, dtype=np.float64)
+def check_model_gradients(model: GPT) -> None:
+    """Every parameter's gradient of the whole model's loss against finite differences (a vocabulary of 13)."""
     for p in model.parameters():  # move away from the all-ones/zeros init so every path carries gradient
         p.data += 0.1 * RNG.standard_normal(p.data.shape)
     tokens, targets = RNG.integers(0, 13, (2, 6)), RNG.integers(0, 13, (2, 6))
@@ -170,6 +169,11 @@ def test_whole_model_gradients_match_finite_differences():
     for p in model.parameters():
         picks, numeric = numeric_gradient(lambda: model.forward(tokens, targets)[0], p.data, samples=6)
         assert_close(p.grad.reshape(-1)[picks], numeric, p.name)
+
+
+def test_whole_model_gradients_match_finite_differences():
+    check_model_gradients(GPT(GPTConfig(vocab_size=13, n_positions=8, n_embd=8, n_layer=2, n_head=2), seed=3,
+                              dtype=np.float64))
 
 
 def test_loss_at_initialization_is_about_ln_vocab():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_layers import assert_close, check_layer, numeric_gradient, param, parameters_of
+from test_layers import check_layer, check_model_gradients, param, parameters_of
 
 from models.gpt import GPT, GPTConfig
 from models.layers import (
@@ -124,14 +124,7 @@ LLAMAS = {
 
 @pytest.mark.parametrize("case", list(LLAMAS))
 def test_whole_llama_model_gradients_match_finite_differences(case):
-    model = GPT(LLAMAS[case], seed=3, dtype=np.float64)
-    for p in model.parameters():
-        p.data += 0.1 * RNG.standard_normal(p.data.shape)
-    tokens, targets = RNG.integers(0, 13, (2, 6)), RNG.integers(0, 13, (2, 6))
-    model.backward(model.forward(tokens, targets)[1])
-    for p in model.parameters():
-        picks, numeric = numeric_gradient(lambda: model.forward(tokens, targets)[0], p.data, samples=6)
-        assert_close(p.grad.reshape(-1)[picks], numeric, p.name)
+    check_model_gradients(GPT(LLAMAS[case], seed=3, dtype=np.float64))
 
 
 def test_a_llama_has_no_biases_no_position_table_and_an_untied_head_by_default():
