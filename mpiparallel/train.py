@@ -459,6 +459,7 @@ class Trainer:
         update)."""
         settings, losses, batches = self.settings, [], self._as_batches(tokens)
         normalizer = settings.data.batch_size * settings.data.seq_len
+        self.model.set_loss_scale(1.0)  # no backward here: the plain loss (the next step sets its scale again)
         for i in range(settings.data.eval_batches):
             x, y = self._rows_here(batches, i)
             if self.pipeline is None:

@@ -181,8 +181,9 @@ def test_a_forced_overflow_on_a_pipeline_of_tensor_parallel_ranks_is_skipped_eve
     steps together, or the pipeline's next step would wait forever for a rank that went on."""
     log = tmp_path / "log.jsonl"
     train("-n", "4", "--tp", "2", "--pp", "2", "--compute-dtype", "float16", "--steps", "6", "--log-json", str(log),
-          env={"MPIPARALLEL_FORCE_OVERFLOW": "1@3,2@0,3@3"})
+          "--eval-every", "3", "--eval-batches", "1", env={"MPIPARALLEL_FORCE_OVERFLOW": "1@3,2@0,3@3"})
     records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(r["val_loss"] < 10 for r in records if "val_loss" in r)  # unscaled (ln 256 ≈ 5.5), not S·loss
     assert [r["skipped"] for r in records] == [False, True, True, True, False, False]
     assert [r["loss_scale"] for r in records] == [2.0**16] * 3 + [2.0**15] * 3  # halved after 2 overflows
     assert all(r["lr"] == records[0]["lr"] and math.isfinite(r["loss"]) for r in records)
