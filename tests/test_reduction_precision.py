@@ -15,23 +15,24 @@ from collectives.backend import BFLOAT16, round_to_bfloat16
 
 
 def _neighbours(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The bfloat16 values one unit in the last place below and above positive finite bfloat16 `words`."""
+    """The bfloat16 values one unit in the last place below and above the positive finite bfloat16 `words`."""
     return ((words - 1).view(BFLOAT16).astype(np.float64), (words + 1).view(BFLOAT16).astype(np.float64))
 
 
 def test_round_to_bfloat16_rounds_float64_once_to_the_nearest_even():
     rng = np.random.default_rng(0)
     exact = np.abs(rng.standard_normal(200_000)) * 2.0 ** rng.integers(-120, 120, 200_000)
-    ties = (rng.integers(1, 256, 1000) * 2 + 1) * 2.0**-9  # halfway between two bfloat16 numbers in [1, 2)
-    values = np.concatenate([exact, 1 + ties - np.floor(ties)])
+    ties = 1 + (rng.integers(0, 128, 1000) * 2 + 1) * 2.0**-8  # halfway between bfloat16 neighbours 2^-7 apart
+    values = np.concatenate([exact, ties, -ties])
     rounded = round_to_bfloat16(values)
-    words = rounded.view(np.uint16)
-    nearest = rounded.astype(np.float64)
+    words = rounded.view(np.uint16) & 0x7FFF  # magnitudes: the neighbours of -v are those of v, negated
+    nearest = np.abs(rounded.astype(np.float64))
+    values = np.abs(values)
     below, above = _neighbours(words)
     distance = np.abs(nearest - values)
     assert (distance <= np.abs(below - values)).all() and (distance <= np.abs(above - values)).all()
     tied = (distance == np.abs(below - values)) | (distance == np.abs(above - values))
-    assert tied.sum() >= 1000 and (words[tied] % 2 == 0).all()  # ties go to the even neighbour
+    assert tied.sum() >= 2000 and (words[tied] % 2 == 0).all()  # ties go to the even neighbour
     double_rounded = np.float64(1 + 2.0**-8 + 2.0**-30)  # float32 would round it to the tie 1 + 2^-8, then to 1
     assert round_to_bfloat16(np.array([double_rounded]))[0] == BFLOAT16.type(1 + 2.0**-7)
 
