@@ -30,12 +30,17 @@ Error of a bfloat16 sum (u = 2^-8, bfloat16's unit roundoff; u32 = 2^-24; s = Σ
     ring:          |result − s| ≤ ((1 + u)^(n−1) − 1)·A ≈ (n−1)·u·A
 (the float32 sum of n terms, then one rounding to bfloat16; against a rounding of each of n−1 partial sums).
 Both assume no overflow and no underflow below bfloat16's smallest normal, 2^-126. Measured on gradient-like
-data (tests/workers/precision_checks.py; |error| / A over 2^18 elements, each rank's values a shared
-normal component plus its own, in 8 groups of magnitudes 1e-6 … 1e1; float32 is the float32 ring on the
-same values in float32):
+data (`mpiexec -n N python tests/workers/precision_checks.py`: 2^18 elements per rank in 8 groups of
+magnitudes 1e-6 … 1e1, each rank's values a shared normal component plus its own; |error| / A, max and mean;
+float32 is the float32 ring on the same values in float32):
 
-    ranks   bf16 ring max / mean      round once max / mean     float32 ring max / mean
-    (table in README.md, "Precision of a bfloat16 sum")
+    ranks   bf16 ring            round once           float32 ring         bounds: ring, round once, float32
+      2     3.89e-3 / 1.12e-3    3.89e-3 / 1.12e-3    5.96e-8 / 1.72e-8    3.92e-3, 3.91e-3, 5.96e-8
+      4     9.42e-3 / 1.51e-3    3.89e-3 / 1.02e-3    1.49e-7 / 2.31e-8    1.19e-2, 3.91e-3, 1.79e-7
+      8     1.48e-2 / 1.80e-3    3.89e-3 / 9.54e-4    2.03e-7 / 2.76e-8    2.81e-2, 3.91e-3, 4.17e-7
+
+On two ranks the ring adds each element once as well; from four on its worst case grows with n, the round-once
+one stays one rounding (its mean falls as the ranks' noise cancels in s while A grows).
 """
 
 from __future__ import annotations
