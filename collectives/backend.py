@@ -69,7 +69,7 @@ def as_words(x: Array) -> Array:
     """`x`, or for a dtype MPI cannot take a view of its bytes as unsigned integers of the same size."""
     if x.dtype.isbuiltin != 2:
         return x
-    return x.view(get_array_module(x).dtype(f"uint{8 * x.dtype.itemsize}"))
+    return x.view(f"uint{8 * x.dtype.itemsize}")  # a dtype name: NumPy and CuPy arrays take it alike
 
 
 def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
