@@ -138,6 +138,12 @@ def test_check_mode_reports_mismatched_shapes_on_every_rank():
         assert "rank 0: all_reduce(shape=(4,)" in message and "rank 2: all_reduce(shape=(6,)" in message
 
 
+def test_check_mode_names_bfloat16_in_a_dtype_mismatch():
+    for message in run_on_ranks(2, f"{CHECKS}:mismatched_dtypes", env={"MPIPARALLEL_CHECK": "1"}):
+        assert "rank 0: all_reduce(shape=(4,), dtype=bfloat16" in message
+        assert "rank 1: all_reduce(shape=(4,), dtype=float16" in message
+
+
 def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging():
     # The other ranks sit in a collective, then sleep 60 s: only MPI_Abort ends the job before the 50 s timeout
     # (a timeout would raise "hung", which does not match).

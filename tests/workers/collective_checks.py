@@ -363,6 +363,16 @@ def mismatched_shapes() -> str:
     return "NO ERROR"
 
 
+def mismatched_dtypes() -> str:
+    """With MPIPARALLEL_CHECK=1, rank 0 passing bfloat16 where the others pass float16 gets one clear error."""
+    comm = C.world()
+    try:
+        C.all_reduce(np.ones(4, BFLOAT16 if comm.rank == 0 else np.float16), comm)
+    except C.CollectiveMismatchError as error:
+        return str(error)
+    return "NO ERROR"
+
+
 def raise_on_rank(rank: int) -> str:
     """Rank `rank` raises while the others enter a collective: the job must end, not hang."""
     comm = C.world()
