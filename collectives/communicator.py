@@ -20,6 +20,10 @@ call collectives in the same order (an MPI rule), so they agree on tags without 
 asynchronous collectives in flight on one communicator never match each other's messages. User
 point-to-point messages should use tags below `FIRST_COLLECTIVE_TAG`.
 
+Datatypes. Messages are raw bytes (MPI.BYTE), whatever the dtype. Arrays whose dtype mpi4py cannot export
+(bfloat16) travel as unsigned words of their size: the point-to-point calls view them so, and the collectives
+hand `run` and `start` steps already in that form (`in_words`); the ledger counts 2 bytes per bfloat16.
+
 Every byte sent or received through this class is recorded in `ledger`, under the name of the operation
 that is running (`all_reduce`, `reduce_scatter`, ..., or `p2p` for direct calls); bytes sent to a rank on
 another node are counted a second time apart (`ledger.inter_node_sent()`). A communicator knows the node of each
@@ -40,7 +44,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .backend import Array, HostStaging
+from .backend import Array, HostStaging, as_words
 from .topology import NodeLayout, emulated_inter_node_link, node_labels
 
 FIRST_COLLECTIVE_TAG = 1 << 14
@@ -139,8 +143,17 @@ def _segment_bytes_from_environment() -> int:
 
 
 def _byte_buffer(x: Array) -> list:
-    """mpi4py buffer spec that sends the array's raw bytes (every dtype, NumPy or CUDA-aware CuPy)."""
-    return [x, MPI.BYTE]
+    """mpi4py buffer spec that sends the array's raw bytes (every dtype, NumPy or CUDA-aware CuPy; bfloat16 as
+    16-bit words, which mpi4py can export)."""
+    return [as_words(x), MPI.BYTE]
+
+
+def in_words(steps: Steps) -> Steps:
+    """`steps` with every buffer viewed as unsigned words (`backend.as_words`): the form in which arrays of a
+    dtype MPI cannot take (bfloat16) travel. The algorithm keeps its typed views for its local work."""
+    for step in steps:
+        yield Step(None if step.send is None else as_words(step.send), step.dest,
+                   None if step.recv is None else as_words(step.recv), step.source)
 
 
 class Communicator:
@@ -286,7 +299,8 @@ class Communicator:
 
     def run_step(self, step: Step, tag: int) -> None:
         """Execute one step with blocking MPI calls and record its bytes."""
-        send, recv = step.send, step.recv
+        send = None if step.send is None else as_words(step.send)
+        recv = None if step.recv is None else as_words(step.recv)
         staging = HostStaging() if HostStaging.possible else None
         if staging is not None:
             send = None if send is None else staging.outgoing(send)

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from .backend import NARROW_FLOATS
 from .communicator import Communicator
 
 
@@ -93,7 +94,9 @@ Formula = Callable[[CostModel, float, int], float]
 # and reduce; the gathered output for all_gather. Two terms go beyond the modules' textbook formulas, each for
 # work the implementation does: recursive halving copies the rank's block out of its work buffer (S/n·γ), and
 # each Bruck all-to-all round packs and unpacks its slots in Python, about as long as a step (a second α;
-# measured on 4 ranks: 3.4 µs of Python per Bruck round against 1.0 µs per pairwise step).
+# measured on 4 ranks: 3.4 µs of Python per Bruck round against 1.0 µs per pairwise step). The pairwise
+# reductions add n blocks of S/n into an accumulator and round it once: S·γ (`collectives.pairwise`); never
+# cheaper than the ring, auto runs them for their rounding only (`precision_choice`).
 FORMULAS: dict[str, dict[str, Formula]] = {
     "all_reduce": {
         "ring": lambda m, s, n: 2 * (n - 1) * m.alpha + 2 * (n - 1) / n * s * m.beta + (n - 1) / n * s * m.gamma,
@@ -101,11 +104,13 @@ FORMULAS: dict[str, dict[str, Formula]] = {
         + _fold(m, s, n),
         "rabenseifner": lambda m, s, n: 2 * math.log2(_pow2(n)) * m.alpha
         + (_pow2(n) - 1) / _pow2(n) * s * (2 * m.beta + m.gamma) + _fold(m, s, n),
+        "pairwise": lambda m, s, n: 2 * (n - 1) * m.alpha + 2 * (n - 1) / n * s * m.beta + s * m.gamma,
     },
     "reduce_scatter": {
         "ring": lambda m, s, n: (n - 1) * m.alpha + (n - 1) / n * s * (m.beta + m.gamma),
         "recursive_halving": lambda m, s, n: math.log2(_pow2(n)) * m.alpha
         + (_pow2(n) - 1) / _pow2(n) * s * (m.beta + m.gamma) + s / n * m.gamma + _fold(m, s, n),
+        "pairwise": lambda m, s, n: (n - 1) * m.alpha + (n - 1) / n * s * m.beta + s * m.gamma,
     },
     "all_gather": {
         "ring": lambda m, s, n: (n - 1) * m.alpha + (n - 1) / n * s * m.beta,
@@ -204,6 +209,20 @@ def candidates(collective: str, nodes: int = 1) -> list[str]:
     """The algorithms "auto" chooses from: the flat ones, and hierarchical where the ranks span nodes."""
     flat = list(FORMULAS[collective])
     return flat + ["hierarchical"] if nodes > 1 and collective in HIERARCHICAL else flat
+
+
+ROUNDING_ONCE = {"all_reduce": "pairwise", "reduce_scatter": "pairwise"}
+"""The algorithm of each collective that rounds each element of a 16-bit float sum once (`collectives.pairwise`)."""
+
+
+def precision_choice(collective: str, dtype: np.dtype, op: str | None) -> str | None:
+    """auto's choice where accuracy decides, not time: the algorithm that rounds once for sums and averages of
+    bfloat16 and float16 (the others round each partial sum on its way, up to n−1 times), else None.
+
+    Over several nodes this gives up the hierarchical algorithms' smaller inter-node volume for the rounding."""
+    if op in ("sum", "avg") and dtype in NARROW_FLOATS:
+        return ROUNDING_ONCE.get(collective)
+    return None
 
 
 def choose(model: CostModel, collective: str, nbytes: int, size: int, nodes: int = 1) -> str:

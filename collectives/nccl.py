@@ -28,8 +28,9 @@ multiples of n, else equal within rounding. avg on integers → NCCL_SUM, then f
 NCCL_AVG truncates toward zero where the API floors. Without NCCL_AVG (an older NCCL or CuPy) floats take the
 sum-then-divide path too. An op without an NCCL equivalent raises ValueError.
 
-Types: NCCL reduces int8, uint8, int32, uint32, int64, uint64, float16, float32, float64 (and bfloat16, which
-NumPy lacks); reducing bool, int16, uint16, complex or any other dtype raises ValueError. Data movement
+Types: NCCL reduces int8, uint8, int32, uint32, int64, uint64, float16, float32, float64 and bfloat16 (where the
+binding has NCCL_BFLOAT16, NCCL ≥ 2.10); reducing bool, int16, uint16, complex or any other dtype raises
+ValueError. Data movement
 (all_gather, all_to_all(v), broadcast, sendrecv) moves such dtypes as raw bytes (NCCL_UINT8).
 
 Pointers and streams: every call is queued on CuPy's current stream with raw device pointers (`x.data.ptr`).
@@ -63,7 +64,7 @@ from .arguments import (
     row_offsets,
     unaliased,
 )
-from .backend import Array, get_array_module, gpu_unavailable_reason
+from .backend import Array, get_array_module, gpu_unavailable_reason, is_floating
 from .blocks import check_op, finish_average
 from .communicator import Communicator
 
@@ -71,7 +72,7 @@ MULTI_RANK_GPU = "NCCL_MULTI_RANK_GPU_ENABLE"
 
 NCCL_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
               "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
-              "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
+              "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16"}
 """NumPy dtype name → the name of NCCL's datatype constant in `cupy.cuda.nccl`."""
 
 NCCL_OPS = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_MIN", "avg": "NCCL_AVG"}
@@ -212,10 +213,11 @@ def _reduction(comm: NcclComm, x: Array, op: str) -> tuple[int, int, bool]:
     check_op(op)
     name = NCCL_TYPES.get(x.dtype.name)
     if name is None:
-        raise ValueError(f"NCCL cannot reduce {x.dtype}: it reduces {', '.join(NCCL_TYPES)} "
-                         f"(and bfloat16, which NumPy lacks)")
-    datatype = getattr(comm.library, name)
-    if op == "avg" and (x.dtype.kind != "f" or not comm.has_avg):
+        raise ValueError(f"NCCL cannot reduce {x.dtype}: it reduces {', '.join(NCCL_TYPES)}")
+    datatype = getattr(comm.library, name, None)
+    if datatype is None:
+        raise ValueError(f"this NCCL binding has no {name}: it cannot reduce {x.dtype}")
+    if op == "avg" and (not is_floating(x.dtype) or not comm.has_avg):
         return datatype, comm.library.NCCL_SUM, True
     op_name = NCCL_OPS.get(op)
     if op_name is None or not hasattr(comm.library, op_name):
@@ -225,10 +227,10 @@ def _reduction(comm: NcclComm, x: Array, op: str) -> tuple[int, int, bool]:
 
 def _movement(comm: NcclComm, x: Array) -> tuple[int, int]:
     """(NCCL datatype, NCCL elements per element of x) to move x: its own type, or its bytes as NCCL_UINT8."""
-    name = NCCL_TYPES.get(x.dtype.name)
-    if name is None:
+    datatype = getattr(comm.library, NCCL_TYPES.get(x.dtype.name, ""), None)
+    if datatype is None:
         return comm.library.NCCL_UINT8, x.dtype.itemsize
-    return getattr(comm.library, name), 1
+    return datatype, 1
 
 
 # -- the collectives ---------------------------------------------------------------------------------------

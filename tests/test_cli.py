@@ -247,6 +247,29 @@ def test_bench_busbw_is_algbw_times_the_nccl_tests_factor_on_three_ranks(run, tm
     assert_json_bandwidths_follow_nccl_tests(document, bus_factor(collective, 3))
 
 
+def test_bench_all_reduce_in_bfloat16_checks_out_and_names_the_type_as_nccl_tests_does(run, tmp_path):
+    """bfloat16 on 3 ranks: nccl-tests' type name, exact results, auto's round-once pairwise algorithm, and the
+    MPI column from algo="mpi" (MPI has no bfloat16 datatype for straight mpi4py calls)."""
+    json_path = tmp_path / "bench.json"
+    status, out, err, _ = run(*PROGRAM, "bench", "all_reduce", "-n", "3", "-d", "bfloat16", "-b", "6", "-e", "96K",
+                              "--iters", "2", "-w", "1", "--compare", "mpi", "--json", str(json_path), timeout=90)
+    assert status == 0, out + err
+    assert "# Out of bounds values : 0 OK" in out
+    rows = table_rows(out)
+    assert len(rows) == 15 and {row[2] for row in rows} == {"bfloat16"} and {row[-1] for row in rows} == {"pairwise"}
+    assert all(int(row[1]) == int(row[0]) // 2 for row in rows)  # 2 bytes per element
+    assert json.loads(json_path.read_text())["datatype"] == "bfloat16"
+
+
+def test_verify_in_bfloat16_on_three_ranks_finds_no_wrong_element(run):
+    status, out, err, _ = run(*PROGRAM, "verify", "-n", "3", "-d", "bfloat16", "--max-count", "1000", timeout=120)
+    assert status == 0, out + err
+    rows = table_rows(out)
+    assert {row[2] for row in rows} == {"bfloat16"} and {row[-1] for row in rows} == {"0"}
+    assert {"ring", "pairwise", "hierarchical", "rabenseifner"} <= {row[1] for row in rows if row[0] == "all_reduce"}
+    assert "all OK" in out
+
+
 def test_bench_sizes_follow_nccl_tests_for_gathers(run):
     """all_gather's size is the gathered output; its count is one rank's block."""
     status, out, err, _ = run(*PROGRAM, "bench", "all_gather", "-n", "2", "-b", "4K", "-e", "4K", "-d", "double",

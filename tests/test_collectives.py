@@ -16,7 +16,8 @@ def _assert_no_failures(results: list[list[str]]) -> None:
 
 @pytest.mark.parametrize("ranks", RANK_COUNTS)
 def test_every_collective_and_algorithm_matches_native_mpi(ranks):
-    """Sizes 0, 1, 7, 1000 × float16/32/64, int32/64 × sum/prod/max/min/avg × every algorithm.
+    """Sizes 0, 1, 7, 1000 × float16/32/64, bfloat16, int32/64 × sum/prod/max/min/avg × every algorithm; the
+    inputs are small integers, so every result is exact, bfloat16's too, and must equal the reference's.
 
     On one rank, where every call is local and so equals algo="mpi" trivially, each algorithm must also return a
     new array equal to its input (the reduction of one contribution) and send nothing."""
@@ -26,14 +27,15 @@ def test_every_collective_and_algorithm_matches_native_mpi(ranks):
 @pytest.mark.parametrize("ranks", RANK_COUNTS)
 def test_every_collective_matches_native_mpi_on_a_million_and_three_elements(ranks):
     """As above on one large size; on one rank, each algorithm returns a copy of its input and sends nothing."""
-    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_against_native", timeout=400, sizes=[1_000_003]))
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_against_native", timeout=400, sizes=[1_000_003],
+                                     dtypes=["float16", "float32", "float64", "int32", "int64"]))
 
 
 @pytest.mark.parametrize("ranks", [3, 4, 5])
 def test_messages_cut_into_many_segments_still_match_native(ranks):
     """A 40-byte segment limit sends every block in pieces (uneven, some empty): the pipelining paths."""
     results = run_on_ranks(ranks, f"{CHECKS}:check_against_native", env={"MPIPARALLEL_SEGMENT_BYTES": "40"},
-                           sizes=[7, 1000], dtypes=["float64", "int32"], ops=["sum", "avg"])
+                           sizes=[7, 1000], dtypes=["float64", "int32", "bfloat16"], ops=["sum", "avg"])
     _assert_no_failures(results)
 
 
@@ -63,6 +65,27 @@ def test_ring_reduce_scatter_and_all_gather_send_n_minus_1_over_n_bytes(ranks):
         gathered = nbytes * ranks  # all_gather's S is the gathered output
         assert volumes["all_gather"]["sent"] == (ranks - 1) * gathered // ranks
         assert volumes["all_to_all"]["sent"] == (ranks - 1) * nbytes // ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_bfloat16_collectives_send_2_bytes_per_element_and_pairwise_the_ring_volume(ranks):
+    count = 840 * ranks
+    for volumes in run_on_ranks(ranks, f"{CHECKS}:ledger_volumes", count=count, dtype="bfloat16"):
+        one_pass = (ranks - 1) * count * 2 // ranks
+        assert volumes["all_reduce"]["sent"] == volumes["pairwise_all_reduce"]["sent"] == 2 * one_pass
+        assert volumes["pairwise_all_reduce"]["received"] == 2 * one_pass
+        assert volumes["reduce_scatter"]["sent"] == volumes["pairwise_reduce_scatter"]["sent"] == one_pass
+        assert volumes["all_gather"]["sent"] == (ranks - 1) * count * 2
+        assert volumes["all_to_all"]["sent"] == one_pass
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_pairwise_reduction_is_the_rank_order_float32_sum_rounded_once(ranks):
+    """On random bfloat16, float16 and float32 data (not exactly representable sums), bit for bit; also async,
+    in place, and as algo="auto"'s choice for 16-bit sums and averages."""
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_pairwise_rounds_once", count=1001))
+    _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_pairwise_rounds_once", count=7,
+                                     env={"MPIPARALLEL_SEGMENT_BYTES": "4"}))
 
 
 def test_rabenseifner_on_a_power_of_two_sends_the_ring_volume():
@@ -113,6 +136,12 @@ def test_check_mode_reports_mismatched_shapes_on_every_rank():
     for message in results:
         assert "ranks disagree" in message
         assert "rank 0: all_reduce(shape=(4,)" in message and "rank 2: all_reduce(shape=(6,)" in message
+
+
+def test_check_mode_names_bfloat16_in_a_dtype_mismatch():
+    for message in run_on_ranks(2, f"{CHECKS}:mismatched_dtypes", env={"MPIPARALLEL_CHECK": "1"}):
+        assert "rank 0: all_reduce(shape=(4,), dtype=bfloat16" in message
+        assert "rank 1: all_reduce(shape=(4,), dtype=float16" in message
 
 
 def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging():

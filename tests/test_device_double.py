@@ -150,9 +150,13 @@ def _cli_on_fake_gpu(ranks: int, *args: str) -> subprocess.CompletedProcess:
 
 def test_verify_and_bench_run_their_gpu_paths_on_device_arrays():
     verify = _cli_on_fake_gpu(2, "verify", "--against", "mpi", "--device", "gpu", "--max-count", "100",
-                              "-d", "float32", "-d", "int64")
+                              "-d", "float32", "-d", "int64", "-d", "bfloat16")
     assert verify.returncode == 0, verify.stdout[-3000:]
     assert "host staging" in verify.stdout and "all OK" in verify.stdout
     bench = _cli_on_fake_gpu(2, "bench", "all_reduce", "--device", "gpu", "--compare", "mpi", "-e", "64K")
     assert bench.returncode == 0, bench.stdout[-3000:]
     assert "# Out of bounds values : 0 OK" in bench.stdout
+    bench = _cli_on_fake_gpu(2, "bench", "reduce_scatter", "--device", "gpu", "--compare", "mpi", "-e", "64K",
+                             "-d", "bfloat16", "-o", "avg")
+    assert bench.returncode == 0, bench.stdout[-3000:]
+    assert "# Out of bounds values : 0 OK" in bench.stdout and "bfloat16" in bench.stdout

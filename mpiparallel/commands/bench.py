@@ -17,9 +17,13 @@ calls pass out=x (all_reduce, broadcast, reduce); reduce_scatter, all_gather, al
 alias input and output in this API, so their in-place columns time the same out-of-place call again.
 
 Exact results (as nccl-tests does): element i of rank r's input is a small integer computed from (r, i), so
-sums, products, maxima, minima and averages over ranks are exact even in float16, and each rank computes the
-expected output in float64 from the same formula. Products use factors 1 and 2 only; averages use inputs that
-are multiples of the rank count. (Exact in float16 up to 16 ranks for avg, a few hundred for the others.)
+sums, products, maxima, minima and averages over ranks are exact even in float16 and bfloat16, and each rank
+computes the expected output in float64 from the same formula. Products use factors 1 and 2 only; averages use
+inputs that are multiples of the rank count. (Exact for avg up to 32 ranks in float16 and 11 in bfloat16, for
+sums up to 341 and 42; bfloat16's exact integers end at 256.)
+
+bfloat16 (-d bfloat16) has no MPI datatype: --compare mpi times algo="mpi" through the API for it (words moved
+by MPI, reductions by an all-gather and a float64 sum: `collectives.native`), not straight mpi4py calls.
 
 With --compare mpi every size is also timed for the MPI library's own collective (called straight through
 mpi4py, MPI_IN_PLACE for in-place), alternating with ours in the same run; `vs-mpi` = MPI's time / ours, so
@@ -50,7 +54,7 @@ import collectives
 from collectives import Communicator, backend, nccl
 from collectives.backend import to_host
 from collectives.blocks import finish_average
-from collectives.cost_model import calibrate, choose, model_for, save_calibration
+from collectives.cost_model import calibrate, choose, model_for, precision_choice, save_calibration
 from collectives.native import MPI_OPS
 from collectives.topology import EMULATED_INTER_NODE_VARIABLE, describe_nodes
 
@@ -58,7 +62,8 @@ from ..errors import ConfigError
 from .devices import array_module, use_gpu
 from .launch import mpi_library
 
-TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half", "int32": "int32", "int64": "int64"}
+TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16", "int32": "int32",
+              "int64": "int64"}
 """nccl-tests' printed name of each NumPy dtype."""
 
 _REDUCE_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
@@ -273,9 +278,10 @@ def input_values(rank: int | np.ndarray, index: np.ndarray, n: int, op: str) -> 
     """
     if op == "prod":
         return np.where((index + rank) % n < index % 4, 2.0, 1.0)
-    if op in ("sum", "avg"):
-        small = (index * 7 + rank * 3) % 13 - 6.0
-        return small * n if op == "avg" else small
+    if op == "avg":
+        return ((index * 7 + rank * 3) % 5 - 2.0) * n  # |partial sums| ≤ 2n²
+    if op == "sum":
+        return (index * 7 + rank * 3) % 13 - 6.0
     return (rank * 1009 + index) % 2039 - 1019.0
 
 
@@ -369,7 +375,7 @@ def comparison_for(collective: Collective, comm: Communicator, settings: BenchSe
         return Comparison("nccl", "NCCL", lambda x, out, ip: collective.nccl(x, out, nccl_comm, settings, ip))
     if settings.compare != "mpi":
         return None
-    if settings.device == "gpu":
+    if settings.device == "gpu" or backend.needs_words(backend.dtype_named(settings.datatype)):
         through_api = replace(settings, algo="mpi" if collective.api_name else settings.algo)
         return Comparison("mpi", "MPI library", lambda x, out, ip: collective.ours(x, out, comm, through_api, ip))
     return Comparison("mpi", "MPI library", lambda x, out, ip: collective.native(x, out, comm, settings, ip))
@@ -443,6 +449,10 @@ def algorithm_used(collective: Collective, comm: Communicator, settings: BenchSe
         return "local"  # nothing to communicate: every algorithm is a local copy
     if settings.algo != "auto":
         return settings.algo
+    rounding_once = precision_choice(collective.api_name, backend.dtype_named(settings.datatype),
+                                     settings.op if collective.reduces else None)
+    if rounding_once:
+        return rounding_once
     return choose(model_for(comm), collective.api_name, nbytes, comm.size, comm.topology.count)
 
 
@@ -458,7 +468,8 @@ def size_sweep(settings: BenchSettings) -> list[int]:
 
 def benchmark_size(collective: Collective, nbytes: int, comm: Communicator, settings: BenchSettings,
                    comparison: Comparison | None = None) -> Row:
-    buffers = allocate(collective, nbytes, comm.size, np.dtype(settings.datatype), array_module(settings.device))
+    buffers = allocate(collective, nbytes, comm.size, backend.dtype_named(settings.datatype),
+                       array_module(settings.device))
     fill_input(buffers.x, comm.rank, comm.size, value_pattern(collective, settings))
     out_of_place = measure(collective, buffers, comm, settings, False, comparison)
     in_place = measure(collective, buffers, comm, settings, True, comparison)

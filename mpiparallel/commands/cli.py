@@ -31,6 +31,7 @@ DATATYPES = {
     "float": "float32", "float32": "float32",
     "double": "float64", "float64": "float64",
     "half": "float16", "float16": "float16",
+    "bfloat16": "bfloat16",
     "int32": "int32", "int": "int32",
     "int64": "int64",
 }
@@ -196,7 +197,7 @@ def _check_plotting(plot_path: Path | None) -> None:
 
 VERIFY_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast",
                       "reduce")
-VERIFY_DATATYPES = ("float16", "float32", "float64", "int32", "int64")
+VERIFY_DATATYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 
 
 @main.command(context_settings={"show_default": True})

@@ -8,6 +8,12 @@ from a seeded generator), small enough that every sum and product is exact in ev
 results must be equal bit for bit: `#wrong` counts differing output elements, plus input elements the call
 modified (the API promises not to), summed over ranks. Averages get multiples of the rank count, so that
 the average itself is exact, whether a library divides the sum or (as NCCL does for floats) each input.
+The integers shrink with the datatype's exact-integer range (2048 for float16, 256 for bfloat16), so that
+every partial sum is exact too: the bound holds up to 32 ranks for sums (16 for bfloat16 averages) — a
+result rounded differently by two algorithms would otherwise count as wrong.
+
+bfloat16 (`-d bfloat16`) has no MPI datatype: the MPI reference moves it as 16-bit words and reduces it by
+gathering every rank's input and adding in float64, one rounding at the end (`collectives.native`).
 
 "count" means: the elements of x for all_reduce, broadcast and reduce; one rank's block for reduce_scatter
 and all_to_all (x has count·n elements) and all_gather (x has count); the largest row count a rank sends to
@@ -30,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -176,7 +183,7 @@ class VerifySettings:
     max_count: int = (1 << 20) + 3
     collectives: Sequence[str] = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv",
                                   "broadcast", "reduce")
-    datatypes: Sequence[str] = ("float16", "float32", "float64", "int32", "int64")
+    datatypes: Sequence[str] = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
     seed: int = 0
 
 
@@ -230,15 +237,25 @@ def make_input(case: Case, rank: int, n: int, seed: int) -> tuple[Array, list[in
         shape = (case.count * n,)
     else:
         shape = (case.count,)
+    dtype = backend.dtype_named(case.dtype)
     if case.op == "prod":
         values = rng.choice([-2, -1, 1, 2], size=shape)  # |product| ≤ 2^n: exact, or ±inf on both sides
     elif case.op == "avg":
-        values = rng.integers(-8, 9, size=shape) * n  # |sum| ≤ 8n², exact in float16 up to 16 ranks
+        bound = max(1, min(8, exact_integers(dtype) // n**2))  # |partial sums| ≤ bound·n²
+        values = rng.integers(-bound, bound + 1, size=shape) * n
     elif case.op is not None:
-        values = rng.integers(-8, 9, size=shape)  # sums stay far below float16's 2048 exact-integer limit
+        bound = max(1, min(8, exact_integers(dtype) // n))  # |partial sums| ≤ bound·n
+        values = rng.integers(-bound, bound + 1, size=shape)
     else:
         values = rng.integers(-1000, 1001, size=shape)  # data movement: distinct values catch misplaced blocks
-    return values.astype(case.dtype), send_counts
+    return values.astype(dtype), send_counts
+
+
+def exact_integers(dtype: np.dtype) -> int:
+    """The largest N such that every integer of magnitude up to N is exact in `dtype` (2^(significant bits))."""
+    if backend.is_floating(dtype):
+        return 2 ** (ml_dtypes.finfo(dtype).nmant + 1)
+    return int(np.iinfo(dtype).max)
 
 
 OURS: dict[str, Callable] = {

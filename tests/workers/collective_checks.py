@@ -10,9 +10,10 @@ from mpi4py import MPI
 
 import collectives as C
 import collectives.scratch as scratch_pool
+from collectives.backend import BFLOAT16, accumulation_dtype, dtype_named
 from collectives.cost_model import CostModel
 
-DTYPES = {name: np.dtype(name) for name in ("float16", "float32", "float64", "int32", "int64")}
+DTYPES = {name: dtype_named(name) for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64")}
 
 
 def _hand_written(name: str) -> list[str]:
@@ -27,7 +28,8 @@ _device = _on_host  # where exact_data puts its arrays: NumPy, or CuPy for the G
 
 
 def exact_data(rng: np.random.Generator, shape: tuple, dtype: np.dtype, op: str, size: int) -> np.ndarray:
-    """Integer-valued data whose reduction over `size` ranks is exact in every dtype (float16 included)."""
+    """Integer-valued data whose reduction over `size` ranks is exact in every dtype (float16 and bfloat16, whose
+    integers are exact up to 2048 and 256, included: |partial sums| ≤ 4·8, 3·8², 2^8 on up to 8 ranks)."""
     if op == "prod":
         values = rng.integers(1, 3, shape)  # at most 2**8 = 256 on 8 ranks
     elif op == "avg":
@@ -272,16 +274,19 @@ def check_multidimensional(seed: int = 0) -> list[str]:
     return failures
 
 
-def ledger_volumes(count: int) -> dict:
-    """Bytes each rank's ledger records for one call of each ring algorithm on `count` float64 elements."""
+def ledger_volumes(count: int, dtype: str = "float64") -> dict:
+    """Bytes each rank's ledger records for one call of each ring algorithm (and the pairwise ones) on `count`
+    elements of `dtype`."""
     comm = C.world()
-    x = np.ones(count)
+    x = np.ones(count, dtype_named(dtype))
     volumes = {}
     for name, call in [("all_reduce", lambda: C.all_reduce(x, comm, algo="ring")),
                        ("reduce_scatter", lambda: C.reduce_scatter(x, comm, algo="ring")),
                        ("all_gather", lambda: C.all_gather(x, comm, algo="ring")),
                        ("rabenseifner", lambda: C.all_reduce(x, comm, algo="rabenseifner")),
-                       ("all_to_all", lambda: C.all_to_all(x, comm, algo="pairwise"))]:
+                       ("all_to_all", lambda: C.all_to_all(x, comm, algo="pairwise")),
+                       ("pairwise_all_reduce", lambda: C.all_reduce(x, comm, algo="pairwise")),
+                       ("pairwise_reduce_scatter", lambda: C.reduce_scatter(x, comm, algo="pairwise"))]:
         comm.ledger.reset()
         call()
         volumes[name] = {"sent": comm.ledger.total_sent(), "received": comm.ledger.total_received(),
@@ -358,6 +363,16 @@ def mismatched_shapes() -> str:
     return "NO ERROR"
 
 
+def mismatched_dtypes() -> str:
+    """With MPIPARALLEL_CHECK=1, rank 0 passing bfloat16 where the others pass float16 gets one clear error."""
+    comm = C.world()
+    try:
+        C.all_reduce(np.ones(4, BFLOAT16 if comm.rank == 0 else np.float16), comm)
+    except C.CollectiveMismatchError as error:
+        return str(error)
+    return "NO ERROR"
+
+
 def raise_on_rank(rank: int) -> str:
     """Rank `rank` raises while the others enter a collective: the job must end, not hang."""
     comm = C.world()
@@ -427,4 +442,53 @@ def check_out_aliasing_input(pool_everything: bool = False) -> list[str]:
     for algo in C.ALGORITHMS["reduce"]:
         y = x.copy()
         failures.expect_equal(C.reduce(y, comm, root=1, algo=algo, out=y), want, f"reduce {algo} out=x")
+    return failures
+
+
+def gradient_like(rng: np.random.Generator, count: int, groups: int = 8) -> np.ndarray:
+    """float64 values like one rank's gradients: `groups` tensors of magnitudes 1e-6 … 1e1, each element a
+    component shared by all ranks (the true gradient; seeded by the caller's shared generator) plus this rank's
+    own noise of the same size."""
+    scales = np.repeat(10.0 ** np.linspace(-6, 1, groups), -(-count // groups))[:count]
+    return scales * rng.standard_normal(count)
+
+
+def _rank_order_reduction(rows: np.ndarray, op: str, dtype: np.dtype) -> np.ndarray:
+    """The pairwise algorithms' promised result, computed here from every rank's input: the rows added (or
+    multiplied, maxed, minned) in the accumulation dtype in rank order, divided there for avg, rounded once."""
+    ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    total = rows[0].astype(accumulation_dtype(dtype))
+    for row in rows[1:]:
+        total = ufunc(total, row.astype(total.dtype))
+    if op == "avg":
+        total = total / total.dtype.type(len(rows))
+    return total.astype(dtype)
+
+
+def check_pairwise_rounds_once(count: int, seed: int = 0) -> list[str]:
+    """On random (inexact) data, algo="pairwise" all_reduce and reduce_scatter equal, bit for bit, the rank-order
+    float32 reduction of every rank's input rounded once (computed here from an all-gather); algo="auto" runs
+    it for bfloat16 and float16 sums and averages."""
+    comm = C.world()
+    n = comm.size
+    shared, own = np.random.default_rng(seed), np.random.default_rng([seed, comm.rank + 1])
+    failures = Failures()
+    for dtype in (BFLOAT16, np.dtype(np.float16), np.dtype(np.float32)):
+        x = (gradient_like(shared, n * count) + gradient_like(own, n * count)).astype(dtype)
+        rows = C.all_gather(x, comm, algo="mpi").reshape(n, -1)
+        for op in ("sum", "avg", "max") + (("prod",) if dtype != np.float16 else ()):  # float16 products overflow
+            want = _rank_order_reduction(rows, op, dtype)
+            block = slice(comm.rank * count, (comm.rank + 1) * count)
+            tag = f"{dtype} {op} count={count}"
+            failures.expect_equal(C.all_reduce(x, comm, op, "pairwise"), want, f"pairwise all_reduce {tag}")
+            failures.expect_equal(C.reduce_scatter(x, comm, op, "pairwise"), want[block],
+                                  f"pairwise reduce_scatter {tag}")
+            failures.expect_equal(C.all_reduce_async(x, comm, op, "pairwise").wait(), want,
+                                  f"pairwise all_reduce_async {tag}")
+            in_place = x.copy()
+            C.all_reduce(in_place, comm, op, "pairwise", out=in_place)
+            failures.expect_equal(in_place, want, f"pairwise all_reduce out=x {tag}")
+            if dtype != np.float32 and op in ("sum", "avg"):
+                failures.expect_equal(C.all_reduce(x, comm, op), want, f"auto all_reduce {tag}")
+                failures.expect_equal(C.reduce_scatter(x, comm, op), want[block], f"auto reduce_scatter {tag}")
     return failures

@@ -25,7 +25,7 @@ def collectives_on_device(cuda_aware: bool, sizes: list[int]) -> dict:
     world = C.Communicator(CheckedIntracomm(MPI.COMM_WORLD))
     collective_checks.C.world = lambda: world  # the shared checks take their communicator from here
     TRAFFIC.reset()
-    failures = collective_checks.check_against_native(sizes=sizes, dtypes=["float32", "int64"],
+    failures = collective_checks.check_against_native(sizes=sizes, dtypes=["float32", "int64", "bfloat16"],
                                                       ops=["sum", "max"], backend="fake")
     counted = asdict(TRAFFIC)
     return {"failures": failures, "traffic": counted, "staged": _staged_bytes_of_one_ring(world),
