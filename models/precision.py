@@ -27,33 +27,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from collectives.backend import Array, get_array_module
+from collectives.backend import NARROW_FLOATS, Array, dtype_named, get_array_module
+from collectives.backend import is_floating as _is_floating
 
-DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-          "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
-NARROW = (DTYPES["bfloat16"], DTYPES["float16"])
-
-
-def dtype_named(name: str | Any) -> np.dtype:
-    """The NumPy dtype of "bfloat16", "float16", "float32" or "float64" (or a dtype, returned as one)."""
-    if isinstance(name, str):
-        if name not in DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
-        return DTYPES[name]
-    return np.dtype(name)
+DTYPES = {name: dtype_named(name) for name in ("bfloat16", "float16", "float32", "float64")}
 
 
 def is_narrow(dtype: Any) -> bool:
     """bfloat16 or float16: stored narrow, computed in float32."""
-    return np.dtype(dtype) in NARROW
+    return np.dtype(dtype) in NARROW_FLOATS
 
 
 def is_floating(dtype: Any) -> bool:
     """A floating-point dtype, ml_dtypes' bfloat16 included (NumPy files it under kind 'V')."""
-    return np.dtype(dtype).kind == "f" or is_narrow(dtype)
+    return _is_floating(np.dtype(dtype))
 
 
 def widen(x: Array) -> Array:
