@@ -348,9 +348,9 @@ class GPT:
                              master=value)
         return Parameter(name, value.astype(self.compute_dtype, copy=False), placement, full_shape, self.grad_dtype)
 
-    def _narrowed(self, layer: Any) -> Any:
+    def _narrowed(self, layer: Any, statistics: tuple[str, ...] = ()) -> Any:
         """`layer` run in float32 on narrow tensors when the compute dtype is narrow (`models.precision.Narrowed`)."""
-        return Narrowed(layer, self.compute_dtype) if is_narrow(self.compute_dtype) else layer
+        return Narrowed(layer, self.compute_dtype, statistics) if is_narrow(self.compute_dtype) else layer
 
     def _hold(self, units: Any) -> None:
         count = self.config.n_layer + 2
@@ -466,8 +466,10 @@ class GPT:
     def _norm(self, prefix: str) -> Any:
         """The family's norm: LayerNorm (GPT-2) or RMSNorm (llama)."""
         if self.config.is_llama:
-            return self._narrowed(RMSNorm(self.params[f"{prefix}.weight"], self.config.rms_norm_eps))
-        return self._narrowed(LayerNorm(*self._weight_and_bias(prefix)))
+            norm = RMSNorm(self.params[f"{prefix}.weight"], self.config.rms_norm_eps)
+        else:
+            norm = LayerNorm(*self._weight_and_bias(prefix))
+        return self._narrowed(norm, statistics=("rstd",))  # the statistics stay float32
 
     def _column_parallel(self, prefix: str) -> Any:
         return self._narrowed(Linear(*self._weight_and_bias(prefix)))

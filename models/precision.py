@@ -90,17 +90,23 @@ def widen_saved(saved: Any, names: tuple[str, ...]) -> None:
 
 class Narrowed:
     """A layer run in float32 on narrow tensors: inputs and saved tensors widened on the way in, outputs and saved
-    tensors rounded to `dtype` on the way out. Gradients are added into `Parameter.grad` by the float32 code, at
-    the grad dtype. Only layers without communication are wrapped: collectives see the narrow tensors."""
+    tensors (but its `statistics`) rounded to `dtype` on the way out. Gradients are added into `Parameter.grad`
+    by the float32 code, at the grad dtype. Only layers without communication are wrapped: collectives see the
+    narrow tensors."""
 
-    def __init__(self, layer: Any, dtype: Any) -> None:
-        self.layer, self.dtype = layer, np.dtype(dtype)
+    def __init__(self, layer: Any, dtype: Any, statistics: tuple[str, ...] = ()) -> None:
+        """`statistics`: names of saved entries kept at float32 (a norm's 1/rms, 1/std)."""
+        self.layer, self.dtype, self.statistics = layer, np.dtype(dtype), statistics
 
     def __getattr__(self, name: str) -> Any:  # the wrapped layer's parameters and settings
         return getattr(self.__dict__["layer"], name)
 
     def _narrowed(self, saved: Any) -> Any:
-        return _convert(saved, lambda array: narrow(array, self.dtype))
+        kept = {name: getattr(saved, name) for name in self.statistics if hasattr(saved, name)}
+        _convert(saved, lambda array: narrow(array, self.dtype))
+        for name, value in kept.items():
+            setattr(saved, name, value)
+        return saved
 
     def forward(self, x: Array, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         out, saved = self.layer.forward(widen(x), *args, **kwargs)

@@ -73,6 +73,14 @@ def test_a_compute_dtype_equal_to_the_master_dtype_is_the_plain_path_bit_for_bit
         np.testing.assert_array_equal(a.grad, b.grad)
 
 
+def test_norm_statistics_stay_float32_while_the_rest_of_what_is_saved_is_bfloat16():
+    model = GPT(GPTConfig(arch="llama", vocab_size=61, n_positions=16, n_embd=16, n_layer=1, n_head=4),
+                compute_dtype="bfloat16")
+    tokens = np.random.default_rng(0).integers(0, 61, (2, 16))
+    saved = model.forward(tokens, tokens)[1].per_unit[1]
+    assert saved.ln_1.rstd.dtype == np.float32 and saved.ln_1.normalized.dtype == DTYPES["bfloat16"]
+
+
 def test_the_working_copy_is_the_master_rounded_and_the_master_keeps_what_bf16_would_lose():
     model = GPT(CONFIG, dtype=np.float32, compute_dtype="bfloat16")
     param = model.params["transformer.h.0.mlp.c_fc.weight"]
@@ -141,13 +149,15 @@ def test_serial_bfloat16_follows_pytorch_with_the_same_scheme(tmp_path):
 
 BASE = {"n_layer": 2, "n_head": 4, "n_embd": 16, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float32",
         "vocab_size": 256, "lr": 1e-2, "compute_dtype": "bfloat16", "bucket_mb": 0.004}
-MODELS = {"gpt2-bf16": BASE, "llama-bf16": {**BASE, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 24},
+MODELS = {"gpt2-bf16": BASE, "moe-bf16": {**BASE, "experts": 4, "moe_aux_coef": 0.0},
+          "llama-bf16": {**BASE, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 24},
           "mixtral-bf16": {**BASE, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 24, "experts": 4,
                            "moe_aux_coef": 0.0}}
 MESHES = {
     2: [("gpt2-bf16", {"dp": 2, "zero": 1}), ("gpt2-bf16", {"tp": 2, "sp": True}), ("gpt2-bf16", {"pp": 2}),
         ("gpt2-bf16", {"cp": 2}), ("llama-bf16", {"tp": 2}), ("llama-bf16", {"cp": 2, "cp_attention": "ulysses"}),
-        ("mixtral-bf16", {"dp": 2, "ep": 2}), ("llama-bf16", {"dp": 2, "zero": 3})],
+        ("mixtral-bf16", {"dp": 2, "ep": 2}), ("moe-bf16", {"dp": 2, "ep": 2, "zero": 1}),
+        ("llama-bf16", {"dp": 2, "zero": 3})],
     4: [("gpt2-bf16", {"tp": 2, "pp": 2}), ("llama-bf16", {"tp": 2, "cp": 2}),
         ("llama-bf16", {"dp": 2, "pp": 2, "zero": 2})],
 }
