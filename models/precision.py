@@ -51,8 +51,12 @@ def widen(x: Array) -> Array:
 
 
 def narrow(x: Array, dtype: Any) -> Array:
-    """x rounded to the narrow `dtype` (to nearest even), or x itself when `dtype` is not narrow."""
-    return x.astype(dtype) if is_narrow(dtype) and x.dtype != dtype else x
+    """x rounded to the narrow `dtype` (to nearest even), or x itself when `dtype` is not narrow. A value beyond
+    the dtype's range becomes ±inf without a warning: float16's loss scaler looks for exactly that."""
+    if not is_narrow(dtype) or x.dtype == dtype:
+        return x
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
 
 
 def _convert(value: Any, convert: Any) -> Any:
