@@ -140,7 +140,9 @@ def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zomb
                               env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": str(rank)})
              for rank in (0, 1)]
     try:
+        registered_by = time.monotonic() + 60
         while len(launch._registered(pids)) < 2:
+            assert time.monotonic() < registered_by, "the fake ranks never connected"
             time.sleep(0.01)
         time.sleep(0.2)  # both connected
         (tmp_path / "go-1").touch()
