@@ -125,6 +125,9 @@ def test_verify_against_nccl_prints_the_table_and_finds_no_wrong_element(monkeyp
     assert {row[0] for row in rows} == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv",
                                         "broadcast", "reduce"}
     assert "all OK" in output
+    # the double, like a CuPy or NCCL older than bfloat16, has no NCCL_BFLOAT16: one line says so, no row runs it
+    assert "# bfloat16: not checked: this NCCL binding has no NCCL_BFLOAT16" in output
+    assert "bfloat16" not in {row[2] for row in rows}
 
 
 def test_bench_compare_nccl_adds_nccls_bandwidth_and_the_ratio(tmp_path):

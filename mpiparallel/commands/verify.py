@@ -64,6 +64,10 @@ class Reference:
     def close(self) -> None:
         """Free what the library holds (called after the last check)."""
 
+    def cannot_run(self, dtype: str) -> str | None:
+        """Why this reference has no collectives for `dtype` (None: it has them)."""
+        return None
+
     def all_reduce(self, x: Array, op: str) -> Array:
         raise NotImplementedError
 
@@ -125,6 +129,12 @@ class NCCLReference(Reference):
 
     def __init__(self, comm: Communicator, nccl_comm: nccl.NcclComm | None = None) -> None:
         self.comm = nccl_comm if nccl_comm is not None else nccl.NcclComm(comm)
+
+    def cannot_run(self, dtype: str) -> str | None:
+        name = nccl.NCCL_TYPES.get(dtype)
+        if name is not None and getattr(self.comm.library, name, None) is None:
+            return f"this NCCL binding has no {name} (NCCL ≥ 2.10 with a CuPy that exposes it)"
+        return None
 
     def describe(self) -> str:
         shared = (f"; ranks share a GPU: {nccl.MULTI_RANK_GPU}={os.environ.get(nccl.MULTI_RANK_GPU, '')}"
@@ -371,7 +381,12 @@ def check_all(comm: Communicator, reference: Reference, settings: VerifySettings
     _say(comm, f"# counts: {' '.join(map(str, counts))}")
     _say(comm, "#" + _format([name for name, _ in _COLUMNS])[1:])
     rows = wrong_rows = cases = 0
+    skipped = {dtype: reason for dtype in settings.datatypes if (reason := reference.cannot_run(dtype))}
+    for dtype, reason in skipped.items():
+        _say(comm, f"# {dtype}: not checked: {reason}")
     for row in rows_to_check(settings, comm.size):
+        if row[2] in skipped:
+            continue
         wrong, failing = check_row(comm, reference, settings, counts, row, first_number=cases, xp=xp)
         collective, algo, dtype, op, roots = row
         row_cases = len(counts) * len(roots)
