@@ -68,10 +68,10 @@ def kill_rank_1_mid_training(log: Path) -> tuple[int, str]:
     ENDS_WITHIN seconds, non-zero, with one line that names rank 1 and no other rank. Returns rank 1's PID and
     the job's output."""
     command = ["train", "-n", "3", *TINY, "--batch-size", "6", "--steps", "100000", "--log-json", str(log)]
-    # bounded: a 120 s deadline to start, communicate(timeout=ENDS_WITHIN) after the kill, killpg in `finally`
     job = subprocess.Popen([sys.executable, "-m", "mpiparallel", *command], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # bounded: a 120 s deadline to start, communicate(timeout=ENDS_WITHIN) after the kill, killpg in `finally`
     try:
         deadline = time.monotonic() + 120
         while not (log.exists() and len(log.read_text().splitlines()) >= 3):  # training is under way
@@ -105,8 +105,8 @@ def test_the_rank_killed_first_is_named_with_the_cpu_busy(tmp_path):
     """The same kill, again and again, with every core busy: mpiexec's own SIGKILL of the survivors must never be
     taken for the first death (seen once on a loaded machine, when the order of the processes' ends was used)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    # bounded: killed in `finally` (each kill below has its own timeout)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    # bounded: the spinners are killed in `finally`; each job below has its own timeout
     try:
         for attempt in range(KILLS_UNDER_LOAD):
             kill_rank_1_mid_training(tmp_path / f"log-{attempt}.jsonl")
@@ -138,10 +138,9 @@ def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zomb
     pids.mkdir()
     watcher = launch.Endings(pids, ranks=2)
     watcher.start()
-    # bounded: deadlines below (no timeout-less wait), killed in `finally`
     ranks = [subprocess.Popen([sys.executable, "-c", FAKE_RANK, str(tmp_path / f"go-{rank}")],
                               env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": str(rank)})
-             for rank in (0, 1)]
+             for rank in (0, 1)]  # bounded: every wait below has a deadline or timeout, killed in `finally`
     try:
         registered_by = time.monotonic() + 60
         while len(launch._registered(pids)) < 2:
