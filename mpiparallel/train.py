@@ -199,7 +199,7 @@ def run(settings: TrainSettings) -> int:
     if mesh.topology_warning() and is_root:
         print(mesh.topology_warning(), flush=True)
     _check_batch(settings, mesh)
-    dataset, validation = _open_data(settings)
+    dataset, validation = _open_data(settings, mesh.world)
     settings = _settle_vocab(settings, dataset)
     config = _model_config(settings)
     schedule = _build_schedule(settings, mesh, config)
@@ -870,13 +870,22 @@ def _place_on_pipeline(model: GPT, schedule: Schedule) -> None:
         param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
 
 
-def _open_data(settings: TrainSettings) -> tuple[data.Dataset, data.Dataset | None]:
+def _open_data(settings: TrainSettings, world: Communicator) -> tuple[data.Dataset, data.Dataset | None]:
     """--data (memory-mapped shards or tokens in memory) and its validation: --val-data, else the validation
-    shards of a data folder, else (None) the last --validation-fraction of the training tokens."""
-    dataset = data.open_data(settings.data.data)
+    shards of a data folder, else (None) the last --validation-fraction of the training tokens. Without --data:
+    the default corpus's cached BPE folder."""
+    path = settings.data.data if settings.data.data is not None else str(_default_corpus_folder(world))
+    dataset = data.open_data(path)
     if settings.data.val_data is not None:
         return dataset, data.open_data(settings.data.val_data, role="val")
-    return dataset, data.validation_in_folder(settings.data.data)
+    return dataset, data.validation_in_folder(path)
+
+
+def _default_corpus_folder(world: Communicator) -> Path:
+    """Rank 0 prepares the default corpus on first use (a few seconds, said on its output) while the others wait;
+    then every rank finds it, or, where its node does not share rank 0's cache folder, builds the same files."""
+    on_every_rank(world, lambda: data.cached_default_corpus(announce=print) if world.rank == 0 else None)
+    return on_every_rank(world, data.cached_default_corpus)
 
 
 def _settle_vocab(settings: TrainSettings, dataset: data.Dataset) -> TrainSettings:

@@ -8,7 +8,8 @@ and every resume relies on.
   with the fingerprint training checkpoints record.
 - `sources`: token files loaded whole (`.npy`, bytes) and the default corpus.
 - `tokenizer`: Hugging Face `tokenizers` (or raw bytes) behind one small interface.
-- `prepare`: the work of `mpiparallel data prepare` and `data info`.
+- `prepare`: the work of `mpiparallel data prepare` and `data info`, and the default corpus's cached BPE
+  folder.
 """
 
 from .dataset import Dataset, open_data, validation_in_folder
@@ -22,6 +23,7 @@ from .order import (
     row_range,
     rows_for_rank,
 )
+from .prepare import cached_default_corpus
 from .sources import (
     BYTE_VOCAB_SIZE,
     TokenData,
@@ -33,6 +35,6 @@ from .sources import (
 from .tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, load_tokenizer, tokenizer_of_folder
 
 __all__ = ["BYTE_VOCAB_SIZE", "BatchOrder", "ByteTokenizer", "Dataset", "HuggingFaceTokenizer", "TokenBatches",
-           "TokenData", "Tokenizer", "batch_for_step", "check_vocab", "default_corpus", "full_batch_count",
-           "in_memory", "load_tokenizer", "load_tokens", "microbatches", "open_data", "row_range", "rows_for_rank",
-           "split_train_validation", "tokenizer_of_folder", "validation_in_folder"]
+           "TokenData", "Tokenizer", "batch_for_step", "cached_default_corpus", "check_vocab", "default_corpus",
+           "full_batch_count", "in_memory", "load_tokenizer", "load_tokens", "microbatches", "open_data", "row_range",
+           "rows_for_rank", "split_train_validation", "tokenizer_of_folder", "validation_in_folder"]
