@@ -196,7 +196,10 @@ PLANTED_FAILURE = textwrap.dedent("""
 ], ids=["train-tp", "train-pp", "bench", "verify", "train-tp-self-launched", "bench-self-launched"])
 def test_an_exception_on_one_rank_ends_the_job_with_that_ranks_message(tmp_path, command, self_launched):
     (tmp_path / "sitecustomize.py").write_text(PLANTED_FAILURE)
-    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    # the checkout under test goes on the path too: sitecustomize runs before Python adds the working directory,
+    # so without it the import below would find whatever copy of the project pip installed last (or none)
+    checkout = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [str(tmp_path), checkout, os.environ.get("PYTHONPATH")]))
     launch = [sys.executable, "-m", "mpiparallel", *command, "-n", "2"] if self_launched else \
         [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpiparallel", *command]
     start = time.monotonic()
