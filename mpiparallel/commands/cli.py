@@ -342,7 +342,7 @@ def threads_option(command: Callable) -> Callable:
               help="Write a Chrome trace-event JSON of the run (ui.perfetto.dev, chrome://tracing): per rank the "
                    "steps, pipeline actions and collectives, an arrow from each pipeline send to its receive.")
 @click.option("--sample-tokens", type=click.IntRange(min=0), default=0,
-              help="After training, print this many sampled bytes (byte-level models).")
+              help="After training, print a sample of this many tokens, decoded by the data's tokenizer.")
 @click.option("--experts", type=click.IntRange(min=0), default=0,
               help="Replace every block's MLP by this many GPT-2 MLP experts (mixture of experts; 0: dense).")
 @click.option("--top-k", type=click.IntRange(min=1), default=2, help="Experts each token is routed to.")
@@ -439,7 +439,9 @@ def _check_output_folders(files: dict[str, str | None]) -> None:
 @main.command(context_settings={"show_default": True})
 @click.option("--init", type=click.Path(file_okay=False), required=True,
               help="A Hugging Face GPT-2 directory (as written by train --save).")
-@click.option("--prompt", default=None, help="Text to continue (byte-level models). [default: a newline]")
+@click.option("--prompt", default=None,
+              help="Text to continue, encoded by the model folder's tokenizer.json (as bytes for byte-level models). "
+                   "[default: a newline]")
 @click.option("--prompt-ids", default=None,
               help="Comma-separated token ids to continue, for models whose vocabulary is not bytes.")
 @click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=200, help="Tokens to sample.")

@@ -2,12 +2,13 @@
 
 PATH is a folder written by `data prepare` (or holding llm.c's shards: `*train*.bin` for training, `*val*.bin`
 for validation, `data.json` and `tokenizer.json` when present), one `.bin` shard, a quoted glob of shards (sorted
-by name), a `.npy` array of token ids, or any other file read as bytes; nothing gives the default corpus. Shards
-are memory-mapped (`shards.MappedShard`); the rest is loaded whole (`sources`). A dataset is a list of segments
-— (source, start, stop) — so validation held out from the end of the training tokens is two lists of views, not
-a copy. The fingerprint (each file's name, size and a hash of its first 1024 bytes — a shard's header) is what a
-training checkpoint records, so that resuming on other data is an error. No communication: every rank opens the
-same files and reads only its rows of each batch (`order.TokenBatches`).
+by name), a `.npy` array of token ids, or any other file read as bytes (`train` without `--data` opens the
+default corpus's cached folder, `prepare.cached_default_corpus`). Shards are memory-mapped
+(`shards.MappedShard`); the rest is loaded whole (`sources`). A dataset is a list of segments — (source, start,
+stop) — so validation held out from the end of the training tokens is two lists of views, not a copy. The
+fingerprint (each file's name, size and a hash of its first 1024 bytes — a shard's header) is what a training
+checkpoint records, so that resuming on other data is an error. No communication: every rank opens the same
+files and reads only its rows of each batch (`order.TokenBatches`).
 """
 
 from __future__ import annotations
@@ -122,10 +123,8 @@ class Dataset:
         return value if isinstance(value, int) else None
 
 
-def open_data(path: str | None, role: str = "train") -> Dataset:
+def open_data(path: str, role: str = "train") -> Dataset:
     """The dataset `--data PATH` (role "train") or `--val-data PATH` (role "val") names."""
-    if path is None:
-        return _in_memory(sources.default_corpus(), [], {"default_corpus_sha256": None})
     if set(path) & GLOB_CHARACTERS and not Path(path).exists():
         matches = sorted(glob.glob(path))
         if not matches:
@@ -150,9 +149,6 @@ def validation_in_folder(path: str | None) -> Dataset | None:
 
 def _in_memory(token_data: sources.TokenData, files: list[Path], extra: dict[str, Any]) -> Dataset:
     tokens = token_data.tokens
-    if "default_corpus_sha256" in extra:  # no file to name: the tokens themselves identify it
-        extra = {"default_corpus_sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16],
-                 "tokens": len(tokens)}
     return Dataset([(ArraySource(tokens), 0, len(tokens))], token_data.description, files, token_data.vocab_size_needed,
                    fingerprint_extra=extra)
 

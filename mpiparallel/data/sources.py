@@ -1,10 +1,11 @@
 """Token files held in memory: a `.npy` array of token ids, a file read as bytes, or the default corpus.
 
 Files (`--data PATH`): a `.npy` file holds a 1-D array of integer token ids; any other file is read as its bytes,
-one token per byte (vocabulary 256; UTF-8 text becomes its UTF-8 bytes). Without `--data`, the default corpus is
-Python's own documentation, `pydoc_data.topics` (about half a megabyte of English prose and code), so a first
-run needs no download. These are loaded whole (8 bytes per token as int64): datasets larger than memory are
-llm.c shards (`shards`), which are memory-mapped instead. No communication: every rank reads the file itself.
+one token per byte (vocabulary 256; UTF-8 text becomes its UTF-8 bytes). The default corpus is Python's own
+documentation, `pydoc_data.topics` (about half a megabyte of English prose and code), so a first run needs no
+download; `train` without `--data` trains on it through a BPE (`prepare.cached_default_corpus`). These are
+loaded whole (8 bytes per token as int64): datasets larger than memory are llm.c shards (`shards`), which are
+memory-mapped instead. No communication: every rank reads the file itself.
 """
 
 from __future__ import annotations
