@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,10 +38,14 @@ class Traffic:
     synchronizations: int = 0
     unsynchronized_mpi_calls: int = 0
     device_buffers_given_to_mpi: int = 0
+    mpi_calls: dict[str, int] = field(default_factory=dict)  # the checked communicator's buffer calls, by name
 
     def reset(self) -> None:
-        for name in vars(self):
-            setattr(self, name, 0)
+        for name, value in vars(self).items():
+            if isinstance(value, dict):
+                value.clear()
+            else:
+                setattr(self, name, 0)
 
 
 TRAFFIC = Traffic()
@@ -325,6 +329,7 @@ _MADE_FROM = ("Split", "Split_type", "Dup", "Create", "Create_group")
 def _checked_call(name: str) -> Any:
     def call(self: CheckedIntracomm, *args: Any, **kwargs: Any) -> Any:
         self._inspect(*args, *kwargs.values())
+        TRAFFIC.mpi_calls[name] = TRAFFIC.mpi_calls.get(name, 0) + 1
         return getattr(super(CheckedIntracomm, self), name)(*args, **kwargs)
 
     call.__name__ = name

@@ -69,6 +69,10 @@ def test_the_double_counts_transfers_and_queued_work():
     assert isinstance(host, np.ndarray) and host.tolist() == [3.0 * i for i in range(8)]
 
 
+NATIVE_COLLECTIVES = {"Allreduce", "Reduce_scatter_block", "Allgather", "Alltoallv", "Bcast", "Reduce"}
+"""What collectives.native calls: the references every hand-written algorithm is compared with."""
+
+
 @pytest.mark.parametrize("cuda_aware", [False, True], ids=["host-staging", "cuda-aware"])
 def test_collectives_on_device_arrays_stage_or_synchronize(cuda_aware):
     results = run_on_ranks(3, "workers.device_checks:collectives_on_device", timeout=240, cuda_aware=cuda_aware,
@@ -78,6 +82,8 @@ def test_collectives_on_device_arrays_stage_or_synchronize(cuda_aware):
         assert result["detector_fires"] == {"Send": True, "Allreduce": True, "Split Send": True}, \
             "the double did not notice an unsynchronized device buffer handed to MPI"
         traffic, ring = result["traffic"], result["staged"]
+        assert NATIVE_COLLECTIVES <= set(traffic["mpi_calls"]), \
+            f"the native references bypassed the checked communicator: saw only {sorted(traffic['mpi_calls'])}"
         assert ring["correct"] and ring["result_on_device"]
         if cuda_aware:  # device pointers straight to MPI, each after the stream was drained
             assert traffic["device_buffers_given_to_mpi"] > 0
