@@ -19,6 +19,7 @@ import sys
 import fake_cupy
 import numpy as np
 import pytest
+from mpi_harness import mpiexec_path, run_with_timeout
 from workers.errors import relative_error as nan_aware_relative_error
 from workers.errors import worst
 
@@ -265,6 +266,24 @@ def test_host_threads_follow_the_blas_budget(monkeypatch):
         assert result.stdout.strip() == expected
     with pytest.raises(ValueError):
         kernels.set_host_threads(0)
+
+
+def test_ranks_sharing_a_node_split_its_cores_between_blas_and_host_passes():
+    """`mpiparallel`'s thread budget (launch.limit_blas_threads): cores ÷ ranks on the node by default, the
+    explicit count when given; the host passes get the same count as BLAS on every rank."""
+    code = ("import os, sys; from mpiparallel.commands import launch; "
+            "threads = launch.limit_blas_threads(None if sys.argv[1] == 'default' else int(sys.argv[1])); "
+            "from models import kernels; from mpi4py import MPI; blas = int(os.environ['OPENBLAS_NUM_THREADS']); "
+            "counts = MPI.COMM_WORLD.gather([threads, blas, kernels.host_threads()]); "
+            "print(counts if MPI.COMM_WORLD.rank == 0 else '', end='')")
+    cores = len(os.sched_getaffinity(0))
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    for argument, expected in [("default", max(1, cores // 2)), ("3", 3)]:
+        result = run_with_timeout([mpiexec_path(), "-n", "2", sys.executable, "-c", code, argument], timeout=120,
+                                  env=environment)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == str([[expected] * 3] * 2), result.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------
