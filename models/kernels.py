@@ -1,26 +1,36 @@
-"""Fused elementwise GPU kernels (GELU, LayerNorm, softmax, AdamW), written once and checkable on a CPU.
+"""Fused elementwise kernels (GELU, LayerNorm, RMSNorm, SwiGLU, softmax, AdamW): one text, run on a GPU and a CPU.
 
-Why fuse: on a GPU every array operation is one kernel launch and one trip through memory. GELU, LayerNorm's
-normalize-and-affine, softmax's shift-and-exponential and the AdamW step are chains of such operations, so each
-chain becomes one `cupy.ElementwiseKernel` that reads and writes every element once. Reductions (row maxima, row
-sums, means, variances) stay CuPy reductions or GEMVs; the kernels take their per-row results as broadcast inputs.
+Why fuse: GELU, the norms' normalize-and-affine, SwiGLU, softmax's shift-and-exponential and the AdamW step are
+chains of elementwise operations. Run one array operation at a time, every operation is a trip through memory
+(and on a GPU a kernel launch), so each chain becomes one kernel that reads and writes every element once.
+Reductions (row maxima, row sums, means, variances) stay outside: CuPy reductions or GEMVs on a GPU, BLAS GEMVs
+and NumPy reductions on a CPU; the kernels take their per-row results as broadcast inputs.
 
 Why as data: a kernel is its parameters plus statements `(target, expression)`, and every expression is text that
 C and Python read alike — names, literals with a decimal point, + - * /, unary minus, parentheses and the
-functions in `FUNCTIONS`. `cuda_source()` joins the statements into the CUDA C loop body; `evaluate_numpy()` runs
-the very same text with NumPy. So a CPU test of `evaluate_numpy` checks the math of the text the GPU compiles.
+functions in `FUNCTIONS`. The one text is the formula's only definition, for both devices:
+
+    GPU    `cuda_source()` joins the statements into the loop body of one `cupy.ElementwiseKernel`;
+    CPU    `HostProgram` compiles them to NumPy ufunc calls and runs them over cache-sized blocks of the arrays,
+           on the rank's threads (`host_threads()`, the budget BLAS gets): one pass through memory per kernel,
+           each operation on NumPy's SIMD loops. (numexpr, which evaluates expressions the same way, was slower
+           here by 5-90x: its PyPI build computes tanh and exp one element at a time.)
+
+`evaluate_numpy()` evaluates the text plainly, array operation by array operation: the reference the CUDA source
+is read against in the tests.
 
 Parameters use CuPy's syntax: `T name` has the arrays' dtype (a Python scalar passed for it is converted to that
 dtype), `float64 name` a fixed one. Kernels are pure functions of their inputs; "in place" is a way of calling
-them: pass an input array again as the output it is paired with in `in_place`. That is safe in CUDA because each
-element's thread reads the input element before it writes the output element (checked: no statement after the
-output's first assignment reads the input), and CuPy's ElementwiseKernel does not copy aliased arguments.
+them: pass an input array again as the output it is paired with in `in_place`. That is safe because each element
+is read before the output element is written (checked: no statement after the output's first assignment reads
+the input); CuPy's ElementwiseKernel does not copy aliased arguments, and a host pass cuts both alike.
 
-Precision: in float64 a kernel agrees with the NumPy code to rounding (the CUDA math library and the compiler's
-fused multiply-adds differ in the last bits). In float32 the locals and outputs are float, but C evaluates any
-operation with a literal or a double in double precision before rounding to float: more accurate, not identical.
+Precision: in float64 a kernel agrees with plain NumPy arithmetic to rounding (on a CPU bit for bit; the CUDA math
+library and the compiler's fused multiply-adds differ in the last bits). In float32 the CUDA locals and outputs
+are float, but C evaluates any operation with a literal or a double in double precision before rounding to float
+(more accurate, not identical); a host pass follows NumPy, where literals are float32 like the arrays.
 
-Communication: none.
+Communication: none. Cost: one read of every input element and one write of every output element per call.
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ _RESERVED = {"i", "T", "auto", "bool", "break", "case", "char", "const", "contin
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
-"""GPT-2's tanh approximation constants (the same values as models.layers uses)."""
+"""GPT-2's tanh approximation constants."""
 
 
 def literal(value: float) -> str:
@@ -136,8 +146,9 @@ class FusedKernel:
     """One elementwise kernel: inputs, outputs and statements, runnable by CuPy and by NumPy.
 
     `kernel(**arrays)` runs it on CuPy arrays (one `cupy.ElementwiseKernel`, built on first use; CuPy compiles it
-    per dtype), writing into the outputs that are passed — all of them or none, as CuPy requires — and returns
-    {output name: array}. `evaluate_numpy(**arrays)` computes the outputs from NumPy arrays as new arrays.
+    per dtype) or on NumPy arrays (one `HostProgram` pass, compiled on first use), writing into the outputs that
+    are passed — all of them or none, as CuPy requires — and returns {output name: array}.
+    `evaluate_numpy(**arrays)` computes the outputs operation by operation as new arrays (the plain reference).
     `in_place` maps outputs to the inputs they may overwrite (the same array passed for both).
     """
 

@@ -13,9 +13,11 @@ it, each with its own `saved`, and a microbatch's weight pass may run after late
 and drops what only it needed; `backward_weights` empties `saved`. Layers never modify `dout` in place.
 
 Activations are (B, T, C) arrays: batch, sequence, channels. Linear weights use GPT-2's Conv1D layout [in, out],
-so y = x @ W + b. The same code runs on NumPy and CuPy arrays (the device branches call fused kernels).
+so y = x @ W + b. The same code runs on NumPy and CuPy arrays: every elementwise formula is a fused kernel of
+models.kernels (one CUDA kernel on a GPU, one blocked pass on a CPU), and the few device branches left choose
+how to reduce (CuPy reductions on a GPU, BLAS GEMVs on a CPU).
 
-Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads, NumPy path;
+Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads;
 `block_activation_elements` is the formula, and the tests measure it):
 
     LayerNorm ×2             normalized input h, 1/std 1 per token                  2·(bsh + bs)
@@ -90,7 +92,7 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
                               sequence_parallel: bool = False, recompute: str = "none",
                               query_block: int = QUERY_BLOCK, kv_heads: int | None = None,
                               ffn_hidden: int | None = None) -> int:
-    """Elements one transformer block saves per microbatch after its forward (NumPy path), on one rank.
+    """Elements one transformer block saves per microbatch after its forward, on one rank.
 
     GPT-2 (`ffn_hidden` None). With tensor parallelism over n = tp ranks, the column-parallel layers see the
     whole input: without SP that is the LayerNorm outputs themselves (b·s·h, replicated); with SP each rank keeps
