@@ -527,22 +527,34 @@ def _pool() -> ThreadPoolExecutor:
 # CPU (HostProgram) and a GPU (ElementwiseKernel) alike.
 # ---------------------------------------------------------------------------------------------------------------
 
+# GELU and SwiGLU each come as a pair of texts that share their statements: the GPU's backward recomputes the
+# gate from the input (a GPU is memory-bound: a tanh costs less than writing the gate and reading it back); the
+# CPU's keeps the gate that forward wrote (a CPU is compute-bound: tanh and exp cost more than the memory pass).
+
 _GELU_GATE = (
-    # a = √(2/π)·(1 + 0.044715·x²), gate h = (1 + tanh(a·x))/2, as GELU.forward computes them
+    # a = √(2/π)·(1 + 0.044715·x²), gate h = (1 + tanh(a·x))/2
     ("a", f"x * x * {literal(GELU_SCALE * GELU_CUBIC)} + {literal(GELU_SCALE)}"),
     ("gate", "tanh(a * x) * 0.5 + 0.5"),
 )
+_GELU_GRADIENT = (
+    ("out", "x * gate"),
+    # dx = dout·(h + (x − out)·h·(6a − 4√(2/π))): h + 2·x·h·(1 − h)·du/dx with u = a·x, du/dx = 3a − 2√(2/π)
+    ("dx", f"((a * 6.0 - {literal(4.0 * GELU_SCALE)}) * gate * (x - out) + gate) * dout"),
+)
 
 GELU_FORWARD = FusedKernel("gelu_forward", "T x", "T out", [*_GELU_GATE, ("out", "x * gate")])
-"""out = x·h: one pass instead of seven. Nothing but x is kept: GELU_BACKWARD recomputes the gate."""
+"""out = x·h (GPU): nothing but x is kept; GELU_BACKWARD recomputes the gate."""
 
-GELU_BACKWARD = FusedKernel("gelu_backward", "T x, T dout", "T dx", [
-    *_GELU_GATE,
-    ("out", "x * gate"),
-    # dx = dout·(h + (x − out)·h·(6a − 4√(2/π))), GELU.backward_input's formula
-    ("dx", f"((a * 6.0 - {literal(4.0 * GELU_SCALE)}) * gate * (x - out) + gate) * dout"),
-])
-"""dx from x and dout in one pass: recomputing tanh is cheaper on a GPU than keeping and re-reading a and h."""
+GELU_BACKWARD = FusedKernel("gelu_backward", "T x, T dout", "T dx", [*_GELU_GATE, *_GELU_GRADIENT])
+"""dx from x and dout (GPU), the gate recomputed."""
+
+GELU_FORWARD_KEEPING_GATE = FusedKernel("gelu_forward_keeping_gate", "T x", "T out, T gate",
+                                        [*_GELU_GATE, ("out", "x * gate")])
+"""out = x·h and the gate h (CPU), which GELU_BACKWARD_FROM_GATE reads instead of a second tanh."""
+
+GELU_BACKWARD_FROM_GATE = FusedKernel("gelu_backward_from_gate", "T x, T gate, T dout", "T dx",
+                                      [_GELU_GATE[0], *_GELU_GRADIENT])
+"""dx from x, the kept gate and dout (CPU): a is two multiply-adds of x."""
 
 LAYER_NORM_FORWARD = FusedKernel("layer_norm_forward", "T x, T mean, T rstd, T weight, T bias",
                                  "T normalized, T out", [
@@ -570,18 +582,27 @@ RMS_NORM_BACKWARD = FusedKernel("rms_norm_backward", "T dout, T weight, T normal
 """dx = rstd·(dnorm − normalized·mean(dnorm·normalized)), dnorm = dout·weight, from the row mean."""
 
 _SIGMOID = ("sigmoid", "1.0 / (exp(-gate) + 1.0)")
-
-SWIGLU_FORWARD = FusedKernel("swiglu_forward", "T gate, T up", "T out", [_SIGMOID, ("out", "gate * sigmoid * up")])
-"""silu(gate)·up, silu(g) = g·σ(g): one pass over the two halves; SWIGLU_BACKWARD recomputes σ."""
-
-SWIGLU_BACKWARD = FusedKernel("swiglu_backward", "T gate, T up, T dout", "T dgate, T dup", [
-    _SIGMOID,
+_SWIGLU_GRADIENT = (
     ("silu", "gate * sigmoid"),
     ("dup", "dout * silu"),
     # silu'(g) = s + g·s·(1 − s) = s + silu·(1 − s)
     ("dgate", "dout * up * ((1.0 - sigmoid) * silu + sigmoid)"),
-])
-"""d(gate) and d(up) from the two halves and dy in one pass (written into the halves of one d(input) array)."""
+)
+
+SWIGLU_FORWARD = FusedKernel("swiglu_forward", "T gate, T up", "T out", [_SIGMOID, ("out", "gate * sigmoid * up")])
+"""silu(gate)·up, silu(g) = g·σ(g) (GPU): one pass over the two halves; SWIGLU_BACKWARD recomputes σ."""
+
+SWIGLU_BACKWARD = FusedKernel("swiglu_backward", "T gate, T up, T dout", "T dgate, T dup",
+                              [_SIGMOID, *_SWIGLU_GRADIENT])
+"""d(gate) and d(up) from the two halves and dy (GPU), written into the halves of one d(input) array."""
+
+SWIGLU_FORWARD_KEEPING_SIGMOID = FusedKernel("swiglu_forward_keeping_sigmoid", "T gate, T up", "T out, T sigmoid",
+                                             [_SIGMOID, ("out", "gate * sigmoid * up")])
+"""silu(gate)·up and σ(gate) (CPU), which SWIGLU_BACKWARD_FROM_SIGMOID reads instead of a second exp."""
+
+SWIGLU_BACKWARD_FROM_SIGMOID = FusedKernel("swiglu_backward_from_sigmoid", "T gate, T up, T sigmoid, T dout",
+                                           "T dgate, T dup", list(_SWIGLU_GRADIENT))
+"""d(gate) and d(up) from the two halves, the kept σ(gate) and dy (CPU)."""
 
 SOFTMAX_EXP = FusedKernel("softmax_exp", "T scores, T row_max", "T exps", [("exps", "exp(scores - row_max)")],
                           in_place={"exps": "scores"})

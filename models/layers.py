@@ -17,7 +17,7 @@ so y = x @ W + b. The same code runs on NumPy and CuPy arrays: every elementwise
 models.kernels (one CUDA kernel on a GPU, one blocked pass on a CPU), and the few device branches left choose
 how to reduce (CuPy reductions on a GPU, BLAS GEMVs on a CPU).
 
-Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads;
+Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads, CPU;
 `block_activation_elements` is the formula, and the tests measure it):
 
     LayerNorm ×2             normalized input h, 1/std 1 per token                  2·(bsh + bs)
@@ -25,11 +25,11 @@ Saved activations, per transformer block and microbatch (elements; b·s tokens, 
     c_attn output            q (scaled in place), k, v                             3·bsh
     attention output         the input of c_proj                                   bsh
     softmax probabilities    per query block of q rows, over its ≤ stop keys       a·b·Σ_blocks q·stop ≈ a·b·s²/2
-    GELU                     input, output (the input of c_proj)                    8·bsh
+    GELU                     input, gate, output (the input of c_proj)              12·bsh
 
 and a llama block (F SwiGLU units, n_kv KV heads of d channels): the same norms (RMSNorm: normalized input,
 1/rms), q, k, v of bs·(h + 2·n_kv·d), the attention output bsh, the probabilities, and SwiGLU's [gate | up]
-input and output, 3·bs·F.
+input, σ(gate) and output, 4·bs·F. (On a GPU GELU and SwiGLU recompute their gate: 4·bsh and bs·F less.)
 
 `--recompute selective` keeps no probabilities and recomputes them per query block in backward; `--recompute
 full` keeps only the block's input (bsh) and reruns the block's forward at the start of its backward.
@@ -92,15 +92,15 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
                               sequence_parallel: bool = False, recompute: str = "none",
                               query_block: int = QUERY_BLOCK, kv_heads: int | None = None,
                               ffn_hidden: int | None = None) -> int:
-    """Elements one transformer block saves per microbatch after its forward, on one rank.
+    """Elements one transformer block saves per microbatch after its forward, on one rank (CPU).
 
     GPT-2 (`ffn_hidden` None). With tensor parallelism over n = tp ranks, the column-parallel layers see the
     whole input: without SP that is the LayerNorm outputs themselves (b·s·h, replicated); with SP each rank keeps
     its sequence slice of the LayerNorms (÷ n) plus the all-gathered inputs of c_attn and c_fc (b·s·h each). The
     heads and the MLP's 4h hidden units are split (÷ n). So, with S = b·s·h, t = b·s:
 
-        none, tp only:   4S + 2t + 12S/n + probabilities/n
-        none, tp + sp:   2S + (14S + 2t)/n + probabilities/n
+        none, tp only:   4S + 2t + 16S/n + probabilities/n
+        none, tp + sp:   2S + (18S + 2t)/n + probabilities/n
         selective:       the same without the probabilities
         full:            the block's input: S (tp only) or S/n (sp)
 
@@ -108,10 +108,10 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
 
     Llama (`ffn_hidden` F given, `kv_heads` n_kv): the RMSNorms keep the same as LayerNorms (normalized input
     and 1/rms), the q, k, v output is t·(h/n + 2·h_kv) with h_kv = max(n_kv/n, 1)·d this rank's KV channels, and
-    SwiGLU keeps its [gate | up] input and its output: 3·t·F/n. So
+    SwiGLU keeps its [gate | up] input, σ(gate) and its output: 4·t·F/n. So
 
-        none, tp only:   4S + 2t + t·(h/n + 2·h_kv) + S/n + 3tF/n + probabilities/n
-        none, tp + sp:   2S + 2(S + t)/n + t·(h/n + 2·h_kv) + S/n + 3tF/n + probabilities/n
+        none, tp only:   4S + 2t + t·(h/n + 2·h_kv) + S/n + 4tF/n + probabilities/n
+        none, tp + sp:   2S + 2(S + t)/n + t·(h/n + 2·h_kv) + S/n + 4tF/n + probabilities/n
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -126,10 +126,10 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
     if ffn_hidden is not None:
         kv_channels = max((kv_heads or heads) // n, 1) * (hidden // heads)
         attention = tokens * (hidden // n + 2 * kv_channels) + activation // n
-        return norms + 2 * activation + attention + 3 * tokens * ffn_hidden // n + probabilities
+        return norms + 2 * activation + attention + 4 * tokens * ffn_hidden // n + probabilities
     if sequence_parallel:
-        return 2 * activation + (14 * activation + 2 * tokens) // n + probabilities
-    return 4 * activation + 2 * tokens + 12 * activation // n + probabilities
+        return 2 * activation + (18 * activation + 2 * tokens) // n + probabilities
+    return 4 * activation + 2 * tokens + 16 * activation // n + probabilities
 
 
 def row_sums(a: Array) -> Array:
@@ -311,17 +311,23 @@ class GELU(Layer):
     """GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 
     Written as x·h with the gate h = (1 + tanh u)/2 and u = x·a, a = √(2/π)·(1 + 0.044715·x²); the derivative is
-    h + 2·x·h·(1 − h)·du/dx = h + (x − out)·h·(6a − 4√(2/π)). Both are one fused pass (kernels.GELU_FORWARD,
-    kernels.GELU_BACKWARD): forward keeps only its input, and backward recomputes a, h and the output from it —
-    one tanh per element is cheaper than writing three more arrays of the 4C-wide hidden activations and reading
-    them back. No weights: the input pass frees what it kept.
+    h + 2·x·h·(1 − h)·du/dx = h + (x − out)·h·(6a − 4√(2/π)). Forward and backward are one fused pass each. On a
+    GPU forward keeps only its input and backward recomputes the gate (kernels.GELU_FORWARD, GELU_BACKWARD); on a
+    CPU, where the tanh costs more than a pass through memory, forward also keeps the gate
+    (GELU_FORWARD_KEEPING_GATE, GELU_BACKWARD_FROM_GATE). No weights: the input pass frees what it kept.
     """
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        return kernels.GELU_FORWARD(x=x)["out"], Saved(x=x)
+        if is_device_array(x):
+            return kernels.GELU_FORWARD(x=x)["out"], Saved(x=x)
+        result = kernels.GELU_FORWARD_KEEPING_GATE(x=x)
+        return result["out"], Saved(x=x, gate=result["gate"])
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
-        dx = kernels.GELU_BACKWARD(x=saved.x, dout=dout)["dx"]
+        if hasattr(saved, "gate"):
+            dx = kernels.GELU_BACKWARD_FROM_GATE(x=saved.x, gate=saved.gate, dout=dout)["dx"]
+        else:
+            dx = kernels.GELU_BACKWARD(x=saved.x, dout=dout)["dx"]
         saved.clear()
         return dx
 
@@ -335,19 +341,26 @@ class SwiGLU(Layer):
     The input is the (…, 2F) output of the concatenated gate and up projections (F of each, side by side — under
     tensor parallelism each rank's F/n of each), the output (…, F). Backward, with s = σ(gate):
     d(up) = dy · gate · s and d(gate) = dy · up · s · (1 + gate · (1 − s)). Forward and backward are one fused
-    pass each (kernels.SWIGLU_FORWARD, kernels.SWIGLU_BACKWARD); forward keeps only its input (views of the two
-    halves), backward recomputes σ(gate). No weights."""
+    pass each; forward keeps its input (views of the two halves) and, on a CPU, σ(gate) too (as GELU keeps its
+    gate there); on a GPU backward recomputes σ. No weights."""
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         width = x.shape[-1] // 2
         gate, up = x[..., :width], x[..., width:]
-        return kernels.SWIGLU_FORWARD(gate=gate, up=up)["out"], Saved(gate=gate, up=up)
+        if is_device_array(x):
+            return kernels.SWIGLU_FORWARD(gate=gate, up=up)["out"], Saved(gate=gate, up=up)
+        result = kernels.SWIGLU_FORWARD_KEEPING_SIGMOID(gate=gate, up=up)
+        return result["out"], Saved(gate=gate, up=up, sigmoid=result["sigmoid"])
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         xp = get_array_module(dout)
         width = dout.shape[-1]
         dx = xp.empty((*dout.shape[:-1], 2 * width), dtype=dout.dtype)
-        kernels.SWIGLU_BACKWARD(gate=saved.gate, up=saved.up, dout=dout, dgate=dx[..., :width], dup=dx[..., width:])
+        halves = {"dout": dout, "gate": saved.gate, "up": saved.up, "dgate": dx[..., :width], "dup": dx[..., width:]}
+        if hasattr(saved, "sigmoid"):
+            kernels.SWIGLU_BACKWARD_FROM_SIGMOID(**halves, sigmoid=saved.sigmoid)
+        else:
+            kernels.SWIGLU_BACKWARD(**halves)
         saved.clear()
         return dx
 

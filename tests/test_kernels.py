@@ -64,10 +64,11 @@ def assert_matches(actual, expected, what: str = "", tolerance: float = TOLERANC
 
 
 def test_kernel_list_is_complete():
-    assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "layer_norm_forward",
-                                         "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
-                                         "swiglu_forward", "swiglu_backward", "softmax_exp", "softmax_backward",
-                                         "adamw"}
+    assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "gelu_forward_keeping_gate",
+                                         "gelu_backward_from_gate", "layer_norm_forward", "layer_norm_backward",
+                                         "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward",
+                                         "swiglu_forward_keeping_sigmoid", "swiglu_backward_from_sigmoid",
+                                         "softmax_exp", "softmax_backward", "adamw"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,10 +110,11 @@ ADAMW_STEP = {"step": 3, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "
 
 
 def _gelu_textbook(x):
-    """GELU's tanh approximation and its derivative, as the paper writes them (not as the kernels factor them)."""
+    """GELU's tanh approximation, its derivative and its gate Φ̃ (out = x·Φ̃), as the paper writes them (not as the
+    kernels factor them)."""
     s, c = math.sqrt(2 / math.pi), 0.044715
     t = np.tanh(s * (x + c * x**3))
-    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * s * (1 + 3 * c * x**2)
+    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * s * (1 + 3 * c * x**2), 0.5 * (1 + t)
 
 
 def _swiglu_textbook(gate, up):
@@ -133,6 +135,8 @@ INDEPENDENT_FORMULAS = {
     # what each kernel computes, written from the math, not from the kernel's statements
     "gelu_forward": lambda x: {"out": _gelu_textbook(x)[0]},
     "gelu_backward": lambda x, dout: {"dx": dout * _gelu_textbook(x)[1]},
+    "gelu_forward_keeping_gate": lambda x: {"out": _gelu_textbook(x)[0], "gate": _gelu_textbook(x)[2]},
+    "gelu_backward_from_gate": lambda x, gate, dout: {"dx": dout * _gelu_textbook(x)[1]},
     "layer_norm_forward": lambda x, mean, rstd, weight, bias: {"normalized": (x - mean) * rstd,
                                                               "out": weight * ((x - mean) * rstd) + bias},
     "layer_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm, mean_dnorm_norm: {
@@ -143,6 +147,10 @@ INDEPENDENT_FORMULAS = {
     "swiglu_forward": lambda gate, up: {"out": _swiglu_textbook(gate, up)[0]},
     "swiglu_backward": lambda gate, up, dout: {"dgate": dout * _swiglu_textbook(gate, up)[1],
                                                "dup": dout * _swiglu_textbook(gate, up)[2]},
+    "swiglu_forward_keeping_sigmoid": lambda gate, up: {"out": _swiglu_textbook(gate, up)[0],
+                                                        "sigmoid": 1 / (1 + np.exp(-gate))},
+    "swiglu_backward_from_sigmoid": lambda gate, up, sigmoid, dout: {"dgate": dout * _swiglu_textbook(gate, up)[1],
+                                                                     "dup": dout * _swiglu_textbook(gate, up)[2]},
     "softmax_exp": lambda scores, row_max: {"exps": np.exp(scores - row_max)},
     "softmax_backward": lambda probs, dprobs, weighted_sum: {"dscores": probs * (dprobs - weighted_sum)},
     "adamw": lambda param, grad, exp_avg, exp_avg_sq, **scalars: _adamw_textbook(param, grad, exp_avg, exp_avg_sq,
@@ -158,6 +166,10 @@ def kernel_arguments(kernel: FusedKernel, dtype) -> tuple[dict[str, np.ndarray],
     scalars = adamw_kernel_scalars(**ADAMW_STEP) if "step_size" in kernel.input_names else {}
     arrays = {name: RNG.uniform(0.5, 1.5, shapes.get(name, (3, 5))).astype(dtype)
               for name in kernel.input_names if name not in scalars}
+    if kernel.name == "gelu_backward_from_gate":  # the gate forward kept for this x
+        arrays["gate"] = _gelu_textbook(arrays["x"].astype(np.float64))[2].astype(dtype)
+    if kernel.name == "swiglu_backward_from_sigmoid":
+        arrays["sigmoid"] = (1 / (1 + np.exp(-arrays["gate"].astype(np.float64)))).astype(dtype)
     return arrays, scalars
 
 
@@ -195,6 +207,8 @@ def changed(kernel: FusedKernel, old: str, new: str) -> FusedKernel:
 
 @pytest.mark.parametrize("kernel, old, new", [
     (kernels.GELU_BACKWARD, "6.0", "6.001"),
+    (kernels.GELU_BACKWARD_FROM_GATE, "(x - out)", "(x + out)"),
+    (kernels.SWIGLU_BACKWARD_FROM_SIGMOID, "dout * silu", "up * silu"),
     (kernels.LAYER_NORM_BACKWARD, "- mean_dnorm ", "+ mean_dnorm "),
     (kernels.RMS_NORM_BACKWARD, "- normalized", "+ normalized"),
     (kernels.SWIGLU_BACKWARD, "(1.0 - sigmoid)", "(1.0 + sigmoid)"),
