@@ -13,11 +13,9 @@ it, each with its own `saved`, and a microbatch's weight pass may run after late
 and drops what only it needed; `backward_weights` empties `saved`. Layers never modify `dout` in place.
 
 Activations are (B, T, C) arrays: batch, sequence, channels. Linear weights use GPT-2's Conv1D layout [in, out],
-so y = x @ W + b. The same code runs on NumPy and CuPy arrays: every elementwise formula is a fused kernel of
-models.kernels (one CUDA kernel on a GPU, one blocked pass on a CPU), and the few device branches left choose
-how to reduce (CuPy reductions on a GPU, BLAS GEMVs on a CPU).
+so y = x @ W + b. The same code runs on NumPy and CuPy arrays (the device branches call fused kernels).
 
-Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads, CPU;
+Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads, NumPy path;
 `block_activation_elements` is the formula, and the tests measure it):
 
     LayerNorm ×2             normalized input h, 1/std 1 per token                  2·(bsh + bs)
@@ -25,11 +23,11 @@ Saved activations, per transformer block and microbatch (elements; b·s tokens, 
     c_attn output            q (scaled in place), k, v                             3·bsh
     attention output         the input of c_proj                                   bsh
     softmax probabilities    per query block of q rows, over its ≤ stop keys       a·b·Σ_blocks q·stop ≈ a·b·s²/2
-    GELU                     input, gate, output (the input of c_proj)              12·bsh
+    GELU                     input, a, gate, output (the input of c_proj)           16·bsh
 
 and a llama block (F SwiGLU units, n_kv KV heads of d channels): the same norms (RMSNorm: normalized input,
 1/rms), q, k, v of bs·(h + 2·n_kv·d), the attention output bsh, the probabilities, and SwiGLU's [gate | up]
-input, σ(gate) and output, 4·bs·F. (On a GPU GELU and SwiGLU recompute their gate: 4·bsh and bs·F less.)
+input, σ(gate), silu(gate) and output, 5·bs·F.
 
 `--recompute selective` keeps no probabilities and recomputes them per query block in backward; `--recompute
 full` keeps only the block's input (bsh) and reruns the block's forward at the start of its backward.
@@ -47,6 +45,7 @@ from collectives import all_reduce
 from collectives.backend import Array, get_array_module, is_device_array, scatter_add
 
 from . import kernels
+from .kernels import GELU_CUBIC, GELU_SCALE
 from .parameter import Parameter
 from .precision import narrow, narrow_saved, widen, widen_saved
 
@@ -92,15 +91,15 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
                               sequence_parallel: bool = False, recompute: str = "none",
                               query_block: int = QUERY_BLOCK, kv_heads: int | None = None,
                               ffn_hidden: int | None = None) -> int:
-    """Elements one transformer block saves per microbatch after its forward, on one rank (CPU).
+    """Elements one transformer block saves per microbatch after its forward (NumPy path), on one rank.
 
     GPT-2 (`ffn_hidden` None). With tensor parallelism over n = tp ranks, the column-parallel layers see the
     whole input: without SP that is the LayerNorm outputs themselves (b·s·h, replicated); with SP each rank keeps
     its sequence slice of the LayerNorms (÷ n) plus the all-gathered inputs of c_attn and c_fc (b·s·h each). The
     heads and the MLP's 4h hidden units are split (÷ n). So, with S = b·s·h, t = b·s:
 
-        none, tp only:   4S + 2t + 16S/n + probabilities/n
-        none, tp + sp:   2S + (18S + 2t)/n + probabilities/n
+        none, tp only:   4S + 2t + 20S/n + probabilities/n
+        none, tp + sp:   2S + (22S + 2t)/n + probabilities/n
         selective:       the same without the probabilities
         full:            the block's input: S (tp only) or S/n (sp)
 
@@ -108,10 +107,10 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
 
     Llama (`ffn_hidden` F given, `kv_heads` n_kv): the RMSNorms keep the same as LayerNorms (normalized input
     and 1/rms), the q, k, v output is t·(h/n + 2·h_kv) with h_kv = max(n_kv/n, 1)·d this rank's KV channels, and
-    SwiGLU keeps its [gate | up] input, σ(gate) and its output: 4·t·F/n. So
+    SwiGLU keeps its [gate | up] input, σ(gate), silu(gate) and its output: 5·t·F/n. So
 
-        none, tp only:   4S + 2t + t·(h/n + 2·h_kv) + S/n + 4tF/n + probabilities/n
-        none, tp + sp:   2S + 2(S + t)/n + t·(h/n + 2·h_kv) + S/n + 4tF/n + probabilities/n
+        none, tp only:   4S + 2t + t·(h/n + 2·h_kv) + S/n + 5tF/n + probabilities/n
+        none, tp + sp:   2S + 2(S + t)/n + t·(h/n + 2·h_kv) + S/n + 5tF/n + probabilities/n
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -126,10 +125,10 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
     if ffn_hidden is not None:
         kv_channels = max((kv_heads or heads) // n, 1) * (hidden // heads)
         attention = tokens * (hidden // n + 2 * kv_channels) + activation // n
-        return norms + 2 * activation + attention + 4 * tokens * ffn_hidden // n + probabilities
+        return norms + 2 * activation + attention + 5 * tokens * ffn_hidden // n + probabilities
     if sequence_parallel:
-        return 2 * activation + (18 * activation + 2 * tokens) // n + probabilities
-    return 4 * activation + 2 * tokens + 16 * activation // n + probabilities
+        return 2 * activation + (22 * activation + 2 * tokens) // n + probabilities
+    return 4 * activation + 2 * tokens + 20 * activation // n + probabilities
 
 
 def row_sums(a: Array) -> Array:
@@ -146,20 +145,6 @@ def column_sums(a: Array) -> Array:
     xp = get_array_module(a)
     rows = a.reshape(-1, a.shape[-1])
     return xp.ones(rows.shape[0], dtype=a.dtype) @ rows
-
-
-def _mean_and_rstd(x: Array, eps: float) -> tuple[Array, Array]:
-    """Per-row mean and 1/sqrt(biased variance + eps), keepdims: CuPy's reductions on a GPU; on a CPU row sums
-    as GEMVs (see row_sums), the variance from the centered rows (two passes: no cancellation)."""
-    xp = get_array_module(x)
-    if is_device_array(x):
-        return x.mean(axis=-1, keepdims=True), 1.0 / xp.sqrt(x.var(axis=-1, keepdims=True) + eps)
-    channels = x.shape[-1]
-    mean = row_sums(x) / channels
-    centered = x - mean
-    variance = row_sums(xp.multiply(centered, centered, out=centered)) / channels
-    variance += eps
-    return mean, 1.0 / xp.sqrt(variance, out=variance)
 
 
 class Layer:
@@ -251,15 +236,45 @@ class LayerNorm(Layer):
         self.weight, self.bias = weight, bias
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        """Row mean and 1/std (reductions), then normalize and affine in one fused pass."""
-        mean, rstd = _mean_and_rstd(x, self.eps)
+        if is_device_array(x):
+            return self._forward_device(x)
+        xp = get_array_module(x)
+        channels = x.shape[-1]
+        normalized = x - row_sums(x) / channels
+        variance = row_sums(normalized * normalized) / channels
+        variance += self.eps
+        rstd = 1.0 / xp.sqrt(variance, out=variance)
+        normalized *= rstd
+        out = normalized * self.weight.data
+        out += self.bias.data
+        return out, Saved(normalized=normalized, rstd=rstd)
+
+    def _forward_device(self, x: Array) -> tuple[Array, Saved]:
+        """Mean and variance as CuPy reductions, then normalize and affine in one fused pass (four on NumPy)."""
+        xp = get_array_module(x)
+        mean = x.mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt(x.var(axis=-1, keepdims=True) + self.eps)
         result = kernels.LAYER_NORM_FORWARD(x=x, mean=mean, rstd=rstd, weight=self.weight.data, bias=self.bias.data)
         return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
-        """dx = rstd · (dnorm − mean(dnorm) − norm · mean(dnorm · norm)), dnorm = dout · weight: the two row means
-        as GEMVs with the weight (Σ dout·w, Σ dout·normalized·w), then dx in one fused pass."""
+        # dx = rstd · (dnorm − mean(dnorm) − norm · mean(dnorm · norm)), with dnorm = dout · weight
         saved.dout = dout
+        if is_device_array(dout):
+            return self._backward_input_device(saved, dout)
+        xp = get_array_module(dout)
+        channels = dout.shape[-1]
+        dnorm = dout * self.weight.data
+        work = dnorm * saved.normalized
+        mean_dnorm_norm = row_sums(work) / channels
+        dx = dnorm
+        dx -= row_sums(dnorm) / channels
+        dx -= xp.multiply(saved.normalized, mean_dnorm_norm, out=work)
+        dx *= saved.rstd
+        return dx
+
+    def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
+        """The two row means as GEMVs with the weight (Σ dout·w, Σ dout·normalized·w), then dx in one fused pass."""
         channels = dout.shape[-1]
         row_shape = (*dout.shape[:-1], 1)
         weight = self.weight.data
@@ -285,17 +300,28 @@ class RMSNorm(Layer):
         self.weight, self.eps = weight, eps
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        """The row mean of squares (a reduction), then normalize and scale in one fused pass."""
         xp = get_array_module(x)
         mean_square = row_sums(x * x) / x.shape[-1]
         mean_square += self.eps
         rstd = 1.0 / xp.sqrt(mean_square, out=mean_square)
-        result = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=self.weight.data)
-        return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
+        if is_device_array(x):  # scale and weight in one fused pass (two on NumPy)
+            result = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=self.weight.data)
+            return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
+        normalized = x * rstd
+        return normalized * self.weight.data, Saved(normalized=normalized, rstd=rstd)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
-        """mean(dn · n) as a GEMV with the weight (Σ dout·n·w), then dx in one fused pass."""
         saved.dout = dout
+        if is_device_array(dout):
+            return self._backward_input_device(saved, dout)
+        dnorm = dout * self.weight.data
+        mean_dnorm_norm = row_sums(dnorm * saved.normalized) / dout.shape[-1]
+        dnorm -= saved.normalized * mean_dnorm_norm
+        dnorm *= saved.rstd
+        return dnorm
+
+    def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
+        """mean(dn · n) as a GEMV with the weight (Σ dout·n·w), then dx in one fused pass."""
         channels = dout.shape[-1]
         mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ self.weight.data).reshape(
             *dout.shape[:-1], 1) / channels
@@ -310,26 +336,41 @@ class RMSNorm(Layer):
 class GELU(Layer):
     """GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 
-    Written as x·h with the gate h = (1 + tanh u)/2 and u = x·a, a = √(2/π)·(1 + 0.044715·x²); the derivative is
-    h + 2·x·h·(1 − h)·du/dx = h + (x − out)·h·(6a − 4√(2/π)). Forward and backward are one fused pass each. On a
-    GPU forward keeps only its input and backward recomputes the gate (kernels.GELU_FORWARD, GELU_BACKWARD); on a
-    CPU, where the tanh costs more than a pass through memory, forward also keeps the gate
-    (GELU_FORWARD_KEEPING_GATE, GELU_BACKWARD_FROM_GATE). No weights: the input pass frees what it kept.
+    Written as x·h with the gate h = (1 + tanh u)/2 and u = x·a, a = √(2/π)·(1 + 0.044715·x²). Forward keeps
+    a, h and the output, so the derivative h + 2·x·h·(1 − h)·du/dx = h + (x − out)·h·(6a − 4√(2/π)) costs
+    seven elementwise passes in backward instead of re-deriving tanh terms from x (each pass over the 4C-wide
+    hidden activations costs as much as a small GEMM). No weights: the input pass frees what it kept.
     """
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        if is_device_array(x):
-            return kernels.GELU_FORWARD(x=x)["out"], Saved(x=x)
-        result = kernels.GELU_FORWARD_KEEPING_GATE(x=x)
-        return result["out"], Saved(x=x, gate=result["gate"])
+        if is_device_array(x):  # one fused pass; backward recomputes the gate from x, so a and h are not kept
+            out = kernels.GELU_FORWARD(x=x)["out"]
+            return out, Saved(x=x, out=out)
+        xp = get_array_module(x)
+        a = x * x
+        a *= GELU_SCALE * GELU_CUBIC
+        a += GELU_SCALE
+        gate = a * x
+        xp.tanh(gate, out=gate)
+        gate *= 0.5
+        gate += 0.5
+        out = x * gate
+        return out, Saved(x=x, a=a, gate=gate, out=out)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
-        if hasattr(saved, "gate"):
-            dx = kernels.GELU_BACKWARD_FROM_GATE(x=saved.x, gate=saved.gate, dout=dout)["dx"]
-        else:
+        if is_device_array(dout):
             dx = kernels.GELU_BACKWARD(x=saved.x, dout=dout)["dx"]
+            saved.clear()
+            return dx
+        # du/dx = √(2/π)·(1 + 3·0.044715·x²) = 3a − 2√(2/π), and 2·x·(1 − h) = 2·(x − out)
+        slope = saved.a * 6.0
+        slope -= 4.0 * GELU_SCALE
+        slope *= saved.gate
+        slope *= get_array_module(dout).subtract(saved.x, saved.out)
+        slope += saved.gate
+        slope *= dout
         saved.clear()
-        return dx
+        return slope
 
     def backward_weights(self, saved: Saved) -> None:
         saved.clear()
@@ -340,27 +381,38 @@ class SwiGLU(Layer):
 
     The input is the (…, 2F) output of the concatenated gate and up projections (F of each, side by side — under
     tensor parallelism each rank's F/n of each), the output (…, F). Backward, with s = σ(gate):
-    d(up) = dy · gate · s and d(gate) = dy · up · s · (1 + gate · (1 − s)). Forward and backward are one fused
-    pass each; forward keeps its input (views of the two halves) and, on a CPU, σ(gate) too (as GELU keeps its
-    gate there); on a GPU backward recomputes σ. No weights."""
+    d(up) = dy · gate · s and d(gate) = dy · up · s · (1 + gate · (1 − s)). No weights."""
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
+        xp = get_array_module(x)
         width = x.shape[-1] // 2
         gate, up = x[..., :width], x[..., width:]
-        if is_device_array(x):
+        if is_device_array(x):  # one fused pass; backward recomputes σ, so only the input's halves are kept
             return kernels.SWIGLU_FORWARD(gate=gate, up=up)["out"], Saved(gate=gate, up=up)
-        result = kernels.SWIGLU_FORWARD_KEEPING_SIGMOID(gate=gate, up=up)
-        return result["out"], Saved(gate=gate, up=up, sigmoid=result["sigmoid"])
+        sigmoid = xp.negative(gate)
+        xp.exp(sigmoid, out=sigmoid)
+        sigmoid += 1.0
+        xp.reciprocal(sigmoid, out=sigmoid)
+        silu = gate * sigmoid
+        return silu * up, Saved(gate=gate, up=up, sigmoid=sigmoid, silu=silu)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         xp = get_array_module(dout)
+        dx = xp.empty((*dout.shape[:-1], 2 * dout.shape[-1]), dtype=dout.dtype)
         width = dout.shape[-1]
-        dx = xp.empty((*dout.shape[:-1], 2 * width), dtype=dout.dtype)
-        halves = {"dout": dout, "gate": saved.gate, "up": saved.up, "dgate": dx[..., :width], "dup": dx[..., width:]}
-        if hasattr(saved, "sigmoid"):
-            kernels.SWIGLU_BACKWARD_FROM_SIGMOID(**halves, sigmoid=saved.sigmoid)
-        else:
-            kernels.SWIGLU_BACKWARD(**halves)
+        if is_device_array(dout):
+            kernels.SWIGLU_BACKWARD(gate=saved.gate, up=saved.up, dout=dout, dgate=dx[..., :width],
+                                    dup=dx[..., width:])
+            saved.clear()
+            return dx
+        xp.multiply(dout, saved.silu, out=dx[..., width:])
+        # silu'(g) = s + g·s·(1 − s) = s + silu·(1 − s)
+        dgate = dx[..., :width]
+        xp.subtract(1.0, saved.sigmoid, out=dgate)
+        dgate *= saved.silu
+        dgate += saved.sigmoid
+        dgate *= saved.up
+        dgate *= dout
         saved.clear()
         return dx
 
@@ -374,9 +426,18 @@ def causal_softmax(scores: Array, offset: int = 0) -> Array:
     xp = get_array_module(scores)
     queries, keys = scores.shape[-2:]
     scores += xp.triu(xp.full((queries, keys), -xp.inf, dtype=scores.dtype), k=offset + 1)  # the future: −inf
-    # stable: shifted by the row max, the largest exponent is e^0; the shift and exp are one fused pass
+    if is_device_array(scores):
+        return _normalized_exp_device(scores)
+    scores -= scores.max(axis=-1, keepdims=True)  # stable: the largest exponent is e^0
+    xp.exp(scores, out=scores)
+    scores /= row_sums(scores)
+    return scores
+
+
+def _normalized_exp_device(scores: Array) -> Array:
+    """exp(s − row max) / row sum in place, the shift and the exponential fused into one pass."""
     kernels.SOFTMAX_EXP(scores=scores, row_max=scores.max(axis=-1, keepdims=True), exps=scores)
-    scores *= 1.0 / row_sums(scores)
+    scores /= row_sums(scores)
     return scores
 
 
@@ -386,7 +447,12 @@ def softmax_backward(probs: Array, dprobs: Array, weighted_sum: Array | None = N
     `weighted_sum` is Σ dp·p over the last axis (keepdims), for callers that have a cheaper way to it."""
     if weighted_sum is None:
         weighted_sum = row_sums(dprobs * probs)
-    return kernels.SOFTMAX_BACKWARD(probs=probs, dprobs=dprobs, weighted_sum=weighted_sum, dscores=dprobs)["dscores"]
+    if is_device_array(dprobs):
+        fused = kernels.SOFTMAX_BACKWARD(probs=probs, dprobs=dprobs, weighted_sum=weighted_sum, dscores=dprobs)
+        return fused["dscores"]
+    dprobs -= weighted_sum
+    dprobs *= probs
+    return dprobs
 
 
 def query_blocks(queries: int, block: int) -> list[tuple[int, int]]:
@@ -705,11 +771,14 @@ class TiedHeadCrossEntropy(Layer):
         targets = targets.reshape(-1)
         rows = xp.arange(len(targets))
         logits = x2d @ self.token.data.T
-        row_max = logits.max(axis=-1, keepdims=True)
-        target_logits = logits[rows, targets] - row_max[:, 0]  # shifted; read before the logits become exps
-        kernels.SOFTMAX_EXP(scores=logits, row_max=row_max, exps=logits)  # in place, one fused pass
+        if is_device_array(logits):
+            target_logits = _shifted_exp_device(logits, rows, targets)
+        else:
+            logits -= logits.max(axis=-1, keepdims=True)
+            target_logits = logits[rows, targets]
+            xp.exp(logits, out=logits)
         sums = row_sums(logits)
-        logits *= 1.0 / (sums * normalizer)  # softmax / normalizer
+        logits /= sums * normalizer  # softmax / normalizer
         logits[rows, targets] -= 1.0 / normalizer
         loss = float((xp.log(sums[:, 0]) - target_logits).sum()) / normalizer
         return loss, Saved(x2d=x2d, x_shape=x.shape, dlogits=logits)
@@ -748,3 +817,11 @@ class LMHead(Layer):
         self.loss.backward_weights(saved.cross_entropy)
         self.ln_f.backward_weights(saved.ln_f)
         saved.clear()
+
+
+def _shifted_exp_device(logits: Array, rows: Array, targets: Array) -> Array:
+    """logits ← exp(logits − row max) in one fused pass; returns the shifted target logits, read before it."""
+    row_max = logits.max(axis=-1, keepdims=True)
+    target_logits = logits[rows, targets] - row_max[:, 0]
+    kernels.SOFTMAX_EXP(scores=logits, row_max=row_max, exps=logits)
+    return target_logits

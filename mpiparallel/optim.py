@@ -7,8 +7,8 @@ reuses the same functions on one rank's slice of a flat parameter/gradient vecto
 segment in the slice (weight decay depends on the parameter): the update is elementwise, so updating slices and
 gathering them gives exactly the full update.
 
-`adamw_update` is PyTorch's torch.optim.AdamW (foreach=False, amsgrad=False) step for step, as one fused pass
-over each parameter's p, g, m and v (models.kernels.ADAMW, on the CPU and the GPU alike):
+`adamw_update` is PyTorch's torch.optim.AdamW (foreach=False, amsgrad=False) step for step (on GPU arrays as
+one fused kernel, models.kernels.ADAMW, with the same operations in the same order):
 
     p ← p·(1 − lr·wd)
     m ← β1·m + (1 − β1)·g
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from collectives.backend import Array, get_array_module
+from collectives.backend import Array, get_array_module, is_device_array
 from models.kernels import ADAMW
 from models.parameter import Parameter
 
@@ -51,18 +51,41 @@ def sgd_update(param: Array, grad: Array, lr: float, scratch: Array | None = Non
 
 
 def adamw_update(param: Array, grad: Array, exp_avg: Array, exp_avg_sq: Array, step: int, lr: float,
-                 beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                 beta1: float, beta2: float, eps: float, weight_decay: float, scratch: Array | None = None) -> None:
     """One AdamW step on `param`, updating the moments `exp_avg` (m) and `exp_avg_sq` (v) in place.
 
     `step` is the 1-based number of this update (t in the bias corrections). The formulas are PyTorch's
-    (PyTorch evaluates m as a lerp and the last line as one addcdiv, so results agree to rounding). One fused
-    pass (models.kernels.ADAMW) reads p, g, m and v once and writes p, m and v once; it allocates nothing.
+    (PyTorch evaluates m as a lerp and the last line as one addcdiv, so results agree to rounding); one scratch
+    buffer holds every intermediate, so a step allocates nothing when `scratch` is given.
     """
     if step < 1:
         raise ValueError(f"AdamW step count starts at 1, got {step}")
-    ADAMW(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,  # one pass over p, g, m, v
-          **adamw_kernel_scalars(step, lr, beta1, beta2, eps, weight_decay),
-          new_param=param, new_exp_avg=exp_avg, new_exp_avg_sq=exp_avg_sq)
+    if is_device_array(param):  # one fused pass over p, g, m, v instead of about ten
+        ADAMW(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+              **adamw_kernel_scalars(step, lr, beta1, beta2, eps, weight_decay),
+              new_param=param, new_exp_avg=exp_avg, new_exp_avg_sq=exp_avg_sq)
+        return
+    xp = get_array_module(param)
+    work = _scratch_for(param, scratch)
+    if weight_decay != 0:
+        param *= 1 - lr * weight_decay  # decoupled: shrinks the weight, never enters m or v
+
+    exp_avg *= beta1
+    exp_avg += xp.multiply(grad, 1 - beta1, out=work)
+
+    exp_avg_sq *= beta2
+    xp.multiply(grad, 1 - beta2, out=work)
+    exp_avg_sq += xp.multiply(work, grad, out=work)
+
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = xp.sqrt(exp_avg_sq, out=work)
+    denom /= math.sqrt(bias_correction2)
+    denom += eps
+    update = xp.divide(exp_avg, denom, out=work)
+    update *= -step_size
+    param += update
 
 
 def adamw_kernel_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
@@ -186,7 +209,7 @@ class AdamW(_Optimizer):
         # A ZeRO shard segment is a flat slice of a parameter: its `full_shape` says whether the parameter decays.
         decay = self.weight_decay if weight_decay_applies(getattr(param, "full_shape", param.data.shape)) else 0.0
         adamw_update(weights, grad, self.exp_avg[param.name], self.exp_avg_sq[param.name],
-                     self.step_count, lr, self.beta1, self.beta2, self.eps, decay)
+                     self.step_count, lr, self.beta1, self.beta2, self.eps, decay, self.scratch_like(weights))
 
     def state_dict(self) -> dict[str, Any]:
         """{"optimizer": "adamw", "step": t, "exp_avg": {name: m}, "exp_avg_sq": {name: v}} (arrays not copied)."""

@@ -1,25 +1,21 @@
-"""Fused kernels: each kernel computes the math it stands for, on the CPU and the GPU, and its text is valid C.
+"""Fused GPU kernels: their statement text is the layers' and the optimizer's NumPy math, and is valid CUDA C.
 
-Every kernel runs as a host pass on NumPy arrays (cut into many small blocks here, and over two threads), on the
-CuPy test double (tests/fake_cupy.py, whose ElementwiseKernel executes the operation text with NumPy) and, where
-CuPy finds a GPU, as a real CUDA kernel; each result is compared with the math written out independently in this
-file (INDEPENDENT_FORMULAS), never with the kernel's own statements. The generated CUDA source is read the way C
-reads it. The layers' device branches (the reductions around the kernels) then run end to end on the device and
-must equal the NumPy path. Errors are max-norm relative: max|actual − expected| / max|expected|.
+On the CPU, each kernel's statements are evaluated with NumPy (`evaluate_numpy`, the same text the GPU compiles)
+and compared with the NumPy code path, and the generated CUDA source is read the way C reads it. The layers'
+device branches then run end to end on the CuPy test double (tests/fake_cupy.py, whose ElementwiseKernel executes
+the operation text with NumPy) and, where CuPy finds a GPU, on real CUDA kernels: both must equal the NumPy path.
+Errors are max-norm relative: max|actual − expected| / max|expected|.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 import sys
 
 import fake_cupy
 import numpy as np
 import pytest
-from mpi_harness import mpiexec_path, run_with_timeout
 from workers.errors import relative_error as nan_aware_relative_error
 from workers.errors import worst
 
@@ -34,8 +30,11 @@ from models.layers import (
     CausalSelfAttention,
     LayerNorm,
     Linear,
+    RMSNorm,
+    SwiGLU,
     TiedHeadCrossEntropy,
     causal_softmax,
+    row_sums,
     softmax_backward,
 )
 from models.parameter import Parameter
@@ -64,136 +63,129 @@ def assert_matches(actual, expected, what: str = "", tolerance: float = TOLERANC
 
 
 def test_kernel_list_is_complete():
-    assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "gelu_forward_keeping_gate",
-                                         "gelu_backward_from_gate", "layer_norm_forward", "layer_norm_backward",
-                                         "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward",
-                                         "swiglu_forward_keeping_sigmoid", "swiglu_backward_from_sigmoid",
-                                         "softmax_exp", "softmax_backward", "adamw"}
+    assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "layer_norm_forward",
+                                         "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
+                                         "swiglu_forward", "swiglu_backward", "softmax_exp", "softmax_backward",
+                                         "adamw"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Each kernel against the math written out independently, on every array module.
+# The kernels' text evaluated with NumPy equals the NumPy code path.
 # ---------------------------------------------------------------------------------------------------------------
 
 
-DEVICES = ["fake", pytest.param("cupy", marks=GPU)]
-on_devices = pytest.mark.parametrize("xp", DEVICES, indirect=True)
-"""For the layers' device branches, compared with their NumPy path."""
+def layer_norm() -> LayerNorm:
+    return LayerNorm(Parameter("ln.weight", 1 + 0.3 * RNG.standard_normal(C)),
+                     Parameter("ln.bias", 0.5 * RNG.standard_normal(C)))
 
 
-@pytest.fixture(params=["numpy", *DEVICES])
-def xp(request, monkeypatch):
-    """The array module: NumPy (host passes in blocks of 4 elements or one row, on two threads, so blocks are
-    many and the last one partial), the CuPy test double on any machine, CuPy on a GPU."""
-    if request.param == "numpy":
-        monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", 4)
-        threads = kernels.host_threads()
-        kernels.set_host_threads(2)
-        yield np
-        kernels.set_host_threads(threads)
-        return
-    if request.param == "cupy":
-        import cupy
-
-        yield cupy
-        return
-    monkeypatch.setattr(backend, "_cupy", backend._cupy)  # restored, with the rest, when the test ends
-    monkeypatch.setattr(backend.HostStaging, "possible", backend.HostStaging.possible)
-    monkeypatch.setitem(sys.modules, "cupyx", sys.modules.get("cupyx"))
-    monkeypatch.setattr(np, "asarray", np.asarray)  # install() makes them refuse device arrays, as CuPy does
-    monkeypatch.setattr(np, "array", np.array)
-    yield fake_cupy.install()
-    backend.cuda_aware_mpi.cache_clear()
+def test_gelu_forward_kernel_equals_gelu_layer():
+    x = 3 * RNG.standard_normal((B, T, 4 * C))
+    assert_matches(kernels.GELU_FORWARD.evaluate_numpy(x=x)["out"], GELU().forward(x)[0], "gelu forward")
 
 
-ADAMW_STEP = {"step": 3, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+def gelu_backward_error(kernel: FusedKernel) -> float:
+    x, dout = 3 * RNG.standard_normal((B, T, 4 * C)), RNG.standard_normal((B, T, 4 * C))
+    layer = GELU()
+    saved = layer.forward(x)[1]
+    return relative_error(kernel.evaluate_numpy(x=x, dout=dout)["dx"], layer.backward(saved, dout.copy()))
 
 
-def _gelu_textbook(x):
-    """GELU's tanh approximation, its derivative and its gate Φ̃ (out = x·Φ̃), as the paper writes them (not as the
-    kernels factor them)."""
-    s, c = math.sqrt(2 / math.pi), 0.044715
-    t = np.tanh(s * (x + c * x**3))
-    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * s * (1 + 3 * c * x**2), 0.5 * (1 + t)
+def test_gelu_backward_kernel_recomputes_gelu_backward_from_x():
+    assert gelu_backward_error(kernels.GELU_BACKWARD) <= TOLERANCE
 
 
-def _swiglu_textbook(gate, up):
-    """silu(g)·u and its partial derivatives d/dg = u·(σ(g) + g·σ(g)·(1 − σ(g))), d/du = silu(g)."""
-    sigmoid = 1 / (1 + np.exp(-gate))
-    return gate * sigmoid * up, up * (sigmoid + gate * sigmoid * (1 - sigmoid)), gate * sigmoid
+def test_layer_norm_forward_kernel_equals_layer_norm_given_mean_and_rstd():
+    ln, x = layer_norm(), 2 * RNG.standard_normal((B, T, C)) + 1
+    out, saved = ln.forward(x)
+    fused = kernels.LAYER_NORM_FORWARD.evaluate_numpy(x=x, mean=row_sums(x) / C, rstd=saved.rstd,
+                                                      weight=ln.weight.data, bias=ln.bias.data)
+    assert_matches(fused["normalized"], saved.normalized, "normalized")
+    assert_matches(fused["out"], out, "layer norm out")
 
 
-def _adamw_textbook(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
-    m = beta1 * exp_avg + (1 - beta1) * grad
-    v = beta2 * exp_avg_sq + (1 - beta2) * grad**2
-    m_hat, v_hat = m / (1 - beta1**step), v / (1 - beta2**step)
-    return {"new_param": param * (1 - lr * weight_decay) - lr * m_hat / (np.sqrt(v_hat) + eps),
-            "new_exp_avg": m, "new_exp_avg_sq": v}
+def test_layer_norm_backward_kernel_equals_layer_norm_given_row_means():
+    ln, x, dout = layer_norm(), RNG.standard_normal((B, T, C)), RNG.standard_normal((B, T, C))
+    saved = ln.forward(x)[1]
+    dnorm = dout * ln.weight.data
+    dx = kernels.LAYER_NORM_BACKWARD.evaluate_numpy(
+        dout=dout, weight=ln.weight.data, normalized=saved.normalized, rstd=saved.rstd,
+        mean_dnorm=row_sums(dnorm) / C, mean_dnorm_norm=row_sums(dnorm * saved.normalized) / C)["dx"]
+    assert_matches(dx, ln.backward_input(saved, dout.copy()), "layer norm dx")
 
 
-INDEPENDENT_FORMULAS = {
-    # what each kernel computes, written from the math, not from the kernel's statements
-    "gelu_forward": lambda x: {"out": _gelu_textbook(x)[0]},
-    "gelu_backward": lambda x, dout: {"dx": dout * _gelu_textbook(x)[1]},
-    "gelu_forward_keeping_gate": lambda x: {"out": _gelu_textbook(x)[0], "gate": _gelu_textbook(x)[2]},
-    "gelu_backward_from_gate": lambda x, gate, dout: {"dx": dout * _gelu_textbook(x)[1]},
-    "layer_norm_forward": lambda x, mean, rstd, weight, bias: {"normalized": (x - mean) * rstd,
-                                                              "out": weight * ((x - mean) * rstd) + bias},
-    "layer_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm, mean_dnorm_norm: {
-        "dx": rstd * (dout * weight - mean_dnorm - normalized * mean_dnorm_norm)},
-    "rms_norm_forward": lambda x, rstd, weight: {"normalized": x * rstd, "out": weight * x * rstd},
-    "rms_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm_norm: {
-        "dx": rstd * (dout * weight - normalized * mean_dnorm_norm)},
-    "swiglu_forward": lambda gate, up: {"out": _swiglu_textbook(gate, up)[0]},
-    "swiglu_backward": lambda gate, up, dout: {"dgate": dout * _swiglu_textbook(gate, up)[1],
-                                               "dup": dout * _swiglu_textbook(gate, up)[2]},
-    "swiglu_forward_keeping_sigmoid": lambda gate, up: {"out": _swiglu_textbook(gate, up)[0],
-                                                        "sigmoid": 1 / (1 + np.exp(-gate))},
-    "swiglu_backward_from_sigmoid": lambda gate, up, sigmoid, dout: {"dgate": dout * _swiglu_textbook(gate, up)[1],
-                                                                     "dup": dout * _swiglu_textbook(gate, up)[2]},
-    "softmax_exp": lambda scores, row_max: {"exps": np.exp(scores - row_max)},
-    "softmax_backward": lambda probs, dprobs, weighted_sum: {"dscores": probs * (dprobs - weighted_sum)},
-    "adamw": lambda param, grad, exp_avg, exp_avg_sq, **scalars: _adamw_textbook(param, grad, exp_avg, exp_avg_sq,
-                                                                                  **ADAMW_STEP),
-}
+def test_rms_norm_kernels_equal_rms_norm_given_the_row_statistics():
+    norm, x, dout = RMSNorm(Parameter("norm.weight", 1 + 0.3 * RNG.standard_normal(C))), \
+        2 * RNG.standard_normal((B, T, C)), RNG.standard_normal((B, T, C))
+    out, saved = norm.forward(x)
+    fused = kernels.RMS_NORM_FORWARD.evaluate_numpy(x=x, rstd=saved.rstd, weight=norm.weight.data)
+    assert_matches(fused["normalized"], saved.normalized, "normalized")
+    assert_matches(fused["out"], out, "rms norm out")
+    dx = kernels.RMS_NORM_BACKWARD.evaluate_numpy(
+        dout=dout, weight=norm.weight.data, normalized=saved.normalized, rstd=saved.rstd,
+        mean_dnorm_norm=row_sums(dout * norm.weight.data * saved.normalized) / C)["dx"]
+    assert_matches(dx, norm.backward_input(saved, dout.copy()), "rms norm dx")
 
 
-def kernel_arguments(kernel: FusedKernel, dtype) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """Random inputs for `kernel` broadcast as the layers pass them ((3, 1) per row, (5,) per channel), and its
-    scalars."""
-    shapes = {"mean": (3, 1), "rstd": (3, 1), "row_max": (3, 1), "weighted_sum": (3, 1), "mean_dnorm": (3, 1),
-              "mean_dnorm_norm": (3, 1), "weight": (5,), "bias": (5,)}
-    scalars = adamw_kernel_scalars(**ADAMW_STEP) if "step_size" in kernel.input_names else {}
-    arrays = {name: RNG.uniform(0.5, 1.5, shapes.get(name, (3, 5))).astype(dtype)
-              for name in kernel.input_names if name not in scalars}
-    if kernel.name == "gelu_backward_from_gate":  # the gate forward kept for this x
-        arrays["gate"] = _gelu_textbook(arrays["x"].astype(np.float64))[2].astype(dtype)
-    if kernel.name == "swiglu_backward_from_sigmoid":
-        arrays["sigmoid"] = (1 / (1 + np.exp(-arrays["gate"].astype(np.float64)))).astype(dtype)
-    return arrays, scalars
+def test_swiglu_kernels_equal_swiglu():
+    x, dout = 3 * RNG.standard_normal((B, T, 2 * C)), RNG.standard_normal((B, T, C))
+    out, saved = SwiGLU().forward(x)
+    gate, up = x[..., :C], x[..., C:]
+    assert_matches(kernels.SWIGLU_FORWARD.evaluate_numpy(gate=gate, up=up)["out"], out, "swiglu out")
+    fused = kernels.SWIGLU_BACKWARD.evaluate_numpy(gate=gate, up=up, dout=dout)
+    dx = SwiGLU().backward(saved, dout.copy())
+    assert_matches(fused["dgate"], dx[..., :C], "d(gate)")
+    assert_matches(fused["dup"], dx[..., C:], "d(up)")
 
 
-def independent_error(kernel: FusedKernel, formula: str | None = None, dtype=np.float64, xp=np) -> float:
-    """Largest relative error of `kernel`'s outputs against INDEPENDENT_FORMULAS[formula or its name]."""
-    arrays, scalars = kernel_arguments(kernel, dtype)
-    expected = INDEPENDENT_FORMULAS[formula or kernel.name](
-        **{name: a.astype(np.float64) for name, a in arrays.items()}, **scalars)
-    result = kernel(**{name: xp.asarray(a) for name, a in arrays.items()}, **scalars)
-    assert set(result) == set(expected)
-    for name, value in result.items():
-        assert value.dtype == dtype, f"{name} is {value.dtype}"
-    return worst([relative_error(result[name], expected[name]) for name in expected])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_softmax_exp_kernel_gives_causal_softmax(offset):
+    queries, keys = 4, 4 + offset
+    scores = 4 * RNG.standard_normal((B, H, queries, keys))
+    masked = scores + np.triu(np.full((queries, keys), -np.inf), k=offset + 1)
+    exps = kernels.SOFTMAX_EXP.evaluate_numpy(scores=masked, row_max=masked.max(axis=-1, keepdims=True))["exps"]
+    assert np.all(exps[np.isinf(masked)] == 0)
+    assert_matches(exps / row_sums(exps), causal_softmax(scores.copy(), offset), "softmax")
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(np.float64, TOLERANCE), (np.float32, 1e-5)])
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
-def test_kernel_equals_an_independent_formula(xp, kernel, dtype, tolerance):
-    """Each kernel run (float32 too: T is float there, and no literal or scalar widens it); inputs that
-    broadcast, as the layers pass. Compared with the math written out here in float64, never with the kernel's
-    own statements: the host pass and the CuPy double evaluate those with NumPy, so that could not fail."""
-    error = independent_error(kernel, dtype=dtype, xp=xp)
-    assert error <= tolerance, f"{kernel.name}: relative error {error:.3g} > {tolerance:g}"
+def test_softmax_backward_kernel_equals_softmax_backward():
+    probs = causal_softmax(RNG.standard_normal((B, H, T, T)))
+    dprobs = RNG.standard_normal((B, H, T, T))
+    dscores = kernels.SOFTMAX_BACKWARD.evaluate_numpy(probs=probs, dprobs=dprobs,
+                                                      weighted_sum=row_sums(dprobs * probs))["dscores"]
+    assert_matches(dscores, softmax_backward(probs, dprobs.copy()), "softmax backward")
 
+
+def test_softmax_exp_kernel_gives_the_cross_entropy_gradient():
+    wte, x = RNG.standard_normal((VOCAB, C)), RNG.standard_normal((B, T, C))
+    targets, normalizer = RNG.integers(0, VOCAB, (B, T)), 37.0
+    head = TiedHeadCrossEntropy(Parameter("wte", wte))
+    saved = head.forward(x, targets, normalizer)[1]
+    logits = x.reshape(-1, C) @ wte.T
+    exps = kernels.SOFTMAX_EXP.evaluate_numpy(scores=logits, row_max=logits.max(axis=-1, keepdims=True))["exps"]
+    expected = exps / (row_sums(exps) * normalizer)
+    expected[np.arange(B * T), targets.reshape(-1)] -= 1.0 / normalizer
+    assert_matches(saved.dlogits, expected, "d(logits)")
+
+
+def adamw_error(kernel: FusedKernel, weight_decay: float) -> float:
+    """Largest relative error of p, m and v over four steps of `kernel` against adamw_update."""
+    shape, lr, beta1, beta2, eps = (3, 5), 1e-2, 0.9, 0.95, 1e-8
+    reference = [RNG.standard_normal(shape), np.zeros(shape), np.zeros(shape)]
+    fused, errors = [array.copy() for array in reference], []
+    for step in range(1, 5):
+        grad = RNG.standard_normal(shape)
+        adamw_update(reference[0], grad, reference[1], reference[2], step, lr, beta1, beta2, eps, weight_decay)
+        out = kernel.evaluate_numpy(param=fused[0], grad=grad, exp_avg=fused[1], exp_avg_sq=fused[2],
+                                    **adamw_kernel_scalars(step, lr, beta1, beta2, eps, weight_decay))
+        fused = [out["new_param"], out["new_exp_avg"], out["new_exp_avg_sq"]]
+        errors += [relative_error(a, b) for a, b in zip(fused, reference, strict=True)]
+    return worst(errors)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_kernel_equals_adamw_update_over_several_steps(weight_decay):
+    assert adamw_error(kernels.ADAMW, weight_decay) <= TOLERANCE
 
 
 def changed(kernel: FusedKernel, old: str, new: str) -> FusedKernel:
@@ -205,99 +197,23 @@ def changed(kernel: FusedKernel, old: str, new: str) -> FusedKernel:
     return FusedKernel(f"changed_{kernel.name}", inputs, outputs, statements, kernel.in_place)
 
 
-@pytest.mark.parametrize("kernel, old, new", [
-    (kernels.GELU_BACKWARD, "6.0", "6.001"),
-    (kernels.GELU_BACKWARD_FROM_GATE, "(x - out)", "(x + out)"),
-    (kernels.SWIGLU_BACKWARD_FROM_SIGMOID, "dout * silu", "up * silu"),
-    (kernels.LAYER_NORM_BACKWARD, "- mean_dnorm ", "+ mean_dnorm "),
-    (kernels.RMS_NORM_BACKWARD, "- normalized", "+ normalized"),
-    (kernels.SWIGLU_BACKWARD, "(1.0 - sigmoid)", "(1.0 + sigmoid)"),
-    (kernels.SOFTMAX_BACKWARD, "dprobs - weighted_sum", "dprobs + weighted_sum"),
-    (kernels.ADAMW, "(1.0 - beta2)", "(1.0 - beta1)"),
-    (kernels.ADAMW, "param * decay", "param"),
-], ids=lambda value: value.name if isinstance(value, FusedKernel) else None)
-def test_the_comparison_catches_a_changed_constant_or_operand(kernel, old, new):
-    assert independent_error(changed(kernel, old, new), formula=kernel.name) > 1e-6
+def independent_error(kernel: FusedKernel, formula: str) -> float:
+    """Largest relative error of `kernel`'s text (evaluated with NumPy) against INDEPENDENT_FORMULAS[formula]."""
+    arrays = {name: RNG.uniform(0.5, 1.5, (3, 5)) for name in kernel.input_names}
+    expected = INDEPENDENT_FORMULAS[formula](**arrays)
+    return worst([relative_error(value, expected[name]) for name, value in kernel.evaluate_numpy(**arrays).items()])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Host passes: blocks, threads, strided and aliased outputs, dtypes.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def test_host_pass_gives_the_same_bits_in_any_blocks_and_threads(monkeypatch):
-    """Elementwise: cutting into blocks (flat, by rows with per-row and per-channel operands, one block) and
-    sharing them among threads cannot change a single bit."""
-    x, dout = RNG.standard_normal((5, 7, 9)), RNG.standard_normal((5, 7, 9))
-    mean, rstd, weight = RNG.standard_normal((5, 7, 1)), RNG.uniform(0.5, 2, (5, 7, 1)), RNG.standard_normal(9)
-    threads = kernels.host_threads()
-    results = []
-    for block, thread_count in [(10**9, 1), (3, 1), (3, 2), (20, 3), (1, 4)]:
-        monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", block)
-        kernels.set_host_threads(thread_count)
-        results.append([kernels.GELU_BACKWARD(x=x, dout=dout)["dx"],
-                        *kernels.LAYER_NORM_FORWARD(x=x, mean=mean, rstd=rstd, weight=weight, bias=weight).values()])
-    kernels.set_host_threads(threads)
-    for result in results[1:]:
-        for actual, expected in zip(result, results[0], strict=True):
-            np.testing.assert_array_equal(actual, expected)
-
-
-def test_host_pass_writes_strided_outputs_and_outputs_it_cannot_cut(monkeypatch):
-    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", 6)
-    gate, up, dout = (RNG.standard_normal((4, 3, 5)) for _ in range(3))
-    expected = INDEPENDENT_FORMULAS["swiglu_backward"](gate, up, dout)
-    dx = np.zeros((4, 3, 10))  # d(gate) and d(up) side by side, as SwiGLU writes them: strided rows
-    kernels.SWIGLU_BACKWARD(gate=gate, up=up, dout=dout, dgate=dx[..., :5], dup=dx[..., 5:])
-    assert_matches(dx[..., :5], expected["dgate"], "dgate")
-    assert_matches(dx[..., 5:], expected["dup"], "dup")
-    transposed = np.zeros((5, 3, 4)).transpose(2, 1, 0)  # no (rows, channels) view of it: one block
-    dgate = np.zeros((4, 3, 5))
-    kernels.SWIGLU_BACKWARD(gate=gate, up=up, dout=dout, dgate=dgate, dup=transposed)
-    assert_matches(transposed, expected["dup"], "dup into a transposed array")
-    broadcast = kernels.SOFTMAX_EXP(scores=RNG.standard_normal((3, 1, 4)), row_max=np.zeros((1, 2, 4)))["exps"]
-    assert broadcast.shape == (3, 2, 4)
-
-
-def test_host_pass_takes_the_arrays_dtype_and_a_narrow_weight():
-    import ml_dtypes
-
-    x, rstd = RNG.standard_normal((6, 4)).astype(np.float32), RNG.uniform(1, 2, (6, 1)).astype(np.float32)
-    weight = RNG.standard_normal(4).astype(ml_dtypes.bfloat16)  # a Narrowed norm's working weight
-    out = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=weight)["out"]
-    assert out.dtype == np.float32
-    assert_matches(out, x.astype(np.float64) * rstd * weight.astype(np.float64), "out", 1e-6)
-    with pytest.raises(TypeError, match="output"):
-        kernels.GELU_FORWARD(x=x, out=np.empty((6, 4)))  # float64 output for float32 math
-
-
-def test_host_threads_follow_the_blas_budget(monkeypatch):
-    code = "from models import kernels; print(kernels.host_threads())"
-    for variable, expected in [("3", "3"), ("", str(len(os.sched_getaffinity(0))))]:
-        environment = {**os.environ, "OMP_NUM_THREADS": variable}
-        result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
-                                timeout=60, check=True)
-        assert result.stdout.strip() == expected
-    with pytest.raises(ValueError):
-        kernels.set_host_threads(0)
-
-
-def test_ranks_sharing_a_node_split_its_cores_between_blas_and_host_passes():
-    """`mpiparallel`'s thread budget (launch.limit_blas_threads): cores ÷ ranks on the node by default, the
-    explicit count when given; the host passes get the same count as BLAS on every rank."""
-    code = ("import os, sys; from mpiparallel.commands import launch; "
-            "threads = launch.limit_blas_threads(None if sys.argv[1] == 'default' else int(sys.argv[1])); "
-            "from models import kernels; from mpi4py import MPI; blas = int(os.environ['OPENBLAS_NUM_THREADS']); "
-            "counts = MPI.COMM_WORLD.gather([threads, blas, kernels.host_threads()]); "
-            "print(counts if MPI.COMM_WORLD.rank == 0 else '', end='')")
-    cores = len(os.sched_getaffinity(0))
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    for argument, expected in [("default", max(1, cores // 2)), ("3", 3)]:
-        result = run_with_timeout([mpiexec_path(), "-n", "2", sys.executable, "-c", code, argument], timeout=120,
-                                  env=environment)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == str([[expected] * 3] * 2), result.stdout
+def test_the_comparisons_catch_a_changed_constant_or_operand():
+    assert gelu_backward_error(changed(kernels.GELU_BACKWARD, "6.0", "6.001")) > 1e-6
+    assert adamw_error(changed(kernels.ADAMW, "(1.0 - beta2)", "(1.0 - beta1)"), 0.1) > 1e-6
+    assert adamw_error(changed(kernels.ADAMW, "param * decay", "param"), 0.1) > 1e-6
+    assert independent_error(kernels.RMS_NORM_BACKWARD, "rms_norm_backward") <= TOLERANCE
+    assert independent_error(changed(kernels.RMS_NORM_BACKWARD, "- normalized", "+ normalized"),
+                             "rms_norm_backward") > 1e-6
+    assert independent_error(kernels.SWIGLU_BACKWARD, "swiglu_backward") <= TOLERANCE
+    assert independent_error(changed(kernels.SWIGLU_BACKWARD, "(1.0 - sigmoid)", "(1.0 + sigmoid)"),
+                             "swiglu_backward") > 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -379,6 +295,12 @@ def test_literals_are_exact_doubles_with_a_decimal_point():
             literal(value)
 
 
+def test_kernel_constants_are_the_layers_constants():
+    from models import layers
+
+    assert (kernels.GELU_SCALE, kernels.GELU_CUBIC) == (layers.GELU_SCALE, layers.GELU_CUBIC)
+
+
 @pytest.mark.parametrize("inputs, outputs, statements, in_place", [
     ("T x", "T y", [("y", "x * 2")], None),                      # integer literal: C would do integer math
     ("T x", "T y", [("y", "x * 1e-5")], None),                   # no decimal point
@@ -407,15 +329,30 @@ def test_kernel_arguments_are_checked():
         kernels.GELU_BACKWARD.evaluate_numpy(x=np.ones(3))
     with pytest.raises(TypeError, match="unknown"):
         kernels.GELU_FORWARD.evaluate_numpy(x=np.ones(3), y=np.ones(3))
-    with pytest.raises(TypeError, match="missing"):
-        kernels.GELU_BACKWARD(x=np.ones(3))
-    with pytest.raises(TypeError, match="unknown"):
-        kernels.GELU_FORWARD(x=np.ones(3), y=np.ones(3))
+    with pytest.raises(TypeError, match="evaluate_numpy"):
+        kernels.GELU_FORWARD(x=np.ones(3))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The layers' device branches, on the CuPy test double and (where there is one) on a GPU, against the NumPy path.
+# The device branches, on the CuPy test double and (where there is one) on a GPU, against the NumPy path.
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["fake", pytest.param("cupy", marks=GPU)])
+def xp(request, monkeypatch):
+    """The array module of the device branches: the CuPy test double on any machine, CuPy on a GPU."""
+    if request.param == "cupy":
+        import cupy
+
+        yield cupy
+        return
+    monkeypatch.setattr(backend, "_cupy", backend._cupy)  # restored, with the rest, when the test ends
+    monkeypatch.setattr(backend.HostStaging, "possible", backend.HostStaging.possible)
+    monkeypatch.setitem(sys.modules, "cupyx", sys.modules.get("cupyx"))
+    monkeypatch.setattr(np, "asarray", np.asarray)  # install() makes them refuse device arrays, as CuPy does
+    monkeypatch.setattr(np, "array", np.array)
+    yield fake_cupy.install()
+    backend.cuda_aware_mpi.cache_clear()
 
 
 def build(kind: str, to) -> object:
@@ -438,8 +375,13 @@ def build(kind: str, to) -> object:
     def mlp() -> MLP:
         return MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C))
 
+    def swiglu_mlp() -> MLP:
+        gate_up = Linear(param("gate_up.weight", C, 2 * 3 * C))
+        return MLP(gate_up, Linear(param("down.weight", 3 * C, C)), SwiGLU())
+
     makers = {"layernorm": lambda: norm("ln"), "gelu": GELU, "attention": attention, "mlp": mlp,
-              "block": lambda: Block(norm("ln_1"), attention(), norm("ln_2"), mlp())}
+              "block": lambda: Block(norm("ln_1"), attention(), norm("ln_2"), mlp()),
+              "rmsnorm": lambda: RMSNorm(param("norm.weight", C, offset=1.0), eps=1e-5), "swiglu mlp": swiglu_mlp}
     return makers[kind]()
 
 
@@ -453,14 +395,13 @@ def parameters_of(layer) -> list[Parameter]:
     return found
 
 
-@on_devices
-@pytest.mark.parametrize("kind", ["layernorm", "gelu", "attention", "mlp", "block"])
+@pytest.mark.parametrize("kind", ["layernorm", "gelu", "attention", "mlp", "block", "rmsnorm", "swiglu mlp"])
 def test_layer_on_device_equals_numpy_layer(xp, kind):
     cpu, device = build(kind, np.asarray), build(kind, xp.asarray)
     x, dout = RNG.standard_normal((B, T, C)), RNG.standard_normal((B, T, C))
     (device_out, device_saved), (cpu_out, cpu_saved) = device.forward(xp.asarray(x)), cpu.forward(x)
     assert_matches(device_out, cpu_out, f"{kind} forward")
-    if kind == "layernorm":  # kept for backward and read by memory accounting
+    if kind in ("layernorm", "rmsnorm"):  # kept for backward and read by memory accounting
         assert_matches(device_saved.normalized, cpu_saved.normalized, "normalized")
         assert_matches(device_saved.rstd, cpu_saved.rstd, "rstd")
     assert_matches(device.backward(device_saved, xp.asarray(dout)), cpu.backward(cpu_saved, dout.copy()),
@@ -469,7 +410,6 @@ def test_layer_on_device_equals_numpy_layer(xp, kind):
         assert_matches(p_device.grad, p_cpu.grad, f"{kind} d{p_cpu.name}")
 
 
-@on_devices
 @pytest.mark.parametrize("offset", [0, 2])
 def test_softmax_and_its_backward_on_device_equal_numpy(xp, offset):
     scores, dprobs = RNG.standard_normal((B, H, 3, 3 + offset)), RNG.standard_normal((B, H, 3, 3 + offset))
@@ -484,7 +424,6 @@ def test_softmax_and_its_backward_on_device_equal_numpy(xp, offset):
     assert_matches(dscores, softmax_backward(probs, dprobs.copy()), "softmax backward")
 
 
-@on_devices
 def test_cross_entropy_head_on_device_equals_numpy(xp):
     wte, x, targets = RNG.standard_normal((VOCAB, C)), RNG.standard_normal((B, T, C)), RNG.integers(0, VOCAB, (B, T))
     cpu, device = TiedHeadCrossEntropy(Parameter("wte", wte)), TiedHeadCrossEntropy(Parameter("wte", xp.asarray(wte)))
@@ -495,7 +434,6 @@ def test_cross_entropy_head_on_device_equals_numpy(xp):
     assert_matches(device.token.grad, cpu.token.grad, "head dwte")
 
 
-@on_devices
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_adamw_update_on_device_slices_equals_numpy(xp, weight_decay):
     flat = RNG.standard_normal(20)
@@ -512,7 +450,6 @@ def test_adamw_update_on_device_slices_equals_numpy(xp, weight_decay):
             assert_matches(a, b, f"step {step} {name}")
 
 
-@on_devices
 def test_gpt_training_step_on_device_equals_numpy(xp):
     """Loss, every gradient and the AdamW-updated weights of the whole model (looser: many layers deep)."""
     config = GPTConfig(vocab_size=VOCAB, n_positions=16, n_embd=C, n_layer=2, n_head=H)
@@ -532,6 +469,71 @@ def test_gpt_training_step_on_device_equals_numpy(xp):
             model.zero_grad()
     for name, param in cpu.params.items():
         assert_matches(device.params[name].data, param.data, name, tolerance=1e-10)
+
+
+ADAMW_STEP = {"step": 3, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _gelu_textbook(x):
+    """GELU's tanh approximation and its derivative, as the paper writes them (not as the kernels factor them)."""
+    s, c = math.sqrt(2 / math.pi), 0.044715
+    t = np.tanh(s * (x + c * x**3))
+    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * s * (1 + 3 * c * x**2)
+
+
+def _swiglu_textbook(gate, up):
+    """silu(g)·u and its partial derivatives d/dg = u·(σ(g) + g·σ(g)·(1 − σ(g))), d/du = silu(g)."""
+    sigmoid = 1 / (1 + np.exp(-gate))
+    return gate * sigmoid * up, up * (sigmoid + gate * sigmoid * (1 - sigmoid)), gate * sigmoid
+
+
+def _adamw_textbook(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    m = beta1 * exp_avg + (1 - beta1) * grad
+    v = beta2 * exp_avg_sq + (1 - beta2) * grad**2
+    m_hat, v_hat = m / (1 - beta1**step), v / (1 - beta2**step)
+    return {"new_param": param * (1 - lr * weight_decay) - lr * m_hat / (np.sqrt(v_hat) + eps),
+            "new_exp_avg": m, "new_exp_avg_sq": v}
+
+
+INDEPENDENT_FORMULAS = {
+    # what each kernel computes, written from the math, not from the kernel's statements
+    "gelu_forward": lambda x: {"out": _gelu_textbook(x)[0]},
+    "gelu_backward": lambda x, dout: {"dx": dout * _gelu_textbook(x)[1]},
+    "layer_norm_forward": lambda x, mean, rstd, weight, bias: {"normalized": (x - mean) * rstd,
+                                                              "out": weight * ((x - mean) * rstd) + bias},
+    "layer_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm, mean_dnorm_norm: {
+        "dx": rstd * (dout * weight - mean_dnorm - normalized * mean_dnorm_norm)},
+    "rms_norm_forward": lambda x, rstd, weight: {"normalized": x * rstd, "out": weight * x * rstd},
+    "rms_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm_norm: {
+        "dx": rstd * (dout * weight - normalized * mean_dnorm_norm)},
+    "swiglu_forward": lambda gate, up: {"out": _swiglu_textbook(gate, up)[0]},
+    "swiglu_backward": lambda gate, up, dout: {"dgate": dout * _swiglu_textbook(gate, up)[1],
+                                               "dup": dout * _swiglu_textbook(gate, up)[2]},
+    "softmax_exp": lambda scores, row_max: {"exps": np.exp(scores - row_max)},
+    "softmax_backward": lambda probs, dprobs, weighted_sum: {"dscores": probs * (dprobs - weighted_sum)},
+    "adamw": lambda param, grad, exp_avg, exp_avg_sq, **scalars: _adamw_textbook(param, grad, exp_avg, exp_avg_sq,
+                                                                                  **ADAMW_STEP),
+}
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, TOLERANCE), (np.float32, 1e-5)])
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_kernel_on_device_equals_an_independent_formula(xp, kernel, dtype, tolerance):
+    """Each kernel compiled and run (float32 too: T is float there); inputs that broadcast, as the layers pass.
+    Compared with the math written out here (INDEPENDENT_FORMULAS) in float64, never with the kernel's own
+    statements: the CuPy double evaluates those statements with NumPy, so that comparison could not fail."""
+    shapes = {"mean": (3, 1), "rstd": (3, 1), "row_max": (3, 1), "weighted_sum": (3, 1), "mean_dnorm": (3, 1),
+              "mean_dnorm_norm": (3, 1), "weight": (5,), "bias": (5,)}
+    scalars = adamw_kernel_scalars(**ADAMW_STEP) if kernel is kernels.ADAMW else {}
+    arrays = {name: RNG.uniform(0.5, 1.5, shapes.get(name, (3, 5))).astype(dtype)
+              for name in kernel.input_names if name not in scalars}
+    expected = INDEPENDENT_FORMULAS[kernel.name](**{name: a.astype(np.float64) for name, a in arrays.items()},
+                                                 **scalars)
+    result = kernel(**{name: xp.asarray(a) for name, a in arrays.items()}, **scalars)
+    assert set(result) == set(expected)
+    for name, value in result.items():
+        assert value.dtype == dtype, f"{name} is {value.dtype}"
+        assert_matches(value, expected[name], name, tolerance)
 
 
 def test_in_place_calls_write_through_and_undeclared_aliasing_is_refused(xp):

@@ -122,13 +122,13 @@ def test_lr_override_changes_only_that_step():
         np.testing.assert_array_equal(a.data, b.data)
 
 
-def test_pure_update_functions_leave_the_gradient_alone_and_check_scratch():
+def test_pure_update_functions_leave_the_gradient_alone_and_reuse_scratch():
     param, grad = np.ones(4), np.full(4, 2.0)
     scratch = np.empty(4)
     sgd_update(param, grad, 0.5, scratch)
     np.testing.assert_array_equal(param, np.zeros(4))
     m, v = np.zeros(4), np.zeros(4)
-    adamw_update(param, grad, m, v, 1, 0.1, 0.9, 0.95, 1e-8, 0.0)
+    adamw_update(param, grad, m, v, 1, 0.1, 0.9, 0.95, 1e-8, 0.0, scratch)
     np.testing.assert_array_equal(grad, np.full(4, 2.0))
     np.testing.assert_allclose(param, np.full(4, -0.1), rtol=1e-7)  # first Adam step moves by lr·sign(g)
     with pytest.raises(ValueError, match="starts at 1"):

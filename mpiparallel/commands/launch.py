@@ -365,8 +365,7 @@ _LOCAL_RANK_COUNT_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", 
 
 
 def limit_blas_threads(threads: int | None, environ: dict[str, str] = os.environ) -> int:
-    """Give each rank its share of this node's cores for BLAS and for the fused elementwise passes of
-    `models.kernels` (call before NumPy is imported).
+    """Give each rank its share of this node's cores for BLAS (call before NumPy is imported).
 
     Ranks on one node that each start a thread per core fight over the cores and all run slower. Default:
     cores ÷ ranks on this node (from the launcher's variables), at least 1. An explicit `threads` wins; so do
@@ -374,13 +373,12 @@ def limit_blas_threads(threads: int | None, environ: dict[str, str] = os.environ
     """
     if threads is None:
         already = next((environ[name] for name in _BLAS_THREAD_VARIABLES if environ.get(name)), None)
+        if already is not None:
+            return int(already)
         local_ranks = next((int(environ[name]) for name in _LOCAL_RANK_COUNT_VARIABLES if environ.get(name)), 1)
-        threads = int(already) if already is not None else max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1))
+        threads = max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1))
     for name in _BLAS_THREAD_VARIABLES:
         environ[name] = str(threads)
-    from models import kernels  # NumPy loads here, after the variables its BLAS reads
-
-    kernels.set_host_threads(threads)
     return threads
 
 

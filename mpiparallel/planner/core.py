@@ -467,13 +467,12 @@ def block_saved_elements(model: Model, layout: Layout, rows: int, item: float) -
 
 
 def _moe_saved_change(model: Model, layout: Layout, tokens: int, item: float) -> float:
-    """What an MoE block saves instead of the dense MLP's hidden units (GPT-2 12h per token: c_fc's output, which
-    is GELU's input, GELU's gate and GELU's output, which is c_proj's input, 4h each; llama 4F): per routed token
-    the router's probabilities (E), its top-K choice (an argsort of E int64), 1/Σ of the chosen probabilities, the
-    K gates and K int64 assignments; then the K rows gathered for the experts, their K outputs, and the experts'
-    hidden units (balanced: K·tokens rows)."""
+    """What an MoE block saves instead of the dense MLP's hidden units (GPT-2 16h per token: c_fc's output and
+    GELU's three arrays of 4h; llama 5F): per routed token the router's probabilities (E), its top-K choice
+    (an argsort of E int64), 1/Σ of the chosen probabilities, the K gates and K int64 assignments; then the K
+    rows gathered for the experts, their K outputs, and the experts' hidden units (balanced: K·tokens rows)."""
     h, experts, k = model.n_embd, model.experts, model.top_k
-    hidden = 4 * model.ffn_width if model.is_llama else 12 * h
+    hidden = 5 * model.ffn_width if model.is_llama else 16 * h
     router = experts + experts * 8 / item + 1 + k + k * 8 / item
     return _moe_tokens(layout, tokens) * (router + k * (2 * h + hidden)) - tokens * hidden / layout.tp
 
