@@ -20,16 +20,17 @@ Precision: in float64 a kernel agrees with the NumPy code to rounding (the CUDA 
 fused multiply-adds differ in the last bits). In float32 the locals and outputs are float, but C evaluates any
 operation with a literal or a double in double precision before rounding to float: more accurate, not identical.
 
-Why not on the CPU too: measured on this project's reference CPU (AMD EPYC, AVX-512, 2 MiB L2, 32 MiB L3, one
-thread), NumPy's SIMD loops make each operation of a chain nearly as cheap as a fused loop over the same data, and
-the arrays of a layer stay in L3 between the operations. Running these kernels' text on NumPy as one pass —
-compiled to ufunc calls over L2-sized blocks (one block per 32 Ki elements) — cost more than the hand-ordered
-NumPy chains in every layer (per call, caches flushed: GELU backward 1.3 ms against 1.0, SwiGLU backward 2.2
-against 1.5, the AdamW step over all of GPT-2's parameters 7.3 against 5.1; a training step 4-6 % slower), from
-the ~1-4 µs of Python per ufunc call and block and the scratch registers; two threads did not recover it (the GIL
-between the calls). numexpr, the library for such passes, was slower still: its PyPI build has no vector math
-library, so its tanh of 1 Mi float32 numbers took 14 ms against NumPy's 0.16 ms. So the CPU keeps the NumPy
-chains of models.layers, and the tests check each kernel against them and against the math written out.
+Why not on the CPU too: measured on this project's reference CPU (AMD EPYC, AVX-512, 1 MiB L2 per core, 32 MiB
+L3, one thread), NumPy's SIMD loops make each operation of a chain nearly as cheap as a fused loop over the same
+data, and the arrays of a layer stay in L3 between the operations. Running these kernels' text on NumPy as one
+pass — compiled to ufunc calls over L2-sized blocks of 32 Ki elements — cost more than the hand-ordered NumPy
+chains in every layer (per call, caches flushed: GELU backward 1.3 ms against 1.0, SwiGLU backward 2.2 against
+1.5, the AdamW step over all of GPT-2's parameters 7.3 against 5.1; a training step 4-7 % slower), from the
+~1-4 µs of Python per ufunc call and block and the scratch registers; sharing the blocks among two threads did
+not recover it (the GIL is held between the calls). numexpr, the library for such passes, was slower still: its
+PyPI build has no vector math library, so its tanh of 1 Mi float32 numbers took 14 ms against NumPy's 0.16 ms.
+So the CPU keeps the NumPy chains of models.layers, and the tests check each kernel against them and against
+the math written out.
 
 Communication: none.
 """
