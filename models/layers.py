@@ -304,16 +304,29 @@ class RMSNorm(Layer):
         mean_square = row_sums(x * x) / x.shape[-1]
         mean_square += self.eps
         rstd = 1.0 / xp.sqrt(mean_square, out=mean_square)
+        if is_device_array(x):  # scale and weight in one fused pass (two on NumPy)
+            result = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=self.weight.data)
+            return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
         normalized = x * rstd
         return normalized * self.weight.data, Saved(normalized=normalized, rstd=rstd)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         saved.dout = dout
+        if is_device_array(dout):
+            return self._backward_input_device(saved, dout)
         dnorm = dout * self.weight.data
         mean_dnorm_norm = row_sums(dnorm * saved.normalized) / dout.shape[-1]
         dnorm -= saved.normalized * mean_dnorm_norm
         dnorm *= saved.rstd
         return dnorm
+
+    def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
+        """mean(dn · n) as a GEMV with the weight (Σ dout·n·w), then dx in one fused pass."""
+        channels = dout.shape[-1]
+        mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ self.weight.data).reshape(
+            *dout.shape[:-1], 1) / channels
+        return kernels.RMS_NORM_BACKWARD(dout=dout, weight=self.weight.data, normalized=saved.normalized,
+                                         rstd=saved.rstd, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
     def backward_weights(self, saved: Saved) -> None:
         self.weight.grad += column_sums(saved.dout * saved.normalized)
@@ -374,6 +387,8 @@ class SwiGLU(Layer):
         xp = get_array_module(x)
         width = x.shape[-1] // 2
         gate, up = x[..., :width], x[..., width:]
+        if is_device_array(x):  # one fused pass; backward recomputes σ, so only the input's halves are kept
+            return kernels.SWIGLU_FORWARD(gate=gate, up=up)["out"], Saved(gate=gate, up=up)
         sigmoid = xp.negative(gate)
         xp.exp(sigmoid, out=sigmoid)
         sigmoid += 1.0
@@ -385,6 +400,11 @@ class SwiGLU(Layer):
         xp = get_array_module(dout)
         dx = xp.empty((*dout.shape[:-1], 2 * dout.shape[-1]), dtype=dout.dtype)
         width = dout.shape[-1]
+        if is_device_array(dout):
+            kernels.SWIGLU_BACKWARD(gate=saved.gate, up=saved.up, dout=dout, dgate=dx[..., :width],
+                                    dup=dx[..., width:])
+            saved.clear()
+            return dx
         xp.multiply(dout, saved.silu, out=dx[..., width:])
         # silu'(g) = s + g·s·(1 − s) = s + silu·(1 − s)
         dgate = dx[..., :width]

@@ -30,6 +30,8 @@ from models.layers import (
     CausalSelfAttention,
     LayerNorm,
     Linear,
+    RMSNorm,
+    SwiGLU,
     TiedHeadCrossEntropy,
     causal_softmax,
     row_sums,
@@ -62,7 +64,9 @@ def assert_matches(actual, expected, what: str = "", tolerance: float = TOLERANC
 
 def test_kernel_list_is_complete():
     assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "layer_norm_forward",
-                                         "layer_norm_backward", "softmax_exp", "softmax_backward", "adamw"}
+                                         "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
+                                         "swiglu_forward", "swiglu_backward", "softmax_exp", "softmax_backward",
+                                         "adamw"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -108,6 +112,30 @@ def test_layer_norm_backward_kernel_equals_layer_norm_given_row_means():
         dout=dout, weight=ln.weight.data, normalized=saved.normalized, rstd=saved.rstd,
         mean_dnorm=row_sums(dnorm) / C, mean_dnorm_norm=row_sums(dnorm * saved.normalized) / C)["dx"]
     assert_matches(dx, ln.backward_input(saved, dout.copy()), "layer norm dx")
+
+
+def test_rms_norm_kernels_equal_rms_norm_given_the_row_statistics():
+    norm, x, dout = RMSNorm(Parameter("norm.weight", 1 + 0.3 * RNG.standard_normal(C))), \
+        2 * RNG.standard_normal((B, T, C)), RNG.standard_normal((B, T, C))
+    out, saved = norm.forward(x)
+    fused = kernels.RMS_NORM_FORWARD.evaluate_numpy(x=x, rstd=saved.rstd, weight=norm.weight.data)
+    assert_matches(fused["normalized"], saved.normalized, "normalized")
+    assert_matches(fused["out"], out, "rms norm out")
+    dx = kernels.RMS_NORM_BACKWARD.evaluate_numpy(
+        dout=dout, weight=norm.weight.data, normalized=saved.normalized, rstd=saved.rstd,
+        mean_dnorm_norm=row_sums(dout * norm.weight.data * saved.normalized) / C)["dx"]
+    assert_matches(dx, norm.backward_input(saved, dout.copy()), "rms norm dx")
+
+
+def test_swiglu_kernels_equal_swiglu():
+    x, dout = 3 * RNG.standard_normal((B, T, 2 * C)), RNG.standard_normal((B, T, C))
+    out, saved = SwiGLU().forward(x)
+    gate, up = x[..., :C], x[..., C:]
+    assert_matches(kernels.SWIGLU_FORWARD.evaluate_numpy(gate=gate, up=up)["out"], out, "swiglu out")
+    fused = kernels.SWIGLU_BACKWARD.evaluate_numpy(gate=gate, up=up, dout=dout)
+    dx = SwiGLU().backward(saved, dout.copy())
+    assert_matches(fused["dgate"], dx[..., :C], "d(gate)")
+    assert_matches(fused["dup"], dx[..., C:], "d(up)")
 
 
 @pytest.mark.parametrize("offset", [0, 3])
@@ -169,10 +197,23 @@ def changed(kernel: FusedKernel, old: str, new: str) -> FusedKernel:
     return FusedKernel(f"changed_{kernel.name}", inputs, outputs, statements, kernel.in_place)
 
 
+def independent_error(kernel: FusedKernel, formula: str) -> float:
+    """Largest relative error of `kernel`'s text (evaluated with NumPy) against INDEPENDENT_FORMULAS[formula]."""
+    arrays = {name: RNG.uniform(0.5, 1.5, (3, 5)) for name in kernel.input_names}
+    expected = INDEPENDENT_FORMULAS[formula](**arrays)
+    return worst([relative_error(value, expected[name]) for name, value in kernel.evaluate_numpy(**arrays).items()])
+
+
 def test_the_comparisons_catch_a_changed_constant_or_operand():
     assert gelu_backward_error(changed(kernels.GELU_BACKWARD, "6.0", "6.001")) > 1e-6
     assert adamw_error(changed(kernels.ADAMW, "(1.0 - beta2)", "(1.0 - beta1)"), 0.1) > 1e-6
     assert adamw_error(changed(kernels.ADAMW, "param * decay", "param"), 0.1) > 1e-6
+    assert independent_error(kernels.RMS_NORM_BACKWARD, "rms_norm_backward") <= TOLERANCE
+    assert independent_error(changed(kernels.RMS_NORM_BACKWARD, "- normalized", "+ normalized"),
+                             "rms_norm_backward") > 1e-6
+    assert independent_error(kernels.SWIGLU_BACKWARD, "swiglu_backward") <= TOLERANCE
+    assert independent_error(changed(kernels.SWIGLU_BACKWARD, "(1.0 - sigmoid)", "(1.0 + sigmoid)"),
+                             "swiglu_backward") > 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -334,8 +375,13 @@ def build(kind: str, to) -> object:
     def mlp() -> MLP:
         return MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C))
 
+    def swiglu_mlp() -> MLP:
+        gate_up = Linear(param("gate_up.weight", C, 2 * 3 * C))
+        return MLP(gate_up, Linear(param("down.weight", 3 * C, C)), SwiGLU())
+
     makers = {"layernorm": lambda: norm("ln"), "gelu": GELU, "attention": attention, "mlp": mlp,
-              "block": lambda: Block(norm("ln_1"), attention(), norm("ln_2"), mlp())}
+              "block": lambda: Block(norm("ln_1"), attention(), norm("ln_2"), mlp()),
+              "rmsnorm": lambda: RMSNorm(param("norm.weight", C, offset=1.0), eps=1e-5), "swiglu mlp": swiglu_mlp}
     return makers[kind]()
 
 
@@ -349,13 +395,13 @@ def parameters_of(layer) -> list[Parameter]:
     return found
 
 
-@pytest.mark.parametrize("kind", ["layernorm", "gelu", "attention", "mlp", "block"])
+@pytest.mark.parametrize("kind", ["layernorm", "gelu", "attention", "mlp", "block", "rmsnorm", "swiglu mlp"])
 def test_layer_on_device_equals_numpy_layer(xp, kind):
     cpu, device = build(kind, np.asarray), build(kind, xp.asarray)
     x, dout = RNG.standard_normal((B, T, C)), RNG.standard_normal((B, T, C))
     (device_out, device_saved), (cpu_out, cpu_saved) = device.forward(xp.asarray(x)), cpu.forward(x)
     assert_matches(device_out, cpu_out, f"{kind} forward")
-    if kind == "layernorm":  # kept for backward and read by memory accounting
+    if kind in ("layernorm", "rmsnorm"):  # kept for backward and read by memory accounting
         assert_matches(device_saved.normalized, cpu_saved.normalized, "normalized")
         assert_matches(device_saved.rstd, cpu_saved.rstd, "rstd")
     assert_matches(device.backward(device_saved, xp.asarray(dout)), cpu.backward(cpu_saved, dout.copy()),
@@ -435,6 +481,12 @@ def _gelu_textbook(x):
     return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * s * (1 + 3 * c * x**2)
 
 
+def _swiglu_textbook(gate, up):
+    """silu(g)·u and its partial derivatives d/dg = u·(σ(g) + g·σ(g)·(1 − σ(g))), d/du = silu(g)."""
+    sigmoid = 1 / (1 + np.exp(-gate))
+    return gate * sigmoid * up, up * (sigmoid + gate * sigmoid * (1 - sigmoid)), gate * sigmoid
+
+
 def _adamw_textbook(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
     m = beta1 * exp_avg + (1 - beta1) * grad
     v = beta2 * exp_avg_sq + (1 - beta2) * grad**2
@@ -451,6 +503,12 @@ INDEPENDENT_FORMULAS = {
                                                               "out": weight * ((x - mean) * rstd) + bias},
     "layer_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm, mean_dnorm_norm: {
         "dx": rstd * (dout * weight - mean_dnorm - normalized * mean_dnorm_norm)},
+    "rms_norm_forward": lambda x, rstd, weight: {"normalized": x * rstd, "out": weight * x * rstd},
+    "rms_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm_norm: {
+        "dx": rstd * (dout * weight - normalized * mean_dnorm_norm)},
+    "swiglu_forward": lambda gate, up: {"out": _swiglu_textbook(gate, up)[0]},
+    "swiglu_backward": lambda gate, up, dout: {"dgate": dout * _swiglu_textbook(gate, up)[1],
+                                               "dup": dout * _swiglu_textbook(gate, up)[2]},
     "softmax_exp": lambda scores, row_max: {"exps": np.exp(scores - row_max)},
     "softmax_backward": lambda probs, dprobs, weighted_sum: {"dscores": probs * (dprobs - weighted_sum)},
     "adamw": lambda param, grad, exp_avg, exp_avg_sq, **scalars: _adamw_textbook(param, grad, exp_avg, exp_avg_sq,
