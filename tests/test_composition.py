@@ -24,7 +24,7 @@ from mpi_harness import run_on_ranks, train_error
 from models.gpt import GPTConfig, parameter_shapes
 
 DENSE = {"n_layer": 4, "n_head": 4, "n_embd": 16, "seq_len": 16, "batch_size": 8, "steps": 2, "dtype": "float64",
-         "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 2048, "lr": 1e-2,
+         "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 256, "lr": 1e-2,
          "eval_every": 2, "eval_batches": 1,  # one validation batch after the last step: the forward-only path
          "bucket_mb": 0.004}  # 4 KB: about a bucket per unit, so ZeRO's shards and gathers cross bucket boundaries
 # aux loss off: the serial run's token sets (one per microbatch) differ from a parallel run's (see DESIGN.md)

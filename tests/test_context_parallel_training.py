@@ -8,7 +8,7 @@ import pytest
 from mpi_harness import assert_equals_serial, parallel_training, serial_training, train_error
 
 COMMON = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "batch_size": 4, "steps": 3, "dtype": "float64",
-          "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 2049, "lr": 1e-2}
+          "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}
 VARIANTS = ["ring", "all-gather", "ulysses"]
 TOLERANCE = 1e-9
 

@@ -19,7 +19,7 @@ from mpi_harness import assert_equals_serial, parallel_training, run_with_timeou
 from mpiparallel import checkpoint
 
 BASE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float64",
-        "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 2049, "lr": 1e-2, "moe_aux_coef": 0.0}
+        "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2, "moe_aux_coef": 0.0}
 MODELS = {
     "E4-top2": {**BASE, "experts": 4, "top_k": 2},
     "E8-top1": {**BASE, "experts": 8, "top_k": 1},

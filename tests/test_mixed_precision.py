@@ -148,7 +148,7 @@ def test_serial_bfloat16_follows_pytorch_with_the_same_scheme(tmp_path):
 
 
 BASE = {"n_layer": 2, "n_head": 4, "n_embd": 16, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float32",
-        "vocab_size": 2048, "lr": 1e-2, "compute_dtype": "bfloat16", "bucket_mb": 0.004}
+        "vocab_size": 256, "lr": 1e-2, "compute_dtype": "bfloat16", "bucket_mb": 0.004}
 MODELS = {"gpt2-bf16": BASE, "moe-bf16": {**BASE, "experts": 4, "moe_aux_coef": 0.0},
           "llama-bf16": {**BASE, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 24},
           "mixtral-bf16": {**BASE, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 24, "experts": 4,

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from mpiparallel import checkpoint, train
 
 from .arrays import host, parallel_array_module
+from .byte_data import on_bytes
 from .errors import relative_error, worst
 
 
@@ -55,7 +56,7 @@ def recording_gradients() -> Iterator[list[dict[str, np.ndarray]]]:
 
 
 def _train(options: dict[str, Any], directory: Path) -> list[dict[str, np.ndarray]]:
-    settings = train.TrainSettings.from_options(**options, log_json=str(directory / "log.jsonl"),
+    settings = train.TrainSettings.from_options(**on_bytes(options), log_json=str(directory / "log.jsonl"),
                                                 save=str(directory / "model"))
     with recording_gradients() as gradients:
         train.run(settings)

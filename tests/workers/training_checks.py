@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from mpiparallel import checkpoint, train
 
+from .byte_data import on_bytes
 from .errors import relative_error, worst
 
 
@@ -26,7 +27,8 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
     results = []
     for options in configs:
         directory = Path(world.bcast(tempfile.mkdtemp(prefix="training-check-") if world.rank == 0 else None))
-        settings = train.TrainSettings.from_options(**{**common, **options}, log_json=str(directory / "log.jsonl"),
+        settings = train.TrainSettings.from_options(**on_bytes({**common, **options}),
+                                                    log_json=str(directory / "log.jsonl"),
                                                     save=str(directory / "model"))
         train.run(settings)
         world.barrier()
@@ -44,6 +46,6 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
 
 def serial_reference(common: dict[str, Any], directory: str) -> bool:
     """The serial run the pipeline runs are compared with (one rank): its log and saved model in `directory`."""
-    train.run(train.TrainSettings.from_options(**common, log_json=str(Path(directory) / "log.jsonl"),
+    train.run(train.TrainSettings.from_options(**on_bytes(common), log_json=str(Path(directory) / "log.jsonl"),
                                                save=str(Path(directory) / "model")))
     return True
