@@ -278,8 +278,15 @@ class HostStaging:
         return host
 
     def finish(self) -> None:
+        """Copy each received host array to its device array, and wait for the copies before letting go of them.
+
+        `set` from pinned memory only queues the copy on the stream, and CuPy's pinned pool hands a block that
+        nothing references to the next `alloc_pinned_memory` at once: without the wait, the next receive could
+        write into a block whose copy is still queued, and the device would get that receive's bytes."""
         for device, host in self._pending:
             device.set(host)
+        if self._pending:
+            _cupy.cuda.get_current_stream().synchronize()
         self._pending.clear()
 
 

@@ -227,6 +227,14 @@ class ConcatenatedLinear(Layer):
         saved.clear()
 
 
+def at_dtype_of(x: Array, parameter: Parameter) -> Array:
+    """The parameter's working copy at the dtype of the activations `x`: in a mixed-precision run a norm computes
+    in float32 (`precision.Narrowed`) while its weight's working copy is bfloat16 or float16. NumPy promotes the
+    mix by itself; a fused GPU kernel takes one dtype for all its `T` arguments, and CuPy refuses the mix. Exact:
+    every narrow value is a float32 value."""
+    return parameter.data.astype(x.dtype, copy=False)
+
+
 class LayerNorm(Layer):
     """y = (x − mean) / sqrt(var + eps) · weight + bias over the last axis (eps 1e-5, biased variance)."""
 
@@ -254,7 +262,8 @@ class LayerNorm(Layer):
         xp = get_array_module(x)
         mean = x.mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(x.var(axis=-1, keepdims=True) + self.eps)
-        result = kernels.LAYER_NORM_FORWARD(x=x, mean=mean, rstd=rstd, weight=self.weight.data, bias=self.bias.data)
+        result = kernels.LAYER_NORM_FORWARD(x=x, mean=mean, rstd=rstd, weight=at_dtype_of(x, self.weight),
+                                            bias=at_dtype_of(x, self.bias))
         return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
@@ -277,7 +286,7 @@ class LayerNorm(Layer):
         """The two row means as GEMVs with the weight (Σ dout·w, Σ dout·normalized·w), then dx in one fused pass."""
         channels = dout.shape[-1]
         row_shape = (*dout.shape[:-1], 1)
-        weight = self.weight.data
+        weight = at_dtype_of(dout, self.weight)
         mean_dnorm = (dout.reshape(-1, channels) @ weight).reshape(row_shape) / channels
         mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ weight).reshape(row_shape) / channels
         return kernels.LAYER_NORM_BACKWARD(dout=dout, weight=weight, normalized=saved.normalized, rstd=saved.rstd,
@@ -305,7 +314,7 @@ class RMSNorm(Layer):
         mean_square += self.eps
         rstd = 1.0 / xp.sqrt(mean_square, out=mean_square)
         if is_device_array(x):  # scale and weight in one fused pass (two on NumPy)
-            result = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=self.weight.data)
+            result = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=at_dtype_of(x, self.weight))
             return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
         normalized = x * rstd
         return normalized * self.weight.data, Saved(normalized=normalized, rstd=rstd)
@@ -323,9 +332,10 @@ class RMSNorm(Layer):
     def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
         """mean(dn · n) as a GEMV with the weight (Σ dout·n·w), then dx in one fused pass."""
         channels = dout.shape[-1]
-        mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ self.weight.data).reshape(
+        weight = at_dtype_of(dout, self.weight)
+        mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ weight).reshape(
             *dout.shape[:-1], 1) / channels
-        return kernels.RMS_NORM_BACKWARD(dout=dout, weight=self.weight.data, normalized=saved.normalized,
+        return kernels.RMS_NORM_BACKWARD(dout=dout, weight=weight, normalized=saved.normalized,
                                          rstd=saved.rstd, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
     def backward_weights(self, saved: Saved) -> None:
