@@ -64,7 +64,7 @@ from .arguments import (
     row_offsets,
     unaliased,
 )
-from .backend import Array, get_array_module, gpu_unavailable_reason, is_floating
+from .backend import Array, get_array_module, gpu_array_module, gpu_unavailable_reason, is_floating
 from .blocks import check_op, finish_average
 from .communicator import Communicator
 
@@ -122,7 +122,7 @@ class Memory:
 
 def cupy_memory() -> Memory:
     """CuPy arrays on CuPy's current stream and device (the real thing)."""
-    import cupy
+    cupy = gpu_array_module()
 
     def pointer(x: Array) -> int:
         if not isinstance(x, cupy.ndarray):

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from collectives.backend import BFLOAT16, as_words, is_floating
+
 UNIQUE_ID_BYTES = 128
 _MPI_OPS = {0: MPI.SUM, 1: MPI.PROD, 2: MPI.MAX, 3: MPI.MIN}
 
@@ -38,7 +40,7 @@ class FakeNccl:
     NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
     NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
     DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16,
-              7: np.float32, 8: np.float64}
+              7: np.float32, 8: np.float64, 9: BFLOAT16}
     available = True
 
     def __init__(self, comm: MPI.Comm, unique_id: str = "bytes", version: int = 23004) -> None:
@@ -47,8 +49,9 @@ class FakeNccl:
         self.comm = comm.Dup()  # its messages never meet the adapter's own MPI traffic
         self.unique_id_type = bytes if unique_id == "bytes" else tuple
         self.version = version
-        if version >= 21000:
+        if version >= 21000:  # NCCL 2.10 brought the average and bfloat16
             self.NCCL_AVG = 4
+            self.NCCL_BFLOAT16 = 9
         self.calls: list[dict[str, Any]] = []
         self.unique_ids_made = 0
         self._group_depth = 0
@@ -81,8 +84,9 @@ class FakeNccl:
 
     def _run_group(self) -> None:
         """Start every queued send and receive at once, as NCCL does at the end of a group."""
-        requests = [self.comm.Irecv(buffer, peer) for kind, buffer, peer in self._pending if kind == "recv"]
-        requests += [self.comm.Isend(buffer, peer) for kind, buffer, peer in self._pending if kind == "send"]
+        pending = [(kind, as_words(buffer), peer) for kind, buffer, peer in self._pending]
+        requests = [self.comm.Irecv(buffer, peer) for kind, buffer, peer in pending if kind == "recv"]
+        requests += [self.comm.Isend(buffer, peer) for kind, buffer, peer in pending if kind == "send"]
         MPI.Request.Waitall(requests)
         self._pending.clear()
 
@@ -94,6 +98,18 @@ def host_array(pointer: int, count: int, datatype: int) -> np.ndarray:
         return np.empty(0, dtype)
     raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(pointer)
     return np.ctypeslib.as_array(raw).view(dtype)
+
+
+def _reduce(mpi_call: Any, send: np.ndarray, recv: np.ndarray | None, mpi_op: MPI.Op, **options: Any) -> None:
+    """An MPI reduction of NCCL buffers; MPI has no bfloat16, so those are reduced in float32 and rounded once
+    (NCCL adds bfloat16 in float arithmetic too; the tests' values are exact either way)."""
+    if send.dtype != BFLOAT16:
+        mpi_call(send, recv, mpi_op, **options)
+        return
+    wide = None if recv is None else np.empty(recv.shape, np.float32)
+    mpi_call(send.astype(np.float32), wide, mpi_op, **options)
+    if recv is not None:
+        recv[...] = wide.astype(BFLOAT16)
 
 
 def _as_bytes(unique_id: bytes | tuple) -> bytes:
@@ -124,7 +140,7 @@ class FakeCommunicator:
         """(the buffer to hand MPI, the MPI op, truncate an integer average afterwards) for NCCL op `op`."""
         if op != 4:
             return send.copy(), _MPI_OPS[op], False  # a copy, so that sendbuf may equal recvbuf
-        if send.dtype.kind == "f":
+        if is_floating(send.dtype):
             return send * send.dtype.type(1 / self.n), MPI.SUM, False  # NCCL pre-multiplies floats
         return send.copy(), MPI.SUM, True
 
@@ -137,7 +153,7 @@ class FakeCommunicator:
         self._record("allReduce", count=count, datatype=datatype, op=op, stream=stream)
         send, recv = host_array(sendbuf, count, datatype), host_array(recvbuf, count, datatype)
         send, mpi_op, truncate = self._reduced(send, op)
-        self.comm.Allreduce(send, recv, mpi_op)
+        _reduce(self.comm.Allreduce, send, recv, mpi_op)
         if truncate:
             self._truncate_average(recv)
 
@@ -147,14 +163,14 @@ class FakeCommunicator:
         send = host_array(sendbuf, recvcount * self.n, datatype)
         recv = host_array(recvbuf, recvcount, datatype)
         send, mpi_op, truncate = self._reduced(send, op)
-        self.comm.Reduce_scatter_block(send, recv, mpi_op)
+        _reduce(self.comm.Reduce_scatter_block, send, recv, mpi_op)
         if truncate:
             self._truncate_average(recv)
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
         self._record("allGather", count=count, datatype=datatype, stream=stream)
         send = host_array(sendbuf, count, datatype).copy()
-        self.comm.Allgather(send, host_array(recvbuf, count * self.n, datatype))
+        self.comm.Allgather(as_words(send), as_words(host_array(recvbuf, count * self.n, datatype)))
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int,
                stream: int) -> None:
@@ -162,13 +178,13 @@ class FakeCommunicator:
         send, mpi_op, truncate = self._reduced(host_array(sendbuf, count, datatype), op)
         on_root = self.comm.Get_rank() == root
         recv = host_array(recvbuf, count, datatype) if on_root else None
-        self.comm.Reduce(send, recv, mpi_op, root=root)
+        _reduce(self.comm.Reduce, send, recv, mpi_op, root=root)
         if truncate and on_root:
             self._truncate_average(recv)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
         self._record("bcast", count=count, datatype=datatype, root=root, stream=stream)
-        self.comm.Bcast(host_array(buff, count, datatype), root=root)
+        self.comm.Bcast(as_words(host_array(buff, count, datatype)), root=root)
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._record("send", count=count, datatype=datatype, peer=peer, stream=stream)
@@ -182,9 +198,9 @@ class FakeCommunicator:
         if self.library.grouped:
             self.library._pending.append((kind, buffer, peer))
         elif kind == "send":  # outside a group NCCL blocks until the peer takes part, and so does this
-            self.comm.Send(buffer, peer)
+            self.comm.Send(as_words(buffer), peer)
         else:
-            self.comm.Recv(buffer, peer)
+            self.comm.Recv(as_words(buffer), peer)
 
     def destroy(self) -> None:
         self.destroyed = True

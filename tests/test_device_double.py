@@ -166,3 +166,82 @@ def test_verify_and_bench_run_their_gpu_paths_on_device_arrays():
                              "-d", "bfloat16", "-o", "avg")
     assert bench.returncode == 0, bench.stdout[-3000:]
     assert "# Out of bounds values : 0 OK" in bench.stdout and "bfloat16" in bench.stdout
+
+
+# -- the double refuses what CuPy refuses (each check below fails if the double's matching strictness goes) ----
+
+def test_host_device_copies_take_exactly_the_arrays_dtype_shape_and_contiguity_as_in_cupy():
+    device = FAKE.asarray(np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="cannot be set"):
+        device.set(np.zeros((2, 3), np.float64))
+    with pytest.raises(ValueError, match="Shape mismatch"):
+        device.set(np.zeros(6, np.float32))
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        FAKE.asarray(np.zeros((3, 4), np.float32))[:, ::2].set(np.zeros((3, 2), np.float32))
+    with pytest.raises(TypeError, match="cannot be obtained"):
+        device.get(out=np.empty((2, 3), np.float64))
+    with pytest.raises(ValueError, match="Shape mismatch"):
+        device.get(out=np.empty((3, 2), np.float32))
+    with pytest.raises(TypeError, match="Only numpy.ndarray"):
+        device.set(FAKE.zeros((2, 3), np.float32))
+
+
+def test_a_kernel_placeholder_takes_one_dtype_and_a_fixed_type_a_safe_cast_as_in_cupy():
+    scale = FAKE.ElementwiseKernel("T x, T w, float32 eps", "T y", "y = x * w + eps", "scale")
+    x32 = FAKE.asarray(np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="Type is mismatched. w bfloat16 float32 T"):
+        scale(x32, x32.astype(backend.BFLOAT16), 1.0)
+    with pytest.raises(TypeError, match="Type is mismatched. eps float64 float32"):
+        scale(x32, x32, FAKE.asarray(np.ones(4)))
+    with pytest.raises(TypeError, match="Type is mismatched. y float64 float32 T"):
+        scale(x32, x32, 1.0, FAKE.zeros(4))
+    result = scale(x32.astype(np.float16), x32.astype(np.float16), 0.5)
+    assert result.dtype == np.float16 and result.get().tolist() == [1.5] * 4
+
+
+def test_the_double_offers_only_cupys_names_and_keywords():
+    assert FAKE.zeros(2).get().tolist() == [0.0, 0.0]
+    with pytest.raises(AttributeError, match="busday_count"):  # NumPy has it, CuPy does not
+        getattr(FAKE, "busday_count")  # noqa: B009 (the attribute access is what is tested)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        FAKE.ElementwiseKernel("T x", "T y", "y = x", "copy", fast_math=True)
+    copy = FAKE.ElementwiseKernel("T x", "T y", "y = x", "copy", preamble="")
+    with pytest.raises(TypeError):
+        copy(FAKE.zeros(2), threads=2)
+
+
+def test_set_from_pinned_memory_is_queued_reads_the_memory_late_and_the_pool_reuses_the_block():
+    memory = FAKE.cuda.alloc_pinned_memory(4 * 8)
+    host = np.frombuffer(memory, np.float64, 4)
+    host[...] = 1.0
+    device = FAKE.zeros(4)
+    device.set(host)
+    host[...] = 2.0  # before the stream reached the copy: the device gets these bytes, as on a GPU
+    assert device.get().tolist() == [2.0] * 4
+    address = host.ctypes.data
+    del memory, host
+    again = np.frombuffer(FAKE.cuda.alloc_pinned_memory(4 * 8), np.float64, 4)
+    assert again.ctypes.data == address  # the freed block comes back at once
+
+
+def test_host_staging_waits_for_its_copies_before_their_pinned_blocks_are_reused(monkeypatch):
+    """The receive-only step of a tree: receive into a staged buffer, copy it to the device, and receive the next
+    block into a staged buffer of the same size. Without the wait in `finish`, the second receive lands in the
+    block whose copy is still queued, and the first device array gets the second block's values."""
+    monkeypatch.setattr(np, "asarray", np.asarray)
+    monkeypatch.setattr(np, "array", np.array)
+    monkeypatch.setattr(backend, "_cupy", backend._cupy)
+    monkeypatch.setattr(backend.HostStaging, "possible", backend.HostStaging.possible)
+    monkeypatch.setitem(sys.modules, "cupyx", sys.modules.get("cupyx"))
+    monkeypatch.setenv("MPIPARALLEL_CUDA_AWARE", "0")
+    fake = install()
+    backend.cuda_aware_mpi.cache_clear()
+    received = []
+    for value in (1.0, 2.0):
+        target = fake.zeros(8)
+        staging = backend.HostStaging()
+        staging.incoming(target)[...] = value  # what MPI_Recv writes
+        staging.finish()
+        received.append(target)
+    assert [target.get().tolist() for target in received] == [[1.0] * 8, [2.0] * 8]
+    backend.cuda_aware_mpi.cache_clear()

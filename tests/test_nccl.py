@@ -125,9 +125,17 @@ def test_verify_against_nccl_prints_the_table_and_finds_no_wrong_element(monkeyp
     assert {row[0] for row in rows} == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv",
                                         "broadcast", "reduce"}
     assert "all OK" in output
-    # the double, like a CuPy or NCCL older than bfloat16, has no NCCL_BFLOAT16: one line says so, no row runs it
+    assert "bfloat16" in {row[2] for row in rows}  # NCCL ≥ 2.10 reduces bfloat16, and the double does
+
+
+def test_verify_against_an_nccl_without_bfloat16_says_so_once_and_checks_the_rest(monkeypatch):
+    monkeypatch.delenv(nccl.MULTI_RANK_GPU, raising=False)
+    report = run_on_ranks(2, f"{CHECKS}:verify_against_the_double", timeout=120, max_count=7, version=20903)[0]
+    assert report["status"] == 0, report["output"]
+    output = report["output"]
+    # a CuPy or NCCL older than bfloat16 has no NCCL_BFLOAT16: one line says so, no row runs it
     assert "# bfloat16: not checked: this NCCL binding has no NCCL_BFLOAT16" in output
-    assert "bfloat16" not in {row[2] for row in rows}
+    assert "bfloat16" not in {row[2] for row in table_rows(output)} and "all OK" in output
 
 
 def test_bench_compare_nccl_adds_nccls_bandwidth_and_the_ratio(tmp_path):
@@ -149,3 +157,13 @@ def test_bench_compare_nccl_adds_nccls_bandwidth_and_the_ratio(tmp_path):
         assert document["compare"] == "nccl" and document["device"] == "cpu"
         first = document["rows"][0]["out_of_place"]
         assert first["nccl_time_us"] > 0 and first["vs_nccl"] == pytest.approx(first["nccl_time_us"] / first["time_us"])
+
+
+def test_the_adapters_cupy_memory_reaches_device_arrays_streams_and_devices_on_the_cupy_double():
+    """`cupy_memory()` itself runs (x.data.ptr, the stream's .ptr, Device().pci_bus_id): on the CuPy double."""
+    for report in run_on_ranks(2, f"{CHECKS}:cupy_memory_on_the_cupy_double", timeout=120):
+        for dtype, result in report["results"].items():
+            assert result["on_device"], dtype
+            assert result["values"] == [2 * i + 1 for i in range(5)], dtype
+        assert report["streams"] == [report["stream_ptr"]]
+        assert report["shares"]  # both ranks name the double's one GPU by the same PCI bus id

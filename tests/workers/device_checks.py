@@ -9,11 +9,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from fake_cupy import TRAFFIC, CheckedIntracomm, install
+from fake_cupy import TRAFFIC, CheckedIntracomm, DeviceArray, install
 from mpi4py import MPI
 
 import collectives as C
 from workers import collective_checks
+from workers.byte_data import byte_corpus
 from workers.errors import relative_error, worst
 
 
@@ -113,3 +114,59 @@ def _train(train, settings) -> tuple[list[float], dict] | None:
 
 def _max_relative_difference(a: dict, b: dict) -> float:
     return worst(relative_error(b[k], a[k]) for k in a)
+
+
+PRECISION_MODES = {
+    "float64": {"dtype": "float64"},
+    "float32": {"dtype": "float32"},
+    "bfloat16 compute": {"dtype": "float32", "compute_dtype": "bfloat16"},
+    "float16 compute": {"dtype": "float32", "compute_dtype": "float16"},
+    "bfloat16 compute, bfloat16 gradients": {"dtype": "float32", "compute_dtype": "bfloat16",
+                                             "grad_dtype": "bfloat16"},
+}
+"""Every precision mode the trainer runs (DESIGN.md, Precision)."""
+
+
+def kernel_calls_in_training(families: list[str], meshes: list[dict]) -> list[dict]:
+    """Train one AdamW step on the CuPy double for every precision mode × family × mesh, recording each fused
+    kernel call: its kernel, the dtype name of every input (None for a Python scalar) and of every output array
+    passed. Returns the distinct calls with the modes that made them (rank 0; every rank records its own)."""
+    from models import kernels
+    from mpiparallel import train
+
+    install()
+    calls: dict[tuple, set[str]] = {}
+    original = kernels.FusedKernel.__call__
+    mode = [""]
+
+    def recording(kernel: kernels.FusedKernel, **arrays) -> dict:
+        key = (kernel.name, tuple(_dtype_name(arrays[name]) for name in kernel.input_names),
+               tuple(_dtype_name(arrays[name]) for name in kernel.output_names if name in arrays))
+        calls.setdefault(key, set()).add(mode[0])
+        return original(kernel, **arrays)
+
+    kernels.FusedKernel.__call__ = recording
+    try:
+        for family in families:
+            for mesh in meshes:
+                for name, precision in PRECISION_MODES.items():
+                    mode[0] = f"{family} {name} {mesh}"
+                    train.run(train.TrainSettings.from_options(
+                        arch=family, n_layer=2, n_head=2, n_embd=16, seq_len=16, batch_size=4, steps=1,
+                        optimizer="adamw", vocab_size=256, device="gpu", data=byte_corpus(), **mesh, **precision))
+    finally:
+        kernels.FusedKernel.__call__ = original
+    everyone = MPI.COMM_WORLD.gather(calls)
+    if MPI.COMM_WORLD.rank != 0:
+        return []
+    merged: dict[tuple, set[str]] = {}
+    for rank_calls in everyone:
+        for key, modes in rank_calls.items():
+            merged.setdefault(key, set()).update(modes)
+    return [{"kernel": k, "inputs": list(i), "outputs": list(o), "modes": sorted(m)}
+            for (k, i, o), m in sorted(merged.items(), key=lambda item: str(item[0]))]
+
+
+def _dtype_name(value) -> str | None:
+    """An array argument's dtype name; None for a Python (or NumPy) scalar, which CuPy types by its parameter."""
+    return value.dtype.name if isinstance(value, DeviceArray) else None

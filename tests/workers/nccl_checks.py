@@ -16,14 +16,15 @@ from fake_nccl import FakeNccl
 import collectives as C
 from collectives import backend as backend_module
 from collectives import nccl
+from collectives.backend import is_floating
 from workers.collective_checks import Failures
 from workers.collective_checks import error_messages as messages_of
 
 STREAM = 0x5EED  # the test double's "current stream": every call must pass it on
-REDUCIBLE = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64")
+REDUCIBLE = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16")
 MOVED_AS_BYTES = ("bool", "int16", "complex64")
 CUPY_TYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
-              "float32": 7, "float64": 8}
+              "float32": 7, "float64": 8, "bfloat16": 9}
 """cupy.cuda.nccl's datatype constants, written out here so that the adapter's own table is under test."""
 CUPY_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
@@ -83,7 +84,7 @@ def _values(rng: np.random.Generator, shape: tuple, dtype: str, op: str, n: int)
         values = rng.integers(0, 5, shape) % (2 if dtype == "bool" else 5)
     else:
         values = rng.integers(-4, 5, shape)
-    if op == "avg" and np.dtype(dtype).kind == "f":
+    if op == "avg" and is_floating(np.dtype(dtype)):
         values = values * n
     if np.dtype(dtype).kind == "c":
         return (values + 1j * values[::-1]).astype(dtype)
@@ -91,7 +92,7 @@ def _values(rng: np.random.Generator, shape: tuple, dtype: str, op: str, n: int)
 
 
 def _reduce_call(name: str, count: int, dtype: str, op: str, has_avg: bool, **fields: int) -> dict:
-    uses_avg = op == "avg" and np.dtype(dtype).kind == "f" and has_avg
+    uses_avg = op == "avg" and is_floating(np.dtype(dtype)) and has_avg
     nccl_op = CUPY_OPS["avg"] if uses_avg else CUPY_OPS["sum" if op == "avg" else op]
     return {"call": name, "count": count, "datatype": CUPY_TYPES[dtype], "op": nccl_op, "stream": STREAM,
             **fields}
@@ -293,12 +294,14 @@ def _rank_0_output(run: Callable[[], int]) -> dict:
     return {"status": status, "output": printed.getvalue()}
 
 
-def verify_against_the_double(max_count: int) -> dict:
-    """`verify --against nccl`'s table, with NCCL replaced by the double on NumPy arrays."""
+def verify_against_the_double(max_count: int, version: int = 23004) -> dict:
+    """`verify --against nccl`'s table, with NCCL (of NCCL_VERSION_CODE `version`) replaced by the double on NumPy
+    arrays."""
     from mpiparallel.commands import verify
 
     comm = C.world()
-    reference = verify.NCCLReference(comm, nccl.NcclComm(comm, FakeNccl(comm.comm), nccl.host_memory()))
+    library = FakeNccl(comm.comm, version=version)
+    reference = verify.NCCLReference(comm, nccl.NcclComm(comm, library, nccl.host_memory()))
     settings = verify.VerifySettings(against="nccl", max_count=max_count)
     return _rank_0_output(lambda: verify.check_all(comm, reference, settings, "cpu"))
 
@@ -317,3 +320,24 @@ def bench_against_the_double(collectives: list[str], json_dir: str, options: dic
         runs[name] = _rank_0_output(lambda s=settings: len(bench.run_sweep(bench.COLLECTIVES[s.collective], comm, s,
                                                                            nccl_comm)))
     return runs
+
+
+def cupy_memory_on_the_cupy_double() -> dict:
+    """The adapter's real memory access (`nccl.cupy_memory()`: x.data.ptr, the current stream's .ptr, the
+    device's pci_bus_id) on the CuPy double's device arrays, with the NCCL double behind it: an all_reduce in
+    float32 and bfloat16, and what the library saw."""
+    from fake_cupy import install
+
+    fake = install()
+    comm = C.world()
+    library = FakeNccl(comm.comm)
+    with nccl.NcclComm(comm, library, nccl.cupy_memory()) as nccl_comm:
+        results = {}
+        for dtype in ("float32", "bfloat16"):
+            x = fake.asarray(np.arange(5, dtype=np.float32).astype(dtype) + comm.rank)
+            total = nccl.all_reduce(x, nccl_comm, "sum")
+            results[dtype] = {"on_device": type(total).__name__ == "DeviceArray",
+                              "values": total.get().astype(np.float64).tolist()}
+        streams = sorted({call["stream"] for call in library.calls if "stream" in call})
+        return {"results": results, "streams": streams, "stream_ptr": fake.cuda.get_current_stream().ptr,
+                "shares": nccl_comm.ranks_share_a_device}
