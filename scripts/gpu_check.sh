@@ -1,45 +1,93 @@
 #!/usr/bin/env bash
-# The GPU check in one command: the test suite on CuPy, our collectives verified against NCCL and against MPI on
-# device buffers, the collectives benchmark against NCCL, and training speed against PyTorch on the same GPU.
+# The GPU check, in groups that each fit one command of a lent GPU machine (600 s there):
 #
-#   scripts/gpu_check.sh [REPORT_DIR [GROUP ...]]     (default: the repository's gpu-report/, every group)
+#   scripts/gpu_check.sh [REPORT_DIR [GROUP ...]]     (REPORT_DIR default: $OUT if set, else gpu-report/)
 #
-# GROUPs: tests, verify, bench, train — to split the check over several shorter runs (each appends to the report).
+# GROUPs, run in the order given (default: probe):
+#   probe   the environment: GPU, CuPy, CUDA, NVRTC, NCCL (and what it allows on one GPU), MPI, our packages
+#   tests   the GPU test subset (`pytest -m gpu`) with the equivalence workers on CuPy arrays
+#   verify  `verify --against nccl` and `verify --against mpi --device gpu`
+#   bench   all_reduce and all_gather, ours against NCCL (busbw side by side)
+#   train   scripts/bench_train.py against PyTorch eager (GPT-2 124M, SmolLM-135M's shape; float32 and TF32)
+#           and `train` on two ranks
 #
-# Needs: an NVIDIA GPU, CuPy with NCCL (`pip install -e ".[gpu]"`), MPI (the `mpich` wheel will do: it is not
-# CUDA-aware, so device buffers go through pinned host staging, which the report names), and PyTorch with CUDA for
-# the training comparison (skipped, and said so, without it). Several ranks share a one-GPU machine; NCCL allows
-# that from 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, which this script sets.
+# What it needs, and where it comes from: the machine's own CuPy (cupy-cuda13x in the GPU image; nothing installs
+# the `gpu` extra here), PyTorch for the training comparison, and MPI. The GPU image has mpi4py but no MPI library:
+# bring the wheels (scripts/gpu_wheels.sh downloads mpich and our pure dependencies into .whl/, which git ignores,
+# for the image's Python) and send them with the run; every group installs whatever of them does not import yet
+# into the interpreter's own prefix (`pip install --no-index`: `--target` would drop the mpich wheel's lib/).
 #
-# Every step runs even if an earlier one fails; REPORT_DIR/report.md lists each step's exit status and the lines
-# that matter, REPORT_DIR/*.log hold the full output. The script exits 0 iff every step passed.
+# Output: REPORT_DIR/report.md (each step's status and the lines that matter), REPORT_DIR/report.json (the same as
+# data), REPORT_DIR/logs.tar.gz (every step's full log and JSON files) — three files, so the whole report comes
+# back from a device run's $OUT. Every step runs even if an earlier one fails; exit 0 iff every step passed.
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-REPORT=$(realpath -m "${1:-$ROOT/gpu-report}")  # a relative REPORT_DIR is relative to where you are
+REPORT=$(realpath -m "${1:-${OUT:-$ROOT/gpu-report}}")  # a relative REPORT_DIR is relative to where you are
 cd "$ROOT"
 shift $(( $# > 0 ? 1 : 0 ))
-GROUPS_WANTED=${*:-tests verify bench train}
+GROUPS_WANTED=${*:-probe}
 PYTHON=${PYTHON:-python3}
+LOGS=$(mktemp -d)
 mkdir -p "$REPORT"
 SUMMARY="$REPORT/report.md"
-export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
-export PYTHONUNBUFFERED=1
+STEPS="$LOGS/steps.jsonl"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 FAILED=0
 
+for group in $GROUPS_WANTED; do
+    case $group in probe|tests|verify|bench|train) ;; *)
+        echo "gpu_check: unknown group '$group' (probe, tests, verify, bench, train)" >&2; exit 2 ;;
+    esac
+done
+
+# Our dependencies and MPI, from the carried wheels where the image lacks them.
+missing=$("$PYTHON" - <<'EOF'
+import importlib
+wanted = {"mpi4py": "mpi4py", "click": "click", "safetensors": "safetensors", "ml_dtypes": "ml_dtypes",
+          "tokenizers": "tokenizers", "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+missing = []
+for module, package in wanted.items():
+    try:
+        importlib.import_module(module)
+    except Exception:
+        missing.append(package)
+try:
+    from mpi4py import MPI  # noqa: F401  (the image's mpi4py imports, but finds no MPI library)
+except Exception:
+    missing.append("mpich")
+print(" ".join(missing))
+EOF
+)
+if [ -n "$missing" ]; then
+    if ! ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+        echo "gpu_check: missing $missing and no wheels in .whl/ (run scripts/gpu_wheels.sh here, carry .whl)" >&2
+        exit 2
+    fi
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --find-links "$ROOT/.whl" $missing >&2 || exit 2
+fi
+if ! "$PYTHON" -c "from mpi4py import MPI" 2>"$LOGS/mpi.err"; then
+    echo "gpu_check: mpi4py finds no MPI library even after installing the mpich wheel: $(tail -1 "$LOGS/mpi.err")" >&2
+    exit 2
+fi
 reason=$("$PYTHON" -c "from collectives import backend; print(backend.gpu_unavailable_reason() or '')" 2>&1)
 if [ -n "$reason" ]; then
     echo "gpu_check: no GPU to check: $reason" >&2
     exit 2
 fi
+# NCCL allows several ranks on one GPU from 2.30 on, with NCCL_MULTI_RANK_GPU_ENABLE=1 ("Duplicate GPU" before).
+NCCL_CODE=$("$PYTHON" -c "from cupy.cuda import nccl; print(nccl.get_version())" 2>/dev/null || echo 0)
+GPUS=$("$PYTHON" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+if [ "$NCCL_CODE" -ge 23000 ] || [ "$GPUS" -ge 4 ]; then NCCL_RANKS="2 4"
+elif [ "$GPUS" -ge 2 ]; then NCCL_RANKS="2"
+else NCCL_RANKS=""; fi
+export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
 
-wanted() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
-
-# step NAME GREP_PATTERN COMMAND...: run COMMAND, keep its log, put its status and matching lines in the summary.
+# step NAME GREP_PATTERN COMMAND...: run COMMAND, keep its log, put its status and matching lines in the report.
 step() {
     local name=$1 pattern=$2
     shift 2
-    local log="$REPORT/$name.log" started=$SECONDS status
+    local log="$LOGS/$name.log" started=$SECONDS status verdict
     echo "== $name: $*"
     "$@" >"$log" 2>&1
     status=$?
@@ -53,66 +101,108 @@ step() {
         echo '```'
         echo
     } >>"$SUMMARY"
-    echo "   $verdict ($((SECONDS - started)) s, log: $log)"
+    "$PYTHON" - "$name" "$status" "$((SECONDS - started))" "$log" "$pattern" "$*" >>"$STEPS" <<'EOF'
+import json, re, sys
+name, status, seconds, log, pattern, command = sys.argv[1:]
+lines = [line for line in open(log, errors="replace").read().splitlines() if re.search(pattern, line)]
+print(json.dumps({"step": name, "command": command, "status": int(status), "seconds": int(seconds),
+                  "lines": lines[-40:]}))
+EOF
+    echo "   $verdict ($((SECONDS - started)) s)"
 }
 
-{
-    echo "# mpiparallel GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
-    echo
-    echo '```'
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-    "$PYTHON" - <<'EOF'
+# note TEXT: a line in the report for something the check cannot run here, and why.
+note() {
+    echo "- $*" >>"$SUMMARY"
+    "$PYTHON" -c "import json, sys; print(json.dumps({'note': sys.argv[1]}))" "$*" >>"$STEPS"
+}
+
+echo "# mpiparallel GPU check ($GROUPS_WANTED), $(date -u '+%Y-%m-%d %H:%M UTC')" >"$SUMMARY"
+echo >>"$SUMMARY"
+
+for group in $GROUPS_WANTED; do
+    case $group in
+    probe)
+        step probe 'GPU|CuPy|CUDA|NVRTC|NCCL|MPI|ranks|torch|staging|aware' "$PYTHON" - <<'EOF'
+import subprocess
 import cupy
 from mpi4py import MPI
-from collectives import backend
-try:
-    from cupy.cuda import nccl
-    nccl_version = nccl.get_version()
-except Exception as error:
-    nccl_version = f"unavailable ({error})"
-print(f"CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, NCCL {nccl_version}")
+from collectives import backend, nccl
+name = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                      capture_output=True, text=True).stdout.strip()
+print(f"GPU: {name} ({cupy.cuda.runtime.getDeviceCount()} visible)")
+print(f"CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, "
+      f"NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}")
+reason = nccl.nccl_unavailable_reason()
+if reason:
+    print(f"NCCL: unavailable ({reason})")
+else:
+    code = nccl.cupy_nccl().get_version()
+    several = code >= 23000
+    print(f"NCCL {nccl.format_version(code)}: several ranks on one GPU "
+          f"{'allowed (NCCL_MULTI_RANK_GPU_ENABLE=1)' if several else 'refused (needs NCCL >= 2.30)'}; "
+          f"with one GPU this check runs NCCL on {'2 and 4 ranks' if several else 'no multi-rank job'}")
 print(f"MPI: {MPI.Get_library_version().splitlines()[0]}")
 print(f"device buffers reach MPI by: {backend.transfer_path()}")
+try:
+    import torch
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, sees GPU: {torch.cuda.is_available()}")
+except ImportError:
+    print("torch: not installed (the train group's comparison needs it)")
 EOF
-    echo '```'
-    echo
-} >>"$SUMMARY" 2>&1
+        ;;
+    tests)
+        step tests-on-gpu 'passed|failed|error|skipped|PASSED|FAILED|ERROR|SKIPPED' \
+            env MPIPARALLEL_TEST_ARRAYS=cupy "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider -m gpu -x \
+            --timeout 500 tests
+        ;;
+    verify)
+        if [ -n "$NCCL_RANKS" ]; then
+            for n in $NCCL_RANKS; do
+                step "verify-nccl-$n" 'wrong|rows|OK|FAILED|Error|reference' \
+                    "$PYTHON" -m mpiparallel verify --against nccl -n "$n"
+            done
+        else
+            note "verify --against nccl on several ranks: not run — NCCL $NCCL_CODE on $GPUS GPU(s) refuses two ranks on one GPU (needs NCCL >= 2.30)"
+        fi
+        step verify-mpi-gpu-2 'wrong|rows|OK|FAILED|Error|staging|CUDA-aware' \
+            "$PYTHON" -m mpiparallel verify --against mpi --device gpu -n 2
+        ;;
+    bench)
+        if [ -n "$NCCL_RANKS" ]; then
+            for n in $NCCL_RANKS; do
+                step "bench-all-reduce-nccl-$n" '^#|^ +[0-9]' \
+                    "$PYTHON" -m mpiparallel bench all_reduce --device gpu --compare nccl -n "$n" -b 8 -e 256M -f 4 \
+                    --json "$LOGS/bench-all-reduce-nccl-$n.json"
+            done
+        else
+            note "bench --compare nccl: not run — NCCL $NCCL_CODE on $GPUS GPU(s) refuses two ranks on one GPU"
+        fi
+        step bench-all-reduce-ours-2 '^#|^ +[0-9]' \
+            "$PYTHON" -m mpiparallel bench all_reduce --device gpu -n 2 -b 8 -e 64M -f 4
+        ;;
+    train)
+        TRAIN='GPT-2|Llama|ours|torch|ratio|MFU|difference'
+        for precision in "--dtype float32" "--tf32"; do  # bench_train.py has no bfloat16 mode yet
+            tag=${precision//[- ]/}
+            step "train-gpt2-124m-$tag" "$TRAIN" "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m \
+                --batch 8 --steps 10 --warmup 2 $precision
+            step "train-smollm-135m-$tag" "$TRAIN" "$PYTHON" scripts/bench_train.py --device gpu \
+                --preset smollm-135m --batch 8 --steps 10 --warmup 2 $precision
+        done
+        step train-cli-dp2-zero3 'GPT-2|GPU|step|saved|Error' \
+            "$PYTHON" -m mpiparallel train --device gpu -n 2 --zero 3 --steps 20 --n-layer 4 --n-embd 256 \
+            --n-head 4 --seq-len 256 --batch-size 8 --log-json "$LOGS/train-cli-dp2-zero3.jsonl"
+        ;;
+    esac
+done
 
-RESULTS='passed|failed|error|skipped|PASSED|FAILED|ERROR|SKIPPED'
-if wanted tests; then
-    step tests-on-gpu "$RESULTS" \
-        env MPIPARALLEL_TEST_ARRAYS=cupy "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider
-fi
-if wanted verify; then
-    for n in 2 4; do
-        step "verify-nccl-$n" 'wrong|rows|OK|FAILED|Error' \
-            "$PYTHON" -m mpiparallel verify --against nccl -n "$n"
-    done
-    step verify-mpi-gpu-2 'wrong|rows|OK|FAILED|Error|staging|CUDA-aware' \
-        "$PYTHON" -m mpiparallel verify --against mpi --device gpu -n 2
-fi
-if wanted bench; then
-    for n in 2 4; do
-        step "bench-all-reduce-nccl-$n" '^#|^ +[0-9]' \
-            "$PYTHON" -m mpiparallel bench all_reduce --device gpu --compare nccl -n "$n" -b 8 -e 256M -f 4 \
-            --json "$REPORT/bench-all-reduce-nccl-$n.json"
-    done
-    step bench-all-gather-nccl-2 '^#|^ +[0-9]' \
-        "$PYTHON" -m mpiparallel bench all_gather --device gpu --compare nccl -n 2 -b 8 -e 256M -f 4
-fi
-if wanted train; then
-    TRAIN='GPT-2|ours|torch|ratio|MFU|difference'
-    step train-gpt2-124m-fp32 "$TRAIN" \
-        "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10 --warmup 2
-    step train-gpt2-124m-fp32-qblock256 "$TRAIN" \
-        "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10 --warmup 2 \
-        --query-block 256
-    step train-gpt2-124m-tf32 "$TRAIN" \
-        "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10 --warmup 2 --tf32
-    step train-cli-dp2-zero3 'GPT-2|GPU|step|saved|Error' \
-        "$PYTHON" -m mpiparallel train --device gpu -n 2 --zero 3 --steps 20 --n-layer 4 --n-embd 256 --n-head 4 \
-        --seq-len 256 --batch-size 8 --log-json "$REPORT/train-cli-dp2-zero3.jsonl"
-fi
-
+"$PYTHON" - "$STEPS" "$REPORT/report.json" "$GROUPS_WANTED" <<'EOF'
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+json.dump({"groups": sys.argv[3].split(), "steps": [r for r in records if "step" in r],
+           "notes": [r["note"] for r in records if "note" in r]}, open(sys.argv[2], "w"), indent=1)
+EOF
+tar -czf "$REPORT/logs.tar.gz" -C "$LOGS" . && rm -rf "$LOGS"
 echo "report: $SUMMARY"
 exit $FAILED

@@ -20,6 +20,7 @@ def test_cuda_aware_override_is_validated(monkeypatch):
     backend.cuda_aware_mpi.cache_clear()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and an NVIDIA GPU (pip install -e '.[gpu]')")
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_collectives_on_cupy_arrays_match_native_mpi(ranks):

@@ -393,6 +393,7 @@ def test_nccl_on_cpu_buffers_is_a_usage_error(run, arguments):
     assert (out + err).count("GPU buffers") == 1 and "Traceback" not in out + err
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
 @pytest.mark.parametrize("ranks", ["2", "4"])
 def test_verify_against_nccl_on_gpu_finds_no_wrong_element(run, monkeypatch, ranks):
@@ -404,6 +405,7 @@ def test_verify_against_nccl_on_gpu_finds_no_wrong_element(run, monkeypatch, ran
     assert {row[-1] for row in table_rows(out)} == {"0"}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(GPU_REASON is not None, reason=f"needs CuPy and a GPU: {GPU_REASON}")
 def test_verify_against_mpi_on_gpu_buffers_finds_no_wrong_element(run):
     status, out, err, _ = run(*PROGRAM, "verify", "--against", "mpi", "--device", "gpu", "-n", "2",
@@ -412,6 +414,7 @@ def test_verify_against_mpi_on_gpu_buffers_finds_no_wrong_element(run):
     assert "# device: gpu" in out and "all OK" in out
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
 def test_bench_compare_nccl_on_gpu_prints_the_table(run, monkeypatch):
     monkeypatch.setenv(nccl.MULTI_RANK_GPU, "1")

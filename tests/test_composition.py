@@ -23,6 +23,8 @@ from mpi_harness import run_on_ranks, train_error
 
 from models.gpt import GPTConfig, parameter_shapes
 
+pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
+
 DENSE = {"n_layer": 4, "n_head": 4, "n_embd": 16, "seq_len": 16, "batch_size": 8, "steps": 2, "dtype": "float64",
          "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 256, "lr": 1e-2,
          "eval_every": 2, "eval_batches": 1,  # one validation batch after the last step: the forward-only path

@@ -32,6 +32,8 @@ from models.context_parallel import (
     zigzag_unsplit,
 )
 
+pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
+
 TOLERANCE = 1e-12
 BYTES = 8  # float64
 CASES = {  # (batch, length, n_embd, n_head) per cp: lengths of 1, 3 and 5 tokens per chunk; Ulysses needs cp | n_head

@@ -9,6 +9,8 @@ from workers.data_parallel_checks import CONFIG
 from models.gpt import GPT, GPTConfig
 from mpiparallel.data_parallel import build_buckets
 
+pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
+
 CHECKS = "workers.data_parallel_checks"
 
 

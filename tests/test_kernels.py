@@ -338,7 +338,7 @@ def test_kernel_arguments_are_checked():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["fake", pytest.param("cupy", marks=GPU)])
+@pytest.fixture(params=["fake", pytest.param("cupy", marks=[GPU, pytest.mark.gpu])])
 def xp(request, monkeypatch):
     """The array module of the device branches: the CuPy test double on any machine, CuPy on a GPU."""
     if request.param == "cupy":

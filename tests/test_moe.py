@@ -23,6 +23,8 @@ from workers.errors import worst
 from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes, units_using
 from models.moe import MixtureOfExperts, RouterStats, expert_capacity, local_experts, update_expert_bias
 
+pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
+
 RNG = np.random.default_rng(2024)
 H = 8
 TOLERANCE = 1e-9

@@ -97,6 +97,7 @@ def test_version_codes_read_both_ways():
     assert nccl.format_version(22304) == "2.23.4"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_real_nccl_on_cupy_arrays_equals_our_collectives(ranks):

@@ -17,6 +17,8 @@ from mpi_harness import run_on_ranks
 from optional import optional_module
 from real_cupy import compile_kernel, fused_kernels, resolve_types
 
+pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
+
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 ARCHITECTURES = ("sm_80", "sm_90")
 

@@ -23,6 +23,8 @@ from models.tensor_parallel import (
     tensor_parallel_placement,
 )
 
+pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
+
 TOLERANCE = 1e-9
 B, T, C, N_LAYER = 2, 8, 32, 2  # tensor_parallel_checks.tiny_config and the ledger batch
 BYTES = 8  # float64
