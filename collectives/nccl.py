@@ -156,6 +156,7 @@ class NcclComm:
         self.blocking = blocking
         self.ranks_share_a_device = _ranks_share_a_device(self.mpi.comm, self.memory.device())
         if self.ranks_share_a_device:
+            _check_several_ranks_per_gpu_allowed(self.library.get_version())
             os.environ.setdefault(MULTI_RANK_GPU, "1")  # before NCCL's first call reads its environment
         unique_id = self.library.get_unique_id() if self.rank == 0 else None
         # Pickled, so it arrives as the type the library made and its NcclCommunicator takes: bytes since
@@ -188,6 +189,18 @@ class NcclComm:
 
     def __exit__(self, *exception: object) -> None:
         self.close()
+
+
+_FIRST_VERSION_WITH_SEVERAL_RANKS_PER_GPU = 23000  # NCCL 2.30.0
+
+
+def _check_several_ranks_per_gpu_allowed(version: int) -> None:
+    """NCCL before 2.30 fails several ranks on one GPU deep inside its communicator's creation ("Duplicate GPU
+    detected"); say so before, on every rank (every rank sees the same library and the same sharing)."""
+    if version < _FIRST_VERSION_WITH_SEVERAL_RANKS_PER_GPU:
+        raise RuntimeError(f"ranks share a GPU, which NCCL {format_version(version)} refuses (\"Duplicate GPU "
+                           "detected\"); NCCL allows it from 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1: run one rank "
+                           "per GPU, or install NCCL >= 2.30 (e.g. pip install 'nvidia-nccl-cu13>=2.30')")
 
 
 def format_version(code: int) -> str:

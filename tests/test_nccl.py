@@ -86,6 +86,11 @@ def test_ranks_on_different_gpus_leave_the_variable_alone(monkeypatch):
         assert result == {"multi_rank_gpu": None, "shares": False}
 
 
+def test_ranks_sharing_a_gpu_under_an_nccl_before_2_30_get_one_clear_error_on_every_rank():
+    for message in run_on_ranks(2, f"{CHECKS}:an_old_nccl_on_a_shared_gpu", timeout=60):
+        assert "ranks share a GPU, which NCCL 2.23.4 refuses" in message and ">= 2.30" in message, message
+
+
 def test_a_multi_rank_setting_the_user_made_is_kept():
     results = run_on_ranks(2, f"{CHECKS}:multi_rank_setting", timeout=60, env={nccl.MULTI_RANK_GPU: "0"},
                            devices="shared")

@@ -239,7 +239,7 @@ def _check_other_communicators(failures: Failures) -> dict:
     n = C.world().size
     results = {}
     for name, session in (("tuple_id", Session("fake", unique_id="tuple")),
-                          ("nccl_2_8", Session("fake", version=20804)),
+                          ("nccl_2_8", Session("fake", version=20804, device=f"gpu{C.world().rank}")),
                           ("nonblocking", Session("fake", blocking=False))):
         x = _values(np.random.default_rng(C.world().rank), (11,), "float32", "avg", n)
         call = _reduce_call("allReduce", 11, "float32", "avg", session.nccl.has_avg)
@@ -274,6 +274,15 @@ def check_against_ours(counts: list[int], backend: str = "fake") -> dict:
     return report
 
 
+def an_old_nccl_on_a_shared_gpu() -> str:
+    """The adapter's error when ranks share a GPU and NCCL predates 2.30 (2.23.4 here)."""
+    try:
+        Session("fake", version=22304, device="gpu0")
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def multi_rank_setting(devices: str) -> dict:
     """NCCL_MULTI_RANK_GPU_ENABLE as NCCL sees it, when ranks hold "shared" or "distinct" devices."""
     rank = C.world().rank
@@ -301,7 +310,8 @@ def verify_against_the_double(max_count: int, version: int = 23004) -> dict:
 
     comm = C.world()
     library = FakeNccl(comm.comm, version=version)
-    reference = verify.NCCLReference(comm, nccl.NcclComm(comm, library, nccl.host_memory()))
+    device = "gpu0" if version >= 23000 else f"gpu{comm.rank}"  # before NCCL 2.30, one rank per GPU
+    reference = verify.NCCLReference(comm, nccl.NcclComm(comm, library, nccl.host_memory(device)))
     settings = verify.VerifySettings(against="nccl", max_count=max_count)
     return _rank_0_output(lambda: verify.check_all(comm, reference, settings, "cpu"))
 
