@@ -110,6 +110,21 @@ def test_training_on_device_arrays_equals_cpu_training(cuda_aware, runs):
         assert result["weights_max_relative_difference"] <= 1e-9, what
 
 
+def test_mixed_precision_training_runs_on_the_strict_double_and_follows_the_cpu():
+    """bfloat16 Llama and float16 GPT-2 (loss scaling) on the strict double, which refuses what CuPy refuses:
+    the steps run, and their losses follow the CPU run's (the same roundings in another order: the first step is
+    the same number, later ones differ in the fourth digit at most; AdamW's normalized updates make the weights
+    incomparable where gradients are near zero, so they are not compared)."""
+    runs = [{"mesh": {"dp": 2}, "arch": "llama", "dtype": "float32", "compute_dtype": "bfloat16"},
+            {"mesh": {"tp": 2}, "arch": "gpt2", "dtype": "float32", "compute_dtype": "float16"}]
+    results = run_on_ranks(2, "workers.device_checks:training_on_device", timeout=300, steps=3, runs=runs,
+                           env={"MPIPARALLEL_CUDA_AWARE": "0"})[0]
+    assert len(results) == 2
+    for result in results:
+        assert result["gpu_losses"][0] == result["cpu_losses"][0], result["options"]
+        np.testing.assert_allclose(result["gpu_losses"], result["cpu_losses"], rtol=1e-4, err_msg=str(result))
+
+
 def test_parallel_equals_serial_workers_run_on_device_arrays():
     """The equivalence workers themselves on device arrays (scripts/gpu_check.sh runs them with real CuPy):
     ZeRO-3 data parallelism and TP+SP against the NumPy serial model."""

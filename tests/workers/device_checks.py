@@ -87,8 +87,9 @@ def training_on_device(runs: list[dict], steps: int) -> list[dict]:
     results = []
     for options in runs:
         mesh = options.pop("mesh")
-        base = train.TrainSettings.from_options(n_layer=2, n_head=2, n_embd=16, seq_len=16, batch_size=4,
-                                                steps=steps, dtype="float64", lr=1e-2, **mesh, **options)
+        base = train.TrainSettings.from_options(**{"n_layer": 2, "n_head": 2, "n_embd": 16, "seq_len": 16,
+                                                   "batch_size": 4, "steps": steps, "dtype": "float64", "lr": 1e-2,
+                                                   **mesh, **options})
         cpu, gpu = _train(train, base), _train(train, base.with_options(device="gpu"))
         if gpu is not None:
             results.append({"options": {**options, "mesh": mesh}, "cpu_losses": cpu[0], "gpu_losses": gpu[0],
