@@ -40,10 +40,14 @@ for llama); without it the script reports ours alone.
 On a GPU (`--device gpu`, needs CuPy; torch on CUDA for the comparison) the same step runs on CuPy arrays against
 PyTorch eager on the same GPU, both in float32 with full-precision matrix products unless `--tf32`, and the
 report adds MFU: model FLOPs per second over the GPU's peak for that precision (`--peak-tflops`, or a table of
-known GPUs). GPT-2 124M as in the GPU issue, and SmolLM-135M:
+known GPUs). `--compute-dtype bfloat16` is mixed precision: ours computes in bfloat16 over float32 masters (as
+`train --compute-dtype bfloat16`), PyTorch under autocast(bfloat16) over float32 weights — each library's own
+bfloat16 training, checked to agree on the first step (loss within 1e-3, gradients within 5e-2; measured on the
+CPU: 4e-5 and 8e-3). GPT-2 124M as in the GPU issue, and SmolLM-135M:
 
     python3 scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10
     python3 scripts/bench_train.py --device gpu --preset smollm-135m --batch 8 --steps 10
+    python3 scripts/bench_train.py --device gpu --preset gpt2-124m --batch 8 --steps 10 --compute-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collectives.backend import to_host  # noqa: E402
+from collectives.backend import dtype_named, to_host  # noqa: E402
 from models.families import name_map  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.layers import QUERY_BLOCK, RECOMPUTE_MODES  # noqa: E402
@@ -178,8 +182,9 @@ class Device:
 
 
 # Dense peak TFLOP/s by GPU name fragment and precision (vendor datasheets; SXM boards).
-PEAK_TFLOPS = {"H200": {"float32": 67.0, "tf32": 494.7}, "H100": {"float32": 67.0, "tf32": 494.7},
-               "A100": {"float32": 19.5, "tf32": 156.0}}
+PEAK_TFLOPS = {"H200": {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4},
+               "H100": {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4},
+               "A100": {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0}}
 
 
 def peak_tflops(device: Device, precision: str, given: float | None) -> float | None:
@@ -190,14 +195,23 @@ def peak_tflops(device: Device, precision: str, given: float | None) -> float | 
 
 
 def build_ours(config: GPTConfig, dtype, xp=np, query_block: int = QUERY_BLOCK,
-               recompute: str = "none", weight_decay: float = WEIGHT_DECAY) -> tuple[GPT, object]:
-    """Our model and optimizer: mpiparallel.optim.AdamW when the package has it, else the inline one above."""
-    model = GPT(config, seed=0, dtype=dtype, xp=xp, query_block=query_block, recompute=recompute)
+               recompute: str = "none", weight_decay: float = WEIGHT_DECAY,
+               compute_dtype: str | None = None) -> tuple[GPT, object]:
+    """Our model and optimizer: mpiparallel.optim.AdamW when the package has it, else the inline one above. With a
+    `compute_dtype` (bfloat16) the model computes in it over master weights at `dtype`, as `train --compute-dtype`."""
+    extra = {} if compute_dtype is None else {"compute_dtype": compute_dtype}
+    model = GPT(config, seed=0, dtype=dtype, xp=xp, query_block=query_block, recompute=recompute, **extra)
     try:
         from mpiparallel.optim import AdamW as ProjectAdamW
     except ImportError:
         return model, AdamW(model.parameters(), weight_decay=weight_decay)
     return model, ProjectAdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+
+
+def weights_of(param) -> np.ndarray:
+    """A parameter's full-precision weights: its master copy under mixed precision (the twin starts from the
+    weights our optimizer updates), else its data."""
+    return param.master if getattr(param, "master", None) is not None else param.data
 
 
 def ours_step(model: GPT, optimizer, tokens: np.ndarray, targets: np.ndarray) -> float:
@@ -249,7 +263,7 @@ if torch is not None:
             self.to(dtype)
             with torch.no_grad():
                 for name, ours_name in self.names().items():
-                    value = torch.from_numpy(np.ascontiguousarray(to_host(ours.params[ours_name].data)))
+                    value = torch.from_numpy(np.ascontiguousarray(to_host(weights_of(ours.params[ours_name]))))
                     linear_weight = value.ndim == 2 and not name.startswith(("wte", "wpe"))
                     self.get_parameter(name).copy_(value.T if linear_weight else value)
             self.to(device)
@@ -304,7 +318,7 @@ if torch is not None:
 
             transformers.utils.logging.disable_progress_bar()  # its loading bar would interleave with our lines
             self.config = ours.config
-            save_pretrained(directory, ours.config, ours.state_dict())
+            save_pretrained(directory, ours.config, {name: weights_of(param) for name, param in ours.params.items()})
             dtype = torch.float64 if ours.params["transformer.wte.weight"].data.dtype == np.float64 else torch.float32
             self.llama = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=dtype,
                                                                        attn_implementation=attention)
@@ -329,9 +343,12 @@ if torch is not None:
         model = TransformersLlama(ours, directory, attention, device)
         return model, torch_adamw(model, optimizer, weight_decay)
 
-    def torch_step(model, optimizer, tokens, targets) -> float:
+    def torch_step(model, optimizer, tokens, targets, bfloat16: bool = False) -> float:
+        """One step; `bfloat16`: PyTorch's automatic mixed precision (autocast: bfloat16 matrix products over
+        float32 weights, norms and softmax kept in float32) — PyTorch's standard form of a bfloat16 run."""
         optimizer.zero_grad(set_to_none=False)  # like ours: gradients live in buffers zeroed each step
-        loss = model(tokens, targets)
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bfloat16):
+            loss = model(tokens, targets)
         loss.backward()
         optimizer.step()
         return loss.item()
@@ -479,12 +496,17 @@ class LayerProfile:
 PRESETS = {"gpt2-124m": {"model": "gpt2", "layers": 12, "embd": 768, "heads": 12, "seq": 1024, "vocab": 50257},
            "smollm-135m": {"model": "llama", "layers": 30, "embd": 576, "heads": 9, "kv_heads": 3, "ffn_hidden": 1536,
                            "seq": 1024, "vocab": 49152}}
-FIRST_LOSS_TOLERANCE = {"float32": 1e-4, "float64": 1e-6, "tf32": 1e-2}
-FIRST_GRADIENT_TOLERANCE = {"float32": 1e-3, "float64": 1e-4, "tf32": 1e-1}
+FIRST_LOSS_TOLERANCE = {"float32": 1e-4, "float64": 1e-6, "tf32": 1e-2, "bfloat16": 1e-3}
+FIRST_GRADIENT_TOLERANCE = {"float32": 1e-3, "float64": 1e-4, "tf32": 1e-1, "bfloat16": 5e-2}
 """Relative differences allowed between the two first-step losses, and between their gradients tensor by tensor
 (‖ours − theirs‖ / ‖theirs‖): one computation up to rounding (measured: ~1e-7 and ~5e-7 in float32). The loss
 alone hardly sees some weights at initialization (near-uniform attention ignores K); the gradients do. float64 is
 held to float32-like bounds because transformers computes RMSNorm's statistics and RoPE's angles in float32."""
+
+
+def precision_of(args: argparse.Namespace) -> str:
+    """The precision of the matrix products: bfloat16 (mixed), TF32, or --dtype's."""
+    return args.compute_dtype or ("tf32" if args.tf32 else args.dtype)
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -505,6 +527,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="threads of NumPy's BLAS and of torch (read from the command line before NumPy loads)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--compute-dtype", choices=("bfloat16",), default=None,
+                        help="mixed precision: ours computes in bfloat16 over --dtype masters (train --compute-dtype), "
+                             "torch under autocast(bfloat16) [default: --dtype throughout]")
     parser.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY, help="AdamW's, on ≥2-D weights only")
     parser.add_argument("--show-losses", type=int, default=5, help="print both losses for this many first steps")
     parser.add_argument("--torch-attention", choices=("sdpa", "matmul"), default="sdpa",
@@ -593,7 +618,8 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
     dtype = np.dtype(args.dtype)
     config = model_config(args, family)
     data = byte_batches(args.batch, args.seq) % args.vocab
-    ours, ours_optimizer = build_ours(config, dtype, device.xp, args.query_block, args.recompute, args.weight_decay)
+    ours, ours_optimizer = build_ours(config, dtype, device.xp, args.query_block, args.recompute, args.weight_decay,
+                                      args.compute_dtype)
     use_torch = torch is not None and not args.no_torch and device.torch_device is not None
     if use_torch and family == "llama":
         theirs, theirs_optimizer = build_transformers(ours, directory, args.hf_attention, args.torch_optimizer,
@@ -604,7 +630,10 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
     reference = "transformers" if family == "llama" else "torch"
     print_header(args, device, config, ours_optimizer, use_torch)
 
-    gemms = StepGemms(config, args.batch, args.seq, dtype, device)
+    # on a GPU the bare GEMMs run at the compute dtype (cuBLAS); NumPy has no bfloat16 BLAS: ours multiplies
+    # bfloat16-rounded operands in float32 there, so the CPU reference rate stays float32's
+    narrow = args.compute_dtype is not None and args.device == "gpu"
+    gemms = StepGemms(config, args.batch, args.seq, dtype_named(args.compute_dtype) if narrow else dtype, device)
     ours_times, theirs_times, gemm_times = [], [], []
     max_difference = 0.0
     for step in range(args.warmup + args.steps):  # ours, torch and the bare GEMMs take turns: noise hits all alike
@@ -620,7 +649,8 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
             torch_targets = torch.from_numpy(targets).to(device.torch_device)
             device.sync()
             start = time.perf_counter()
-            theirs_loss = torch_step(theirs, theirs_optimizer, torch_tokens, torch_targets)
+            theirs_loss = torch_step(theirs, theirs_optimizer, torch_tokens, torch_targets,
+                                     bfloat16=args.compute_dtype == "bfloat16")
             device.sync()
             theirs_times.append(time.perf_counter() - start)
             max_difference = max(max_difference, abs(ours_loss - theirs_loss))
@@ -659,7 +689,7 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
         print(f"largest loss difference over {len(ours_times)} steps: {max_difference:.2e}")
     if args.device == "gpu":
         report_mfu(flops, ours_seconds, theirs_seconds,
-                   peak_tflops(device, "tf32" if args.tf32 else args.dtype, args.peak_tflops))
+                   peak_tflops(device, precision_of(args), args.peak_tflops))
     if args.profile:
         profile_ours(args, ours, ours_optimizer, data)
     theirs_rate = None if theirs_seconds is None else tokens_per_step / theirs_seconds
@@ -680,7 +710,9 @@ def print_header(args: argparse.Namespace, device: Device, config: GPTConfig, ou
                      if use_torch else "")
     if not use_torch:
         reference = " (torch not " + ("used)" if torch is not None else "installed)")
-    print(f"\n{shape}, T={args.seq}, B={args.batch}, vocab {args.vocab}, {args.dtype}{', TF32' if args.tf32 else ''}, "
+    compute = f" ({args.compute_dtype} compute)" if args.compute_dtype else ""
+    print(f"\n{shape}, T={args.seq}, B={args.batch}, vocab {args.vocab}, {args.dtype}{compute}"
+          f"{', TF32' if args.tf32 else ''}, "
           f"{device.name()}; {library} (query block {args.query_block}, recompute {args.recompute}) "
           f"({optimizer_name}, weight decay {args.weight_decay}){reference}")
 
@@ -694,7 +726,7 @@ def transformers_version() -> str:
 def check_first_step(args: argparse.Namespace, ours_loss: float, theirs_loss: float, ours: GPT, theirs,
                      reference: str) -> None:
     """Stop unless the first step's losses and every gradient agree: the comparison must be of one computation."""
-    precision = "tf32" if args.tf32 else args.dtype
+    precision = precision_of(args)
     loss_difference = abs(ours_loss - theirs_loss) / max(abs(theirs_loss), 1e-30)
     theirs_gradients = theirs.gradients()
     gradient_differences = {name: relative_difference(to_host(param.grad), theirs_gradients[name])

@@ -8,7 +8,7 @@
 #   tests   the GPU test subset (`pytest -m gpu`) with the equivalence workers on CuPy arrays
 #   verify  `verify --against nccl` and `verify --against mpi --device gpu`
 #   bench   all_reduce and all_gather, ours against NCCL (busbw side by side)
-#   train   scripts/bench_train.py against PyTorch eager (GPT-2 124M, SmolLM-135M's shape; float32 and TF32)
+#   train   scripts/bench_train.py against PyTorch eager (GPT-2 124M, SmolLM-135M's shape; float32, TF32, bf16)
 #           and `train` on two ranks
 #
 # What it needs, and where it comes from: the machine's own CuPy (cupy-cuda13x in the GPU image; nothing installs
@@ -183,7 +183,7 @@ EOF
         ;;
     train)
         TRAIN='GPT-2|Llama|ours|torch|ratio|MFU|difference'
-        for precision in "--dtype float32" "--tf32"; do  # bench_train.py has no bfloat16 mode yet
+        for precision in "--dtype float32" "--tf32" "--compute-dtype bfloat16"; do
             tag=${precision//[- ]/}
             step "train-gpt2-124m-$tag" "$TRAIN" "$PYTHON" scripts/bench_train.py --device gpu --preset gpt2-124m \
                 --batch 8 --steps 10 --warmup 2 $precision

@@ -149,6 +149,12 @@ def test_training_benchmark_runs_its_gpu_path_on_device_arrays():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Fake GPU; CuPy" in result.stdout
     assert "ours :" in result.stdout and "MFU (peak 1.0 TFLOP/s): ours" in result.stdout, result.stdout
+    bfloat16 = subprocess.run([sys.executable, "-c", program, "--device", "gpu", "--layers", "1", "--embd", "32",
+                               "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
+                               "--peak-tflops", "1", "--compute-dtype", "bfloat16", "--model", "llama"], cwd=root,
+                              capture_output=True, text=True, timeout=120)
+    assert bfloat16.returncode == 0, bfloat16.stderr[-2000:]
+    assert "(bfloat16 compute)" in bfloat16.stdout and "MFU (peak 1.0 TFLOP/s): ours" in bfloat16.stdout
 
 
 @pytest.mark.skipif(backend.cupy_available(), reason="checks the no-GPU refusal; on a GPU the script really runs")
