@@ -165,6 +165,10 @@ class Software:
       Narayanan et al. §4.2), "flash" (one fused kernel over the causal half; nothing of s×s in memory);
     - pipeline_scatter_gather: a stage boundary sends b·s·h/tp per TP rank and all-gathers over NVLink
       (Narayanan et al. §4.1) instead of b·s·h from every TP rank;
+    - attention_dropout: dropout on the attention probabilities (Megatron-LM 2021's GPT: Narayanan et al. §2.3
+      and its default --attention-dropout 0.1), memory passes over the s×s probabilities each way;
+    - blocking_pipeline_sends: every stage boundary's send and receive waits in the critical path, steady state
+      included (Megatron-LM 2021's synchronous p2p), not only in the pipeline's fill and drain;
     - dp_overlap: when the data-parallel reduction overlaps the last microbatch's backward: "without-pipeline"
       (this project: its buckets reduce during backward, but a pipeline reduces after its schedule), "always"
       (Llama 3's FSDP prefetches and reduces asynchronously, §3.3.2) or "never" (Megatron-LM 2021 all-reduces
@@ -174,11 +178,14 @@ class Software:
     attention: str = "blocked"
     pipeline_scatter_gather: bool = False
     dp_overlap: str = "without-pipeline"
+    attention_dropout: bool = False
+    blocking_pipeline_sends: bool = False
 
 
 SOFTWARE = {
     "mpiparallel": Software(),
-    "megatron-2021": Software("megatron-2021", attention="dense", pipeline_scatter_gather=True, dp_overlap="never"),
+    "megatron-2021": Software("megatron-2021", attention="dense", pipeline_scatter_gather=True, dp_overlap="never",
+                              attention_dropout=True, blocking_pipeline_sends=True),
     "flash-fsdp": Software("flash-fsdp", attention="flash", pipeline_scatter_gather=False, dp_overlap="always"),
 }
 """The code bases `plan --software` knows: this project, Megatron-LM as Narayanan et al. 2021 ran it, and a
@@ -201,6 +208,19 @@ class Cluster:
     software: Software = Software()
     peak_flops: float | None = None
     """The dense peak that MFU divides by (a preset's own when `gpu` is set); None: MFU not reported."""
+
+    @classmethod
+    def from_preset(cls, gpu: GPU, gpus: int, software: Software = Software(),
+                    gpus_per_node: int | None = None) -> Cluster:
+        """`gpus` of a preset: its memory, NVLink inside a node and network across (α, β per GPU), matrix
+        products by shape, elementwise passes at the memory bandwidth."""
+        per_node = min(gpus_per_node or gpu.gpus_per_node, gpus)
+        gamma = 1 / gpu.memory_bandwidth
+        return cls(gpus=gpus, gpu_memory=gpu.memory, gpus_per_node=per_node,
+                   intra=CostModel(gpu.nvlink_latency, 1 / gpu.nvlink_bandwidth, gamma),
+                   inter=CostModel(gpu.network_latency, 1 / gpu.network_bandwidth, gamma),
+                   matmul_flops=gpu.mamf_flops, elementwise_bytes=gpu.memory_bandwidth, gpu=gpu, software=software,
+                   peak_flops=gpu.bf16_flops)
 
 
 @dataclass(frozen=True)
@@ -439,9 +459,8 @@ def tp_exchanges(nbytes: float, layout: Layout, count: int) -> tuple[Collective,
 
 
 def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision,
-               attention: str = "blocked") -> list[UnitCost]:
-    """Embedding, one block, head: what one microbatch of `rows` sequences costs on one rank (`attention`: the
-    kernel, see `Software`)."""
+               software: Software = Software()) -> list[UnitCost]:
+    """Embedding, one block, head: what one microbatch of `rows` sequences costs on one rank, run by `software`."""
     h, tp, item = model.n_embd, layout.tp, precision.activations
     tokens = rows * (model.seq_len // layout.cp)
     s = tokens * h
@@ -461,7 +480,7 @@ def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision,
                     elementwise_backward=10 * s / seq_shard,
                     collectives_forward=head_collectives, collectives_backward=exchange,
                     gemms_forward=(Gemm(tokens, vocab, h),))
-    return [embedding, block_cost(model, layout, rows, precision, attention), head]
+    return [embedding, block_cost(model, layout, rows, precision, software), head]
 
 
 def attention_pairs(model: Model, layout: Layout, attention: str) -> float:
@@ -499,8 +518,10 @@ def block_gemms(model: Model, layout: Layout, tokens: int, rows: int, attention:
     return tuple(gemms)
 
 
-def block_cost(model: Model, layout: Layout, rows: int, precision: Precision, attention: str = "blocked") -> UnitCost:
+def block_cost(model: Model, layout: Layout, rows: int, precision: Precision,
+               software: Software = Software()) -> UnitCost:
     """One transformer block of either family on one rank, one microbatch."""
+    attention = software.attention
     h, tp = model.n_embd, layout.tp
     seq = model.seq_len // layout.cp
     tokens = rows * seq
@@ -517,9 +538,12 @@ def block_cost(model: Model, layout: Layout, rows: int, precision: Precision, at
     attention_elements = 8 * s / tp if not model.is_llama else 8 * tokens * (h / tp + kv_channels)
     mlp_flops, mlp_elements = _mlp_work(model, layout, tokens)
     flops_forward = projection_flops + attention_flops + mlp_flops
-    elementwise_forward = 12 * s / seq_shard + attention_elements + mlp_elements + 5 * probabilities
+    # the softmax's passes over the probabilities; dropout reads them and writes them and a one-byte mask
+    probability_passes = 5 + (2 + 1 / precision.activations if software.attention_dropout else 0)
+    elementwise_forward = 12 * s / seq_shard + attention_elements + mlp_elements + probability_passes * probabilities
     recompute_flops = {"none": 0.0, "selective": attention_flops / 2, "full": flops_forward}[layout.recompute]
-    recompute_elements = {"none": 0.0, "selective": 5 * probabilities, "full": elementwise_forward}[layout.recompute]
+    recompute_elements = {"none": 0.0, "selective": probability_passes * probabilities,
+                          "full": elementwise_forward}[layout.recompute]
     forward, backward = block_collectives(model, layout, tokens, precision.activations)
     gemms = block_gemms(model, layout, tokens, rows, attention)
     recomputed = {"none": (), "selective": gemms[-2:-1], "full": gemms}[layout.recompute]
@@ -851,7 +875,7 @@ def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layou
     rows = batch_size // (layout.dp * layout.microbatches)
     shape = pipeline_shape(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages) \
         if layout.pp > 1 else None
-    costs = unit_costs(model, layout, rows, precision, cluster.software.attention)
+    costs = unit_costs(model, layout, rows, precision, cluster.software)
     setting = _Setting(model, cluster, precision, layout, costs,
                        stage_units(model.n_layer, layout.pp * layout.chunks), shape.stage_ranks if shape else (0,),
                        shape, rows)
@@ -977,6 +1001,8 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
         comm_s["pp"] += collective_seconds("send", tied_bytes, 2, axis_link(layout, "pp", setting.cluster))
         comm_bytes["pp"] += tied_bytes
         fill_and_drain = 2 * (layout.pp * layout.chunks - 1) * boundary  # each boundary once each way, waited for
+        if setting.cluster.software.blocking_pipeline_sends:  # the steady state's sends wait too
+            fill_and_drain = max(fill_and_drain, comm_s["pp"])
         pipeline = setting.shape.makespan_units / 3 * max(chunk_seconds) + fill_and_drain
         bubble = setting.shape.bubble
         exposed += fill_and_drain
