@@ -5,9 +5,11 @@ The goal is every row within ±10 % of the published throughput. The model misse
 (docs/published-runs.md): its matrix products run at the chip's measured maximum (MAMF), and the published runs
 sustain less. The test holds the bound the model achieves, so that a change that makes it worse fails."""
 
+import json
 import math
 
 import pytest
+from click.testing import CliRunner
 
 from mpiparallel.planner.gpus import (
     GPUS,
@@ -79,3 +81,19 @@ def test_a_large_gemm_runs_at_the_ceiling_and_the_attention_scores_are_memory_bo
     scores = gemm_seconds(2048, 2048, 128, a100)  # one head's Q·Kᵀ: 128-deep, 2048 × 2048 written
     assert scores == pytest.approx(2 * (2 * 2048 * 128 + 2048 * 2048) / a100.memory_bandwidth)
     assert not math.isclose(scores, 2 * 2048 * 2048 * 128 / a100.mamf_flops)
+
+
+def test_plan_names_every_preset_and_code_base_and_prints_both_counts():
+    from mpiparallel.commands import plan as plan_command
+    from mpiparallel.planner.core import SOFTWARE
+
+    assert set(plan_command.GPU_PRESETS) == set(GPUS) and set(plan_command.SOFTWARE_NAMES) == set(SOFTWARE)
+    result = CliRunner().invoke(plan_command.plan, [
+        "--gpu", "a100-80gb", "--software", "megatron-2021", "--n-layer", "24", "--n-embd", "2304", "--n-head",
+        "24", "--seq-len", "2048", "--vocab-size", "51200", "--gpus", "32", "--batch-size", "512", "--tp", "1",
+        "--pp", "1", "--recompute", "full", "--zero", "0", "--microbatches", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    layout = json.loads(result.output)["layouts"][0]
+    run = RUNS[0]
+    assert layout["megatron_tflops_per_gpu"] == pytest.approx(predicted_tflops(run, predict(run)))
+    assert 0 < layout["mfu"] < layout["megatron_tflops_per_gpu"] * 1e12 / 312e12
