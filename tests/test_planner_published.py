@@ -24,9 +24,10 @@ from mpiparallel.planner.published import predict, predicted_tflops, published_r
 RUNS = published_runs()
 TARGET = 0.10
 """The issue's bound: |predicted / published − 1| ≤ 10 %."""
-ACHIEVED_ABOVE = 0.36
-"""What the model achieves: predictions from 2 % to 35 % above the published figures (largest: Llama 3 at 128K;
-the Megatron rows 2–20 %). Below, no row is more than TARGET slower than published."""
+ACHIEVED_ABOVE = {"megatron-2021": 0.18, "llama3-405b": 0.35}
+"""What the model achieves above the published figures, per paper: Megatron-LM 2 % below to 17 % above, Llama 3
+18 % to 34 % above (docs/published-runs.md says which term dominates each miss). Below, no row is more than
+TARGET slower than published."""
 
 
 def test_the_table_holds_all_ten_megatron_rows_and_the_three_llama_rows():
@@ -52,7 +53,7 @@ def test_each_llama_row_fills_its_gpus_and_trains_16m_tokens_per_step(run):
 @pytest.mark.parametrize("run", RUNS, ids=lambda run: f"{run.source}-{run.params_b:g}B-{run.gpus}-cp{run.cp}")
 def test_each_published_row_is_predicted_within_the_achieved_bound(run):
     ratio = predicted_tflops(run, predict(run)) / run.published_tflops
-    assert 1 - TARGET <= ratio <= 1 + ACHIEVED_ABOVE, f"{run.label()}: predicted / published = {ratio:.3f}"
+    assert 1 - TARGET <= ratio <= 1 + ACHIEVED_ABOVE[run.source], f"{run.label()}: predicted / published = {ratio:.3f}"
 
 
 def test_megatrons_count_is_its_eq_3_and_mfus_is_6n_plus_12_lhs():
@@ -74,13 +75,15 @@ def test_presets_carry_dense_peaks_and_a_measured_matmul_ceiling_below_them():
     assert preset_for_device("NVIDIA GeForce RTX 4090") is None
 
 
-def test_a_large_gemm_runs_at_the_ceiling_and_the_attention_scores_are_memory_bound():
+def test_a_large_gemm_runs_at_the_ceiling_less_its_last_waves_idle_sms_and_the_scores_are_memory_bound():
     a100 = GPUS["a100-80gb"]
+    # 8192² outputs are 2048 tiles of 128×256: 19 waves over 108 SMs, the last with 104 tiles
     large = gemm_seconds(8192, 8192, 8192, a100)
-    assert large == pytest.approx(2 * 8192**3 / a100.mamf_flops)
-    scores = gemm_seconds(2048, 2048, 128, a100)  # one head's Q·Kᵀ: 128-deep, 2048 × 2048 written
-    assert scores == pytest.approx(2 * (2 * 2048 * 128 + 2048 * 2048) / a100.memory_bandwidth)
-    assert not math.isclose(scores, 2 * 2048 * 2048 * 128 / a100.mamf_flops)
+    assert large == pytest.approx(2 * 8192**3 / a100.mamf_flops * 19 * 108 / 2048)
+    assert gemm_seconds(108 * 128, 256, 4096, a100) == pytest.approx(2 * 108 * 128 * 256 * 4096 / a100.mamf_flops)
+    scores = gemm_seconds(2048, 2048, 128, a100, count=24)  # 24 heads' Q·Kᵀ: 128-deep, 2048 × 2048 written
+    assert scores == pytest.approx(24 * 2 * (2 * 2048 * 128 + 2048 * 2048) / a100.memory_bandwidth)
+    assert not math.isclose(scores, 24 * 2 * 2048 * 2048 * 128 / a100.mamf_flops, rel_tol=0.05)
 
 
 def test_plan_names_every_preset_and_code_base_and_prints_both_counts():

@@ -423,7 +423,14 @@ class Gemm(NamedTuple):
     def seconds(self, gpu: GPU, item: float) -> float:
         if not self.in_memory:
             return self.count * 2 * self.m * self.n * self.k / gpu.mamf_flops
-        return self.count * gemm_seconds(self.m, self.n, self.k, gpu, item)
+        return gemm_seconds(self.m, self.n, self.k, gpu, item, self.count)
+
+    def backward_seconds(self, gpu: GPU, item: float) -> float:
+        """The input's gradient [m, n] × [n, k] and the weight's [k, m] × [m, n]."""
+        if not self.in_memory:
+            return 2 * self.seconds(gpu, item)
+        return gemm_seconds(self.m, self.k, self.n, gpu, item, self.count) + \
+            gemm_seconds(self.k, self.n, self.m, gpu, item, self.count)
 
 
 @dataclass(frozen=True)
@@ -953,10 +960,10 @@ def _compute_seconds(setting: _Setting, cost: UnitCost, backward: bool) -> float
     memory = elements * item / cluster.elementwise_bytes
     if cluster.gpu is None:
         return (cost.flops_backward if backward else cost.flops_forward) / cluster.matmul_flops + memory
-    forward = sum(g.seconds(cluster.gpu, item) for g in cost.gemms_forward)
     if not backward:
-        return forward + memory
-    return 2 * forward + sum(g.seconds(cluster.gpu, item) for g in cost.gemms_recomputed) + memory
+        return sum(g.seconds(cluster.gpu, item) for g in cost.gemms_forward) + memory
+    return sum(g.backward_seconds(cluster.gpu, item) for g in cost.gemms_forward) + \
+        sum(g.seconds(cluster.gpu, item) for g in cost.gemms_recomputed) + memory
 
 
 def _blocking(setting: _Setting, cost: UnitCost) -> tuple[dict[str, float], dict[str, float]]:

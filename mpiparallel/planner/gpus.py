@@ -10,8 +10,11 @@ The GEMM model (`gemm_seconds`) is set once per chip, never per run: a matrix pr
 `mamf-finder.py` and published in S. Bekman's *Machine Learning Engineering*, compute/accelerator/README.md,
 "Maximum Achievable Matmul FLOPS comparison table", BF16) unless its operands and result cannot be moved through
 memory that fast: time = max(2mnk / MAMF, 2·(mk + kn + mn) bytes / memory bandwidth) — the roofline, with the
-measured compute roof. Small GEMMs (the attention scores with 96 or 128 channels per head) come out
-memory-bound; the large projections at the MAMF.
+measured compute roof — and the compute rounded up to whole output tiles (128×256, 256×128 or 128×128, the
+least wasteful) and whole waves of them over
+the SMs (tile and wave quantization, NVIDIA's "Matrix Multiplication Background User's Guide"). Small GEMMs (the
+attention scores with 96 or 128 channels per head) come out memory-bound; the large projections at the MAMF,
+less their last wave's idle SMs.
 
 The two counts (`megatron_flops_per_step`, `model_flops_per_token`):
 
@@ -26,6 +29,7 @@ The two counts (`megatron_flops_per_step`, `model_flops_per_token`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 TERA = 1e12
@@ -52,6 +56,8 @@ class GPU:
     network_latency: float
     mamf_flops: float
     """Maximum achievable bf16 matmul FLOP/s (measured; see the module docstring)."""
+    sms: int = 132
+    """Streaming multiprocessors (A100 108, GH100 132: the A100 and H100 whitepapers)."""
     gpus_per_node: int = 8
 
     @property
@@ -70,6 +76,7 @@ _A100 = dict(  # NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16/
     network_bandwidth=25 * GB,  # DGX A100: eight 200 Gb/s HDR InfiniBand HCAs for eight GPUs (Narayanan et al. §5)
     nvlink_latency=_NVLINK_LATENCY, network_latency=_NETWORK_LATENCY,
     mamf_flops=271.2 * TERA,  # MAMF table: A100 SXM 271.2 TFLOP/s (86.9 % of 312), torch 2.6.0+cu126
+    sms=108,
 )
 _HOPPER = dict(  # NVIDIA H100 Tensor Core GPU datasheet, SXM5: bf16 1,979 and fp8 3,958 TFLOP/s with sparsity,
     bf16_flops=989.4 * TERA, tf32_flops=494.7 * TERA, fp8_flops=1978.9 * TERA,  # i.e. 989.4 and 1,978.9 dense
@@ -136,11 +143,25 @@ def peak_flops(gpu: GPU | str, dtype: str = "bfloat16") -> float:
     return peak
 
 
-def gemm_seconds(m: float, n: float, k: float, gpu: GPU, item: float = 2.0) -> float:
-    """One [m, k] × [k, n] product: the roofline with the measured compute roof (module docstring)."""
-    compute = 2 * m * n * k / gpu.mamf_flops
-    traffic = item * (m * k + k * n + m * n) / gpu.memory_bandwidth
+TILES = ((128, 256), (256, 128), (128, 128))
+"""Output tiles one SM computes at a time in a large bf16 GEMM (NVIDIA, "Matrix Multiplication Background User's
+Guide", tile and wave quantization: its A100 examples use 256×128 and 128×128); the library picks the one that
+wastes least, each assumed to run at the MAMF."""
+
+
+def gemm_seconds(m: float, n: float, k: float, gpu: GPU, item: float = 2.0, count: float = 1) -> float:
+    """`count` [m, k] × [k, n] products (a batch): the roofline with the measured compute roof (module
+    docstring), the compute rounded up to whole tiles (the least wasteful of `TILES`) and whole waves of tiles
+    over the SMs (a wave runs `gpu.sms` tiles at the MAMF; a last, partial wave takes as long as a full one)."""
+    compute = min(_quantized_flops(m, n, k, count, tile, gpu.sms) for tile in TILES) / gpu.mamf_flops
+    traffic = count * item * (m * k + k * n + m * n) / gpu.memory_bandwidth
     return max(compute, traffic)
+
+
+def _quantized_flops(m: float, n: float, k: float, count: float, tile: tuple[int, int], sms: int) -> float:
+    """The FLOPs the SMs spend on `count` products in whole tiles and whole waves of `sms` tiles."""
+    tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1]) * count
+    return math.ceil(tiles / sms) * sms * 2 * tile[0] * tile[1] * k
 
 
 # -- the two FLOP counts -------------------------------------------------------------------------------------------
