@@ -100,3 +100,17 @@ def test_plan_names_every_preset_and_code_base_and_prints_both_counts():
     run = RUNS[0]
     assert layout["megatron_tflops_per_gpu"] == pytest.approx(predicted_tflops(run, predict(run)))
     assert 0 < layout["mfu"] < layout["megatron_tflops_per_gpu"] * 1e12 / 312e12
+
+
+def test_training_mfu_is_plans_count_over_the_devices_peak_and_none_off_a_known_gpu():
+    from models.gpt import GPTConfig
+    from mpiparallel.planner import flops_per_token, training_mfu
+    from mpiparallel.planner.core import Model
+
+    config = GPTConfig(vocab_size=51200, n_positions=2048, n_embd=2304, n_layer=24, n_head=24)
+    per_token = flops_per_token(Model(24, 2304, 24, 2048, 51200, 2048))
+    assert per_token == 6 * (24 * (12 * 2304**2 + 13 * 2304) + 51200 * 2304 + 2 * 2304) + 12 * 24 * 2304 * 2048
+    mfu = training_mfu(config, 2048, 10_000, "NVIDIA A100-SXM4-80GB")
+    assert mfu == pytest.approx(per_token * 10_000 / 312e12)
+    assert training_mfu(config, 2048, 10_000, "cpu") is None
+    assert training_mfu(config, 2048, 10_000, "NVIDIA A100-SXM4-80GB", "float8") is None

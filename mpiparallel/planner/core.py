@@ -65,7 +65,7 @@ from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate, sta
 from ..schedules.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from ..schedules.build import V_SHAPED, check_arguments
 from ..schedules.simulator import peak_activations
-from .gpus import GPU, gemm_seconds, megatron_flops_per_step, model_flops_per_token
+from .gpus import GPU, gemm_seconds, megatron_flops_per_step, model_flops_per_token, peak_flops
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 RECOMPUTE = ("none", "selective", "full")
@@ -912,6 +912,21 @@ def flops_per_token(model: Model) -> float:
     h = model.n_embd
     lookups = (0 if model.is_llama else model.n_positions * h) + (0 if model.tied else model.vocab_size * h)
     return model_flops_per_token(model.active_parameters() - lookups, model.n_layer, h, model.seq_len)
+
+
+def training_mfu(config: GPTConfig, seq_len: int, tokens_per_s_per_rank: float, device_name: str,
+                 dtype: str = "bfloat16") -> float | None:
+    """The MFU `train` logs (the same count as `plan`'s): 6·N + 12·l·h·s FLOPs per token × the tokens one rank
+    trains per second, over the dense peak of its device (`gpus.peak_flops`; CUDA names such as 'NVIDIA H100
+    80GB HBM3'). None where the device has no preset or no tensor cores for `dtype` (a CPU, a float64 run)."""
+    try:
+        peak = peak_flops(device_name, dtype)
+    except ValueError:
+        return None
+    model = Model(config.n_layer, config.n_embd, config.n_head, seq_len, config.vocab_size, config.n_positions,
+                  config.n_experts, config.moe_top_k, arch=config.arch, n_kv_head=config.n_kv_head,
+                  ffn_hidden=config.ffn_hidden, tie_embeddings=config.tie_embeddings)
+    return flops_per_token(model) * tokens_per_s_per_rank / peak
 
 
 def megatron_flops(model: Model, batch_size: int) -> float:
