@@ -116,6 +116,8 @@ def _choice_options(function: Any) -> Any:
         click.option("--zero", type=click.IntRange(0, 3), default=None, help="Fix the ZeRO stage."),
         click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Fix the microbatches."),
         click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Fix the pipeline schedule."),
+        click.option("--virtual-stages", type=click.IntRange(min=1), default=None,
+                     help="Stages per rank of the interleaved schedule (Megatron's v). [default: 2]"),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
                      help="Fix activation recomputation."),
         click.option("--sp/--no-sp", default=None, help="Fix sequence parallelism (with tp > 1)."),
@@ -188,7 +190,8 @@ def plan(ctx: click.Context, **options: Any) -> None:
     cluster = _cluster(options, explicit)
     batch = options["batch_size"] or (4 * options["gpus"] if options["params"] else 8)
     choices = planner.Choices(batch, **{name: options[name] for name in (
-        "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention")})
+        "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention",
+        "virtual_stages")})
     if options["html_path"] is not None:
         _write_page(options["html_path"], model, cluster, precision, batch)
         return

@@ -1163,10 +1163,10 @@ def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp
             eps, zeros, schedules, microbatch_counts, pick("recompute", list(RECOMPUTE)), sps, attentions):
         if (choices.batch_size // dp) % m or ep > 1 and dp % ep:
             continue
-        layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention)
-        if pp > 1 and not _valid_schedule(layout, model.n_layer):
-            continue
-        yield layout
+        for virtual in pick("virtual_stages", [2]) if schedule == "interleaved" else [2]:
+            layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention, virtual)
+            if pp == 1 or _valid_schedule(layout, model.n_layer):
+                yield layout
 
 
 def _microbatch_candidates(rows: int, pp: int) -> list[int]:
@@ -1178,7 +1178,8 @@ def _microbatch_candidates(rows: int, pp: int) -> list[int]:
 
 def _valid_schedule(layout: Layout, n_layer: int) -> bool:
     try:
-        check_arguments(layout.schedule, layout.pp, layout.microbatches, 2 if layout.schedule == "interleaved" else 1)
+        check_arguments(layout.schedule, layout.pp, layout.microbatches,
+                        layout.virtual_stages if layout.schedule == "interleaved" else 1)
     except ValueError:
         return False
     return layout.pp * layout.chunks <= n_layer
