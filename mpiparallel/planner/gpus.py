@@ -67,7 +67,7 @@ class GPU:
 
 # Latencies: assumed, not measured — 5 µs per message inside a node and 10 µs across (the Llama 3 paper, §3.3.3,
 # puts its multi-hop network's "latency up to tens of microseconds"). Setting both to 0 raises the published
-# rows' predictions by 0.4 % to 3.3 % (docs/published-runs.md).
+# rows' predictions by 0.4 % to 3.2 % (docs/published-runs.md).
 _NVLINK_LATENCY, _NETWORK_LATENCY = 5e-6, 10e-6
 
 _A100 = dict(  # NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16/fp16 dense, TF32 156, no fp8;
