@@ -20,6 +20,10 @@ from . import launch
 
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 DEFAULT_MACHINE = Path.home() / ".cache" / "mpiparallel" / "machine.json"
+GPU_PRESETS = ("a100-80gb", "a100-40gb", "h100-sxm", "h800", "h200")
+"""`planner.gpus.GPUS`'s names (spelled here so that the command line starts without importing the planner)."""
+SOFTWARE_NAMES = ("mpiparallel", "megatron-2021", "flash-fsdp")
+"""`planner.core.SOFTWARE`'s names."""
 
 
 class MemorySize(click.ParamType):
@@ -87,6 +91,15 @@ def _cluster_options(function: Any) -> Any:
                      help="Bytes/s of GPU memory (elementwise work)."),
         click.option("--efficiency", type=click.FloatRange(min=0, max=1, min_open=True), default=0.5,
                      help="Fraction of the peak rates reached."),
+        click.option("--gpu", type=click.Choice(GPU_PRESETS), default=None,
+                     help="A GPU preset (mpiparallel/planner/gpus.py, each figure with its source): its memory, "
+                          "NVLink and network bandwidth and latency, and matrix products timed by shape at its "
+                          "measured matmul ceiling; replaces the rate options and --efficiency (--gpu-memory and "
+                          "--gpus-per-node still apply when given)."),
+        click.option("--software", type=click.Choice(SOFTWARE_NAMES), default="mpiparallel",
+                     help="The code base that runs the layout: this project's layers, Megatron-LM as in 2021 "
+                          "(dense attention, pipeline scatter/gather, DP after backward) or FlashAttention + FSDP "
+                          "(as Llama 3 describes)."),
         click.option("--machine", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="Rates and α, β, γ measured by `plan --calibrate` (one machine; --gpus ranks on it)."),
     ]
@@ -103,6 +116,8 @@ def _choice_options(function: Any) -> Any:
         click.option("--zero", type=click.IntRange(0, 3), default=None, help="Fix the ZeRO stage."),
         click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Fix the microbatches."),
         click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Fix the pipeline schedule."),
+        click.option("--virtual-stages", type=click.IntRange(min=1), default=None,
+                     help="Stages per rank of the interleaved schedule (Megatron's v). [default: 2]"),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
                      help="Fix activation recomputation."),
         click.option("--sp/--no-sp", default=None, help="Fix sequence parallelism (with tp > 1)."),
@@ -170,10 +185,13 @@ def plan(ctx: click.Context, **options: Any) -> None:
     model = _model(options)
     precision = planner.precision_with(options["precision"] or ("float32" if options["machine"] else "mixed"),
                                        options["optimizer"], options["bytes_per_param"], options["weights_only"])
-    cluster = _cluster(options)
+    explicit = {name for name in ("gpu_memory", "gpus_per_node")
+                if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
+    cluster = _cluster(options, explicit)
     batch = options["batch_size"] or (4 * options["gpus"] if options["params"] else 8)
     choices = planner.Choices(batch, **{name: options[name] for name in (
-        "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention")})
+        "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention",
+        "virtual_stages")})
     if options["html_path"] is not None:
         _write_page(options["html_path"], model, cluster, precision, batch)
         return
@@ -218,10 +236,18 @@ def _model(options: dict[str, Any]) -> Any:
     return model
 
 
-def _cluster(options: dict[str, Any]) -> Any:
+def _cluster(options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
     from collectives.cost_model import CostModel
 
     from ..planner import Cluster, load_machine
+    from ..planner.core import SOFTWARE
+    from ..planner.gpus import gpu_named
+
+    software = SOFTWARE[options["software"]]
+    if options["gpu"] is not None:
+        cluster = Cluster.from_preset(gpu_named(options["gpu"]), options["gpus"], software,
+                                      options["gpus_per_node"] if "gpus_per_node" in explicit else None)
+        return replace(cluster, gpu_memory=options["gpu_memory"]) if "gpu_memory" in explicit else cluster
 
     if options["machine"] is not None:
         try:
@@ -236,7 +262,8 @@ def _cluster(options: dict[str, Any]) -> Any:
                    inter=CostModel(options["inter_latency"] * 1e-6, 1 / (options["inter_bandwidth"] * 1e9),
                                    1 / (options["memory_bandwidth"] * efficiency)),
                    matmul_flops=options["peak_flops"] * efficiency,
-                   elementwise_bytes=options["memory_bandwidth"] * efficiency)
+                   elementwise_bytes=options["memory_bandwidth"] * efficiency, software=software,
+                   peak_flops=options["peak_flops"])
 
 
 def _answers(model: Any, cluster: Any, precision: Any, choices: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -344,6 +371,10 @@ def _layout_lines(index: int, layout: dict[str, Any]) -> list[str]:
     lines = [f"{index:>3}. {layout['label']}: step {_seconds(layout['step_s'])}, compute "
              f"{_seconds(layout['compute_s'])}, bubble {layout['bubble']:.1%}, exposed comm "
              f"{_seconds(layout['exposed_comm_s'])}",
+             f"     throughput: {layout['tokens_per_s']:,.0f} tokens/s; {layout['megatron_tflops_per_gpu']:.1f} "
+             f"TFLOP/s per GPU in Megatron's count (96·B·s·l·h²·(1 + s/6h + V/16lh): GEMMs with full "
+             f"recomputation); {layout['model_tflops_per_gpu']:.1f} TFLOP/s per GPU in MFU's count "
+             f"(6·N + 12·l·h·s per token)" + (f" = MFU {layout['mfu']:.1%}" if layout["mfu"] else ""),
              f"     comm per rank: {comm or 'none'}",
              "     pp rank   parameters    gradients    optimizer  activations        total"]
     for rank in layout["memory_per_rank"]:

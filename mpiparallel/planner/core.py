@@ -65,6 +65,7 @@ from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate, sta
 from ..schedules.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from ..schedules.build import V_SHAPED, check_arguments
 from ..schedules.simulator import peak_activations
+from .gpus import GPU, gemm_seconds, megatron_flops_per_step, model_flops_per_token, peak_flops
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 RECOMPUTE = ("none", "selective", "full")
@@ -152,9 +153,49 @@ class Model:
         return self.total_parameters() - self.n_layer * (self.experts - self.top_k) * expert_parameters(self)
 
 
+ATTENTION_KERNELS = ("blocked", "dense", "flash")
+
+
+@dataclass(frozen=True)
+class Software:
+    """How the training code runs what the layout asks (one setting per code base, never per run):
+
+    - attention: "blocked" (this project's layers: causal query blocks, the probabilities in memory), "dense"
+      (Megatron-LM 2021: the whole s×s square multiplied, masked and soft-maxed in memory by fused kernels,
+      Narayanan et al. §4.2), "flash" (one fused kernel over the causal half; nothing of s×s in memory);
+    - pipeline_scatter_gather: a stage boundary sends b·s·h/tp per TP rank and all-gathers over NVLink
+      (Narayanan et al. §4.1) instead of b·s·h from every TP rank;
+    - attention_dropout: dropout on the attention probabilities (Megatron-LM 2021's GPT: Narayanan et al. §2.3
+      and its default --attention-dropout 0.1), memory passes over the s×s probabilities each way;
+    - blocking_pipeline_sends: every stage boundary's send and receive waits in the critical path, steady state
+      included (Megatron-LM 2021's synchronous p2p), not only in the pipeline's fill and drain;
+    - dp_overlap: when the data-parallel reduction overlaps the last microbatch's backward: "without-pipeline"
+      (this project: its buckets reduce during backward, but a pipeline reduces after its schedule), "always"
+      (Llama 3's FSDP prefetches and reduces asynchronously, §3.3.2) or "never" (Megatron-LM 2021 all-reduces
+      after the microbatches)."""
+
+    name: str = "mpiparallel"
+    attention: str = "blocked"
+    pipeline_scatter_gather: bool = False
+    dp_overlap: str = "without-pipeline"
+    attention_dropout: bool = False
+    blocking_pipeline_sends: bool = False
+
+
+SOFTWARE = {
+    "mpiparallel": Software(),
+    "megatron-2021": Software("megatron-2021", attention="dense", pipeline_scatter_gather=True, dp_overlap="never",
+                              attention_dropout=True, blocking_pipeline_sends=True),
+    "flash-fsdp": Software("flash-fsdp", attention="flash", pipeline_scatter_gather=False, dp_overlap="always"),
+}
+"""The code bases `plan --software` knows: this project, Megatron-LM as Narayanan et al. 2021 ran it, and a
+FlashAttention + FSDP code base as Llama 3 (Dubey et al. 2024, §3.3.2) describes."""
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs (or ranks) and what they can do; rates are per rank."""
+    """GPUs (or ranks) and what they can do; rates are per rank. With `gpu` (a preset of `gpus.GPUS`) every matrix
+    product of a block is timed by its shape (`gpus.gemm_seconds`) instead of at `matmul_flops`."""
 
     gpus: int = 8
     gpu_memory: float = 80 * GB
@@ -163,6 +204,23 @@ class Cluster:
     inter: CostModel = CostModel(alpha=10e-6, beta=1 / 50e9, gamma=1 / 1.5e12)
     matmul_flops: float = 989e12 * 0.5
     elementwise_bytes: float = 3.35e12 * 0.5
+    gpu: GPU | None = None
+    software: Software = Software()
+    peak_flops: float | None = None
+    """The dense peak that MFU divides by (a preset's own when `gpu` is set); None: MFU not reported."""
+
+    @classmethod
+    def from_preset(cls, gpu: GPU, gpus: int, software: Software = Software(),
+                    gpus_per_node: int | None = None) -> Cluster:
+        """`gpus` of a preset: its memory, NVLink inside a node and network across (α, β per GPU), matrix
+        products by shape, elementwise passes at the memory bandwidth."""
+        per_node = min(gpus_per_node or gpu.gpus_per_node, gpus)
+        gamma = 1 / gpu.memory_bandwidth
+        return cls(gpus=gpus, gpu_memory=gpu.memory, gpus_per_node=per_node,
+                   intra=CostModel(gpu.nvlink_latency, 1 / gpu.nvlink_bandwidth, gamma),
+                   inter=CostModel(gpu.network_latency, 1 / gpu.network_bandwidth, gamma),
+                   matmul_flops=gpu.mamf_flops, elementwise_bytes=gpu.memory_bandwidth, gpu=gpu, software=software,
+                   peak_flops=gpu.bf16_flops)
 
 
 @dataclass(frozen=True)
@@ -225,11 +283,15 @@ class Layout:
     recompute: str = "none"
     sp: bool = False
     cp_attention: str = "ring"
+    virtual_stages: int = 2
+    """Stages per rank of the interleaved schedule (Megatron's v)."""
 
     @property
     def chunks(self) -> int:
-        """Stages per pipeline rank: 2 for interleaved (v = 2) and the V-shaped schedules."""
-        return 2 if self.pp > 1 and (self.schedule == "interleaved" or self.schedule in V_SHAPED) else 1
+        """Stages per pipeline rank: v for interleaved, 2 for the V-shaped schedules, else 1."""
+        if self.pp > 1 and self.schedule == "interleaved":
+            return self.virtual_stages
+        return 2 if self.pp > 1 and self.schedule in V_SHAPED else 1
 
     @property
     def world(self) -> int:
@@ -241,6 +303,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         schedule = f" {self.schedule}" if self.pp > 1 else ""
+        if self.pp > 1 and self.schedule == "interleaved" and self.virtual_stages != 2:
+            schedule += f" v{self.virtual_stages}"
         return f"{' '.join(parts)} z{self.zero} m{self.microbatches}{schedule} rc-{self.recompute}"
 
 
@@ -260,6 +324,7 @@ class Choices:
     recompute: str | None = None
     sp: bool | None = None
     cp_attention: str | None = None
+    virtual_stages: int | None = None
 
 
 # -- parameters per unit ------------------------------------------------------------------------------------
@@ -345,10 +410,34 @@ class Collective(NamedTuple):
     ranks: int = 0
 
 
+class Gemm(NamedTuple):
+    """`count` matrix products [m, k] × [k, n]; `in_memory` False for a fused attention kernel whose scores stay
+    on chip (only its compute is timed)."""
+
+    m: float
+    n: float
+    k: float
+    count: float = 1
+    in_memory: bool = True
+
+    def seconds(self, gpu: GPU, item: float) -> float:
+        if not self.in_memory:
+            return self.count * 2 * self.m * self.n * self.k / gpu.mamf_flops
+        return gemm_seconds(self.m, self.n, self.k, gpu, item, self.count)
+
+    def backward_seconds(self, gpu: GPU, item: float) -> float:
+        """The input's gradient [m, n] × [n, k] and the weight's [k, m] × [m, n]."""
+        if not self.in_memory:
+            return 2 * self.seconds(gpu, item)
+        return gemm_seconds(self.m, self.k, self.n, gpu, item, self.count) + \
+            gemm_seconds(self.k, self.n, self.m, gpu, item, self.count)
+
+
 @dataclass(frozen=True)
 class UnitCost:
     """One unit, one microbatch, one rank: elements saved, matmul FLOPs and elementwise elements, forward and
-    backward; and the collectives it blocks on per direction."""
+    backward; the collectives it blocks on per direction; and its matrix products by shape (forward; backward
+    runs each twice, for the input's and the weight's gradient, plus the recomputed ones)."""
 
     saved: float
     flops_forward: float
@@ -357,6 +446,8 @@ class UnitCost:
     elementwise_backward: float
     collectives_forward: tuple[Collective, ...] = ()
     collectives_backward: tuple[Collective, ...] = ()
+    gemms_forward: tuple[Gemm, ...] = ()
+    gemms_recomputed: tuple[Gemm, ...] = ()
 
 
 def _causal_pairs(seq: int) -> int:
@@ -374,8 +465,9 @@ def tp_exchanges(nbytes: float, layout: Layout, count: int) -> tuple[Collective,
     return one * count
 
 
-def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision) -> list[UnitCost]:
-    """Embedding, one block, head: what one microbatch of `rows` sequences costs on one rank."""
+def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision,
+               software: Software = Software()) -> list[UnitCost]:
+    """Embedding, one block, head: what one microbatch of `rows` sequences costs on one rank, run by `software`."""
     h, tp, item = model.n_embd, layout.tp, precision.activations
     tokens = rows * (model.seq_len // layout.cp)
     s = tokens * h
@@ -393,35 +485,81 @@ def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision) ->
     head = UnitCost(saved=(s + tokens) / seq_shard + s + tokens * vocab, flops_forward=2 * tokens * h * vocab,
                     flops_backward=4 * tokens * h * vocab, elementwise_forward=6 * s / seq_shard + 6 * tokens * vocab,
                     elementwise_backward=10 * s / seq_shard,
-                    collectives_forward=head_collectives, collectives_backward=exchange)
-    return [embedding, block_cost(model, layout, rows, precision), head]
+                    collectives_forward=head_collectives, collectives_backward=exchange,
+                    gemms_forward=(Gemm(tokens, vocab, h),))
+    return [embedding, block_cost(model, layout, rows, precision, software), head]
 
 
-def block_cost(model: Model, layout: Layout, rows: int, precision: Precision) -> UnitCost:
+def attention_pairs(model: Model, layout: Layout, attention: str) -> float:
+    """(query, key) pairs one sequence's attention computes on one CP rank: this project's causal query blocks
+    (the whole sequence's, over cp), the whole s×s square ("dense") or its causal half ("flash")."""
+    seq = model.seq_len // layout.cp
+    if attention == "dense":
+        return seq * model.seq_len
+    if attention == "flash":
+        return seq * model.seq_len / 2
+    return _causal_pairs(seq) * layout.cp  # ≈ 1/cp of the sequence's pairs
+
+
+def block_gemms(model: Model, layout: Layout, tokens: int, rows: int, attention: str) -> tuple[Gemm, ...]:
+    """One block's forward matrix products on one rank: q, k, v (fused), o, the MLP's (or the experts' and the
+    router's) and, per sequence and head, the scores Q·Kᵀ and their product with V."""
+    h, tp, d = model.n_embd, layout.tp, model.head_dim
+    kv_channels = local_kv_heads(model, tp) * d
+    width = model.ffn_width
+    gemms = [Gemm(tokens, h / tp + 2 * kv_channels if model.is_llama else 3 * h / tp, h), Gemm(tokens, h, h / tp)]
+    if model.experts:
+        routed = _moe_tokens(layout, tokens)
+        local = model.experts / layout.ep
+        rows_per_expert = routed * model.top_k / local
+        inner = [Gemm(rows_per_expert, 2 * width if model.is_llama else width, h, local),
+                 Gemm(rows_per_expert, h, width, local)]
+        gemms += inner + [Gemm(routed, model.experts, h)]
+    else:
+        gemms += [Gemm(tokens, (2 if model.is_llama else 1) * width / tp, h), Gemm(tokens, h, width / tp)]
+    seq = model.seq_len // layout.cp
+    keys = attention_pairs(model, layout, attention) / seq  # keys per query, on average
+    heads = rows * model.n_head / tp
+    in_memory = attention != "flash"
+    gemms += [Gemm(seq, keys, d, heads, in_memory), Gemm(seq, d, keys, heads, in_memory)]
+    return tuple(gemms)
+
+
+def block_cost(model: Model, layout: Layout, rows: int, precision: Precision,
+               software: Software = Software()) -> UnitCost:
     """One transformer block of either family on one rank, one microbatch."""
-    h, tp, cp = model.n_embd, layout.tp, layout.cp
-    seq = model.seq_len // cp
+    attention = software.attention
+    h, tp = model.n_embd, layout.tp
+    seq = model.seq_len // layout.cp
     tokens = rows * seq
     s = tokens * h
     seq_shard = tp if layout.sp else 1
     kv_channels = local_kv_heads(model, tp) * model.head_dim
-    probabilities = rows * (model.n_head // tp) * _causal_pairs(seq) * cp  # ≈ 1/cp of the sequence's pairs
-    attention_flops = 4 * rows * _causal_pairs(seq) * h / tp * cp
+    pairs = attention_pairs(model, layout, attention)
+    # the probabilities a materializing kernel writes and reads (a fused one keeps them on chip)
+    probabilities = 0.0 if attention == "flash" else rows * (model.n_head // tp) * pairs
+    attention_flops = 4 * rows * pairs * h / tp
     projection_flops = 2 * tokens * (2 * h * h / tp + 2 * h * kv_channels)  # q and o; k and v (GQA: h_kv ≤ h/tp)
     # LayerNorms or RMSNorms and residual adds (sharded with SP); GPT-2's biases and head reshapes, llama's head
     # reshapes and RoPE on q and k; the softmax
     attention_elements = 8 * s / tp if not model.is_llama else 8 * tokens * (h / tp + kv_channels)
     mlp_flops, mlp_elements = _mlp_work(model, layout, tokens)
     flops_forward = projection_flops + attention_flops + mlp_flops
-    elementwise_forward = 12 * s / seq_shard + attention_elements + mlp_elements + 5 * probabilities
+    # the softmax's passes over the probabilities; dropout reads them and writes them and a one-byte mask
+    probability_passes = 5 + (2 + 1 / precision.activations if software.attention_dropout else 0)
+    elementwise_forward = 12 * s / seq_shard + attention_elements + mlp_elements + probability_passes * probabilities
     recompute_flops = {"none": 0.0, "selective": attention_flops / 2, "full": flops_forward}[layout.recompute]
-    recompute_elements = {"none": 0.0, "selective": 5 * probabilities, "full": elementwise_forward}[layout.recompute]
+    recompute_elements = {"none": 0.0, "selective": probability_passes * probabilities,
+                          "full": elementwise_forward}[layout.recompute]
     forward, backward = block_collectives(model, layout, tokens, precision.activations)
+    gemms = block_gemms(model, layout, tokens, rows, attention)
+    recomputed = {"none": (), "selective": gemms[-2:-1], "full": gemms}[layout.recompute]
     return UnitCost(saved=block_saved_elements(model, layout, rows, precision.activations),
                     flops_forward=flops_forward, flops_backward=2 * flops_forward + recompute_flops,
                     elementwise_forward=elementwise_forward,
                     elementwise_backward=2 * elementwise_forward + recompute_elements,
-                    collectives_forward=forward, collectives_backward=backward)
+                    collectives_forward=forward, collectives_backward=backward,
+                    gemms_forward=gemms, gemms_recomputed=recomputed)
 
 
 def _moe_tokens(layout: Layout, tokens: int) -> float:
@@ -593,11 +731,11 @@ class PipelineShape:
 
 
 @lru_cache(maxsize=4096)
-def pipeline_shape(schedule: str, pp: int, microbatches: int) -> PipelineShape:
-    """Bubble and activations held of `schedule` with F = I = W = 1 (cached). The activations come from the
-    action lists alone (list order is time order on a rank); the bubble from the simulator, or for schedules of
-    more than SIMULATED_ACTIONS compute actions from the schedule's formula."""
-    chunks = 2 if schedule in V_SHAPED or schedule == "interleaved" else 1
+def pipeline_shape(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> PipelineShape:
+    """Bubble and activations held of `schedule` with F = I = W = 1 (cached; `virtual_stages`: interleaved's v).
+    The activations come from the action lists alone (list order is time order on a rank); the bubble from the
+    simulator, or for schedules of more than SIMULATED_ACTIONS compute actions from the schedule's formula."""
+    chunks = 2 if schedule in V_SHAPED else virtual_stages if schedule == "interleaved" else 1
     built = build_schedule(schedule, pp, microbatches, chunks if schedule == "interleaved" else 1)
     simulated = pp * microbatches * chunks <= SIMULATED_ACTIONS or microbatches < 2 * pp
     if simulated:
@@ -680,6 +818,14 @@ class Plan:
     step_s: float
     fits: bool = True
     notes: list[str] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    """Tokens the whole cluster trains per second."""
+    megatron_tflops: float = 0.0
+    """Model TFLOP/s per GPU in Megatron's count (Narayanan et al. eq. 3: GEMMs with full recomputation)."""
+    model_tflops: float = 0.0
+    """Model TFLOP/s per GPU in MFU's count (6·N + 12·l·h·s per token, no recomputation)."""
+    mfu: float | None = None
+    """model_tflops over the GPU's dense peak (None when the peak is unknown)."""
 
     @property
     def max_memory(self) -> float:
@@ -695,7 +841,9 @@ class Plan:
                 "compute_s": self.compute_s, "bubble": self.bubble, "comm_s": self.comm_s,
                 "comm_bytes": self.comm_bytes, "exposed_comm_s": self.exposed_comm_s, "fits": self.fits,
                 "max_memory_bytes": self.max_memory, "memory_per_rank": self.memory_per_rank,
-                "memory_per_stage": self.memory_per_stage, "notes": self.notes}
+                "memory_per_stage": self.memory_per_stage, "notes": self.notes, "tokens_per_s": self.tokens_per_s,
+                "megatron_tflops_per_gpu": self.megatron_tflops, "model_tflops_per_gpu": self.model_tflops,
+                "mfu": self.mfu}
 
 
 @dataclass(frozen=True)
@@ -732,8 +880,10 @@ def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layou
              weights_only: bool = False) -> Plan:
     """Memory, time and communication of one layout (a valid one: see `candidate_layouts`)."""
     rows = batch_size // (layout.dp * layout.microbatches)
-    shape = pipeline_shape(layout.schedule, layout.pp, layout.microbatches) if layout.pp > 1 else None
-    setting = _Setting(model, cluster, precision, layout, unit_costs(model, layout, rows, precision),
+    shape = pipeline_shape(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages) \
+        if layout.pp > 1 else None
+    costs = unit_costs(model, layout, rows, precision, cluster.software)
+    setting = _Setting(model, cluster, precision, layout, costs,
                        stage_units(model.n_layer, layout.pp * layout.chunks), shape.stage_ranks if shape else (0,),
                        shape, rows)
     per_unit, tied = scaled_unit_parameters(model, layout)
@@ -747,12 +897,58 @@ def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layou
     memory_per_rank = [_rank_memory(setting, rank, per_unit, tied, stage_saved) for rank in range(layout.pp)]
     plan = _timed_plan(setting, per_unit, tied, memory_per_rank, memory_per_stage)
     plan.fits = plan.max_memory <= cluster.gpu_memory
+    _report_throughput(plan, model, cluster, precision, batch_size)
     if layout.cp > 1 or model.experts and (layout.tp > 1 or layout.ep > 1):
         plan.notes.append("activations and ep traffic approximate (balanced routing; CP attention's buffers "
                           "not measured)")
     if shape and not shape.simulated:
         plan.notes.append(f"bubble from the schedule's formula (more than {SIMULATED_ACTIONS} actions to simulate)")
     return plan
+
+
+def flops_per_token(model: Model) -> float:
+    """MFU's count for this model (`gpus.model_flops_per_token`): N the active weights less the input lookups
+    (GPT-2's position table; the token table unless it is tied to the head, whose product it then is)."""
+    h = model.n_embd
+    lookups = (0 if model.is_llama else model.n_positions * h) + (0 if model.tied else model.vocab_size * h)
+    return model_flops_per_token(model.active_parameters() - lookups, model.n_layer, h, model.seq_len)
+
+
+def training_mfu(config: GPTConfig, seq_len: int, tokens_per_s_per_rank: float, device_name: str,
+                 dtype: str = "bfloat16") -> float | None:
+    """The MFU `train` logs (the same count as `plan`'s): 6·N + 12·l·h·s FLOPs per token × the tokens one rank
+    trains per second, over the dense peak of its device (`gpus.peak_flops`; CUDA names such as 'NVIDIA H100
+    80GB HBM3'). None where the device has no preset or no tensor cores for `dtype` (a CPU, a float64 run)."""
+    try:
+        peak = peak_flops(device_name, dtype)
+    except ValueError:
+        return None
+    model = Model(config.n_layer, config.n_embd, config.n_head, seq_len, config.vocab_size, config.n_positions,
+                  config.n_experts, config.moe_top_k, arch=config.arch, n_kv_head=config.n_kv_head,
+                  ffn_hidden=config.ffn_hidden, tie_embeddings=config.tie_embeddings)
+    return flops_per_token(model) * tokens_per_s_per_rank / peak
+
+
+def megatron_flops(model: Model, batch_size: int) -> float:
+    """Megatron's count of one step of `batch_size` sequences (`gpus.megatron_flops_per_step`)."""
+    return megatron_flops_per_step(batch_size, model.seq_len, model.n_layer, model.n_embd, model.vocab_size)
+
+
+def peak_of(cluster: Cluster, precision: Precision) -> float | None:
+    """The dense tensor-core peak MFU divides by: a preset's bf16 (2-byte activations) or TF32 (4-byte) rate,
+    else `cluster.peak_flops`."""
+    if cluster.gpu is None:
+        return cluster.peak_flops
+    return {2: cluster.gpu.bf16_flops, 4: cluster.gpu.tf32_flops}.get(int(precision.activations))
+
+
+def _report_throughput(plan: Plan, model: Model, cluster: Cluster, precision: Precision, batch_size: int) -> None:
+    tokens = batch_size * model.seq_len
+    plan.tokens_per_s = tokens / plan.step_s
+    plan.megatron_tflops = megatron_flops(model, batch_size) / plan.step_s / cluster.gpus / 1e12
+    plan.model_tflops = flops_per_token(model) * plan.tokens_per_s / cluster.gpus / 1e12
+    peak = peak_of(cluster, precision)
+    plan.mfu = plan.model_tflops * 1e12 / peak if peak else None
 
 
 def _rank_memory(setting: _Setting, rank: int, per_unit: list[float], tied: float,
@@ -773,10 +969,16 @@ def _rank_memory(setting: _Setting, rank: int, per_unit: list[float], tied: floa
 
 
 def _compute_seconds(setting: _Setting, cost: UnitCost, backward: bool) -> float:
-    cluster = setting.cluster
-    flops = cost.flops_backward if backward else cost.flops_forward
+    """The matrix products (at `matmul_flops`, or by shape on a GPU preset) and the elementwise passes."""
+    cluster, item = setting.cluster, setting.precision.activations
     elements = cost.elementwise_backward if backward else cost.elementwise_forward
-    return flops / cluster.matmul_flops + elements * setting.precision.activations / cluster.elementwise_bytes
+    memory = elements * item / cluster.elementwise_bytes
+    if cluster.gpu is None:
+        return (cost.flops_backward if backward else cost.flops_forward) / cluster.matmul_flops + memory
+    if not backward:
+        return sum(g.seconds(cluster.gpu, item) for g in cost.gemms_forward) + memory
+    return sum(g.backward_seconds(cluster.gpu, item) for g in cost.gemms_forward) + \
+        sum(g.seconds(cluster.gpu, item) for g in cost.gemms_recomputed) + memory
 
 
 def _blocking(setting: _Setting, cost: UnitCost) -> tuple[dict[str, float], dict[str, float]]:
@@ -814,29 +1016,44 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
     if setting.shape is None:
         pipeline, bubble = m * chunk_seconds[0], 0.0
     else:
-        message = _stage_message_bytes(setting)
-        boundary = collective_seconds("send", message, 2, axis_link(layout, "pp", setting.cluster),
-                                      axis_nodes(layout, "pp", setting.cluster))
+        message, boundary = _stage_boundary(setting)
         sends = 2 * m * layout.chunks
         comm_s["pp"], comm_bytes["pp"] = sends * boundary, sends * message
         tied_bytes = _tied_gradient_bytes(setting, busiest, tied)
         comm_s["pp"] += collective_seconds("send", tied_bytes, 2, axis_link(layout, "pp", setting.cluster))
         comm_bytes["pp"] += tied_bytes
         fill_and_drain = 2 * (layout.pp * layout.chunks - 1) * boundary  # each boundary once each way, waited for
+        if setting.cluster.software.blocking_pipeline_sends:  # the steady state's sends wait too
+            fill_and_drain = max(fill_and_drain, comm_s["pp"])
         pipeline = setting.shape.makespan_units / 3 * max(chunk_seconds) + fill_and_drain
         bubble = setting.shape.bubble
         exposed += fill_and_drain
     count = held_parameters(setting.units_of(busiest), per_unit, tied)
     dp_seconds, dp_bytes, last_bucket = _data_parallel(setting, count)
     comm_s["dp"], comm_bytes["dp"] = dp_seconds, dp_bytes
-    if setting.shape is None and layout.dp * layout.cp > 1:  # overlapped with the last microbatch's backward
-        backward = weighted(setting.stages[0], [_compute_seconds(setting, c, True) for c in setting.costs])
-        dp_exposed = max(last_bucket, dp_seconds - backward)
-    else:  # a pipeline reduces the gradients after its schedule
+    overlap = setting.cluster.software.dp_overlap
+    if overlap == "always" or overlap == "without-pipeline" and setting.shape is None:
+        backward = weighted(setting.units_of(busiest), [_compute_seconds(setting, c, True) for c in setting.costs])
+        dp_exposed = max(last_bucket, dp_seconds - backward)  # overlapped with the last microbatch's backward
+    else:  # reduced after the backward (or after the pipeline's schedule)
         dp_exposed = dp_seconds
     exposed += dp_exposed
     step = pipeline + dp_exposed + _optimizer_seconds(setting, count)
     return Plan(layout, memory_per_rank, memory_per_stage, compute, comm_s, comm_bytes, exposed, bubble, step)
+
+
+def _stage_boundary(setting: _Setting) -> tuple[float, float]:
+    """Bytes one rank sends across a stage boundary per microbatch and direction, and the seconds it waits: the
+    activation; with Megatron's scatter/gather (tp > 1, no SP) each TP rank sends 1/tp of it and the receivers
+    all-gather it over the node's links."""
+    layout, cluster = setting.layout, setting.cluster
+    message = _stage_message_bytes(setting)
+    scatter_gather = cluster.software.pipeline_scatter_gather and layout.tp > 1 and not layout.sp
+    sent = message / layout.tp if scatter_gather else message
+    seconds = collective_seconds("send", sent, 2, axis_link(layout, "pp", cluster), axis_nodes(layout, "pp", cluster))
+    if scatter_gather:
+        seconds += collective_seconds("all_gather", message, layout.tp, axis_link(layout, "tp", cluster))
+    return sent, seconds
 
 
 def _stage_message_bytes(setting: _Setting) -> float:
@@ -946,10 +1163,10 @@ def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp
             eps, zeros, schedules, microbatch_counts, pick("recompute", list(RECOMPUTE)), sps, attentions):
         if (choices.batch_size // dp) % m or ep > 1 and dp % ep:
             continue
-        layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention)
-        if pp > 1 and not _valid_schedule(layout, model.n_layer):
-            continue
-        yield layout
+        for virtual in pick("virtual_stages", [2]) if schedule == "interleaved" else [2]:
+            layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention, virtual)
+            if pp == 1 or _valid_schedule(layout, model.n_layer):
+                yield layout
 
 
 def _microbatch_candidates(rows: int, pp: int) -> list[int]:
@@ -961,7 +1178,8 @@ def _microbatch_candidates(rows: int, pp: int) -> list[int]:
 
 def _valid_schedule(layout: Layout, n_layer: int) -> bool:
     try:
-        check_arguments(layout.schedule, layout.pp, layout.microbatches, 2 if layout.schedule == "interleaved" else 1)
+        check_arguments(layout.schedule, layout.pp, layout.microbatches,
+                        layout.virtual_stages if layout.schedule == "interleaved" else 1)
     except ValueError:
         return False
     return layout.pp * layout.chunks <= n_layer

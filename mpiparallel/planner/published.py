@@ -1,0 +1,131 @@
+"""The planner against published runs: the rows of `published_runs.csv` (Megatron-LM 2021 Table 1, Llama 3 405B
+Table 4) predicted with one GPU preset per chip and one code-base description per paper (`core.SOFTWARE`).
+
+Each row fixes what the paper prints (model, GPUs, tp, pp, cp, dp, global batch). What a paper does not print is
+set by one rule per paper, never per row:
+
+- Megatron-LM 2021: full recomputation (its eq. 3 counts it), microbatches of one sequence (its Table 2 runs the
+  same 530B model with microbatch size 1), the interleaved schedule (§5.1) with the v the planner finds fastest
+  among those that split each rank's layers evenly (v ≤ 8), mixed precision, no ZeRO;
+- Llama 3: one sequence per microbatch, sequence parallelism (it cites Korthikanti et al. for TP), FSDP as ZeRO-1
+  with fp32 gradients (§3.3.2: "reduce-scatter gradients in FP32"), the all-gather CP attention (§3.3.2), the
+  interleaved schedule with v = 4 (126 blocks plus an embedding-only and a head-only slot are 128 = 16 ranks × 4
+  chunks × 2; the paper does not print V), no recomputation at 8K (§3.3.2: "without activation checkpointing")
+  and full recomputation at 128K (the planner's memory model fits nothing less).
+
+`python -m mpiparallel.planner.published` prints the table of docs/published-runs.md.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from .core import PRECISIONS, SOFTWARE, Cluster, Layout, Model, Plan, evaluate
+from .gpus import gpu_named
+
+TABLE = Path(__file__).with_name("published_runs.csv")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str
+    params_b: float
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    gpus: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    batch: int
+    published_tflops: float
+    count: str
+    """"megatron" (Narayanan et al. eq. 3) or "mfu" (6·N + 12·l·h·s per token)."""
+    gpu: str
+
+    def label(self) -> str:
+        return f"{self.source} {self.params_b:g}B on {self.gpus:,} (tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp})"
+
+
+def published_runs(path: Path = TABLE) -> list[PublishedRun]:
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return [PublishedRun(**{name: _convert(name, value) for name, value in row.items()})
+            for row in csv.DictReader(lines)]
+
+
+def _convert(name: str, value: str) -> object:
+    if name in ("source", "count", "gpu"):
+        return value
+    return float(value) if name in ("params_b", "published_tflops") else int(value)
+
+
+def model_of(run: PublishedRun) -> Model:
+    if run.source.startswith("llama"):
+        return Model(run.layers, run.hidden, run.heads, run.seq, run.vocab, n_positions=run.seq, arch="llama",
+                     n_kv_head=run.kv_heads, ffn_hidden=run.ffn)
+    return Model(run.layers, run.hidden, run.heads, run.seq, run.vocab, n_positions=run.seq)
+
+
+def _megatron_layouts(run: PublishedRun) -> list[Layout]:
+    microbatches = run.batch // run.dp
+    if run.pp == 1:
+        return [Layout(run.dp, run.tp, 1, microbatches=microbatches, recompute="full")]
+    per_rank = run.layers // run.pp
+    return [Layout(run.dp, run.tp, run.pp, microbatches=microbatches, schedule="interleaved", recompute="full",
+                   virtual_stages=v) for v in range(2, 9) if per_rank % v == 0] \
+        or [Layout(run.dp, run.tp, run.pp, microbatches=microbatches, schedule="1f1b", recompute="full")]
+
+
+def _llama_layouts(run: PublishedRun) -> list[Layout]:
+    recompute = "none" if run.seq <= 8192 else "full"
+    return [Layout(run.dp, run.tp, run.pp, run.cp, zero=1, microbatches=run.batch // run.dp, schedule="interleaved",
+                   recompute=recompute, sp=True, cp_attention="all-gather", virtual_stages=4)]
+
+
+def predict(run: PublishedRun) -> Plan:
+    """The planner's fastest plan of the run under its paper's rule (module docstring)."""
+    llama = run.source.startswith("llama")
+    software = SOFTWARE["flash-fsdp" if llama else "megatron-2021"]
+    cluster = Cluster.from_preset(gpu_named(run.gpu), run.gpus, software)
+    precision = PRECISIONS["bfloat16" if llama else "mixed"]
+    layouts = _llama_layouts(run) if llama else _megatron_layouts(run)
+    plans = [evaluate(model_of(run), cluster, precision, layout, run.batch) for layout in layouts]
+    return min(plans, key=lambda plan: plan.step_s)
+
+
+def predicted_tflops(run: PublishedRun, plan: Plan) -> float:
+    """The plan's model TFLOP/s per GPU in the count the paper printed."""
+    return plan.megatron_tflops if run.count == "megatron" else plan.model_tflops
+
+
+def dominant_term(plan: Plan) -> str:
+    """What the step spends beyond the matrix products' and passes' own time, largest first."""
+    step = plan.step_s
+    terms = {"compute (GEMMs at the MAMF, elementwise passes)": plan.compute_s / step,
+             "bubble": plan.bubble, "exposed communication": plan.exposed_comm_s / step}
+    return ", ".join(f"{name} {share:.0%}" for name, share in sorted(terms.items(), key=lambda t: -t[1]))
+
+
+def table() -> str:
+    lines = ["| run | published TFLOP/s | predicted | ratio | layout | step s | compute | bubble | exposed comm "
+             "| MFU |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for run in published_runs():
+        plan = predict(run)
+        predicted = predicted_tflops(run, plan)
+        lines.append(f"| {run.label()} | {run.published_tflops:g} ({run.count}) | {predicted:.0f} | "
+                     f"{predicted / run.published_tflops:.2f} | {plan.layout.label()} | {plan.step_s:.2f} | "
+                     f"{plan.compute_s / plan.step_s:.0%} | {plan.bubble:.1%} | "
+                     f"{plan.exposed_comm_s / plan.step_s:.0%} | {plan.mfu:.1%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
