@@ -20,6 +20,7 @@ import click
 from .. import __version__
 from . import launch
 from .checkpoint import checkpoint as checkpoint_command
+from .cluster import cluster as cluster_command
 from .data import data as data_command
 from .plan import plan as plan_command
 from .schedule import schedule as schedule_command
@@ -485,3 +486,4 @@ main.add_command(schedule_command)
 main.add_command(checkpoint_command)
 main.add_command(plan_command)
 main.add_command(data_command)
+main.add_command(cluster_command)
