@@ -272,7 +272,7 @@ note=""
 exec ip netns exec "$host" unshare --uts sh -c "
 hostname $host
 export UCX_TLS=tcp,self UCX_NET_DEVICES=eth0
-[ -n '$note' ] && echo running > '$note'
+[ -n '$note' ] && echo running \\$\\$ > '$note'
 $*
 status=\\$?
 [ -n '$note' ] && echo ended \\$status > '$note'
