@@ -80,8 +80,18 @@ def _argv(ctx: click.Context) -> list[str]:
     return list(root.obj["argv"]) if isinstance(root.obj, dict) else sys.argv[1:]
 
 
+HOSTFILE = "mpiparallel.hostfile"
+"""Where `--hostfile` is kept in the click context's meta (read by `_hostfile`)."""
+
+
 def ranks_option(command: Callable) -> Callable:
-    """The `-n/--np N` option every multi-rank command takes."""
+    """The `-n/--np N` and `--hostfile FILE` options every multi-rank command takes."""
+    command = click.option(
+        "--hostfile", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+        expose_value=False, callback=lambda ctx, param, value: ctx.meta.__setitem__(HOSTFILE, value),
+        help="Start the ranks on the hosts of this MPICH hostfile (host:slots per line): through its launcher if "
+             "`mpiparallel cluster up` wrote it, else `mpiexec -f FILE`. Default -n: one rank per slot.",
+    )(command)
     return click.option(
         "-n", "--np", "ranks", type=click.IntRange(min=1), default=None, metavar="N",
         help="Number of ranks. Outside MPI, relaunch as `mpiexec -n N python -m mpiparallel ...`; "
@@ -171,7 +181,7 @@ def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbyte
         raise click.BadParameter("--compare nccl times NCCL on GPU buffers; leave out --device or pass --device gpu",
                                  param_hint="'--device'")
     _check_plotting(plot_path)
-    launch.ensure_world_size(ranks, _argv(ctx))
+    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
 
     from . import bench as benchmark
 
@@ -242,7 +252,7 @@ def verify(ctx: click.Context, against: str, device: str | None, ranks: int | No
     if against == "nccl" and device == "cpu":
         raise click.BadParameter("NCCL runs on GPU buffers only; leave out --device or pass --device gpu",
                                  param_hint="'--device'")
-    launch.ensure_world_size(ranks, _argv(ctx))
+    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
 
     from . import verify as verification
 
@@ -421,7 +431,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
     if options["experts"] and options["top_k"] > options["experts"]:
         raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
                                  f"--experts {options['experts']}", param_hint="'--top-k'")
-    launch.ensure_world_size(ranks, _argv(ctx))
+    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()
     from .. import train as training
