@@ -1,0 +1,306 @@
+"""A cluster on one machine (`mpiparallel cluster`): hosts made of network namespaces, launched from a hostfile.
+
+Real hosts, no emulation variable: each host has its own network stack, address and host name, and the bytes
+between hosts cross its veth. On them: a 2-host launch that MPI sees as two nodes, a dp-across/tp-inside mesh
+that trains the serial model's numbers in float64, the ledger's inter-node bytes equal to the formulas, and the
+faults: a killed host and a cut link each end the job in bounded time with one line naming the host and its
+ranks. A bad hostfile is one error before anything starts.
+
+These tests need root and network namespaces (CI has both; with CI=true they fail instead of skipping). Every
+cluster gets a name unique to this test process, its state folder is the test's own, and the `cluster` fixture
+takes it down after the test, even a failed one, and checks that no namespace, bridge or veth of it is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
+from optional import missing
+
+from mpiparallel import cluster as namespace_cluster
+from mpiparallel.commands import hosts as multi_host
+from mpiparallel.errors import ConfigError
+
+_names = itertools.count()
+
+
+def unique_name() -> str:
+    """c + this process's PID + a counter, in hex: unique among the processes alive on this machine."""
+    return f"c{os.getpid():x}{next(_names):x}"
+
+
+def needs_namespaces() -> None:
+    if os.geteuid() != 0:
+        missing("the cluster tests make network namespaces, which needs root")
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            missing(f"the cluster tests need the `{tool}` command")
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """`cluster(nodes, ranks_per_node, link_rate)` makes a cluster of a unique name; every one made is taken down
+    after the test, which then checks that none of its namespaces, bridges or veths is left."""
+    needs_namespaces()
+    monkeypatch.setenv(namespace_cluster.STATE_VARIABLE, str(tmp_path / "clusters"))
+    monkeypatch.delenv("MPIPARALLEL_RANKS_PER_NODE", raising=False)
+    monkeypatch.delenv("MPIPARALLEL_EMULATED_INTER_NODE", raising=False)
+    made: list[str] = []
+
+    def make(nodes: int = 2, ranks_per_node: int = 2, link_rate: str | None = None) -> namespace_cluster.Cluster:
+        name = unique_name()
+        made.append(name)
+        return namespace_cluster.up(name, nodes, ranks_per_node, link_rate)
+
+    yield make
+    for name in made:
+        namespace_cluster.down(name)
+    left = [(name, namespace_cluster.namespaces_of(name), namespace_cluster.links_of(name)) for name in made]
+    assert all(not namespaces and not links for _, namespaces, links in left), left
+
+
+def mpiparallel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_with_timeout([sys.executable, "-m", "mpiparallel", *args], timeout)
+
+
+def assert_no_processes_on(made: namespace_cluster.Cluster, within_s: float = 10) -> None:
+    """The job left no process on any host (SIGKILLed processes take a moment to go)."""
+    deadline = time.monotonic() + within_s
+    while any(namespace_cluster.processes_in(host) for host in made.hosts):
+        assert time.monotonic() < deadline, {host: namespace_cluster.processes_in(host) for host in made.hosts}
+        time.sleep(0.1)
+
+
+def link_bytes(host: str) -> int:
+    """Bytes that crossed host's veth (received + sent on the bridge side)."""
+    statistics = Path(f"/sys/class/net/{host}/statistics")
+    return sum(int((statistics / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
+
+
+# -- making hosts -------------------------------------------------------------------------------------------------
+
+def test_up_makes_hosts_with_their_own_names_and_addresses_on_a_free_subnet_and_down_leaves_nothing(cluster):
+    used = namespace_cluster.addresses_in_use()
+    made = cluster(nodes=2, ranks_per_node=3, link_rate="800mbit")
+    assert not any(namespace_cluster.ipaddress.ip_network(made.subnet).overlaps(network) for network in used)
+    assert made.hostfile.read_text() == "".join(f"{host}:3\n" for host in made.hosts)
+    for host in made.hosts:  # hydra calls the launcher as it would call ssh: options, host, command
+        said = subprocess.run([str(made.launcher), "-x", host, "hostname; ip -o -4 addr show dev eth0; tc qdisc"],
+                              capture_output=True, text=True, timeout=60)
+        assert said.returncode == 0, said.stderr
+        assert said.stdout.splitlines()[0] == host
+        assert f"inet {made.address(host)}/24" in said.stdout
+        assert "qdisc tbf" in said.stdout and "rate 800Mbit" in said.stdout
+    stranger = subprocess.run([str(made.launcher), "-x", "elsewhere", "true"], capture_output=True, text=True,
+                              timeout=60)
+    assert stranger.returncode == 255 and "no host elsewhere" in stranger.stderr
+
+    again = namespace_cluster.up(made.name, 1, 1)  # a stale cluster of the same name is removed first
+    assert namespace_cluster.namespaces_of(made.name) == [f"{made.name}-0"]
+    assert sorted(namespace_cluster.links_of(made.name)) == [f"{made.name}-0", f"{made.name}-br"]
+
+    namespace_cluster.cut(made.name, again.hosts[0])
+    assert re.search(rf"{again.hosts[0]} +\S+ +link cut", namespace_cluster.status(made.name))
+    namespace_cluster.heal(made.name, again.hosts[0])
+    assert re.search(rf"{again.hosts[0]} +\S+ +link up", namespace_cluster.status(made.name))
+
+    result = mpiparallel("cluster", "down", "--name", made.name)
+    assert result.returncode == 0, result.stderr
+    assert not namespace_cluster.namespaces_of(made.name) and not namespace_cluster.links_of(made.name)
+    assert not Path(made.folder).exists()
+
+
+def test_cluster_commands_say_in_one_line_what_the_machine_lacks(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="needs root"):
+        namespace_cluster.up("mpt", 2, 2)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "ip" else f"/usr/bin/{tool}")
+    with pytest.raises(ConfigError, match="needs the `ip` command"):
+        namespace_cluster.up("mpt", 2, 2)
+    with pytest.raises(ConfigError, match="cluster name"):
+        namespace_cluster.up("Not-a-name!", 2, 2)
+
+
+def test_a_free_subnet_overlaps_nothing_in_use():
+    taken = [namespace_cluster.ipaddress.ip_network(n) for n in ("10.0.0.0/9", "10.128.0.0/10", "192.0.2.0/24")]
+    picked = namespace_cluster.pick_subnet("mpiparallel", taken)
+    assert picked.prefixlen == 24 and not any(picked.overlaps(network) for network in taken)
+
+
+# -- bad hostfiles: one error before anything starts ------------------------------------------------------------
+
+@pytest.mark.parametrize("text, args, fragment", [
+    ("localhost:2\nno-such-host-of-ours.invalid:2\n", ["-n", "2"], "unknown host: no-such-host-of-ours.invalid"),
+    ("localhost:2\n", ["-n", "3"], "more ranks than --hostfile"),
+    ("localhost:two\n", ["-n", "2"], "is not `host` or `host:slots`"),
+    ("# nothing\n", ["-n", "2"], "names no host"),
+])
+def test_a_bad_hostfile_is_one_error_before_any_rank_starts(tmp_path, text, args, fragment):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(text)
+    result = mpiparallel("bench", "all_reduce", *args, "--hostfile", str(hostfile), timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert output.count("Error") == 1 and fragment in output, output
+    assert "Traceback" not in output
+
+
+def test_a_cluster_hostfile_refuses_more_ranks_than_slots_and_a_host_that_is_down(cluster):
+    made = cluster(nodes=2, ranks_per_node=1)
+    result = mpiparallel("bench", "all_reduce", "-n", "3", "--hostfile", str(made.hostfile), timeout=120)
+    assert result.returncode == 2 and "-n 3 asks for more ranks than" in result.stderr, result.stderr
+    subprocess.run(["ip", "netns", "del", made.hosts[1]], check=True)
+    result = mpiparallel("bench", "all_reduce", "--hostfile", str(made.hostfile), timeout=120)
+    assert result.returncode == 2 and f"unknown host: {made.hosts[1]}" in result.stderr, result.stderr
+
+
+# -- running on two hosts ------------------------------------------------------------------------------------------
+
+TRAIN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8", "--steps", "1",
+         "--dtype", "float64", "--vocab-size", "256"]
+ACROSS = re.compile(r"(\w+) (\d+\.\d+) MB \(formula (\d+\.\d+) MB, ratio (\S+)\)")
+
+
+def test_train_across_two_hosts_sees_two_real_nodes_and_sends_dp_bytes_over_the_link_as_the_formula_says(
+        cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2)
+    before = {host: link_bytes(host) for host in made.hosts}
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the same text again and again. " * 400)
+    result = mpiparallel("train", "-n", "4", "--hostfile", str(made.hostfile), *TRAIN, "--dp", "2", "--tp", "2",
+                         "--show-mesh", "--data", str(corpus), "--log-json", str(tmp_path / "log.jsonl"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "nodes: 2 nodes of 2, 2 ranks (MPI's shared-memory nodes)" in result.stdout
+    assert "inside a node: tp; across nodes: dp" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank") and " across nodes: " in line]
+    assert len(lines) == 4
+    for line in lines:
+        axes = {axis: (float(counted), ratio) for axis, counted, _, ratio in ACROSS.findall(line)}
+        assert axes["tp"] == (0.0, "1.0000") and axes["dp"][0] > 0 and axes["dp"][1] == "1.0000", line
+    record = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    dp_across = record["inter_node_bytes"]["dp"]
+    assert dp_across > 0 and record["inter_node_bytes"]["tp"] == 0
+    for host in made.hosts:  # two ranks per host sent that much each, over its own link
+        assert link_bytes(host) - before[host] >= 2 * dp_across
+
+
+COMMON = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "batch_size": 4, "steps": 3, "dtype": "float64",
+          "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}
+
+
+def test_a_two_host_mesh_dp_across_tp_inside_trains_the_serial_models_numbers(cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2)
+    (tmp_path / "serial").mkdir()
+    reference = serial_training(COMMON, tmp_path / "serial")
+    configs = [{"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "sp": True, "zero": 1}]
+    results = parallel_training(4, COMMON, configs, reference, mpiexec_options=made.mpiexec_options())
+    for result in results:
+        assert_equals_serial(result, COMMON["steps"], 1e-9)
+
+
+def test_the_ledgers_inter_node_bytes_equal_the_formulas_between_real_hosts(cluster):
+    made = cluster(nodes=2, ranks_per_node=2)
+    algorithms = ["ring", "hierarchical", "recursive_doubling", "recursive_halving", "rabenseifner"]
+    results = run_on_ranks(4, "workers.topology_checks:ledger_against_formulas", timeout=300,
+                           mpiexec_options=made.mpiexec_options(), algorithms=algorithms, block=2048)
+    for rank, result in enumerate(results):
+        assert result["nodes"] == [0, 0, 1, 1]
+        for row in result["world"] + result["half"]:
+            assert row["equal"] and row["input_kept"], (rank, row)
+            if row["formula"] is not None:
+                assert row["inter_node"] == pytest.approx(row["formula"]), (rank, row)
+    assert {r["world"][1]["inter_node"] for r in results} == {2 * 1 / 2 * 4 * 2048 * 8 / 2}
+
+
+# -- faults ----------------------------------------------------------------------------------------------------------
+
+class Job:
+    """`mpiparallel train` on a cluster, in the background, its output collected line by line."""
+
+    def __init__(self, made: namespace_cluster.Cluster, tmp_path: Path, env: dict[str, str] | None = None) -> None:
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text("the same text again and again. " * 400)
+        command = [sys.executable, "-m", "mpiparallel", "train", "-n", "4", "--hostfile", str(made.hostfile),
+                   "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8",
+                   "--steps", "1000000", "--dp", "2", "--tp", "2", "--data", str(corpus), "--log-json",
+                   str(tmp_path / "log.jsonl")]
+        self.log = tmp_path / "log.jsonl"
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True, env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.process.stdout.readline, "")))
+        self.reader.start()
+
+    def wait_for_steps(self, steps: int, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.log.exists() and len(self.log.read_text().splitlines()) >= steps):
+            assert self.process.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "the job never trained " + "".join(self.lines)
+            time.sleep(0.1)
+
+    def seconds_to_end(self, since: float, bound: float) -> float:
+        """Seconds from `since` (a time.monotonic()) until the job ended; past `bound` seconds from `since` it is
+        killed (its process group) and the test fails."""
+        try:
+            self.process.wait(timeout=max(since + bound - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            pytest.fail(f"the job did not end within {bound} s:\n{''.join(self.lines)[-3000:]}")
+        finally:
+            self.reader.join(timeout=30)
+        return time.monotonic() - since
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def test_killing_a_host_mid_run_ends_every_rank_within_30_s_with_one_line_naming_it_and_its_ranks(cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2)
+    job = Job(made, tmp_path)
+    job.wait_for_steps(3)
+    since = time.monotonic()
+    result = mpiparallel("cluster", "kill", made.hosts[1], "--name", made.name, timeout=60)
+    assert result.returncode == 0, result.stderr
+    seconds = job.seconds_to_end(since, 30)
+    output = job.output()
+    assert job.process.returncode != 0
+    lost = [line for line in output.splitlines() if "lost" in line or "unreachable" in line]
+    assert lost == [f"mpiparallel: host {made.hosts[1]} (ranks 2, 3) was lost: every process on it ended at once; "
+                    f"mpiexec ended the other ranks"], output
+    assert "assert" not in output and "Traceback" not in output and "failed" not in output, output
+    assert_no_processes_on(made)
+    print(f"killed host: the job ended {seconds:.1f} s later")
+
+
+def test_cutting_a_hosts_link_mid_run_ends_the_job_within_the_heartbeat_bound_naming_the_host(cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2)
+    timeout = 4.0
+    job = Job(made, tmp_path, env={multi_host.TIMEOUT_VARIABLE: str(timeout)})
+    job.wait_for_steps(3)
+    since = time.monotonic()
+    result = mpiparallel("cluster", "cut", made.hosts[1], "--name", made.name, timeout=60)
+    assert result.returncode == 0, result.stderr
+    bound = timeout + multi_host.ENDING_GRACE_S + multi_host.HEARTBEAT_INTERVAL_S
+    seconds = job.seconds_to_end(since, bound + 30)  # the slack: a loaded machine; the printed figure is the measure
+    output = job.output()
+    assert job.process.returncode != 0
+    lost = [line for line in output.splitlines() if "lost" in line or "unreachable" in line]
+    assert len(lost) == 1 and lost[0].startswith(f"mpiparallel: host {made.hosts[1]} (ranks 2, 3) is unreachable: "
+                                                 f"no heartbeat for "), output
+    assert "Traceback" not in output, output
+    assert_no_processes_on(made)
+    print(f"cut link: the job ended {seconds:.1f} s later (bound {bound:.1f} s on an idle machine)")
