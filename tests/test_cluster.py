@@ -304,3 +304,35 @@ def test_cutting_a_hosts_link_mid_run_ends_the_job_within_the_heartbeat_bound_na
     assert "Traceback" not in output, output
     assert_no_processes_on(made)
     print(f"cut link: the job ended {seconds:.1f} s later (bound {bound:.1f} s on an idle machine)")
+
+
+# -- the benchmark script ------------------------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("cluster")  # root and namespaces; the script makes and removes clusters of its own
+def test_the_cluster_benchmark_prints_predictions_beside_measurements_and_takes_its_clusters_down(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_cluster.py"
+    report_path = tmp_path / "report.json"
+    process = subprocess.Popen([sys.executable, str(script), "--part", "collectives", "--sizes", "64K", "--rounds",
+                                "1", "--link-rate", "2gbit", "--json", str(report_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    finally:
+        name = f"b{process.pid:x}0"  # the script's cluster, named after its PID
+        left = namespace_cluster.namespaces_of(name) + namespace_cluster.links_of(name)
+        namespace_cluster.down(name)
+    assert process.returncode == 0, output
+    assert not left, left
+    rows = json.loads(report_path.read_text())["collectives"]["rows"]
+    assert {row["collective"] for row in rows} == {"all_reduce", "reduce_scatter", "all_gather"}
+    for row in rows:
+        assert "hierarchical" in row["measured_us"] and set(row["predicted_us"]) == set(row["measured_us"])
+        fastest = min(row["measured_us"], key=row["measured_us"].get)
+        printed = re.search(rf"^{row['collective']} .* auto {row['auto']} +fastest {fastest} +auto/best (\S+)$",
+                            output, re.MULTILINE)
+        assert printed, output
+        assert float(printed.group(1)) == pytest.approx(
+            row["measured_us"][fastest] / row["measured_us"][row["auto"]], abs=0.006)
