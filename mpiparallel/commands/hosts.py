@@ -34,7 +34,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,10 +225,12 @@ def lost_host(host: str, cause: str, pids: Path, ranks: Mapping[int, tuple[int, 
     return LostHost(host, tuple(rank for rank, _ in on_host), tuple(pid for _, pid in on_host), cause, silent_s)
 
 
-def killed_hosts(pids: Path, ranks: Mapping[int, tuple[int, str]]) -> list[LostHost]:
-    """The hosts whose launcher shell never noted its proxy's end: every process on them died at once."""
+def killed_hosts(pids: Path, ranks: Mapping[int, tuple[int, str]], ended_by_us: Set[str] = frozenset()
+                 ) -> list[LostHost]:
+    """The hosts whose launcher shell never noted its proxy's end, other than those the parent ended itself
+    (`ended_by_us`): every process on them died at once."""
     return [lost_host(host, "killed", pids, ranks) for host, note in sorted(host_notes(pids).items())
-            if note[:1] == ["running"]]
+            if note[:1] == ["running"] and host not in ended_by_us]
 
 
 def end_processes(pids: Sequence[int], marker: str) -> None:

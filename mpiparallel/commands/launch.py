@@ -228,8 +228,15 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
     process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # mpiexec gets it too, and ends the job
-    signal.signal(signal.SIGTERM, lambda number, frame: process.send_signal(number))
+    stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no host, whatever died with it
+
+    def stop(number: int, frame: object) -> None:
+        stopped.append(number)
+        if number == signal.SIGTERM:
+            process.send_signal(number)
+
+    signal.signal(signal.SIGINT, stop)  # mpiexec gets Ctrl-C too (it is in our process group), and ends the job
+    signal.signal(signal.SIGTERM, stop)
     watcher = Endings(pids, ranks)
     watcher.start()
     if monitor is not None:
@@ -241,21 +248,23 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     for relay in relays:
         relay.start()
     status = process.wait()
+    ended_by_us: set[str] = set()
     if cluster is not None:  # ranks that mpiexec left behind (a host it lost took its way to end them)
-        _end_leftovers(pids, multi_host.ENDING_GRACE_S)
+        ended_by_us = _end_leftovers(pids, multi_host.ENDING_GRACE_S)
     for relay in relays:
         relay.join()
     watcher.join(timeout=1.0)
     if monitor is not None:
         monitor.stop()
-    lost = tuple(unreachable) or (tuple(multi_host.killed_hosts(pids, _registered(pids))) if status != 0 else ())
-    if lost:
-        print(lost[0].message(), file=sys.stderr, flush=True)
+    lost = tuple(unreachable) or (tuple(multi_host.killed_hosts(pids, _registered(pids), ended_by_us))
+                                  if status != 0 and not stopped else ())
+    if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
+        print("\n".join(host.message() for host in lost), file=sys.stderr, flush=True)
     elif status != 0:
         text = b"".join(banner)
         message = lost_rank_message(text.decode(errors="replace"), _registered(pids), watcher.order, watcher.how)
-        sys.stderr.buffer.write(b"".join(held or []))
-        if message is None:
+        if message is None:  # nothing explains the failure: show all that was said about it
+            sys.stderr.buffer.write(b"".join(held or []))
             sys.stdout.buffer.write(text)
             sys.stdout.flush()
         else:
@@ -263,7 +272,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     else:
         sys.stderr.buffer.write(b"".join(held or []))
     status = status if status >= 0 else 128 - status
-    return JobOutcome(status if status or not lost else 1, lost)
+    return JobOutcome(status or (1 if lost else 0), lost)
 
 
 def _end_job(process: subprocess.Popen, pids: Path) -> None:
@@ -272,20 +281,23 @@ def _end_job(process: subprocess.Popen, pids: Path) -> None:
     process.kill()
 
 
-def _launcher_shells(pids: Path) -> list[int]:
-    """The PIDs of the cluster launcher's shells still noted as running (each holds a host's proxy)."""
-    return [int(note[1]) for note in multi_host.host_notes(pids).values()
-            if note[:1] == ["running"] and len(note) > 1 and note[1].isdigit()]
+def _launcher_shells(pids: Path) -> dict[int, str]:
+    """PID -> host of the cluster launcher's shells still noted as running (each holds a host's proxy)."""
+    return {int(note[1]): host for host, note in multi_host.host_notes(pids).items()
+            if note[:1] == ["running"] and len(note) > 1 and note[1].isdigit()}
 
 
-def _end_leftovers(pids: Path, grace_s: float) -> None:
-    """After mpiexec ended: give the ranks `grace_s` to end, then SIGKILL those (and the proxy shells) still here."""
+def _end_leftovers(pids: Path, grace_s: float) -> set[str]:
+    """After mpiexec ended: give the ranks and the launcher shells `grace_s` to end, then SIGKILL those still
+    here. Returns the hosts whose shells it ended (they did not die with their host)."""
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not any(_alive(pid) for pid in _registered(pids)):
-            return
+        if not any(_alive(pid) for pid in [*_registered(pids), *_launcher_shells(pids)]):
+            return set()
         time.sleep(0.05)
-    multi_host.end_processes([*_registered(pids), *_launcher_shells(pids)], f"{RANK_PIDS}={pids}")
+    shells = {pid: host for pid, host in _launcher_shells(pids).items() if _alive(pid)}
+    multi_host.end_processes([*_registered(pids), *shells], f"{RANK_PIDS}={pids}")
+    return set(shells.values())
 
 
 def _alive(pid: int) -> bool:
