@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -336,3 +337,44 @@ def test_the_cluster_benchmark_prints_predictions_beside_measurements_and_takes_
         assert printed, output
         assert float(printed.group(1)) == pytest.approx(
             row["measured_us"][fastest] / row["measured_us"][row["auto"]], abs=0.006)
+
+
+# -- hostfiles, heartbeats and lost hosts, without root ------------------------------------------------------------
+
+def test_a_hostfile_reads_hosts_and_slots_and_skips_comments(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the machines\nnode-a:4\n\nnode-b   # one slot\nnode-c:2\n")
+    assert multi_host.read_hostfile(hostfile) == [multi_host.Host("node-a", 4), multi_host.Host("node-b", 1),
+                                                  multi_host.Host("node-c", 2)]
+
+
+def test_a_rank_that_stops_beating_makes_its_host_unreachable_and_the_others_are_not_named():
+    heard: list[tuple[str, float]] = []
+    monitor = multi_host.HeartbeatMonitor("127.0.0.1", 2.0, lambda host, seconds: heard.append((host, seconds)))
+    monitor.start()
+    stop = threading.Event()
+    beating = multi_host.start_heartbeat(0, {multi_host.HEARTBEAT: monitor.target}, stop)  # this host, throughout
+    assert beating is not None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        for _ in range(4):  # a host that beats for a while, then falls silent
+            other.sendto(b"silent-host 1 4242", ("127.0.0.1", int(monitor.target.rsplit(":", 1)[1])))
+            time.sleep(multi_host.HEARTBEAT_INTERVAL_S)
+    monitor.join(timeout=30)
+    stop.set()
+    beating.join(timeout=5)
+    assert [host for host, _ in heard] == ["silent-host"]
+    assert heard[0][1] > 2.0
+
+
+def test_a_host_whose_launcher_shell_never_noted_its_end_was_lost_with_its_ranks(tmp_path):
+    for pid, rank, host in ((101, 0, "h-0"), (102, 1, "h-0"), (103, 2, "h-1"), (104, 3, "h-1")):
+        (tmp_path / str(pid)).write_text(f"{rank} ")
+        (tmp_path / f"{pid}{multi_host.RANK_HOST_SUFFIX}").write_text(host)
+    (tmp_path / f"{multi_host.HOST_NOTE_PREFIX}h-0").write_text("ended 1\n")
+    (tmp_path / f"{multi_host.HOST_NOTE_PREFIX}h-1").write_text("running 99\n")
+    ranks = {pid: (rank, "") for pid, rank in ((101, 0), (102, 1), (103, 2), (104, 3))}
+    lost = multi_host.killed_hosts(tmp_path, ranks)
+    assert lost == [multi_host.LostHost("h-1", (2, 3), (103, 104), "killed")]
+    assert lost[0].message() == ("mpiparallel: host h-1 (ranks 2, 3) was lost: every process on it ended at once; "
+                                 "mpiexec ended the other ranks")
+    assert multi_host.killed_hosts(tmp_path, ranks, ended_by_us={"h-1"}) == []

@@ -108,23 +108,25 @@ def resolvable(name: str) -> bool:
 
 # -- heartbeats -----------------------------------------------------------------------------------------------
 
-def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ) -> threading.Thread | None:
+def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ, stop: threading.Event | None = None
+                    ) -> threading.Thread | None:
     """On a rank: send `HOST RANK PID` to the parent every HEARTBEAT_INTERVAL_S from a daemon thread (which ends
-    with the process), if the parent asked for heartbeats."""
+    with the process, or when `stop` is set), if the parent asked for heartbeats."""
     target = environ.get(HEARTBEAT)
     if not target:
         return None
     address, _, port = target.rpartition(":")
     message = f"{socket.gethostname()} {rank} {os.getpid()}".encode()
+    stop = stop or threading.Event()
 
     def beat() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
-            while True:
+            while not stop.is_set():
                 try:
                     sender.sendto(message, (address, int(port)))
                 except OSError:  # no route while the link is down: the silence is the message
                     pass
-                time.sleep(HEARTBEAT_INTERVAL_S)
+                stop.wait(HEARTBEAT_INTERVAL_S)
 
     thread = threading.Thread(target=beat, name="mpiparallel-heartbeat", daemon=True)
     thread.start()
