@@ -117,22 +117,22 @@ def state_root() -> Path:
     return Path(os.environ.get(STATE_VARIABLE) or "/run/mpiparallel-clusters")
 
 
-def load(name: str) -> Cluster | None:
-    """The cluster `name` as `up` recorded it, or None if there is none."""
+def _read_state(folder: Path) -> Cluster | None:
     try:
-        return Cluster(**json.loads((state_root() / name / "cluster.json").read_text()))
+        return Cluster(**json.loads((folder / "cluster.json").read_text()))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def load(name: str) -> Cluster | None:
+    """The cluster `name` as `up` recorded it, or None if there is none."""
+    return _read_state(state_root() / name)
 
 
 def cluster_of_hostfile(path: Path) -> Cluster | None:
     """The cluster whose `up` wrote this hostfile, or None for any other hostfile."""
-    state = path.resolve().parent / "cluster.json"
-    try:
-        cluster = Cluster(**json.loads(state.read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-    return cluster if cluster.hostfile.resolve() == path.resolve() else None
+    cluster = _read_state(path.resolve().parent)
+    return cluster if cluster is not None and cluster.hostfile.resolve() == path.resolve() else None
 
 
 # -- checks ---------------------------------------------------------------------------------------------------
@@ -170,21 +170,12 @@ def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def addresses_in_use() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network the root namespace has an address in or a route to (the default route excluded)."""
-    used = []
-    for line in _run("ip", "-o", "-4", "addr", "show").stdout.splitlines():
-        match = re.search(r"inet (\S+)", line)
-        if match:
-            used.append(ipaddress.ip_interface(match.group(1)).network)
-    for line in _run("ip", "-4", "route", "show", "table", "all").stdout.splitlines():
-        target = line.split()[0] if line.split() else ""
-        if target in ("local", "broadcast", "unreachable", "blackhole", "prohibit", "throw") and len(line.split()) > 1:
-            target = line.split()[1]
-        try:
-            network = ipaddress.ip_network(target, strict=False)
-        except ValueError:
-            continue  # "default" and the like
-        if network.version == 4 and network.prefixlen > 0:
-            used.append(network)
+    interfaces = json.loads(_run("ip", "-j", "-4", "addr", "show").stdout or "[]")
+    used = [ipaddress.ip_interface(f"{address['local']}/{address['prefixlen']}").network
+            for interface in interfaces for address in interface.get("addr_info", []) if "local" in address]
+    for route in json.loads(_run("ip", "-j", "-4", "route", "show", "table", "all").stdout or "[]"):
+        if route.get("dst", "default") != "default":
+            used.append(ipaddress.ip_network(route["dst"], strict=False))
     return used
 
 

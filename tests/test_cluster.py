@@ -133,6 +133,10 @@ def test_cluster_commands_say_in_one_line_what_the_machine_lacks(monkeypatch):
         namespace_cluster.up("mpt", 2, 2)
     with pytest.raises(ConfigError, match="cluster name"):
         namespace_cluster.up("Not-a-name!", 2, 2)
+    refused = subprocess.CompletedProcess([], 1, "", "mount --make-shared /run/netns failed: Operation not permitted")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: refused)
+    with pytest.raises(ConfigError, match="does not permit `ip netns add mpt-0`.*need root and a kernel or container"):
+        namespace_cluster._run("ip", "netns", "add", "mpt-0")
 
 
 def test_a_free_subnet_overlaps_nothing_in_use():
@@ -350,7 +354,8 @@ def test_a_hostfile_reads_hosts_and_slots_and_skips_comments(tmp_path):
 
 def test_a_rank_that_stops_beating_makes_its_host_unreachable_and_the_others_are_not_named():
     heard: list[tuple[str, float]] = []
-    monitor = multi_host.HeartbeatMonitor("127.0.0.1", 2.0, lambda host, seconds: heard.append((host, seconds)))
+    monitor = multi_host.HeartbeatMonitor("127.0.0.1", 2.0,
+                                          lambda host, seconds: heard.append((host, seconds)) or True)
     monitor.start()
     stop = threading.Event()
     beating = multi_host.start_heartbeat(0, {multi_host.HEARTBEAT: monitor.target}, stop)  # this host, throughout
@@ -378,3 +383,14 @@ def test_a_host_whose_launcher_shell_never_noted_its_end_was_lost_with_its_ranks
     assert lost[0].message() == ("mpiparallel: host h-1 (ranks 2, 3) was lost: every process on it ended at once; "
                                  "mpiexec ended the other ranks")
     assert multi_host.killed_hosts(tmp_path, ranks, ended_by_us={"h-1"}) == []
+
+
+def test_a_host_whose_ranks_all_ended_on_their_own_may_fall_silent(tmp_path):
+    for pid, rank, host, ending in ((101, 0, "h-0", ""), (102, 1, "h-0", ""), (103, 2, "h-1", "ended"),
+                                    (104, 3, "h-1", "ended")):
+        (tmp_path / str(pid)).write_text(f"{rank} {ending}")
+        (tmp_path / f"{pid}{multi_host.RANK_HOST_SUFFIX}").write_text(host)
+    ranks = {101: (0, ""), 102: (1, ""), 103: (2, "ended"), 104: (3, "ended")}
+    assert multi_host.ended_on_their_own("h-1", tmp_path, ranks)  # done: rank 0 may still be saving
+    assert not multi_host.ended_on_their_own("h-0", tmp_path, ranks)
+    assert not multi_host.ended_on_their_own("h-2", tmp_path, ranks)  # no rank of it ever registered

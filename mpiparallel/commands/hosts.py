@@ -145,10 +145,12 @@ def heartbeat_timeout(environ: Mapping[str, str] = os.environ) -> float:
 
 
 class HeartbeatMonitor(threading.Thread):
-    """In the parent: receives the ranks' heartbeats and calls `unreachable(host, seconds)` once, for the first
-    host none of whose ranks was heard for `timeout` seconds (a host counts once one of its ranks was heard)."""
+    """In the parent: receives the ranks' heartbeats and calls `unreachable(host, seconds)` for a host none of
+    whose ranks was heard for `timeout` seconds (a host counts once one of its ranks was heard). The call returns
+    True when it ended the job (the monitor stops), False when the silence was expected (the host's ranks ended on
+    their own): the host is then no longer watched."""
 
-    def __init__(self, address: str, timeout: float, unreachable: Callable[[str, float], None]) -> None:
+    def __init__(self, address: str, timeout: float, unreachable: Callable[[str, float], bool]) -> None:
         super().__init__(name="mpiparallel-heartbeats", daemon=True)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.socket.bind((address, 0))
@@ -169,8 +171,10 @@ class HeartbeatMonitor(threading.Thread):
             silent = [(now - heard, host) for host, heard in self.last_heard.items() if now - heard > self.timeout]
             if silent and not self.stopped.is_set():
                 seconds, host = max(silent)
-                self.stopped.set()
-                self.unreachable(host, seconds)
+                if self.unreachable(host, seconds):
+                    self.stopped.set()
+                else:
+                    del self.last_heard[host]
         self.socket.close()
 
     def stop(self) -> None:
@@ -207,6 +211,13 @@ def rank_hosts(pids: Path) -> dict[int, str]:
         if pid.isdigit():
             hosts[int(pid)] = entry.read_text().strip()
     return hosts
+
+
+def ended_on_their_own(host: str, pids: Path, ranks: Mapping[int, tuple[int, str]]) -> bool:
+    """Whether every rank that registered from `host` has said how it ended (`ranks`: PID -> (rank, ending)):
+    then its heartbeats stopped because its ranks are done, while others may still be finishing (saving, say)."""
+    on_host = [pid for pid, name in rank_hosts(pids).items() if name == host]
+    return bool(on_host) and all(ranks.get(pid, (0, ""))[1] for pid in on_host)
 
 
 def note_rank_host(folder: Path) -> None:

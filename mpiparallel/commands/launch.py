@@ -221,9 +221,12 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     unreachable: list[multi_host.LostHost] = []
     monitor = None
     if cluster is not None:
-        def give_up(host: str, seconds: float) -> None:
+        def give_up(host: str, seconds: float) -> bool:
+            if multi_host.ended_on_their_own(host, pids, _registered(pids)):
+                return False
             unreachable.append(multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds))
             _end_job(process, pids)
+            return True
 
         monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
