@@ -202,6 +202,33 @@ def test_train_across_two_hosts_sees_two_real_nodes_and_sends_dp_bytes_over_the_
         assert link_bytes(host) - before[host] >= 2 * dp_across
 
 
+def test_tp_across_hosts_is_warned_about_and_its_bytes_across_equal_the_formula(cluster, tmp_path):
+    made = cluster(nodes=4, ranks_per_node=1)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the same text again and again. " * 400)
+    result = mpiparallel("train", "--hostfile", str(made.hostfile), *TRAIN, "--dp", "2", "--tp", "2", "--show-mesh",
+                         "--data", str(corpus))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "nodes: 4 nodes of 1, 1, 1, 1 ranks (MPI's shared-memory nodes)" in result.stdout
+    assert "inside a node: no axis; across nodes: tp, dp" in result.stdout
+    assert "warning: tensor-parallel groups of 2 ranks span nodes" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank") and " across nodes: " in line]
+    assert len(lines) == 4
+    for line in lines:
+        axes = {axis: (float(counted), ratio) for axis, counted, _, ratio in ACROSS.findall(line)}
+        assert all(counted > 0 and ratio == "1.0000" for counted, ratio in axes.values()), line
+
+
+def test_verify_on_two_hosts_finds_every_algorithm_right_across_real_nodes(cluster):
+    made = cluster(nodes=2, ranks_per_node=2)
+    result = mpiparallel("verify", "-n", "4", "--hostfile", str(made.hostfile), "--max-count", "300", "-d", "float64",
+                         "--collective", "all_reduce", "--collective", "reduce_scatter")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 nodes of 2, 2 ranks (MPI's shared-memory nodes)" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if " hierarchical " in line]
+    assert {row[0] for row in rows} == {"all_reduce", "reduce_scatter"} and all(row[-1] == "0" for row in rows)
+
+
 COMMON = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "batch_size": 4, "steps": 3, "dtype": "float64",
           "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}
 
