@@ -421,3 +421,44 @@ def test_a_host_whose_ranks_all_ended_on_their_own_may_fall_silent(tmp_path):
     assert multi_host.ended_on_their_own("h-1", tmp_path, ranks)  # done: rank 0 may still be saving
     assert not multi_host.ended_on_their_own("h-0", tmp_path, ranks)
     assert not multi_host.ended_on_their_own("h-2", tmp_path, ranks)  # no rank of it ever registered
+
+
+def rank_processes(host: str) -> list[int]:
+    """The PIDs of the training ranks on `host` (not hydra's proxy nor the launcher's shell)."""
+    found = []
+    for pid in namespace_cluster.processes_in(host):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if command[1:4] == [b"-m", b"mpiparallel", b"train"]:
+            found.append(pid)
+    return found
+
+
+def test_a_single_killed_rank_on_a_cluster_is_named_as_a_rank_not_a_host(cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2)
+    job = Job(made, tmp_path)
+    job.wait_for_steps(3)
+    victim = rank_processes(made.hosts[1])[0]
+    since = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    job.seconds_to_end(since, 30)
+    output = job.output()
+    lost = [line for line in output.splitlines() if "lost" in line or "unreachable" in line]
+    assert len(lost) == 1 and re.match(rf"mpiparallel: rank [23] \(pid {victim}\) was lost: ", lost[0]), output
+    assert "assert" not in output and "Traceback" not in output, output
+    assert_no_processes_on(made)
+
+
+def test_ctrl_c_ends_a_cluster_job_without_naming_a_lost_host(cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2)
+    job = Job(made, tmp_path)
+    job.wait_for_steps(3)
+    since = time.monotonic()
+    os.killpg(job.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    job.seconds_to_end(since, 30)
+    output = job.output()
+    assert job.process.returncode != 0
+    assert not [line for line in output.splitlines() if "was lost" in line or "unreachable" in line], output
+    assert_no_processes_on(made)
