@@ -81,7 +81,7 @@ def _argv(ctx: click.Context) -> list[str]:
 
 
 HOSTFILE = "mpiparallel.hostfile"
-"""Where `--hostfile` is kept in the click context's meta (read by `_hostfile`)."""
+"""Where `--hostfile` is kept in the click context's meta, for each command's `launch.ensure_world_size`."""
 
 
 def ranks_option(command: Callable) -> Callable:
