@@ -139,9 +139,15 @@ def max_op():
 # -- the table ----------------------------------------------------------------------------------------------
 
 def print_report(report: dict) -> None:
-    s, m = report["settings"], report["model"]
+    s = report["settings"]
     print(f"# {s['ranks']} ranks as nodes of {s['ranks_per_node']} (nodes {report['nodes']}); emulated inter-node "
           f"link: {s['latency_s'] * 1e6:.0f} us + bytes / {s['bandwidth_Bps'] / 1e9:.2f} GB/s per message")
+    print_rows(report)
+
+
+def print_rows(report: dict) -> None:
+    """The calibrated model and, per collective and size, predicted / measured per algorithm and auto's pick."""
+    m = report["model"]
     print(f"# calibrated: inside alpha {m['alpha_us']:.1f} us, beta {m['beta_GBps']:.2f} GB/s; across alpha "
           f"{m['alpha_inter_us']:.1f} us, beta {m['beta_inter_GBps']:.2f} GB/s; gamma {m['gamma_GBps']:.2f} GB/s; "
           f"ranks per core {m['ranks_per_core']:.1f}")

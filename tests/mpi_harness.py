@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,11 @@ def run_with_timeout(command: list[str], timeout: float, merge_output: bool = Fa
 
 
 def run_on_ranks(n: int, target: str, timeout: float = 120, env: dict[str, str] | None = None,
-                 **kwargs: Any) -> list[Any]:
-    """Call `target` ("module:function") on `n` ranks with `kwargs`; return the per-rank results."""
+                 mpiexec_options: Sequence[str] = (), **kwargs: Any) -> list[Any]:
+    """Call `target` ("module:function") on `n` ranks with `kwargs`; return the per-rank results.
+    `mpiexec_options` say where the ranks start (a hostfile and launcher; default: this machine)."""
     with tempfile.TemporaryDirectory(prefix="mpitest-") as results_dir:
-        command = [mpiexec_path(), "-n", str(n), sys.executable, str(WORKER), results_dir, target,
+        command = [mpiexec_path(), *mpiexec_options, "-n", str(n), sys.executable, str(WORKER), results_dir, target,
                    json.dumps(kwargs)]
         try:
             finished = run_with_timeout(command, timeout, merge_output=True,
@@ -115,11 +117,11 @@ def serial_training(common: dict[str, Any], directory: Path) -> str:
 
 
 def parallel_training(ranks: int, common: dict[str, Any], configs: list[dict[str, Any]], reference: str,
-                      timeout: float = 300) -> list[dict]:
+                      timeout: float = 300, mpiexec_options: Sequence[str] = ()) -> list[dict]:
     """Train every configuration (options on top of `common`) on `ranks` ranks in one launch; per configuration
     its options, log records and worst relative errors of losses and saved weights against `reference`."""
-    return run_on_ranks(ranks, f"{TRAINING_CHECKS}:matches_serial", timeout=timeout, common=common, configs=configs,
-                        reference=reference)[0]
+    return run_on_ranks(ranks, f"{TRAINING_CHECKS}:matches_serial", timeout=timeout, mpiexec_options=mpiexec_options,
+                        common=common, configs=configs, reference=reference)[0]
 
 
 def assert_equals_serial(result: dict, steps: int, tolerance: float = 1e-9) -> None:

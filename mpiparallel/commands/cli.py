@@ -20,6 +20,7 @@ import click
 from .. import __version__
 from . import launch
 from .checkpoint import checkpoint as checkpoint_command
+from .cluster import cluster as cluster_command
 from .data import data as data_command
 from .plan import plan as plan_command
 from .schedule import schedule as schedule_command
@@ -79,8 +80,18 @@ def _argv(ctx: click.Context) -> list[str]:
     return list(root.obj["argv"]) if isinstance(root.obj, dict) else sys.argv[1:]
 
 
+HOSTFILE = "mpiparallel.hostfile"
+"""Where `--hostfile` is kept in the click context's meta, for each command's `launch.ensure_world_size`."""
+
+
 def ranks_option(command: Callable) -> Callable:
-    """The `-n/--np N` option every multi-rank command takes."""
+    """The `-n/--np N` and `--hostfile FILE` options every multi-rank command takes."""
+    command = click.option(
+        "--hostfile", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+        expose_value=False, callback=lambda ctx, param, value: ctx.meta.__setitem__(HOSTFILE, value),
+        help="Start the ranks on the hosts of this MPICH hostfile (host:slots per line): through its launcher if "
+             "`mpiparallel cluster up` wrote it, else `mpiexec -f FILE`. Default -n: one rank per slot.",
+    )(command)
     return click.option(
         "-n", "--np", "ranks", type=click.IntRange(min=1), default=None, metavar="N",
         help="Number of ranks. Outside MPI, relaunch as `mpiexec -n N python -m mpiparallel ...`; "
@@ -170,7 +181,7 @@ def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbyte
         raise click.BadParameter("--compare nccl times NCCL on GPU buffers; leave out --device or pass --device gpu",
                                  param_hint="'--device'")
     _check_plotting(plot_path)
-    launch.ensure_world_size(ranks, _argv(ctx))
+    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
 
     from . import bench as benchmark
 
@@ -241,7 +252,7 @@ def verify(ctx: click.Context, against: str, device: str | None, ranks: int | No
     if against == "nccl" and device == "cpu":
         raise click.BadParameter("NCCL runs on GPU buffers only; leave out --device or pass --device gpu",
                                  param_hint="'--device'")
-    launch.ensure_world_size(ranks, _argv(ctx))
+    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
 
     from . import verify as verification
 
@@ -420,7 +431,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
     if options["experts"] and options["top_k"] > options["experts"]:
         raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
                                  f"--experts {options['experts']}", param_hint="'--top-k'")
-    launch.ensure_world_size(ranks, _argv(ctx))
+    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()
     from .. import train as training
@@ -485,3 +496,4 @@ main.add_command(schedule_command)
 main.add_command(checkpoint_command)
 main.add_command(plan_command)
 main.add_command(data_command)
+main.add_command(cluster_command)

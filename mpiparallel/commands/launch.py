@@ -20,6 +20,11 @@ are no such order: a dying process closes its files before it becomes a zombie (
 first), so on a loaded machine a rank that hydra killed can become a zombie first (seen once: that rank was
 named). Two ends seen in one wake-up of the watcher are both named.
 
+Hosts. With `--hostfile FILE` the ranks start on the hosts the file names (`hosts.py`): through the launcher of
+a cluster of `mpiparallel cluster` when FILE is one of its hostfiles, else through `mpiexec -f FILE`. On a cluster
+the parent also names a host lost as a whole (killed, or cut off from the network: found by heartbeats) in one
+line, and ends every rank when one is cut off, where MPI itself would wait for minutes.
+
 Errors. MPI jobs fail badly by default: one rank that raises and exits leaves the others blocked forever in
 their next collective, and a bad option prints the same traceback once per rank. `run_guarded` gives every
 failure one of two endings:
@@ -47,13 +52,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import BinaryIO, NoReturn
+from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 import click
 
 from ..errors import ConfigError
+from . import hosts as multi_host
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
 
 RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
@@ -91,19 +101,24 @@ def find_mpiexec() -> str | None:
     return str(beside_python) if os.access(beside_python, os.X_OK) else None
 
 
-def relaunch_command(mpiexec: str, ranks: int, argv: Sequence[str]) -> list[str]:
-    """The command line that starts `ranks` copies of this program with the same arguments."""
-    return [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpiparallel", *argv]
+def relaunch_command(mpiexec: str, ranks: int, argv: Sequence[str], placement: Sequence[str] = ()) -> list[str]:
+    """The command line that starts `ranks` copies of this program with the same arguments; `placement` is
+    mpiexec's options that say where (a hostfile, a launcher)."""
+    return [mpiexec, *placement, "-n", str(ranks), sys.executable, "-m", "mpiparallel", *argv]
 
 
-def ensure_world_size(ranks: int | None, argv: Sequence[str]) -> None:
+def ensure_world_size(ranks: int | None, argv: Sequence[str], hostfile: Path | None = None) -> None:
     """Make this command run on `ranks` ranks: relaunch under mpiexec, or check the running job's size.
 
     `argv` is the command's arguments (without the program name), passed on unchanged to the new ranks.
-    Returns only when this process is one of the right number of ranks; `ranks=None` accepts any job.
+    `hostfile`: start the ranks on its hosts (`ranks=None`: one per slot); ignored under MPI, where the ranks
+    already run where they were placed. Returns only when this process is one of the right number of ranks;
+    `ranks=None` accepts any job.
     """
     if launched_by_mpi():
         _register_pid()
+    elif hostfile is not None:
+        _relaunch_on_hosts(ranks, argv, hostfile)
     if ranks is None:
         return
     if not launched_by_mpi():
@@ -116,7 +131,8 @@ def ensure_world_size(ranks: int | None, argv: Sequence[str]) -> None:
                           f"leave out -n under mpiexec/srun, or give the same number")
 
 
-def _relaunch(ranks: int, argv: Sequence[str]) -> NoReturn:
+def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None
+              ) -> NoReturn:
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
@@ -124,9 +140,26 @@ def _relaunch(ranks: int, argv: Sequence[str]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
-        status = supervise(relaunch_command(mpiexec, ranks, argv), {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids},
-                           Path(pids), ranks)
+        status = supervise(relaunch_command(mpiexec, ranks, argv, placement),
+                           {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids}, Path(pids), ranks, cluster).status
     raise SystemExit(status)
+
+
+def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path) -> NoReturn:
+    """Check the hostfile against `ranks` (one clear error before anything starts), then start the ranks on its
+    hosts: through the cluster's launcher if `mpiparallel cluster up` wrote it, else `mpiexec -f`."""
+    from ..cluster import cluster_of_hostfile, namespaces_of
+
+    hosts = multi_host.read_hostfile(hostfile)
+    ranks = ranks or sum(host.slots for host in hosts)
+    cluster = cluster_of_hostfile(hostfile)
+    if cluster is not None:
+        present = set(namespaces_of(cluster.name))
+        multi_host.check_hosts(hostfile, hosts, ranks, present.__contains__,
+                               f"cluster {cluster.name} has {', '.join(sorted(present)) or 'no host up'}")
+        _relaunch(ranks, argv, cluster.mpiexec_options(), cluster)
+    multi_host.check_hosts(hostfile, hosts, ranks, multi_host.resolvable, "not known to the resolver")
+    _relaunch(ranks, argv, ["-f", str(hostfile)])
 
 
 ENDED, ABORTED, MPI_ERROR = "ended", "aborted", "mpi-error"
@@ -143,13 +176,16 @@ process's files close (at its death, whatever the cause)."""
 
 
 def _register_pid(ending: str = "") -> None:
-    """Under a self-launching parent: tell it which PID this rank has (a file named by the PID, holding the rank),
-    and later how the rank ended through `run_guarded` (so that it was not lost without a word)."""
+    """Under a self-launching parent: tell it which PID this rank has (a file named by the PID, holding the rank)
+    and on which host, and later how the rank ended through `run_guarded` (so that it was not lost without a
+    word). The first time, also start the heartbeat if the parent asked for one."""
     folder = os.environ.get(RANK_PIDS)
     if folder and Path(folder).is_dir():
         (Path(folder) / str(os.getpid())).write_text(f"{launcher_rank()} {ending}")
         if not _connection_to_parent:
+            multi_host.note_rank_host(Path(folder))
             _connect_to_parent(Path(folder) / WATCH_SOCKET)
+            multi_host.start_heartbeat(launcher_rank())
 
 
 def _connect_to_parent(path: Path) -> None:
@@ -167,33 +203,114 @@ def _connect_to_parent(path: Path) -> None:
 
 # -- the self-launching parent --------------------------------------------------------------------------------
 
-def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ranks: int) -> int:
-    """Run mpiexec, passing its output on, and return its exit status. If the job failed because a rank ended
-    without reporting anything, say which (hydra's banner about it is replaced by that line). Ctrl-C reaches
-    mpiexec (it is in our process group), which ends the ranks; a SIGTERM to this process is passed on to it."""
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a self-launched job ended: mpiexec's exit status (or ours, when we ended it), and the hosts it lost."""
+
+    status: int
+    lost: tuple[multi_host.LostHost, ...] = ()
+
+
+def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ranks: int,
+              cluster: Cluster | None = None) -> JobOutcome:
+    """Run mpiexec, passing its output on, and return how it ended. If the job failed because a rank ended
+    without reporting anything, say which (hydra's banner about it is replaced by that line); on a `cluster`, if
+    a whole host was lost, say which host and ranks instead (hydra's and the survivors' error lines are then
+    dropped). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGTERM to this
+    process is passed on to it."""
+    unreachable: list[multi_host.LostHost] = []
+    monitor = None
+    if cluster is not None:
+        def give_up(host: str, seconds: float) -> bool:
+            if multi_host.ended_on_their_own(host, pids, _registered(pids)):
+                return False
+            unreachable.append(multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds))
+            _end_job(process, pids)
+            return True
+
+        monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
+        environ = {**environ, multi_host.HEARTBEAT: monitor.target}
     process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # mpiexec gets it too, and ends the job
-    signal.signal(signal.SIGTERM, lambda number, frame: process.send_signal(number))
+    stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no host, whatever died with it
+
+    def stop(number: int, frame: object) -> None:
+        stopped.append(number)
+        if number == signal.SIGTERM:
+            process.send_signal(number)
+
+    signal.signal(signal.SIGINT, stop)  # mpiexec gets Ctrl-C too (it is in our process group), and ends the job
+    signal.signal(signal.SIGTERM, stop)
     watcher = Endings(pids, ranks)
     watcher.start()
+    if monitor is not None:
+        monitor.start()
     banner: list[bytes] = []
-    relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner)),
-              threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer))]
+    held: list[bytes] | None = [] if cluster is not None else None
+    relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner, held)),
+              threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer, None, held))]
     for relay in relays:
         relay.start()
+    status = process.wait()
+    ended_by_us: set[str] = set()
+    if cluster is not None:  # ranks that mpiexec left behind (a host it lost took its way to end them)
+        ended_by_us = _end_leftovers(pids, multi_host.ENDING_GRACE_S)
     for relay in relays:
         relay.join()
-    status = process.wait()
     watcher.join(timeout=1.0)
-    if status != 0:
+    if monitor is not None:
+        monitor.stop()
+    lost = tuple(unreachable) or (tuple(multi_host.killed_hosts(pids, _registered(pids), ended_by_us))
+                                  if status != 0 and not stopped else ())
+    if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
+        print("\n".join(host.message() for host in lost), file=sys.stderr, flush=True)
+    elif status != 0:
         text = b"".join(banner)
         message = lost_rank_message(text.decode(errors="replace"), _registered(pids), watcher.order, watcher.how)
-        if message is None:
+        if message is None:  # nothing explains the failure: show all that was said about it
+            sys.stderr.buffer.write(b"".join(held or []))
             sys.stdout.buffer.write(text)
             sys.stdout.flush()
         else:
             print(message, file=sys.stderr, flush=True)
-    return status if status >= 0 else 128 - status
+    else:
+        sys.stderr.buffer.write(b"".join(held or []))
+    status = status if status >= 0 else 128 - status
+    return JobOutcome(status or (1 if lost else 0), lost)
+
+
+def _end_job(process: subprocess.Popen, pids: Path) -> None:
+    """End a job that cannot end by itself: every rank, every host's proxy (below its launcher shell), mpiexec."""
+    multi_host.end_processes([*_registered(pids), *_launcher_shells(pids)], f"{RANK_PIDS}={pids}")
+    process.kill()
+
+
+def _launcher_shells(pids: Path) -> dict[int, str]:
+    """PID -> host of the cluster launcher's shells still noted as running (each holds a host's proxy)."""
+    return {int(note[1]): host for host, note in multi_host.host_notes(pids).items()
+            if note[:1] == ["running"] and len(note) > 1 and note[1].isdigit()}
+
+
+def _end_leftovers(pids: Path, grace_s: float) -> set[str]:
+    """After mpiexec ended: give the ranks and the launcher shells `grace_s` to end, then SIGKILL those still
+    here. Returns the hosts whose shells it ended (they did not die with their host)."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in [*_registered(pids), *_launcher_shells(pids)]):
+            return set()
+        time.sleep(0.05)
+    shells = {pid: host for pid, host in _launcher_shells(pids).items() if _alive(pid)}
+    multi_host.end_processes([*_registered(pids), *shells], f"{RANK_PIDS}={pids}")
+    return set(shells.values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _zombie_status(pid) is None
 
 
 class Endings(threading.Thread):
@@ -315,14 +432,24 @@ _BANNER_TAIL = (b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING", b"This typi
                 b"Please see the FAQ page")
 
 
-def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None) -> None:
+_FAILURE_DETAIL = re.compile(rb"^(\[mpiexec@|\[proxy:|\[[^\] ]+:\d+ *:\d+:\d+\]|"
+                             rb"mpiparallel: rank \d+ failed: MPI error)")
+"""Lines that describe a failure from below: hydra's (`[mpiexec@host] … assert (!closed) failed`), UCX's
+(`[host:pid :0:tid] …`) and a survivor's MPI error. On a cluster they wait: a lost host explains them all."""
+
+
+def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None,
+           held: list[bytes] | None = None) -> None:
     """Pass `source` on to `target` line by line; with a `banner` list, hydra's "BAD TERMINATION" banner (two
-    rules of '=' around its lines, then up to three lines about the exit string) goes there instead."""
+    rules of '=' around its lines, then up to three lines about the exit string) goes there instead; with a
+    `held` list, lines that describe a failure from below go there."""
     for line in iter(source.readline, b""):
         rules = 0 if banner is None else sum(bool(_BANNER_RULE.match(kept)) for kept in banner)
         if banner is not None and (rules == 1 or _BANNER_RULE.match(line) or (rules >= 2 and
                                                                                 line.startswith(_BANNER_TAIL))):
             banner.append(line)
+        elif held is not None and _FAILURE_DETAIL.match(line):
+            held.append(line)
         else:
             target.write(line)
             target.flush()
