@@ -9,10 +9,11 @@ goes on to the next), then lines of its output:
     bubble:   0.2727 simulated, 0.2727 formula …
     ```
 
-Each block runs in a fresh folder, its commands one after another with bash (`mpiparallel` and `python` are this
-interpreter's). A command must exit with status 0, and every output line the page shows under it must be found in
-what it printed (stdout and stderr), in the page's order, each within one line of output: runs of spaces compare
-as one, and `…` stands for what the page leaves out (lines, or the rest of a line). Numbers must be equal as
+Each block runs in a fresh folder (with links to the checkout's scripts/ and tests/, and no calibration file: a new
+user's machine), its commands one after another with bash (`mpiparallel` and `python` are this interpreter's). A
+command must exit with status 0, and every output line the page shows under it must be found in what it printed
+(stdout and stderr), in the page's order, each within one line of output: runs of spaces compare as one, and `…`
+stands for what the page leaves out (lines, or the rest of a line). Numbers must be equal as
 written, unless the comment line just before the block says otherwise. Such a comment holds directives, joined by
 `;`:
 
@@ -20,11 +21,13 @@ written, unless the comment line just before the block says otherwise. Such a co
     <!-- doc-test: measured -->            timings: the words and the layout are checked, not the numbers
     <!-- doc-test: needs a GPU -->         runs only where CuPy sees a GPU (a skip elsewhere, as the GPU tests)
     <!-- doc-test: with my_texts -->       the folder holds my_texts/ (text files) and notes.jsonl first
+    <!-- doc-test: python block above as example.py -->   the page's last python block before this one, as that file
     <!-- doc-test: timeout 1200 -->        seconds for the whole block (default 600)
     <!-- doc-test: not run: REASON -->     a block that cannot run in a test (an install, another machine's data)
 
-Any other shell block (bash, sh, shell, console without a `$` line) without `not run: REASON` fails the suite, so no
-command on a page goes unchecked by accident.
+Any other shell block (bash, sh, shell, console without a `$` line, any block with a `$` line) without
+`not run: REASON` fails the suite, so no command on a page goes unchecked by accident; and every repository path a
+page names must exist.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Block:
     language: str
     body: list[str]
     directives: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)  # written into the folder before the commands run
 
     @property
     def name(self) -> str:
@@ -84,15 +88,20 @@ def read_blocks(page: Path) -> list[Block]:
         end = next(i for i in range(number + 1, len(lines)) if lines[i].strip() == "```")
         before = next((lines[i].strip() for i in range(number - 1, -1, -1) if lines[i].strip()), "")
         directive = DIRECTIVE.match(before)
-        blocks.append(Block(str(page.relative_to(ROOT)), number + 1, opening.group(1), lines[number + 1:end],
-                            parse_directives(directive.group(1) if directive else "")))
+        block = Block(str(page.relative_to(ROOT)), number + 1, opening.group(1), lines[number + 1:end],
+                      parse_directives(directive.group(1) if directive else ""))
+        if "python block above as" in block.directives:
+            code = next(b for b in reversed(blocks) if b.language == "python")
+            block.files[block.directives["python block above as"]] = "\n".join(code.body) + "\n"
+        blocks.append(block)
         number = end + 1
     return blocks
 
 
 def parse_directives(text: str) -> dict[str, str]:
     """'numbers within 2%; timeout 900' -> {'numbers within': '2%', 'timeout': '900'}."""
-    known = ("not run:", "numbers within", "measured", "needs a GPU", "with my_texts", "timeout")
+    known = ("not run:", "numbers within", "measured", "needs a GPU", "with my_texts", "python block above as",
+             "timeout")
     directives = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name = next((k for k in known if part.startswith(k)), None)
@@ -225,6 +234,8 @@ def run_block(block: Block) -> None:
         environment = _shims(folder)
         if "with my_texts" in block.directives:
             _write_my_texts(folder)
+        for name, text in block.files.items():
+            (folder / name).write_text(text)
         for command in commands:
             try:
                 finished = run_with_timeout(["bash", "-c", command.text], timeout, merge_output=True, cwd=folder,
@@ -271,6 +282,15 @@ def test_every_shell_block_is_a_transcript_the_test_runs_or_says_why_not():
 def test_directives_sit_only_on_shell_blocks():
     misplaced = [block.name for block in ALL_BLOCKS if block.directives and block not in SHELL_BLOCKS]
     assert not misplaced, misplaced
+
+
+REPOSITORY_PATH = re.compile(r"(?<![\w/.])((?:collectives|models|mpiparallel|scripts|tests)/[\w/.-]*[\w/])")
+
+
+def test_every_file_a_page_names_exists():
+    """A renamed or removed module leaves no page pointing at it (`models/gpt.py`, `scripts/bench_data.py`, …)."""
+    named = [(page.name, path) for page in PAGES for path in REPOSITORY_PATH.findall(page.read_text())]
+    assert named and not [(page, path) for page, path in named if not (ROOT / path).exists()]
 
 
 # the matcher itself: what it accepts and what it must refuse
