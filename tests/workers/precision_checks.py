@@ -1,7 +1,7 @@
 """How far a bfloat16 all-reduce is from the exact sum: the ring (rounding each partial sum as it travels), the
 pairwise algorithm (a float32 sum, rounded once) and the float32 ring, on gradient-like data.
 
-Run on its own to print the table of `collectives/pairwise.py` and the README:
+Run on its own to print the table of `collectives/pairwise.py` and docs/collectives.md:
 
     mpiexec -n 4 python tests/workers/precision_checks.py [elements per rank]
 """
