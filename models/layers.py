@@ -751,7 +751,7 @@ class Embedding(Layer):
         saved.clear()
 
 
-class TiedHeadCrossEntropy(Layer):
+class HeadCrossEntropy(Layer):
     """logits = x @ wteᵀ (the LM head shares the token embedding), then softmax cross-entropy.
 
     `forward` returns the *sum* of the token losses divided by `normalizer` (the token count of the whole

@@ -1,5 +1,5 @@
 """Megatron tensor parallelism (TP) with a vocab-parallel embedding and cross-entropy, and Megatron sequence
-parallelism (SP) — the same GPT-2 as `models.gpt.GPT`, its weights split over the n ranks of a TP group.
+parallelism (SP) — the same GPT-2 as `models.transformer.Transformer`, its weights split over the n ranks of a TP group.
 
 What each rank holds and computes (H heads, C = n_embd, V vocabulary, n = tp):
 
@@ -81,11 +81,11 @@ import numpy as np
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
-from .gpt import GPT, GPTConfig, initial_value
 from .layers import QUERY_BLOCK, ConcatenatedLinear, Layer, Linear, Saved
 from .moe import expert_placement
 from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
 from .precision import narrow, widen
+from .transformer import GPTConfig, Transformer, initial_value
 
 TP_AXIS = "tp"
 
@@ -413,8 +413,8 @@ def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
 
 # -- the model -----------------------------------------------------------------------------------------------
 
-class TensorParallelGPT(GPT):
-    """GPT-2 over a TP group: `models.gpt.GPT` with parallel layers in place of the serial ones.
+class TensorParallelTransformer(Transformer):
+    """GPT-2 over a TP group: `models.transformer.Transformer` with parallel layers in place of the serial ones.
 
     Forward, backward (over any range of units), the hook calls and state loading are inherited unchanged:
     only the layer factories differ.
@@ -422,7 +422,7 @@ class TensorParallelGPT(GPT):
     `forward` returns the same loss on every rank of the group (every rank holds the whole batch's tokens);
     `parameters()` and `state_dict()` are this rank's shards (`Parameter.placement` says how each was cut);
     `full_state_dict` gathers the serial tensors. The initial values are the serial model's (drawn whole from
-    `models.gpt.initial_value`, then cut), so every tp starts from, and computes, the same numbers. `algo`
+    `models.transformer.initial_value`, then cut), so every tp starts from, and computes, the same numbers. `algo`
     picks the algorithm of every TP collective ("ring" makes the byte counts exactly the textbook's).
 
     With SP the LayerNorms' gradients are partial sums over the group (placement `Partial` on "tp"): sum them
@@ -494,14 +494,15 @@ class TensorParallelGPT(GPT):
         return max(self.config.kv_heads // self.group.size, 1)
 
     def generate(self, *args: Any, **kwargs: Any) -> Array:
-        raise NotImplementedError("sample from the serial model: GPT(config).load_state_dict(full_state_dict(...))")
+        raise NotImplementedError("sample from the serial model: "
+                                  "Transformer(config).load_state_dict(full_state_dict(...))")
 
     def logits(self, tokens: Array) -> Array:
         raise NotImplementedError("the vocab-parallel head never gathers the logits; use the serial model")
 
 
-def full_state_dict(model: TensorParallelGPT, comm: Any = None) -> dict[str, Array]:
-    """The serial model's state dict (names and shapes of `GPT.state_dict()`, vocabulary padding dropped),
+def full_state_dict(model: TensorParallelTransformer, comm: Any = None) -> dict[str, Array]:
+    """The serial model's state dict (names and shapes of `Transformer.state_dict()`, vocabulary padding dropped),
     gathered on every rank of the TP group `comm` (default: the model's): one all-gather per sharded tensor."""
     comms = {TP_AXIS: model.comm if comm is None else comm}
     return {name: gather_tensor(param.data, param.placement, comms, param.full_shape)

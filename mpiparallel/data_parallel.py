@@ -44,9 +44,9 @@ import numpy as np
 import collectives
 from collectives import Communicator
 from collectives.backend import Array, get_array_module
-from models.gpt import ParameterHooks
 from models.layers import distinct_bytes
 from models.parameter import PARTIAL, FlatShard, Parameter
+from models.transformer import ParameterHooks
 
 from .errors import ConfigError
 

@@ -29,7 +29,6 @@ import numpy as np
 import collectives
 from collectives import Communicator, backend
 from models.context_parallel import ContextParallelGroup, zigzag_shard
-from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes
 from models.layers import block_activation_elements
 from models.moe import expert_bias_name, expert_index, update_expert_bias
 from models.parameter import (
@@ -42,7 +41,8 @@ from models.parameter import (
     reduce_partial_gradients,
 )
 from models.precision import LossScaler, dtype_named, has_overflow, is_narrow, model_state_bytes
-from models.tensor_parallel import TensorParallelGPT, check_tensor_parallel_shape
+from models.tensor_parallel import TensorParallelTransformer, check_tensor_parallel_shape
+from models.transformer import GPTConfig, Transformer, expert_bias_shapes, parameter_shapes
 
 from . import checkpoint, data, optim, traffic, training_checkpoint
 from .data_parallel import DataParallel, DataParallelGroups
@@ -257,7 +257,7 @@ def run(settings: TrainSettings) -> int:
             reporter.say(f"no sample: the vocabulary has {config.vocab_size} tokens and neither the data nor the "
                          f"model folder has a tokenizer.json to decode them")
         else:
-            serial = GPT(config, dtype=np.dtype(settings.model.dtype))
+            serial = Transformer(config, dtype=np.dtype(settings.model.dtype))
             serial.load_state_dict(full)
             reporter.say(sample_text(serial, prompt="The " if tokenizer.kind == "byte" else "The",
                                      new_tokens=settings.output.sample_tokens, seed=settings.model.seed,
@@ -278,7 +278,7 @@ class Trainer:
     """One optimizer step over the mesh: each DP rank runs its rows of the batch, microbatch by microbatch, with
     the data-parallel engine as the model's hooks; then clipping, the update, and the bookkeeping."""
 
-    def __init__(self, model: GPT, engine: DataParallel, optimizer: Any, mesh: Mesh, settings: TrainSettings,
+    def __init__(self, model: Transformer, engine: DataParallel, optimizer: Any, mesh: Mesh, settings: TrainSettings,
                  schedule: Schedule | None = None) -> None:
         self.model, self.engine, self.optimizer, self.mesh, self.settings = model, engine, optimizer, mesh, settings
         self.microbatches = microbatch_count(settings, mesh)
@@ -644,7 +644,7 @@ def _sum_over(comm: Communicator, value: float) -> float:
     return float(collectives.all_reduce(np.array([value]), comm, algo="mpi")[0])
 
 
-def sample_text(model: GPT, prompt: str | None, new_tokens: int, seed: int, temperature: float = 0.8,
+def sample_text(model: Transformer, prompt: str | None, new_tokens: int, seed: int, temperature: float = 0.8,
                 top_k: int | None = 40, window: int | None = None, tokenizer: data.Tokenizer | None = None) -> str:
     """Tokens sampled after `prompt`, encoded and decoded by `tokenizer` (default: bytes, as UTF-8 with bad bytes
     replaced); no prompt starts a document (the end-of-text token) and shows only what follows. `window`: the
@@ -775,9 +775,9 @@ def _build_schedule(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> S
 
 
 def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule: Schedule | None,
-                 xp: Any = np) -> GPT:
-    """This rank's model: the serial GPT, or with --tp its tensor-parallel version (this rank's shards of the same
-    weights), holding only this pipeline rank's stages; every parameter's placement records the mesh."""
+                 xp: Any = np) -> Transformer:
+    """This rank's model: the serial Transformer, or with --tp its tensor-parallel version (this rank's shards of the
+    same weights), holding only this pipeline rank's stages; every parameter's placement records the mesh."""
     dtype = np.dtype(settings.model.dtype)
     tp = mesh.shape.tp
     if settings.mesh.sp and settings.data.seq_len % tp:
@@ -792,13 +792,13 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
     if config.n_experts:
         common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
     if tp == 1:
-        model = GPT(config, **common)
+        model = Transformer(config, **common)
     else:
         try:
             check_tensor_parallel_shape(config, tp)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        model = TensorParallelGPT(config, mesh.tp, sequence_parallel=settings.mesh.sp, **common)
+        model = TensorParallelTransformer(config, mesh.tp, sequence_parallel=settings.mesh.sp, **common)
     if schedule is not None:
         _place_on_pipeline(model, schedule)
     if mesh.shape.ep > 1:  # each EP rank holds other experts: dp is (expert_dp, ep), see `_build_engines`
@@ -819,7 +819,7 @@ def _check_experts(config: GPTConfig, mesh: Mesh) -> None:
         raise ConfigError(f"--ep {ep} must divide --experts {config.n_experts} (each EP rank holds E/ep experts)")
 
 
-def _build_engines(model: GPT, mesh: Mesh, settings: TrainSettings, overlap: bool) -> Any:
+def _build_engines(model: Transformer, mesh: Mesh, settings: TrainSettings, overlap: bool) -> Any:
     """Data parallelism for the model: gradients summed over dp (×cp); with expert parallelism the experts are
     summed only over the ranks holding the same experts (expert_dp, ×cp), in their own engine."""
     options = {"zero": settings.mesh.zero, "bucket_mb": settings.mesh.bucket_mb, "overlap": overlap}
@@ -861,7 +861,7 @@ def _gradient_group(mesh: Mesh) -> tuple[Communicator, tuple[str, ...]]:
     return (mesh.dp, ("dp",)) if mesh.shape.cp == 1 else (mesh.dp_cp, ("dp", "cp"))
 
 
-def _place_on_pipeline(model: GPT, schedule: Schedule) -> None:
+def _place_on_pipeline(model: Transformer, schedule: Schedule) -> None:
     """Each stage's parameters are held by its rank alone; a tied token embedding, read by the first stage and
     the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank holds both (an
     untied llama head is the last stage's own)."""
@@ -937,7 +937,7 @@ def _build_optimizer(settings: TrainSettings, params: list) -> Any:
     return optim.AdamW(params, lr=settings.optimizer.lr, weight_decay=settings.optimizer.weight_decay)
 
 
-def _resume(settings: TrainSettings, model: GPT, mesh: Mesh, data_identity: dict[str, Any]
+def _resume(settings: TrainSettings, model: Transformer, mesh: Mesh, data_identity: dict[str, Any]
             ) -> tuple[TrainingCheckpoint | None, int]:
     """Load the newest training checkpoint's parameters and expert biases into `model` when --resume is given,
     resharded to this mesh (before the data-parallel engines take the parameters over).
@@ -1060,7 +1060,8 @@ def generate(init: str, prompt: str | None, prompt_ids: list[int] | None, new_to
     byte-level model), token ids when the prompt is given as ids."""
     config, tensors, _ = checkpoint.load_pretrained(init)
     dtype = next(iter(tensors.values())).dtype
-    model = GPT(config, dtype=np.float32 if is_narrow(dtype) else dtype)  # a bfloat16 checkpoint computes in float32
+    # a bfloat16 checkpoint computes in float32
+    model = Transformer(config, dtype=np.float32 if is_narrow(dtype) else dtype)
     model.load_state_dict(tensors)
     if prompt_ids is None:
         tokenizer = data.tokenizer_of_folder(init)

@@ -54,8 +54,8 @@ import safetensors.numpy
 
 from collectives import Communicator
 from collectives.backend import Array, like, to_host
-from models.gpt import GPTConfig
 from models.parameter import HELD, Placement, Sharded, counts_once, local_shape, padded_length
+from models.transformer import GPTConfig
 
 from .checkpoint import read_json_object
 from .errors import ConfigError

@@ -21,7 +21,7 @@ import os
 import pytest
 from mpi_harness import run_on_ranks, train_error
 
-from models.gpt import GPTConfig, parameter_shapes
+from models.transformer import GPTConfig, parameter_shapes
 
 DENSE = {"n_layer": 4, "n_head": 4, "n_embd": 16, "seq_len": 16, "batch_size": 8, "steps": 2, "dtype": "float64",
          "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 256, "lr": 1e-2,

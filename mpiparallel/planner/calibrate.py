@@ -61,7 +61,7 @@ def elementwise_rate(elements: int, barrier) -> float:
 
 def serial_step_seconds(shape: dict[str, int], rows: int, barrier) -> float:
     """Seconds of one training step (forward, backward, AdamW) of the serial float32 model on `rows` sequences."""
-    from models.gpt import GPT, GPTConfig
+    from models.transformer import GPTConfig, Transformer
 
     from ..commands.launch import keep_freed_memory
     from ..optim import AdamW
@@ -70,7 +70,7 @@ def serial_step_seconds(shape: dict[str, int], rows: int, barrier) -> float:
 
     config = GPTConfig(vocab_size=shape["vocab_size"], n_positions=max(1024, shape["seq_len"]),
                        n_embd=shape["n_embd"], n_layer=shape["n_layer"], n_head=shape["n_head"])
-    model = GPT(config, dtype=np.float32)
+    model = Transformer(config, dtype=np.float32)
     optimizer = AdamW(model.parameters(), lr=1e-4)
     window = np.random.default_rng(0).integers(0, config.vocab_size, (rows, shape["seq_len"] + 1))
     inputs, targets = window[:, :-1], window[:, 1:]

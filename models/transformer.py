@@ -19,7 +19,7 @@ seeded by (seed, its name), so every parallel layout of the model starts from th
 With `GPTConfig.n_experts` > 0 every block's MLP is a mixture of experts (`models.moe`): parameters
 `h.{i}.mlp.router.weight` [n_embd, E] and the experts' `h.{i}.mlp.experts.{e}.c_fc/c_proj.{weight,bias}`
 (initialized as the MLP's, c_proj residual-scaled), and state `h.{i}.mlp.router.expert_bias` [E]
-(`GPT.expert_biases`, zeros). The loss then includes the experts' aux losses (`GPT.forward` says how).
+(`Transformer.expert_biases`, zeros). The loss then includes the experts' aux losses (`Transformer.forward` says how).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from .layers import (
     CausalSelfAttention,
     ConcatenatedLinear,
     Embedding,
+    HeadCrossEntropy,
     KVCache,
     LayerNorm,
     Linear,
@@ -51,7 +52,6 @@ from .layers import (
     RMSNorm,
     Saved,
     SwiGLU,
-    TiedHeadCrossEntropy,
 )
 from .moe import (
     MixtureOfExperts,
@@ -295,7 +295,7 @@ class ParameterHooks:
 NO_HOOKS = ParameterHooks()
 
 
-class GPT:
+class Transformer:
     """The serial GPT-2 model with hand-written backward.
 
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
@@ -406,7 +406,7 @@ class GPT:
         return self.params["transformer.wte.weight" if self.config.tied else "lm_head.weight"]
 
     def _cross_entropy(self) -> Any:
-        return self._narrowed(TiedHeadCrossEntropy(self._head_weight()))
+        return self._narrowed(HeadCrossEntropy(self._head_weight()))
 
     def _block(self, i: int) -> Block:
         prefix = f"transformer.h.{i}"
