@@ -1,4 +1,6 @@
-"""GPT-2: token + position embeddings, n_layer pre-LayerNorm blocks, final LayerNorm, LM head tied to wte.
+"""The transformer of every family: token embedding (+ learned positions for GPT-2; RoPE inside attention for
+Llama), n_layer pre-norm blocks, final norm, LM head (tied to wte for GPT-2, untied by default for Llama);
+`GPTConfig.arch` names the family, `models.families` maps its checkpoint names.
 
 The model is a row of units — the embedding (unit 0), each block (units 1 … n_layer) and the head (final
 LayerNorm, tied LM head and cross-entropy: unit n_layer + 1) — and runs any contiguous range of them, so a
@@ -296,7 +298,7 @@ NO_HOOKS = ParameterHooks()
 
 
 class Transformer:
-    """The serial GPT-2 model with hand-written backward.
+    """The serial model of every family (GPT-2, Llama, Mixtral: `GPTConfig.arch`) with hand-written backward.
 
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
     `query_block` the attention's query block length; neither changes the numbers. `units` (default: all) are
@@ -311,8 +313,7 @@ class Transformer:
     expert biases are state in `expert_biases` (by checkpoint name), not parameters.
     """
 
-    ep_comm: Communicator | None = None  # class defaults, for subclasses that build the model their own way
-    moe_token_sets: int = 1
+    key_value_group: Communicator | None = None  # TP ranks holding the same KV heads (the TP model's)
     loss_scale: float = 1.0  # float16's loss scaling: forward returns, and backward differentiates, S·objective
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
@@ -326,12 +327,16 @@ class Transformer:
         self.moe_token_sets = moe_token_sets
         self._set_precision(dtype, compute_dtype, grad_dtype)
         self._hold(units)
-        self.params = {name: self._parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)),
-                                             expert_placement(name, self._ep_size()))
+        self.params = {name: self._initial_parameter(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}
         self._assemble(recompute, query_block)
 
-    # -- construction (the tensor-parallel model overrides the three layer factories) ---------------------------
+    # -- construction (the tensor-parallel model overrides `_initial_parameter` and the layer factories) ---------
+
+    def _initial_parameter(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
+        """The parameter `name` from its serial initial value, as this process holds it (the experts: placement
+        `Held` on "ep")."""
+        return self._parameter(name, xp.asarray(full), expert_placement(name, self._ep_size()))
 
     def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any) -> None:
         """The master dtype (`dtype`: the weights as initialized and updated), the compute dtype of the working

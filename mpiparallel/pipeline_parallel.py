@@ -41,6 +41,7 @@ from collectives import Communicator
 from collectives.backend import Array, HostStaging, get_array_module
 from collectives.communicator import FIRST_COLLECTIVE_TAG
 from models.layers import distinct_bytes
+from models.parameter import HELD, PARTIAL
 from models.transformer import NO_HOOKS, Transformer
 
 from .errors import ConfigError
@@ -106,6 +107,15 @@ def recv_forward(out: Array, comm: Communicator, source: int, tag: int) -> MPI.R
 def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> MPI.Request:
     """Backward of `recv_forward`: send d(stage input) back to the previous stage's rank."""
     return comm.isend(dinput, dest, tag)
+
+
+def place_on_pipeline(model: Transformer, schedule: Schedule) -> None:
+    """The pp placement: each stage's parameters are held by its rank alone; a tied token embedding, read by the
+    first stage and the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank
+    holds both (an untied llama head is the last stage's own)."""
+    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.tied
+    for name, param in model.params.items():
+        param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
 
 
 def sum_tied_gradient(model: Transformer, comm: Communicator, first: int, last: int) -> None:

@@ -6,6 +6,7 @@ the compute rates of this machine under MPI), `page` (the self-contained interac
 
 from .core import (
     AXES,
+    DEFAULT_PEAK_FLOPS,
     PRECISIONS,
     Choices,
     Cluster,
@@ -23,6 +24,6 @@ from .core import (
     precision_with,
 )
 
-__all__ = ["AXES", "PRECISIONS", "Choices", "Cluster", "Layout", "Model", "Plan", "Precision", "candidate_layouts",
-           "data_parallel_degree", "evaluate", "load_machine", "min_microbatches", "min_model_parallel", "plan",
-           "precision_with"]
+__all__ = ["AXES", "DEFAULT_PEAK_FLOPS", "PRECISIONS", "Choices", "Cluster", "Layout", "Model", "Plan", "Precision",
+           "candidate_layouts", "data_parallel_degree", "evaluate", "load_machine", "min_microbatches",
+           "min_model_parallel", "plan", "precision_with"]

@@ -152,6 +152,10 @@ class Model:
         return self.total_parameters() - self.n_layer * (self.experts - self.top_k) * expert_parameters(self)
 
 
+DEFAULT_PEAK_FLOPS = 989e12
+"""An H100's dense bfloat16 matmul FLOP/s: `plan --peak-flops`'s default, and the peak of a GPU in train's MFU."""
+
+
 @dataclass(frozen=True)
 class Cluster:
     """GPUs (or ranks) and what they can do; rates are per rank."""
@@ -161,7 +165,7 @@ class Cluster:
     gpus_per_node: int = 8
     intra: CostModel = CostModel(alpha=5e-6, beta=1 / 450e9, gamma=1 / 1.5e12)
     inter: CostModel = CostModel(alpha=10e-6, beta=1 / 50e9, gamma=1 / 1.5e12)
-    matmul_flops: float = 989e12 * 0.5
+    matmul_flops: float = DEFAULT_PEAK_FLOPS * 0.5
     elementwise_bytes: float = 3.35e12 * 0.5
 
 

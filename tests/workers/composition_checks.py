@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiparallel import checkpoint, train
+from mpiparallel import checkpoint
+from mpiparallel.train import loop as train
 
 from .arrays import host, parallel_array_module
 from .byte_data import on_bytes
