@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import BinaryIO, NoReturn
@@ -57,6 +57,10 @@ from ..errors import ConfigError
 
 RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
+
+TERMINAL = "MPIPARALLEL_TERMINAL"
+"""Set to 1 for the ranks when the self-launching parent's output is a terminal: rank 0's output reaches it
+through mpiexec's pipes and this relay, so a progress line may rewrite itself in place (`train.reports`)."""
 
 RELAUNCHED = "MPIPARALLEL_RELAUNCHED"
 """Set in the environment of relaunched ranks, so an MPI whose launcher sets none of the variables below can
@@ -124,8 +128,9 @@ def _relaunch(ranks: int, argv: Sequence[str]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
-        status = supervise(relaunch_command(mpiexec, ranks, argv), {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids},
-                           Path(pids), ranks)
+        terminal = {TERMINAL: "1"} if sys.stdout.isatty() else {}
+        status = supervise(relaunch_command(mpiexec, ranks, argv),
+                           {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids, **terminal}, Path(pids), ranks)
     raise SystemExit(status)
 
 
@@ -315,10 +320,24 @@ _BANNER_TAIL = (b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING", b"This typi
                 b"Please see the FAQ page")
 
 
+def _pieces(source: BinaryIO) -> Iterator[bytes]:
+    """`source` in pieces that end at a newline or a carriage return (a progress line rewritten in place ends
+    at "\r" and must show now, not when a newline comes), the last one as it is."""
+    pending = b""
+    for chunk in iter(lambda: source.read1(1 << 16), b""):
+        pending += chunk
+        while (end := min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1)) >= 0:
+            yield pending[:end + 1]
+            pending = pending[end + 1:]
+    if pending:
+        yield pending
+
+
 def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None) -> None:
-    """Pass `source` on to `target` line by line; with a `banner` list, hydra's "BAD TERMINATION" banner (two
-    rules of '=' around its lines, then up to three lines about the exit string) goes there instead."""
-    for line in iter(source.readline, b""):
+    """Pass `source` on to `target` line by line (or up to a carriage return); with a `banner` list, hydra's "BAD
+    TERMINATION" banner (two rules of '=' around its lines, then up to three lines about the exit string) goes
+    there instead."""
+    for line in _pieces(source):
         rules = 0 if banner is None else sum(bool(_BANNER_RULE.match(kept)) for kept in banner)
         if banner is not None and (rules == 1 or _BANNER_RULE.match(line) or (rules >= 2 and
                                                                                 line.startswith(_BANNER_TAIL))):

@@ -23,11 +23,13 @@ from typing import Any, TextIO
 from models.moe import expert_index
 from models.transformer import GPTConfig, parameter_shapes
 
+from ..text import plural
 from .settings import TrainSettings
 
 TERMINAL = "MPIPARALLEL_TERMINAL"
-"""Set to 1 by the self-launching parent (`mpiparallel.commands.launch`) when its own output is a terminal:
-rank 0's output then reaches one through mpiexec's pipes, and the progress line may rewrite itself."""
+"""Set to 1 by the self-launching parent (`mpiparallel.commands.launch.TERMINAL`) when its own output is a
+terminal: rank 0's output then reaches one through mpiexec's pipes, and the progress line may rewrite itself.
+Under a launcher of one's own, set it by hand: `mpiexec -n 4 env MPIPARALLEL_TERMINAL=1 mpiparallel train`."""
 
 MOVING_STEPS = 10
 """Steps in the moving means of tokens/s and ms/step."""
@@ -56,11 +58,6 @@ def model_flops_per_token(config: GPTConfig, seq_len: int) -> float:
         share = config.moe_top_k / config.n_experts if expert_index(name) is not None else 1.0
         weights += math.prod(shape) * share
     return 6 * weights + 6 * config.n_layer * seq_len * config.n_embd
-
-
-def plural(count: int, noun: str) -> str:
-    """"1 layer", "4 layers"."""
-    return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
 def _duration(seconds: float) -> str:
@@ -120,8 +117,8 @@ class Reporter:
         tokens, seconds = (sum(column) for column in zip(*self.recent_steps, strict=True))
         tokens_per_second = tokens / seconds if seconds > 0 else 0.0
         milliseconds = 1000 * seconds / len(self.recent_steps)
-        line = (f"step {step + 1:>5}/{steps} | loss {record['loss']:.4f}, mean of {len(self.recent_losses):>3} {mean:.4f} | "
-                f"lr {record['lr']:.2e} | {tokens_per_second:,.0f} tok/s, {milliseconds:,.0f} ms/step")
+        line = (f"step {step + 1:>5}/{steps} | loss {record['loss']:.4f}, mean of {len(self.recent_losses):>3} "
+                f"{mean:.4f} | lr {record['lr']:.2e} | {tokens_per_second:,.0f} tok/s, {milliseconds:,.0f} ms/step")
         if self.peak_flops > 0:
             line += f", MFU {tokens_per_second * self.flops_per_token / self.peak_flops:.2%}"
         if "router" in record:
