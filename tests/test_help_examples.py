@@ -46,7 +46,7 @@ def help_examples() -> list[str]:
     examples = []
     found = commands()
     for _, command in sorted(found, key=lambda entry: entry[0] not in WRITERS_FIRST):
-        lines = (command.help or "").split("Examples:", 1)[1:]
+        lines = (command.help or "").replace("Example:", "Examples:").split("Examples:", 1)[1:]
         text = lines[0].replace("\\\n", " ") if lines else ""
         for line in text.splitlines():
             for part in line.split("&&"):
@@ -100,6 +100,10 @@ def test_every_help_example_runs(tmp_path):
             (tmp_path / "gpt2-model-folder").mkdir(exist_ok=True)
             (tmp_path / "gpt2-model-folder" / "tokenizer.json").write_bytes(
                 (tmp_path / "data" / "books" / "tokenizer.json").read_bytes())
+        if example.startswith("mpiparallel checkpoint info checkpoints/"):  # a training checkpoint to show
+            made = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "--steps", "1", "--checkpoint-dir",
+                                     "checkpoints", "--checkpoint-every", "1"], timeout=600, cwd=tmp_path)
+            assert made.returncode == 0, made.stderr
         if "fineweb10B/" in example:  # an llm.c shard, as fineweb.py writes them: one of ours
             (tmp_path / "fineweb10B").mkdir(exist_ok=True)
             (tmp_path / "fineweb10B" / "fineweb_val_000000.bin").write_bytes(

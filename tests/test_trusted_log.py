@@ -14,6 +14,7 @@ import time
 import click
 import pytest
 from mpi_harness import run_with_timeout
+from optional import optional_module
 
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import checkpoint, data
@@ -170,3 +171,67 @@ def test_plan_with_nothing_feasible_says_which_constraint_and_fails(options, nam
     assert result.returncode != 0
     assert named in result.stderr, result.stderr
     assert "the fastest 0" not in result.stdout
+
+
+def test_blas_threads_leave_out_the_cores_a_busy_machine_keeps_busy():
+    """On an idle node each rank gets its share of the cores; with other jobs running (load average 20 on 2
+    cores, where 2 threads ran 2.6× slower than 1) one thread; never fewer than 1."""
+    from mpiparallel.process import limit_blas_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert limit_blas_threads(None, environ={}, load=0.3) == cores
+    assert limit_blas_threads(None, environ={}, load=20.0) == 1
+    assert limit_blas_threads(None, environ={"MPI_LOCALNRANKS": str(2 * cores)}, load=0.0) == 1
+    if cores >= 2:
+        assert limit_blas_threads(None, environ={}, load=cores - 1.0) == 1
+    assert limit_blas_threads(None, environ={"OMP_NUM_THREADS": "3"}, load=20.0) == 3
+
+
+def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
+    """Every scalar in the event files of `folder`: TFRecords (length, its CRC, an Event protobuf, its CRC)."""
+    event_pb2 = optional_module("tensorboardX.proto.event_pb2", "--tensorboard writes with tensorboardX")
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        raw, offset = path.read_bytes(), 0
+        while offset < len(raw):
+            length = int.from_bytes(raw[offset:offset + 8], "little")
+            event = event_pb2.Event.FromString(raw[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_gets_each_steps_loss_throughput_and_bytes_per_axis(tmp_path):
+    optional_module("tensorboardX", "--tensorboard writes with tensorboardX")
+    log, board = tmp_path / "log.jsonl", tmp_path / "board"
+    result = mpiparallel("train", "-n", "2", *TINY, "--steps", "3", "--log-json", str(log), "--tensorboard",
+                         str(board))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    scalars = tensorboard_scalars(board)
+    assert scalars["loss/train"] == pytest.approx({r["step"] + 1: r["loss"] for r in records}, rel=1e-6)
+    assert scalars["bytes_sent/dp"] == {r["step"] + 1: r["comm_bytes"]["dp"] for r in records}
+    assert scalars["bytes_sent/dp"][1] > 0
+    speeds = {r["step"] + 1: r["tokens"] / r["time_s"] for r in records}
+    assert scalars["throughput/tokens_per_second"] == pytest.approx(speeds, rel=1e-6)
+
+
+def test_plot_draws_the_logs_loss_tokens_per_second_and_bytes_per_axis(tmp_path):
+    optional_module("matplotlib", "mpiparallel plot draws with matplotlib")
+    from mpiparallel.commands.plot import draw, read_log
+
+    log = tmp_path / "log.jsonl"
+    records = [{"step": s, "loss": 5.0 - s, "lr": 1e-3, "tokens": 100, "time_s": 0.5 + s,
+                "comm_bytes": {"dp": 1000 * (s + 1), "tp": 7}} for s in range(4)]
+    records[3]["val_loss"] = 2.5
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*records, {"event": "restart", "step": 2}]))
+    figure = draw(read_log(log))
+    loss, speed, traffic = figure.axes
+    assert list(loss.lines[0].get_ydata()) == [5.0, 4.0, 3.0, 2.0] and list(loss.lines[1].get_ydata()) == [2.5]
+    assert list(speed.lines[0].get_ydata()) == pytest.approx([200, 100 / 1.5, 40, 100 / 3.5])
+    assert {line.get_label(): list(line.get_ydata()) for line in traffic.lines} == {
+        "dp": [0.001, 0.002, 0.003, 0.004], "tp": [7e-6] * 4}
+    result = mpiparallel("plot", str(log), "-o", str(tmp_path / "run.png"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -23,6 +23,7 @@ from . import launch
 from .checkpoint import checkpoint as checkpoint_command
 from .data import data as data_command
 from .plan import plan as plan_command
+from .plot import plot as plot_command
 from .schedule import schedule as schedule_command
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
@@ -257,7 +258,8 @@ def verify(ctx: click.Context, against: str, device: str | None, ranks: int | No
 def threads_option(command: Callable) -> Callable:
     return click.option(
         "--threads", type=click.IntRange(min=1), default=None,
-        help="BLAS threads per rank. [default: this node's cores divided by its ranks; OMP_NUM_THREADS and "
+        help="BLAS threads per rank. [default: the cores the node's load average leaves free, divided by its "
+             "ranks, at least 1 (on a busy machine spinning BLAS threads fight other jobs); OMP_NUM_THREADS and "
              "OPENBLAS_NUM_THREADS, if set, win]")(command)
 
 
@@ -348,6 +350,10 @@ def threads_option(command: Callable) -> Callable:
                    "validation shards).")
 @click.option("--log-json", type=click.Path(dir_okay=False), default=default("log_json"),
               help="Write one JSON object per step here (rank 0).")
+@click.option("--tensorboard", type=click.Path(file_okay=False), default=default("tensorboard"),
+              help="Also write each step's loss, learning rate, tokens/s, gradient norm and bytes per axis as "
+                   "TensorBoard scalars to this folder (rank 0; needs tensorboardX: pip install "
+                   "'mpiparallel[tensorboard]'). View with `tensorboard --logdir DIR`.")
 @click.option("--trace", type=click.Path(dir_okay=False), default=default("trace"),
               help="Write a Chrome trace-event JSON of the run (ui.perfetto.dev, chrome://tracing): per rank the "
                    "steps, pipeline actions and collectives, an arrow from each pipeline send to its receive.")
@@ -433,6 +439,9 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 4 --arch llama --n-head 4 --n-kv-head 1 --tp 2 --experts 4 --ep 2
     """
     _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
+    if options["tensorboard"] is not None and importlib.util.find_spec("tensorboardX") is None:
+        raise click.BadParameter("writing TensorBoard files needs tensorboardX: pip install 'mpiparallel[tensorboard]'"
+                                 " (or pip install tensorboardX)", param_hint="'--tensorboard'")
     if options["experts"] and options["top_k"] > options["experts"]:
         raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
                                  f"--experts {options['experts']}", param_hint="'--top-k'")
@@ -501,3 +510,4 @@ main.add_command(schedule_command)
 main.add_command(checkpoint_command)
 main.add_command(plan_command)
 main.add_command(data_command)
+main.add_command(plot_command)

@@ -54,6 +54,7 @@ from typing import BinaryIO, NoReturn
 import click
 
 from ..errors import ConfigError
+from ..process import keep_freed_memory, limit_blas_threads  # noqa: F401 (the commands' and scripts' entry)
 
 RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
@@ -378,48 +379,6 @@ PEER_DEATH_GRACE_S = 1.0
 MESSAGE_GRACE_S = 0.3
 """How long a failing rank waits between printing its message and MPI_Abort: mpiexec relays a rank's output
 through a pipe and may tear the job down before it has read the last lines (seen on a loaded machine)."""
-
-_BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-_LOCAL_RANK_COUNT_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-
-
-def limit_blas_threads(threads: int | None, environ: dict[str, str] = os.environ) -> int:
-    """Give each rank its share of this node's cores for BLAS (call before NumPy is imported).
-
-    Ranks on one node that each start a thread per core fight over the cores and all run slower. Default:
-    cores ÷ ranks on this node (from the launcher's variables), at least 1. An explicit `threads` wins; so do
-    OMP_NUM_THREADS/OPENBLAS_NUM_THREADS already set by the user. Returns the thread count in effect.
-    """
-    if threads is None:
-        already = next((environ[name] for name in _BLAS_THREAD_VARIABLES if environ.get(name)), None)
-        if already is not None:
-            return int(already)
-        local_ranks = next((int(environ[name]) for name in _LOCAL_RANK_COUNT_VARIABLES if environ.get(name)), 1)
-        threads = max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1))
-    for name in _BLAS_THREAD_VARIABLES:
-        environ[name] = str(threads)
-    return threads
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the operating system.
-
-    Layers keep no activations between steps: what a microbatch saved is freed when its backward has run, so at
-    the end of every step tens of megabytes go back to the allocator at once. By default glibc then returns the
-    top of its heap to the system and serves large arrays from fresh mappings, and the next forward pays a page
-    fault for every 4 KiB it touches again (measured: 2.5× the faults and 10–25 % of a CPU training step).
-    Raising the trim threshold and the mmap threshold (to its 32 MiB ceiling) keeps those pages in the process
-    — what the GPU path gets from CuPy's memory pool. Returns False where there is no glibc `mallopt`.
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    trim_threshold, mmap_threshold = -1, -3  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD in <malloc.h>
-    return bool(mallopt(mmap_threshold, 32 << 20)) and bool(mallopt(trim_threshold, 1 << 30))
-
 
 def world_size() -> int:
     """The number of ranks in MPI.COMM_WORLD (starts MPI if it is not running yet)."""

@@ -63,8 +63,8 @@ def serial_step_seconds(shape: dict[str, int], rows: int, barrier) -> float:
     """Seconds of one training step (forward, backward, AdamW) of the serial float32 model on `rows` sequences."""
     from models.transformer import GPTConfig, Transformer
 
-    from ..commands.launch import keep_freed_memory
     from ..optim import AdamW
+    from ..process import keep_freed_memory
 
     keep_freed_memory()  # as `train` does: without it each step's activations cost fresh pages from the OS
 

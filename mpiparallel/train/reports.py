@@ -35,6 +35,39 @@ MOVING_STEPS = 10
 """Steps in the moving means of tokens/s and ms/step."""
 
 
+class TensorBoardLog:
+    """--tensorboard DIR: each step's loss, learning rate, tokens/s, gradient norm, validation loss, MoE aux loss
+    and bytes sent per mesh axis as TensorBoard scalars (event files written by tensorboardX), by step from 1."""
+
+    def __init__(self, folder: str) -> None:
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(folder)
+
+    def add(self, record: dict) -> None:
+        step = record["step"] + 1
+        scalars = {"loss/train": record["loss"], "learning_rate": record["lr"],
+                   "throughput/tokens_per_second": record["tokens"] / record["time_s"]}
+        optional = {"loss/validation": "val_loss", "loss/aux": "aux_loss", "grad_norm": "grad_norm"}
+        scalars |= {tag: record[key] for tag, key in optional.items() if record.get(key) is not None}
+        scalars |= {f"bytes_sent/{axis}": sent for axis, sent in record.get("comm_bytes", {}).items()}
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class NoTensorBoard:
+    """No --tensorboard (or not rank 0): nothing written."""
+
+    def add(self, record: dict) -> None:
+        """Nothing to write."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
 def describe_model(config: GPTConfig) -> str:
     """GPT-2, Llama or Mixtral (a llama with experts)."""
     if not config.is_llama:
@@ -75,6 +108,7 @@ class Reporter:
         self.interactive = is_root and (stream.isatty() or os.environ.get(TERMINAL) == "1")
         output = settings.output
         self.log = open(output.log_json, "a" if output.resume else "w") if is_root and output.log_json else None
+        self.tensorboard = TensorBoardLog(output.tensorboard) if is_root and output.tensorboard else NoTensorBoard()
         self.every = max(1, settings.data.steps // 20)
         self.recent_losses: list[float] = []  # since the last kept line: one batch's loss is noisy
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=MOVING_STEPS)  # (tokens, seconds)
@@ -95,6 +129,7 @@ class Reporter:
         if self.log is not None:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
+        self.tensorboard.add(record)
         step, steps = record["step"], self.settings.data.steps
         self.recent_losses.append(record["loss"])
         self.recent_steps.append((record["tokens"], record["time_s"]))
@@ -144,3 +179,4 @@ class Reporter:
     def finish(self) -> None:
         if self.log is not None:
             self.log.close()
+        self.tensorboard.close()

@@ -101,6 +101,7 @@ class OutputSettings:
     checkpoint_every: int = 0
     resume: bool = False
     log_json: str | None = None
+    tensorboard: str | None = None  # a folder for TensorBoard's event files (needs tensorboardX)
     trace: str | None = None
     sample_tokens: int = 0
     show_mesh: bool = False
