@@ -1,5 +1,6 @@
-"""Every example in every `--help` runs: taken from the commands themselves (so a new example is run too), run in
-order in one folder (an example may read what an earlier one wrote), each shortened by options appended after it
+"""Every example in every `--help` runs: taken from the commands themselves (so a new example is run too), one test
+each, run in order in one folder (an example may read what an earlier one wrote: run the module whole), each
+shortened by options appended after it
 (click keeps an option's last value: `--steps 2`, a smaller size sweep) that leave its configuration as written.
 
 An example that needs a GPU, on a machine without one, must end with one clear error and no traceback."""
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 from mpi_harness import run_with_timeout
 
 from models.transformer import GPTConfig, Transformer
@@ -92,31 +94,38 @@ def test_the_help_examples_are_found_and_show_every_parallel_axis():
         assert any(f" {flag} " in f"{example} " for example in examples), flag
 
 
-def test_every_help_example_runs(tmp_path):
-    make_inputs(tmp_path)
-    failures = []
-    for example in help_examples():
-        if example.startswith("mpiparallel data prepare corpus.jsonl"):  # its tokenizer folder: an earlier output
-            (tmp_path / "gpt2-model-folder").mkdir(exist_ok=True)
-            (tmp_path / "gpt2-model-folder" / "tokenizer.json").write_bytes(
-                (tmp_path / "data" / "books" / "tokenizer.json").read_bytes())
-        if example.startswith("mpiparallel checkpoint info checkpoints/"):  # a training checkpoint to show
-            made = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "--steps", "1", "--checkpoint-dir",
-                                     "checkpoints", "--checkpoint-every", "1"], timeout=600, cwd=tmp_path)
-            assert made.returncode == 0, made.stderr
-        if "fineweb10B/" in example:  # an llm.c shard, as fineweb.py writes them: one of ours
-            (tmp_path / "fineweb10B").mkdir(exist_ok=True)
-            (tmp_path / "fineweb10B" / "fineweb_val_000000.bin").write_bytes(
-                (tmp_path / "data" / "books" / "val_000000.bin").read_bytes())
-        arguments = as_arguments(example, tmp_path)
-        result = run_with_timeout([sys.executable, "-m", "mpiparallel", *arguments], timeout=600, cwd=tmp_path,
-                                  env={**os.environ, "HOME": str(tmp_path)})  # plan --calibrate writes to ~
-        gpu_example = any(flag in example for flag in NEEDS_GPU)
-        if gpu_example and not gpu_available():
-            if result.returncode == 0 or "Traceback" in result.stderr or "rror" not in result.stderr:
-                failures.append(f"{example}: without a GPU, expected one clear error, got {result.returncode}: "
-                                f"{result.stderr[-800:]}")
-        elif result.returncode != 0:
-            failures.append(f"{example} (run as {' '.join(arguments)}) exited {result.returncode}: "
-                            f"{result.stderr[-1500:]}")
-    assert not failures, "\n\n".join(failures)
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for all the examples, in which they run in order (an example may read an earlier one's output)."""
+    made = tmp_path_factory.mktemp("examples")
+    make_inputs(made)
+    return made
+
+
+@pytest.mark.parametrize("example", help_examples())
+def test_help_example_runs(example: str, folder: Path) -> None:
+    prepare_for(example, folder)
+    arguments = as_arguments(example, folder)
+    result = run_with_timeout([sys.executable, "-m", "mpiparallel", *arguments], timeout=580, cwd=folder,
+                              env={**os.environ, "HOME": str(folder)})  # plan --calibrate writes to ~
+    if any(flag in example for flag in NEEDS_GPU) and not gpu_available():
+        assert result.returncode != 0 and "Traceback" not in result.stderr and "rror" in result.stderr, \
+            f"without a GPU, expected one clear error; got {result.returncode}: {result.stderr[-800:]}"
+    else:
+        assert result.returncode == 0, f"run as {' '.join(arguments)}: {result.stderr[-1500:]}"
+
+
+def prepare_for(example: str, folder: Path) -> None:
+    """What an example reads that no earlier example writes: a tokenizer folder, a checkpoint, an llm.c shard."""
+    if example.startswith("mpiparallel data prepare corpus.jsonl"):
+        (folder / "gpt2-model-folder").mkdir(exist_ok=True)
+        (folder / "gpt2-model-folder" / "tokenizer.json").write_bytes(
+            (folder / "data" / "books" / "tokenizer.json").read_bytes())
+    if example.startswith("mpiparallel checkpoint info checkpoints/"):
+        made = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "--steps", "1", "--checkpoint-dir",
+                                 "checkpoints", "--checkpoint-every", "1"], timeout=580, cwd=folder)
+        assert made.returncode == 0, made.stderr
+    if "fineweb10B/" in example:  # an llm.c shard, as fineweb.py writes them: one of ours
+        (folder / "fineweb10B").mkdir(exist_ok=True)
+        (folder / "fineweb10B" / "fineweb_val_000000.bin").write_bytes(
+            (folder / "data" / "books" / "val_000000.bin").read_bytes())

@@ -175,7 +175,7 @@ def test_plan_with_nothing_feasible_says_which_constraint_and_fails(options, nam
 
 def test_blas_threads_leave_out_the_cores_a_busy_machine_keeps_busy():
     """On an idle node each rank gets its share of the cores; with other jobs running (load average 20 on 2
-    cores, where 2 threads ran 2.6× slower than 1) one thread; never fewer than 1."""
+    cores, where 2 threads ran 2.6–4× slower than 1) one thread; never fewer than 1."""
     from mpiparallel.process import limit_blas_threads
 
     cores = len(os.sched_getaffinity(0))
