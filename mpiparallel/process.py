@@ -16,8 +16,9 @@ def default_blas_threads(cores: int, local_ranks: int, load: float) -> int:
     OpenBLAS threads spin while they wait for each other; on cores that other processes also want, a rank's
     threads wait for the slowest of them at every product. Measured on a 2-core machine whose load average was
     17–21 (other jobs running): one rank, the default model, the step time of steps 2–10 with 2 threads 2.6× and
-    4.0× that with 1 in two rounds (49.2 s against 18.8 s, 43.0 s against 10.9 s). So the cores the 1-minute load average keeps busy (its whole part) are
-    not counted: an idle node gives cores ÷ ranks as before, a busy one fewer threads, never a fight."""
+    4.0× that with 1 in two rounds (49.2 s against 18.8 s, 43.0 s against 10.9 s). So the cores the 1-minute load
+    average keeps busy (its whole part) are not counted: an idle node gives cores ÷ ranks as before, a busy one
+    fewer threads, never a fight."""
     free = max(cores - int(load), 1)
     return max(1, min(cores, free) // max(local_ranks, 1))
 

@@ -429,7 +429,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train --steps 300 --sample-tokens 300
       mpiparallel train --data corpus.txt --n-layer 6 --n-embd 384 --n-head 6 --lr-schedule cosine \\
           --warmup-steps 50 --steps 2000 --eval-every 100 --save out/
-      mpiparallel train --init out/ --steps 100 --log-json log.jsonl
+      mpiparallel train --init out/ --data corpus.txt --steps 100 --log-json log.jsonl
       mpiparallel train -n 2 --zero 3 --microbatches 2 --memory-report
       mpiparallel train -n 4 --tp 2 --sp --show-mesh
       mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8 --n-layer 8

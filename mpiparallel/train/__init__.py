@@ -1,12 +1,12 @@
 """Training over the mesh (`mpiparallel train`) and sampling (`mpiparallel generate`), in named parts.
 
-Read one training step in this order:
+Read one training step in this order (from `mpiparallel train` in `commands/cli.py`):
 
     loop.py          `run`: data and model shape, `parallelize`, then the loop (step, validation, log, checkpoint)
     parallelize.py   mesh → schedule → model → engines → optimizer: where each axis enters, every mesh check
     step.py          `Trainer.step`: batch pieces, forward-backward, finish gradients, model-parallel sums,
-                     overflow, clip, update — on one screen
-    passes.py        forward-backward of the microbatches: in turn (the DP engine's hooks) or a pipeline schedule
+                     overflow, clip, update — on one screen; under it the two forms of forward-backward (the
+                     microbatches in turn with the DP engine's hooks, or a pipeline schedule)
     ../data_parallel.py, ../pipeline_parallel.py   the engines the step drives
 
 The other parts: `settings` (every option and its default: the command line reads them from there), `inputs`
