@@ -25,7 +25,6 @@ drives the steps with one MPI call each. What remains per call on two ranks is a
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +71,25 @@ ALGORITHMS: dict[str, dict[str, Callable[..., Steps] | None]] = {
     "reduce": {"binomial": binomial_reduce, "rabenseifner": rabenseifner_reduce, "mpi": None},
 }
 """Valid `algo` names per collective ("auto" is valid everywhere)."""
+
+EXTRA_ARGUMENTS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("all_reduce", "ring"): ("segment_bytes",),
+    ("all_reduce", "rabenseifner"): ("segment_bytes",),
+    ("all_reduce", "hierarchical"): ("layout", "segment_bytes"),
+    ("all_reduce", "pairwise"): ("average_over", "segment_bytes"),
+    ("reduce_scatter", "ring"): ("segment_bytes",),
+    ("reduce_scatter", "recursive_halving"): ("segment_bytes",),
+    ("reduce_scatter", "hierarchical"): ("layout", "segment_bytes"),
+    ("reduce_scatter", "pairwise"): ("average_over", "segment_bytes"),
+    ("all_gather", "ring"): ("segment_bytes",),
+    ("all_gather", "recursive_doubling"): ("segment_bytes",),
+    ("all_gather", "hierarchical"): ("layout", "segment_bytes"),
+    ("broadcast", "scatter_allgather"): ("segment_bytes",),
+    ("reduce", "rabenseifner"): ("segment_bytes",),
+}
+"""What a hand-written algorithm takes after (x, out, rank, size[, root][, reduce]), in this order: `average_over`
+(it divides before its one rounding, pairwise, instead of after), `layout` (where the ranks live: the hierarchical
+algorithms), `segment_bytes` (the pipelining segment of the algorithms that cut their blocks); none for the rest."""
 
 
 class CollectiveMismatchError(ValueError):
@@ -237,13 +255,13 @@ class _Plan:
         else:
             self.algorithm = ALGORITHMS[name][algo]
             self.arguments = (comm.rank, comm.size, *rooted, *(() if op is None else (reducer(op, x),)))
-            parameters = inspect.signature(self.algorithm).parameters
-            if "average_over" in parameters:  # it divides before its one rounding (pairwise), not after
+            extra = EXTRA_ARGUMENTS.get((name, algo), ())
+            if "average_over" in extra:  # it divides before its one rounding (pairwise), not after
                 self.arguments += (self.average_over,)
                 self.average_over = 0
-            if "layout" in parameters:  # the hierarchical algorithms: where the ranks live
+            if "layout" in extra:
                 self.arguments += (comm.topology,)
-            if "segment_bytes" in parameters:  # always the last parameter
+            if "segment_bytes" in extra:
                 self.arguments += (comm.segment_bytes,)
 
     def steps(self, *buffers: Array) -> Steps:

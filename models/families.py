@@ -1,6 +1,6 @@
 """Model families as data: Hugging Face's Llama and Mixtral configs and tensor names, both ways.
 
-A family is not a second model class (see `models.gpt.GPTConfig`): the transformer is built from named choices,
+A family is not a second model class (see `models.transformer.GPTConfig`): the transformer is built from named choices,
 and this module holds what makes a Llama or Mixtral checkpoint ours and ours theirs:
 
     ours (one scheme for both families)              Hugging Face (LlamaForCausalLM / MixtralForCausalLM)

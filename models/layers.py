@@ -1,4 +1,6 @@
-"""GPT-2 layers with hand-written forward and backward passes, and no hidden state.
+"""Transformer layers with hand-written forward and backward passes, and no hidden state: GPT-2's (LayerNorm,
+GELU MLP, learned positions, tied head) and the Llama family's (RMSNorm, SwiGLU, grouped-query attention with
+RoPE, untied head), one block built from either set (`Block`).
 
 Every layer follows one protocol (llm.c's, with the saved activations handed back to the caller):
 
@@ -12,8 +14,9 @@ it, each with its own `saved`, and a microbatch's weight pass may run after late
 (zero-bubble pipeline schedules). `backward_input` records in `saved` the output gradients the weight pass needs
 and drops what only it needed; `backward_weights` empties `saved`. Layers never modify `dout` in place.
 
-Activations are (B, T, C) arrays: batch, sequence, channels. Linear weights use GPT-2's Conv1D layout [in, out],
-so y = x @ W + b. The same code runs on NumPy and CuPy arrays (the device branches call fused kernels).
+Activations are (B, T, C) arrays: batch, sequence, channels. Linear weights use the [in, out] layout (GPT-2's
+Conv1D; llama checkpoints' [out, in] are transposed on load), so y = x @ W + b. The same code runs on NumPy
+and CuPy arrays (the device branches call fused kernels).
 
 Saved activations, per transformer block and microbatch (elements; b·s tokens, h channels, a heads, NumPy path;
 `block_activation_elements` is the formula, and the tests measure it):
@@ -761,7 +764,7 @@ class Embedding(Layer):
         saved.clear()
 
 
-class TiedHeadCrossEntropy(Layer):
+class HeadCrossEntropy(Layer):
     """logits = x @ wteᵀ (the LM head shares the token embedding), then softmax cross-entropy.
 
     `forward` returns the *sum* of the token losses divided by `normalizer` (the token count of the whole

@@ -24,7 +24,8 @@ contiguous slice; the outputs, scaled by their gates, go back to (token, choice)
 The aux loss in the objective. A step averages the aux losses of its token sets (microbatches × DP·CP ranks),
 so each set's aux enters the objective with weight `aux_weight` = 1 / (the number of sets). The router adds that
 term's gradient, aux_weight · coef · E · f_e / N, to d(probs) (f counts choices: it has no gradient). The value
-is in `RouterStats.aux_loss`; `models.gpt.GPT.forward` adds aux_loss · aux_weight to the loss it returns.
+is in `RouterStats.aux_loss`; `models.transformer.Transformer.forward` adds aux_loss · aux_weight to the loss it
+returns.
 
 Backward from dy (choosing has no gradient; the chosen probs do):
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator, all_gather, all_reduce
-from collectives.backend import Array, get_array_module
+from collectives.backend import Array, get_array_module, to_host
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,25 @@ def gather_tensor(shard: Array, placement: Mapping[str, Placement], comms: Mappi
         if isinstance(how, Sharded) and axis in comms:
             full = gather_along(full, how, comms[axis], full_shape[how.dim])
     return full
+
+
+def gather_over_model_axes(tensors: Mapping[str, Array], params: Mapping[str, Parameter],
+                           comms: Mapping[str, Any]) -> dict[str, Array]:
+    """The serial model's tensors from this rank's pieces (`tensors`: by parameter name, whole along any ZeRO
+    axis), on every rank: each tensor gathered over the axes that shard it (`gather_tensor`: tp), then the
+    tensors that only some ranks of an axis hold (pipeline stages, EP ranks' experts) collected from all of them,
+    one all-gather of host arrays per such axis of `comms` with more than one rank. Names without a parameter
+    (the experts' routing biases) are only collected."""
+    whole = {name: gather_tensor(tensor, params[name].placement, comms, params[name].full_shape)
+             if name in params else tensor for name, tensor in tensors.items()}
+    held_axes = {axis for param in params.values() for axis, how in param.placement.items() if isinstance(how, Held)}
+    for axis in sorted(held_axes & set(comms)):
+        if comms[axis].size > 1:
+            merged: dict[str, Array] = {}
+            for piece in comms[axis].comm.allgather({name: to_host(value) for name, value in whole.items()}):
+                merged |= piece  # a tied wte comes from two stages, equal after every step
+            whole = merged
+    return whole
 
 
 def local_shape(full_shape: tuple[int, ...], placement: Mapping[str, Placement],

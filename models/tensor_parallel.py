@@ -1,5 +1,5 @@
 """Megatron tensor parallelism (TP) with a vocab-parallel embedding and cross-entropy, and Megatron sequence
-parallelism (SP) — the same GPT-2 as `models.gpt.GPT`, its weights split over the n ranks of a TP group.
+parallelism (SP) — the same GPT-2 as `models.transformer.Transformer`, its weights split over the n ranks of a TP group.
 
 What each rank holds and computes (H heads, C = n_embd, V vocabulary, n = tp):
 
@@ -81,11 +81,11 @@ import numpy as np
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
-from .gpt import GPT, GPTConfig, initial_value
-from .layers import QUERY_BLOCK, ConcatenatedLinear, Layer, Linear, Saved
+from .layers import ConcatenatedLinear, Layer, Linear, Saved
 from .moe import expert_placement
-from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
+from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes, shard_tensor
 from .precision import narrow, widen
+from .transformer import GPTConfig, Transformer
 
 TP_AXIS = "tp"
 
@@ -202,14 +202,6 @@ class ColumnParallel(Layer):
 
     def backward_weights(self, saved: Saved) -> None:
         self.local.backward_weights(saved)  # the input it saw is the gathered one: no communication
-
-
-class ColumnParallelLinear(ColumnParallel):
-    """y_r = x @ W[:, columns_r] + b[columns_r]: rank r computes its columns of the output from the whole input
-    (`models.layers.Linear` on the shard)."""
-
-    def __init__(self, weight: Parameter, bias: Parameter | None, group: TensorParallelGroup) -> None:
-        super().__init__(Linear(weight, bias), group)
 
 
 class RowParallelLinear(Layer):
@@ -413,26 +405,27 @@ def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
 
 # -- the model -----------------------------------------------------------------------------------------------
 
-class TensorParallelGPT(GPT):
-    """GPT-2 over a TP group: `models.gpt.GPT` with parallel layers in place of the serial ones.
+class TensorParallelTransformer(Transformer):
+    """The model over a TP group: `models.transformer.Transformer` with parallel layers in place of the serial ones.
 
-    Forward, backward (over any range of units), the hook calls and state loading are inherited unchanged:
-    only the layer factories differ.
+    Built by the serial constructor: only the initial parameters (this rank's shards) and the layer factories
+    differ; forward, backward (over any range of units), the hook calls and state loading are inherited.
 
     `forward` returns the same loss on every rank of the group (every rank holds the whole batch's tokens);
     `parameters()` and `state_dict()` are this rank's shards (`Parameter.placement` says how each was cut);
     `full_state_dict` gathers the serial tensors. The initial values are the serial model's (drawn whole from
-    `models.gpt.initial_value`, then cut), so every tp starts from, and computes, the same numbers. `algo`
+    `models.transformer.initial_value`, then cut), so every tp starts from, and computes, the same numbers. `algo`
     picks the algorithm of every TP collective ("ring" makes the byte counts exactly the textbook's).
 
     With SP the LayerNorms' gradients are partial sums over the group (placement `Partial` on "tp"): sum them
     once per optimizer step, after the last microbatch's backward (`reduce_partial_gradients`).
     """
 
-    def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
-                 sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
-                 query_block: int = QUERY_BLOCK, units: Any = None, context: Any = None, ep_comm: Any = None,
-                 moe_token_sets: int = 1, compute_dtype: Any = None, grad_dtype: Any = None) -> None:
+    key_value_group: Communicator | None = None
+
+    def __init__(self, config: GPTConfig, tp_comm: Any, sequence_parallel: bool = False, algo: str = "auto",
+                 **serial: Any) -> None:
+        """`serial`: the serial model's arguments (seed, dtype, xp, recompute, units, context, …)."""
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
@@ -440,14 +433,7 @@ class TensorParallelGPT(GPT):
         # the ranks that hold the same KV heads sum those heads' weight gradients (None: no copies)
         self.key_value_group = (self.comm.split(self.group.rank // self.key_value_copies, self.group.rank)
                                 if self.key_value_copies > 1 else None)
-        self.config, self.context = config, context
-        self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
-        self.moe_token_sets = moe_token_sets
-        self._set_precision(dtype, compute_dtype, grad_dtype)
-        self._hold(units)
-        self.params = {name: self._shard(name, initial_value(name, shape, config, seed, dtype), xp)
-                       for name, shape in self.local_parameter_shapes().items()}
-        self._assemble(recompute, query_block)
+        super().__init__(config, **serial)
         self.sequence_shards = tp if sequence_parallel else 1
 
     def _vocab_start(self, table: Parameter) -> int:
@@ -463,9 +449,10 @@ class TensorParallelGPT(GPT):
         head = self._head_weight()
         return VocabParallelCrossEntropy(head, self.group, self._vocab_start(head), self.config.vocab_size)
 
-    def _shard(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
+    def _initial_parameter(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
+        """This rank's shard of the serial initial value (cut on the host: only the shard reaches the device)."""
         placement = tensor_parallel_placement(name, self.group.sequence_parallel, self.key_value_copies)
-        placement |= expert_placement(name, 1 if self.ep_comm is None else self.ep_comm.size)
+        placement |= expert_placement(name, self._ep_size())
         shard = shard_tensor(full, placement, self.axis_ranks())
         return self._parameter(name, xp.asarray(shard), placement, full.shape)
 
@@ -494,15 +481,15 @@ class TensorParallelGPT(GPT):
         return max(self.config.kv_heads // self.group.size, 1)
 
     def generate(self, *args: Any, **kwargs: Any) -> Array:
-        raise NotImplementedError("sample from the serial model: GPT(config).load_state_dict(full_state_dict(...))")
+        raise NotImplementedError("sample from the serial model: "
+                                  "Transformer(config).load_state_dict(full_state_dict(...))")
 
     def logits(self, tokens: Array) -> Array:
         raise NotImplementedError("the vocab-parallel head never gathers the logits; use the serial model")
 
 
-def full_state_dict(model: TensorParallelGPT, comm: Any = None) -> dict[str, Array]:
-    """The serial model's state dict (names and shapes of `GPT.state_dict()`, vocabulary padding dropped),
+def full_state_dict(model: TensorParallelTransformer, comm: Any = None) -> dict[str, Array]:
+    """The serial model's state dict (names and shapes of `Transformer.state_dict()`, vocabulary padding dropped),
     gathered on every rank of the TP group `comm` (default: the model's): one all-gather per sharded tensor."""
-    comms = {TP_AXIS: model.comm if comm is None else comm}
-    return {name: gather_tensor(param.data, param.placement, comms, param.full_shape)
-            for name, param in model.params.items()}
+    tensors = {name: param.data for name, param in model.params.items()}
+    return gather_over_model_axes(tensors, model.params, {TP_AXIS: model.comm if comm is None else comm})

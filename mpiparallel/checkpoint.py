@@ -37,7 +37,7 @@ import safetensors.numpy
 
 from collectives.backend import to_host
 from models import families
-from models.gpt import MOE_KEYS, GPTConfig, expert_bias_shapes, parameter_shapes
+from models.transformer import MOE_KEYS, GPTConfig, expert_bias_shapes, parameter_shapes
 
 from .errors import ConfigError
 

@@ -44,11 +44,13 @@ import numpy as np
 import collectives
 from collectives import Communicator
 from collectives.backend import Array, get_array_module
-from models.gpt import ParameterHooks
 from models.layers import distinct_bytes
-from models.parameter import PARTIAL, FlatShard, Parameter
+from models.moe import expert_index
+from models.parameter import HELD, PARTIAL, FlatShard, Parameter
+from models.transformer import ParameterHooks
 
 from .errors import ConfigError
+from .mesh import Mesh
 
 ZERO_STAGES = (0, 1, 2, 3)
 DP_AXIS = "dp"
@@ -558,3 +560,24 @@ class DataParallelGroups(ParameterHooks):
         held = [engine.memory(optimizer) for engine in self.engines]
         return {"parameters": sum(h["parameters"] for h in held), "gradients": sum(h["gradients"] for h in held),
                 "optimizer_state": held[0]["optimizer_state"]}
+
+
+def data_parallel_engines(model: Any, mesh: Mesh, zero: int = 0, bucket_mb: float = 25.0,
+                          overlap: bool = True) -> DataParallelGroups:
+    """The dp axis of a training mesh: gradients summed over dp, and over cp too (those ranks saw other tokens of
+    the same sequences). With expert parallelism dp splits into (expert_dp, ep): each EP rank holds other experts
+    (placement `Held` on "dp"), so the experts are summed only over the ranks holding the same ones (expert_dp,
+    ×cp), in their own engine."""
+    options = {"zero": zero, "bucket_mb": bucket_mb, "overlap": overlap}
+    comm, axes = (mesh.dp, ("dp",)) if mesh.shape.cp == 1 else (mesh.dp_cp, ("dp", "cp"))
+    if mesh.shape.ep == 1:
+        return DataParallelGroups([DataParallel(model, comm, axes=axes, **options)])
+    for name, param in model.params.items():
+        if expert_index(name) is not None:
+            param.placement[DP_AXIS] = HELD
+    expert_comm = mesh.expert_dp if mesh.shape.cp == 1 else mesh.expert_dp_cp
+    expert_axes = ("expert_dp",) if mesh.shape.cp == 1 else ("expert_dp", "cp")
+    return DataParallelGroups([
+        DataParallel(model, comm, axes=axes, select=lambda param: expert_index(param.name) is None, **options),
+        DataParallel(model, expert_comm, axes=expert_axes, select=lambda param: expert_index(param.name) is not None,
+                     **options)])

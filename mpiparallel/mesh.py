@@ -31,6 +31,7 @@ from collectives import Communicator
 from collectives.topology import describe_nodes
 
 from .errors import ConfigError
+from .text import plural
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
 
@@ -123,7 +124,7 @@ class Mesh:
     def describe(self) -> str:
         """A table of every world rank's coordinates and node (for --show-mesh), and which axes stay in nodes."""
         s, nodes = self.shape, self.world.nodes
-        lines = [f"mesh: dp {s.dp} × tp {s.tp} × pp {s.pp} × cp {s.cp} = {self.world.size} ranks"
+        lines = [f"mesh: dp {s.dp} × tp {s.tp} × pp {s.pp} × cp {s.cp} = {plural(self.world.size, 'rank')}"
                  f"{f', ep {s.ep}' if s.ep > 1 else ''}; rank = ((pp·{s.dp} + dp)·{s.cp} + cp)·{s.tp} + tp",
                  f"nodes: {describe_nodes(nodes)}",
                  "  rank    pp    dp    cp    tp    ep  node"]

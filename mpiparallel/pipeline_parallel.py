@@ -4,9 +4,9 @@ order a schedule prescribes (`mpiparallel.schedules`: GPipe, 1F1B, interleaved, 
 The model is a row of units — embedding, n_layer blocks, head — and `stage_units` cuts it into pp·V stages
 (chunks): the blocks as evenly as possible, earlier stages taking the extra one, the embedding with the first
 stage and the final LayerNorm + head + loss with the last. Each rank builds only the units of its stages
-(`GPT(…, units=…)`), and `PipelineExecutor` runs its list of actions:
+(`Transformer(…, units=…)`), and `PipelineExecutor` runs its list of actions:
 
-    F(s, m)   forward of stage s on microbatch m (`GPT.forward(x, units=…)`), its saved state kept for backward
+    F(s, m)   forward of stage s on microbatch m (`Transformer.forward(x, units=…)`), its saved state kept for backward
     I(s, m)   input-gradient pass: d(stage input), which the previous stage waits for
     W(s, m)   weight-gradient pass, as late as the schedule likes; frees m's saved state of stage s
     B(s, m)   I and W at once
@@ -40,8 +40,9 @@ from mpi4py import MPI
 from collectives import Communicator
 from collectives.backend import Array, HostStaging, get_array_module
 from collectives.communicator import FIRST_COLLECTIVE_TAG
-from models.gpt import GPT, NO_HOOKS
 from models.layers import distinct_bytes
+from models.parameter import HELD, PARTIAL
+from models.transformer import NO_HOOKS, Transformer
 
 from .errors import ConfigError
 from .schedules import (
@@ -63,7 +64,7 @@ TIED_WEIGHT = "transformer.wte.weight"
 
 
 def local_units(schedule: Schedule, rank: int, n_layer: int) -> list[int]:
-    """Every unit this pipeline rank holds (for `GPT(…, units=…)`)."""
+    """Every unit this pipeline rank holds (for `Transformer(…, units=…)`)."""
     stages = stage_units(n_layer, schedule.num_stages)
     return sorted(unit for stage in schedule.stages_of(rank) for unit in stages[stage])
 
@@ -108,7 +109,16 @@ def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> MPI
     return comm.isend(dinput, dest, tag)
 
 
-def sum_tied_gradient(model: GPT, comm: Communicator, first: int, last: int) -> None:
+def place_on_pipeline(model: Transformer, schedule: Schedule) -> None:
+    """The pp placement: each stage's parameters are held by its rank alone; a tied token embedding, read by the
+    first stage and the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank
+    holds both (an untied llama head is the last stage's own)."""
+    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.tied
+    for name, param in model.params.items():
+        param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
+
+
+def sum_tied_gradient(model: Transformer, comm: Communicator, first: int, last: int) -> None:
     """The tied token embedding: the first stage's rank (embedding) and the last stage's (LM head) each hold a
     partial gradient; exchange them and add, so both hold the sum (a + b = b + a: bitwise equal on both). An
     untied head (llama's default) shares nothing: no exchange."""
@@ -146,7 +156,7 @@ class PipelineExecutor:
     until they are sent or handed to the neighbouring stage on this rank, and the receives in flight.
     """
 
-    def __init__(self, model: GPT, schedule: Schedule, comm: Communicator, activation_shape: Sequence[int],
+    def __init__(self, model: Transformer, schedule: Schedule, comm: Communicator, activation_shape: Sequence[int],
                  dtype: Any) -> None:
         check_tag_space(schedule.num_stages, schedule.microbatches)
         self.model, self.schedule, self.comm, self.dtype = model, schedule, comm, np.dtype(dtype)

@@ -54,12 +54,13 @@ import safetensors.numpy
 
 from collectives import Communicator
 from collectives.backend import Array, like, to_host
-from models.gpt import GPTConfig
 from models.parameter import HELD, Placement, Sharded, counts_once, local_shape, padded_length
+from models.transformer import GPTConfig
 
 from .checkpoint import read_json_object
 from .errors import ConfigError
 from .mesh import Mesh
+from .text import plural
 
 MANIFEST = "manifest.json"
 FORMAT = "mpiparallel training checkpoint"
@@ -549,12 +550,12 @@ def describe(checkpoint: TrainingCheckpoint, most_shards: int = 4) -> str:
                      for entry in checkpoint.tensors.values())
     file_bytes = sum(entry.get("bytes", 0) for entry in manifest.get("files", []))
     lines = [f"checkpoint {checkpoint.folder}: step {checkpoint.step}",
-             f"  saved from {mesh.get('world_size', '?')} ranks: " + " × ".join(
+             f"  saved from {plural(mesh.get('world_size', '?'), 'rank')}: " + " × ".join(
                  f"{axis} {mesh.get(axis, '?')}" for axis in ("dp", "tp", "pp", "cp")) +
              f", ep {mesh.get('ep', '?')}, zero {mesh.get('zero', '?')}" + (", sp" if mesh.get("sp") else "") +
              (f", {mesh.get('schedule')} schedule" if mesh.get("pp", 1) > 1 else ""),
-             f"  model: {model.get('n_layer', '?')} layers, n_embd {model.get('n_embd', '?')}, "
-             f"{model.get('n_head', '?')} heads, vocab {model.get('vocab_size', '?')}"
+             f"  model: {plural(model.get('n_layer', '?'), 'layer')}, n_embd {model.get('n_embd', '?')}, "
+             f"{plural(model.get('n_head', '?'), 'head')}, vocab {model.get('vocab_size', '?')}"
              + (f", {model['n_experts']} experts (top {model.get('moe_top_k')})" if model.get("n_experts") else ""),
              f"  optimizer {optimizer.get('optimizer', '?')} at step {optimizer.get('step', '?')}; data: next step "
              f"{position.get('next_step', '?')} = batch {position.get('batch', '?')} of "

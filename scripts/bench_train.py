@@ -84,8 +84,8 @@ sys.path.insert(0, str(ROOT))
 
 from collectives.backend import dtype_named, to_host  # noqa: E402
 from models.families import name_map  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.layers import QUERY_BLOCK, RECOMPUTE_MODES  # noqa: E402
+from models.transformer import GPTConfig, Transformer  # noqa: E402
 from mpiparallel.commands.launch import keep_freed_memory  # noqa: E402
 
 try:
@@ -196,11 +196,11 @@ def peak_tflops(device: Device, precision: str, given: float | None) -> float | 
 
 def build_ours(config: GPTConfig, dtype, xp=np, query_block: int = QUERY_BLOCK,
                recompute: str = "none", weight_decay: float = WEIGHT_DECAY,
-               compute_dtype: str | None = None) -> tuple[GPT, object]:
+               compute_dtype: str | None = None) -> tuple[Transformer, object]:
     """Our model and optimizer: mpiparallel.optim.AdamW when the package has it, else the inline one above. With a
     `compute_dtype` (bfloat16) the model computes in it over master weights at `dtype`, as `train --compute-dtype`."""
     extra = {} if compute_dtype is None else {"compute_dtype": compute_dtype}
-    model = GPT(config, seed=0, dtype=dtype, xp=xp, query_block=query_block, recompute=recompute, **extra)
+    model = Transformer(config, seed=0, dtype=dtype, xp=xp, query_block=query_block, recompute=recompute, **extra)
     try:
         from mpiparallel.optim import AdamW as ProjectAdamW
     except ImportError:
@@ -214,7 +214,7 @@ def weights_of(param) -> np.ndarray:
     return param.master if getattr(param, "master", None) is not None else param.data
 
 
-def ours_step(model: GPT, optimizer, tokens: np.ndarray, targets: np.ndarray) -> float:
+def ours_step(model: Transformer, optimizer, tokens: np.ndarray, targets: np.ndarray) -> float:
     model.zero_grad()
     loss, saved = model.forward(tokens, targets)
     model.backward(saved)
@@ -252,7 +252,7 @@ if torch is not None:
     class TorchGPT(nn.Module):
         """nanoGPT-style GPT-2 from torch.nn primitives, weights copied from ours (Linear holds Conv1D's transpose)."""
 
-        def __init__(self, ours: GPT, attention: str, device: str = "cpu") -> None:
+        def __init__(self, ours: Transformer, attention: str, device: str = "cpu") -> None:
             super().__init__()
             config = ours.config
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -293,7 +293,7 @@ if torch is not None:
             logits = self.ln_f(x) @ self.wte.weight.T  # tied LM head
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
-    def build_torch(ours: GPT, attention: str, optimizer: str, device: str = "cpu",
+    def build_torch(ours: Transformer, attention: str, optimizer: str, device: str = "cpu",
                     weight_decay: float = WEIGHT_DECAY):
         model = TorchGPT(ours, attention, device)
         return model, torch_adamw(model, optimizer, weight_decay)
@@ -310,7 +310,7 @@ if torch is not None:
         """transformers' LlamaForCausalLM loaded from our weights (`save_pretrained` into `directory`, then
         `from_pretrained`), with the loss of our head: mean cross-entropy of the logits against the targets."""
 
-        def __init__(self, ours: GPT, directory: str, attention: str, device: str = "cpu") -> None:
+        def __init__(self, ours: Transformer, directory: str, attention: str, device: str = "cpu") -> None:
             super().__init__()
             import transformers
 
@@ -338,7 +338,7 @@ if torch is not None:
         value = grad.detach().cpu().numpy()
         return value.T if transposed and value.ndim == 2 else value
 
-    def build_transformers(ours: GPT, directory: str, attention: str, optimizer: str, device: str = "cpu",
+    def build_transformers(ours: Transformer, directory: str, attention: str, optimizer: str, device: str = "cpu",
                            weight_decay: float = WEIGHT_DECAY):
         model = TransformersLlama(ours, directory, attention, device)
         return model, torch_adamw(model, optimizer, weight_decay)
@@ -454,7 +454,7 @@ class LayerProfile:
                     self.stack[-1][1] += elapsed
         return timed
 
-    def attach(self, model: GPT, optimizer) -> None:
+    def attach(self, model: Transformer, optimizer) -> None:
         """Wrap every layer of `model` (GPT-2's or llama's names), its rotary embedding and the optimizer step."""
         llama = model.config.is_llama
         norm = "rmsnorm" if llama else "layernorm"
@@ -723,7 +723,7 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-def check_first_step(args: argparse.Namespace, ours_loss: float, theirs_loss: float, ours: GPT, theirs,
+def check_first_step(args: argparse.Namespace, ours_loss: float, theirs_loss: float, ours: Transformer, theirs,
                      reference: str) -> None:
     """Stop unless the first step's losses and every gradient agree: the comparison must be of one computation."""
     precision = precision_of(args)
@@ -751,7 +751,7 @@ def relative_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.linalg.norm(ours.astype(np.float64) - theirs) / max(np.linalg.norm(theirs), 1e-300))
 
 
-def profile_ours(args: argparse.Namespace, ours: GPT, optimizer, data: np.ndarray) -> None:
+def profile_ours(args: argparse.Namespace, ours: Transformer, optimizer, data: np.ndarray) -> None:
     """More of our steps with every layer, the rotary embedding and the optimizer timed (exclusive times)."""
     profile = LayerProfile()
     profile.attach(ours, optimizer)

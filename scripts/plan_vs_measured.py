@@ -1,7 +1,7 @@
 """The planner's predictions against what `train` measures on this machine, run by run and rank by rank.
 
 Calibrates the machine (`mpiparallel plan --calibrate -n 2`) right before every run, so that prediction and
-measurement see the same load on a shared machine (or once, from --machine FILE), and trains a small GPT for a
+measurement see the same load on a shared machine (or once, from --machine FILE), and trains a small Transformer for a
 few steps on 1–4 ranks over several meshes and schedules with `--log-json` and `--memory-report`. Prints per
 run the predicted and measured step time (median of the steps after the first) and per rank the predicted and
 measured memory (parameters + gradients + optimizer state + activations, as the report counts them).

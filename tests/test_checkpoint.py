@@ -19,8 +19,8 @@ from mpi_harness import run_with_timeout
 from optional import missing, optional_module
 
 from collectives import Communicator
-from models.gpt import GPT, GPTConfig, parameter_shapes
 from models.parameter import Sharded, shard_tensor
+from models.transformer import GPTConfig, Transformer, parameter_shapes
 from mpiparallel.checkpoint import gpt2_config_json, load_pretrained, save_pretrained
 from mpiparallel.errors import ConfigError
 from mpiparallel.training_checkpoint import (
@@ -40,8 +40,8 @@ from mpiparallel.training_checkpoint import (
 CONFIG = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 
 
-def tiny_model(dtype=np.float32, seed: int = 3) -> GPT:
-    return randomized_everywhere(GPT(CONFIG, seed=seed, dtype=dtype), seed)
+def tiny_model(dtype=np.float32, seed: int = 3) -> Transformer:
+    return randomized_everywhere(Transformer(CONFIG, seed=seed, dtype=dtype), seed)
 
 
 def saved_model(tmp_path, dtype=np.float32):
@@ -51,7 +51,7 @@ def saved_model(tmp_path, dtype=np.float32):
     return directory, model
 
 
-def randomized_everywhere(model: GPT, seed: int) -> GPT:
+def randomized_everywhere(model: Transformer, seed: int) -> Transformer:
     """`model` with every tensor drawn at random, each differently: a fresh model has every LayerNorm weight 1
     and every bias 0, so a swapped or mis-mapped LayerNorm parameter or bias would go unseen (the same logits
     in transformers, the same tensors after a save and load)."""
@@ -469,7 +469,7 @@ def test_we_load_what_transformers_saves(tmp_path):
 def test_a_moe_checkpoint_without_expert_biases_starts_with_zero_biases(tmp_path):
     """Checkpoints from elsewhere have no aux-loss-free biases: they load with zeros, on the serial model too."""
     config = GPTConfig(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2, n_experts=2, moe_bias_rate=0.1)
-    model = GPT(config, seed=1)
+    model = Transformer(config, seed=1)
     state = {name: value for name, value in model.state_dict().items() if not name.endswith("expert_bias")}
     save_pretrained(tmp_path, config, state)
     _, tensors, _ = load_pretrained(tmp_path)

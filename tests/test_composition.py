@@ -21,7 +21,7 @@ import os
 import pytest
 from mpi_harness import run_on_ranks, train_error
 
-from models.gpt import GPTConfig, parameter_shapes
+from models.transformer import GPTConfig, parameter_shapes
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 

@@ -6,7 +6,7 @@ import pytest
 from mpi_harness import run_on_ranks
 from workers.data_parallel_checks import CONFIG
 
-from models.gpt import GPT, GPTConfig
+from models.transformer import GPTConfig, Transformer
 from mpiparallel.data_parallel import build_buckets
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
@@ -31,7 +31,7 @@ def test_without_overlap_the_result_is_the_same(zero):
 
 
 def test_buckets_follow_backward_order_and_never_split_a_unit():
-    model = GPT(GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=3, n_head=2))
+    model = Transformer(GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=3, n_head=2))
     units = model.unit_parameters()
     buckets = build_buckets(units, bucket_bytes=1, ranks=4)  # 1 byte: one bucket per unit
     assert [b.final_after for b in buckets] == [4, 3, 2, 1, 0]

@@ -21,23 +21,23 @@ from workers.errors import worst
 
 from collectives import backend
 from models import kernels
-from models.gpt import GPT, GPTConfig
 from models.kernels import FusedKernel, literal
 from models.layers import (
     GELU,
     MLP,
     Block,
     CausalSelfAttention,
+    HeadCrossEntropy,
     LayerNorm,
     Linear,
     RMSNorm,
     SwiGLU,
-    TiedHeadCrossEntropy,
     causal_softmax,
     row_sums,
     softmax_backward,
 )
 from models.parameter import Parameter
+from models.transformer import GPTConfig, Transformer
 from mpiparallel.optim import AdamW, adamw_kernel_scalars, adamw_update
 
 RNG = np.random.default_rng(2024)
@@ -159,7 +159,7 @@ def test_softmax_backward_kernel_equals_softmax_backward():
 def test_softmax_exp_kernel_gives_the_cross_entropy_gradient():
     wte, x = RNG.standard_normal((VOCAB, C)), RNG.standard_normal((B, T, C))
     targets, normalizer = RNG.integers(0, VOCAB, (B, T)), 37.0
-    head = TiedHeadCrossEntropy(Parameter("wte", wte))
+    head = HeadCrossEntropy(Parameter("wte", wte))
     saved = head.forward(x, targets, normalizer)[1]
     logits = x.reshape(-1, C) @ wte.T
     exps = kernels.SOFTMAX_EXP.evaluate_numpy(scores=logits, row_max=logits.max(axis=-1, keepdims=True))["exps"]
@@ -426,7 +426,7 @@ def test_softmax_and_its_backward_on_device_equal_numpy(xp, offset):
 
 def test_cross_entropy_head_on_device_equals_numpy(xp):
     wte, x, targets = RNG.standard_normal((VOCAB, C)), RNG.standard_normal((B, T, C)), RNG.integers(0, VOCAB, (B, T))
-    cpu, device = TiedHeadCrossEntropy(Parameter("wte", wte)), TiedHeadCrossEntropy(Parameter("wte", xp.asarray(wte)))
+    cpu, device = HeadCrossEntropy(Parameter("wte", wte)), HeadCrossEntropy(Parameter("wte", xp.asarray(wte)))
     loss, cpu_saved = cpu.forward(x, targets, 20.0)
     device_loss, device_saved = device.forward(xp.asarray(x), xp.asarray(targets), 20.0)
     assert abs(device_loss - loss) <= TOLERANCE * abs(loss)
@@ -453,7 +453,7 @@ def test_adamw_update_on_device_slices_equals_numpy(xp, weight_decay):
 def test_gpt_training_step_on_device_equals_numpy(xp):
     """Loss, every gradient and the AdamW-updated weights of the whole model (looser: many layers deep)."""
     config = GPTConfig(vocab_size=VOCAB, n_positions=16, n_embd=C, n_layer=2, n_head=H)
-    cpu, device = GPT(config, seed=5, dtype=np.float64), GPT(config, seed=5, dtype=np.float64, xp=xp)
+    cpu, device = Transformer(config, seed=5, dtype=np.float64), Transformer(config, seed=5, dtype=np.float64, xp=xp)
     tokens, targets = RNG.integers(0, VOCAB, (B, T)), RNG.integers(0, VOCAB, (B, T))
     optimizers = [AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) for model in (cpu, device)]
     for step in range(2):

@@ -7,19 +7,19 @@ import math
 import numpy as np
 import pytest
 
-from models.gpt import GPT, GPTConfig
 from models.layers import (
     GELU,
     MLP,
     Block,
     CausalSelfAttention,
     Embedding,
+    HeadCrossEntropy,
     KVCache,
     LayerNorm,
     Linear,
-    TiedHeadCrossEntropy,
 )
 from models.parameter import Parameter
+from models.transformer import GPTConfig, Transformer
 
 RNG = np.random.default_rng(1234)
 B, T, C, H = 2, 5, 8, 2
@@ -147,7 +147,7 @@ def test_embedding_gradient_accumulates_repeated_tokens():
 
 def test_cross_entropy_matches_finite_differences_and_log_softmax():
     vocab = 11
-    head = TiedHeadCrossEntropy(param("wte", vocab, C))
+    head = HeadCrossEntropy(param("wte", vocab, C))
     x, targets = RNG.standard_normal((B, T, C)), RNG.integers(0, vocab, (B, T))
     loss, saved = head.forward(x, targets, normalizer=B * T)
     logits = x.reshape(-1, C) @ head.token.data.T
@@ -160,7 +160,7 @@ def test_cross_entropy_matches_finite_differences_and_log_softmax():
     assert_close(head.token.grad.reshape(-1)[picks], numeric, "cross-entropy wte")
 
 
-def check_model_gradients(model: GPT) -> None:
+def check_model_gradients(model: Transformer) -> None:
     """Every parameter's gradient of the whole model's loss against finite differences (a vocabulary of 13)."""
     for p in model.parameters():  # move away from the all-ones/zeros init so every path carries gradient
         p.data += 0.1 * RNG.standard_normal(p.data.shape)
@@ -172,20 +172,20 @@ def check_model_gradients(model: GPT) -> None:
 
 
 def test_whole_model_gradients_match_finite_differences():
-    check_model_gradients(GPT(GPTConfig(vocab_size=13, n_positions=8, n_embd=8, n_layer=2, n_head=2), seed=3,
-                              dtype=np.float64))
+    check_model_gradients(Transformer(GPTConfig(vocab_size=13, n_positions=8, n_embd=8, n_layer=2, n_head=2), seed=3,
+                                      dtype=np.float64))
 
 
 def test_loss_at_initialization_is_about_ln_vocab():
     config = GPTConfig(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=4)
-    model = GPT(config, seed=0)
+    model = Transformer(config, seed=0)
     tokens = RNG.integers(0, 256, (4, 32))
     assert model.forward(tokens, np.roll(tokens, -1, axis=1))[0] == pytest.approx(math.log(256), rel=0.02)
 
 
 def test_initialization_depends_only_on_the_seed():
     config = GPTConfig(vocab_size=17, n_positions=8, n_embd=8, n_layer=2, n_head=2)
-    first, second, other = GPT(config, seed=5), GPT(config, seed=5), GPT(config, seed=6)
+    first, second, other = Transformer(config, seed=5), Transformer(config, seed=5), Transformer(config, seed=6)
     for name, value in first.state_dict().items():
         np.testing.assert_array_equal(value, second.state_dict()[name])
     assert not np.array_equal(first.params["transformer.wte.weight"].data, other.params["transformer.wte.weight"].data)
@@ -196,7 +196,7 @@ def test_initialization_depends_only_on_the_seed():
 @pytest.mark.parametrize(("window", "expected_rebuilds"), [(None, 1), (8, 4)])
 def test_generation_with_kv_cache_equals_recomputing_the_whole_sequence(window, expected_rebuilds):
     config = GPTConfig(vocab_size=13, n_positions=16, n_embd=8, n_layer=2, n_head=2)
-    model = GPT(config, seed=1, dtype=np.float64)
+    model = Transformer(config, seed=1, dtype=np.float64)
     prompt = [3, 1, 4, 1, 5]
     generated = model.generate(np.array(prompt), new_tokens=20, temperature=0, window=window)  # cache rebuilt
     size = window or config.n_positions

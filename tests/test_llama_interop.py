@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from optional import optional_module
 
-from models.gpt import GPT, GPTConfig
+from models.transformer import GPTConfig, Transformer
 from mpiparallel import optim
 from mpiparallel.checkpoint import load_pretrained, save_pretrained
 
@@ -41,7 +41,7 @@ def hugging_face():
     return torch, transformers
 
 
-def randomized(model: GPT, seed: int = 1) -> GPT:
+def randomized(model: Transformer, seed: int = 1) -> Transformer:
     """Every tensor random, norm weights around 1, so that no mapping mistake hides behind ones or zeros."""
     rng = np.random.default_rng(seed)
     for name, param in model.params.items():
@@ -123,7 +123,7 @@ def test_llama3_scaling_changes_the_frequencies_it_should():
 def test_training_equals_transformers_step_by_step(tmp_path, case):
     torch, transformers = hugging_face()
     config = CASES[case]
-    model = randomized(GPT(config, dtype=np.float64))
+    model = randomized(Transformer(config, dtype=np.float64))
     save_pretrained(tmp_path, config, model.state_dict())
     auto = transformers.MixtralForCausalLM if config.n_experts else transformers.LlamaForCausalLM
     hf_model = auto.from_pretrained(str(tmp_path), dtype=torch.float64, attn_implementation="sdpa",
@@ -172,7 +172,7 @@ def test_our_loader_reads_what_transformers_writes_for_a_fresh_model(tmp_path):
     hf_model.save_pretrained(str(tmp_path))
     ours, tensors, _ = load_pretrained(tmp_path)
     assert (ours.arch, ours.n_kv_head, ours.ffn_width, ours.rope_theta, ours.tied) == ("llama", 2, 40, 1000.0, False)
-    model = GPT(ours, dtype=np.float64)
+    model = Transformer(ours, dtype=np.float64)
     model.load_state_dict(tensors)
     tokens = np.random.default_rng(0).integers(0, 50, size=(1, 12))
     widen_upcasts(torch, transformers, hf_model, ours)

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from test_layers import check_layer, check_model_gradients, param, parameters_of
 
-from models.gpt import GPT, GPTConfig
 from models.layers import (
     MLP,
     Block,
@@ -20,6 +19,7 @@ from models.layers import (
 )
 from models.parameter import Parameter
 from models.rotary import RotaryEmbedding
+from models.transformer import GPTConfig, Transformer
 
 RNG = np.random.default_rng(77)
 B, T, C, H, KV = 2, 7, 16, 4, 2
@@ -124,16 +124,16 @@ LLAMAS = {
 
 @pytest.mark.parametrize("case", list(LLAMAS))
 def test_whole_llama_model_gradients_match_finite_differences(case):
-    check_model_gradients(GPT(LLAMAS[case], seed=3, dtype=np.float64))
+    check_model_gradients(Transformer(LLAMAS[case], seed=3, dtype=np.float64))
 
 
 def test_a_llama_has_no_biases_no_position_table_and_an_untied_head_by_default():
-    model = GPT(LLAMAS["untied-gqa"])
+    model = Transformer(LLAMAS["untied-gqa"])
     names = set(model.params)
     assert not any(name.endswith(".bias") for name in names) and "transformer.wpe.weight" not in names
     assert "lm_head.weight" in names and model.params["transformer.h.0.attn.k_proj.weight"].data.shape == (16, 8)
     assert LLAMAS["untied-gqa"].parameter_count() == sum(p.data.size for p in model.parameters())
-    assert "lm_head.weight" not in GPT(LLAMAS["tied"]).params
+    assert "lm_head.weight" not in Transformer(LLAMAS["tied"]).params
 
 
 def test_default_llama_ffn_is_8_thirds_rounded_up_to_64():
@@ -142,7 +142,7 @@ def test_default_llama_ffn_is_8_thirds_rounded_up_to_64():
 
 
 def test_generation_of_a_grouped_query_llama_equals_recomputing_the_sequence():
-    model = GPT(LLAMAS["untied-gqa"], seed=1, dtype=np.float64)
+    model = Transformer(LLAMAS["untied-gqa"], seed=1, dtype=np.float64)
     prompt = [3, 1, 4]
     generated = model.generate(np.array(prompt), new_tokens=4, temperature=0)
     context = list(prompt)

@@ -24,8 +24,8 @@ import pytest
 from mpi_harness import run_on_ranks, run_with_timeout
 from optional import optional_module
 
-from models.gpt import GPT, GPTConfig
 from models.precision import DTYPES, LossScaler, model_state_bytes
+from models.transformer import GPTConfig, Transformer
 from mpiparallel import optim
 from mpiparallel.checkpoint import save_pretrained
 
@@ -65,7 +65,8 @@ CONFIG = GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=4
 
 def test_a_compute_dtype_equal_to_the_master_dtype_is_the_plain_path_bit_for_bit():
     tokens = np.random.default_rng(0).integers(0, 61, (2, 16))
-    plain, explicit = GPT(CONFIG, dtype=np.float64), GPT(CONFIG, dtype=np.float64, compute_dtype="float64")
+    plain = Transformer(CONFIG, dtype=np.float64)
+    explicit = Transformer(CONFIG, dtype=np.float64, compute_dtype="float64")
     for model in (plain, explicit):
         model.backward(model.forward(tokens, tokens)[1])
     assert all(p.master is None for p in explicit.parameters())
@@ -74,15 +75,15 @@ def test_a_compute_dtype_equal_to_the_master_dtype_is_the_plain_path_bit_for_bit
 
 
 def test_norm_statistics_stay_float32_while_the_rest_of_what_is_saved_is_bfloat16():
-    model = GPT(GPTConfig(arch="llama", vocab_size=61, n_positions=16, n_embd=16, n_layer=1, n_head=4),
-                compute_dtype="bfloat16")
+    model = Transformer(GPTConfig(arch="llama", vocab_size=61, n_positions=16, n_embd=16, n_layer=1, n_head=4),
+                        compute_dtype="bfloat16")
     tokens = np.random.default_rng(0).integers(0, 61, (2, 16))
     saved = model.forward(tokens, tokens)[1].per_unit[1]
     assert saved.ln_1.rstd.dtype == np.float32 and saved.ln_1.normalized.dtype == DTYPES["bfloat16"]
 
 
 def test_the_working_copy_is_the_master_rounded_and_the_master_keeps_what_bf16_would_lose():
-    model = GPT(CONFIG, dtype=np.float32, compute_dtype="bfloat16")
+    model = Transformer(CONFIG, dtype=np.float32, compute_dtype="bfloat16")
     param = model.params["transformer.h.0.mlp.c_fc.weight"]
     assert param.data.dtype == DTYPES["bfloat16"]
     assert param.master.dtype == np.float32 and param.grad.dtype == np.float32
@@ -112,9 +113,9 @@ def test_serial_bfloat16_follows_pytorch_with_the_same_scheme(tmp_path):
     transformers = optional_module("transformers", "needs transformers' GPT-2: pip install -e '.[interop]'")
     torch.set_num_threads(1)
     config = GPTConfig(vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=4)
-    master = GPT(config, seed=1, dtype=np.float32)
+    master = Transformer(config, seed=1, dtype=np.float32)
     save_pretrained(tmp_path, config, master.state_dict())
-    ours = GPT(config, seed=1, dtype=np.float32, compute_dtype="bfloat16")
+    ours = Transformer(config, seed=1, dtype=np.float32, compute_dtype="bfloat16")
     lr = 3e-3
     our_optimizer = optim.AdamW(ours.parameters(), lr=lr, weight_decay=0.1)
     theirs, masters, their_optimizer = torch_same_scheme(torch, transformers, tmp_path, lr)

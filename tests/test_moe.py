@@ -1,5 +1,5 @@
 """Mixture of experts: the serial layer equals a per-token loop and finite differences (float64), forced imbalanced
-routings, aux-loss-free balancing, the MoE GPT; expert parallelism on 2 and 4 ranks equals the serial layer and
+routings, aux-loss-free balancing, the MoE Transformer; expert parallelism on 2 and 4 ranks equals the serial layer and
 model and sends exactly the routed rows (workers/moe_checks.py)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from mpi_harness import run_on_ranks
 from test_layers import numeric_gradient
 from workers.errors import worst
 
-from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes, units_using
 from models.moe import MixtureOfExperts, RouterStats, expert_capacity, local_experts, update_expert_bias
+from models.transformer import GPTConfig, Transformer, expert_bias_shapes, parameter_shapes, units_using
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 
@@ -241,7 +241,7 @@ def test_router_stats_add_up_and_log_as_json():
                               "aux_loss": 0.75, "max_load": 4, "mean_load": 4.0}
 
 
-# -- the MoE GPT (serial) ------------------------------------------------------------------------------------
+# -- the MoE Transformer (serial) ------------------------------------------------------------------------------------
 
 def moe_config(**settings) -> GPTConfig:
     values = {"vocab_size": 13, "n_positions": 8, "n_embd": 8, "n_layer": 2, "n_head": 2, "n_experts": 4,
@@ -249,8 +249,8 @@ def moe_config(**settings) -> GPTConfig:
     return GPTConfig(**values)
 
 
-def perturbed_model(config: GPTConfig, **options) -> GPT:
-    model = GPT(config, seed=3, dtype=np.float64, **options)
+def perturbed_model(config: GPTConfig, **options) -> Transformer:
+    model = Transformer(config, seed=3, dtype=np.float64, **options)
     rng = np.random.default_rng(5)
     for p in model.parameters():  # away from the zero biases and unit LayerNorms: every path carries gradient
         p.data += 0.3 * rng.standard_normal(p.data.shape)
@@ -282,7 +282,7 @@ def test_the_loss_adds_the_aux_loss_averaged_over_token_sets():
         assert saved.aux_loss == pytest.approx(sum(s.aux_loss for s in saved.router_stats.values()) / 2, rel=1e-15)
         total += loss
         model.backward(saved)
-    dense_part = GPT(moe_config(moe_aux_coef=0.0), seed=3, dtype=np.float64)
+    dense_part = Transformer(moe_config(moe_aux_coef=0.0), seed=3, dtype=np.float64)
     dense_part.load_state_dict(model.state_dict())
     cross_entropy = sum(dense_part.forward(inputs[r:r + 1], targets[r:r + 1], normalizer=inputs.size)[0]
                         for r in range(2))
@@ -336,7 +336,7 @@ def test_moe_tensors_names_shapes_initialization_and_units():
     assert shapes["transformer.h.1.mlp.experts.3.c_proj.bias"] == (32,)
     assert not any(name.startswith("transformer.h.0.mlp.c_") for name in shapes)
     assert config.parameter_count() == sum(math.prod(s) for s in shapes.values())
-    model = GPT(config, seed=0, dtype=np.float64)
+    model = Transformer(config, seed=0, dtype=np.float64)
     assert model.params["transformer.h.0.mlp.router.weight"].data.std() == pytest.approx(0.02, rel=0.2)
     projection = model.params["transformer.h.0.mlp.experts.2.c_proj.weight"].data
     assert projection.std() == pytest.approx(0.02 / math.sqrt(2 * 2), rel=0.2)
@@ -352,7 +352,7 @@ def test_moe_tensors_names_shapes_initialization_and_units():
 def test_state_dict_round_trip_carries_the_expert_biases():
     source = perturbed_model(moe_config())
     source.expert_biases["transformer.h.0.mlp.router.expert_bias"][:] = [0.1, -0.2, 0.0, 0.3]
-    target = GPT(moe_config(), seed=9, dtype=np.float64)
+    target = Transformer(moe_config(), seed=9, dtype=np.float64)
     target.load_state_dict({name.removeprefix("transformer."): v for name, v in source.state_dict().items()})
     for name, value in source.state_dict().items():
         np.testing.assert_array_equal(target.state_dict()[name], value)
@@ -377,7 +377,7 @@ def test_config_rejects_invalid_moe_settings(settings, message):
 
 def test_the_model_needs_at_least_one_token_set():
     with pytest.raises(ValueError, match="moe_token_sets"):
-        GPT(moe_config(), moe_token_sets=0)
+        Transformer(moe_config(), moe_token_sets=0)
 
 
 def test_experts_must_split_evenly_over_ep():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from optional import optional_module
 
-from models.gpt import GPT, GPTConfig
 from models.parameter import Parameter
+from models.transformer import GPTConfig, Transformer
 from mpiparallel.errors import ConfigError
 from mpiparallel.optim import (
     SGD,
@@ -210,7 +210,8 @@ def test_bad_hyperparameters_are_config_errors():
 
 
 def test_adamw_lowers_the_loss_of_the_gpt_model():
-    model = GPT(GPTConfig(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2), seed=0, dtype=np.float64)
+    config = GPTConfig(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    model = Transformer(config, seed=0, dtype=np.float64)
     tokens = np.arange(16).reshape(2, 8) % 16
     optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mpi_harness import run_with_timeout
 
-from models.gpt import GPT, GPTConfig
+from models.transformer import GPTConfig, Transformer
 from mpiparallel.planner import PRECISIONS, Cluster, Layout, Model, evaluate, precision_with
 from mpiparallel.planner.core import min_microbatches
 from mpiparallel.schedules import SCHEDULES, build_schedule, simulate
@@ -83,14 +83,14 @@ def test_70b_full_training_state_needs_14_gpus_and_every_kept_layout_fits():
 
 def test_parameter_count_equals_the_models():
     config = GPTConfig(vocab_size=256, n_positions=1024, n_embd=64, n_layer=3, n_head=4)
-    model = GPT(config, dtype=np.float32)
+    model = Transformer(config, dtype=np.float32)
     counted = sum(param.data.size for param in model.parameters())
     assert Model(3, 64, 4, 32, 256).total_parameters() == counted
 
 
 def test_memory_of_one_rank_equals_the_serial_models_arrays():
     config = GPTConfig(vocab_size=256, n_positions=1024, n_embd=32, n_layer=2, n_head=4)
-    model = GPT(config, dtype=np.float32)
+    model = Transformer(config, dtype=np.float32)
     tokens = np.random.default_rng(0).integers(0, 256, (4, 16))
     _, saved = model.forward(tokens, tokens)
     plan = evaluate(Model(2, 32, 4, 16, 256), Cluster(gpus=1, gpus_per_node=1), PRECISIONS["float32"],

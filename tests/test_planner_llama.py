@@ -17,8 +17,8 @@ import pytest
 from mpi_harness import run_on_ranks, run_with_timeout
 
 from collectives.cost_model import CostModel
-from models.gpt import GPT, GPTConfig
 from models.tensor_parallel import key_value_replicas
+from models.transformer import GPTConfig, Transformer
 from mpiparallel import traffic
 from mpiparallel.planner import PRECISIONS, Choices, Cluster, Layout, Model, candidate_layouts, evaluate
 from mpiparallel.planner.core import unit_costs
@@ -51,7 +51,7 @@ def train_config(model: Model) -> GPTConfig:
 def test_parameter_count_equals_the_models(name):
     model = planner_model(name)
     config = train_config(model)
-    arrays = sum(param.data.size for param in GPT(config, dtype=np.float32).parameters())
+    arrays = sum(param.data.size for param in Transformer(config, dtype=np.float32).parameters())
     assert model.total_parameters() == config.parameter_count() == arrays
 
 
@@ -64,7 +64,7 @@ def test_llama_3_8b_has_its_published_8_03_billion_parameters():
 @pytest.mark.parametrize("name", MODELS)
 def test_memory_of_one_rank_equals_the_serial_models_arrays(name, recompute):
     model = planner_model(name)
-    serial = GPT(train_config(model), dtype=np.float32, recompute=recompute)
+    serial = Transformer(train_config(model), dtype=np.float32, recompute=recompute)
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, (3, model.seq_len))
     _, saved = serial.forward(tokens, tokens)
     plan = evaluate(model, Cluster(gpus=1, gpus_per_node=1), PRECISIONS["float32"], Layout(recompute=recompute),

@@ -103,7 +103,7 @@ def test_plan_names_every_preset_and_code_base_and_prints_both_counts():
 
 
 def test_training_mfu_is_plans_count_over_the_devices_peak_and_none_off_a_known_gpu():
-    from models.gpt import GPTConfig
+    from models.transformer import GPTConfig
     from mpiparallel.planner import flops_per_token, training_mfu
     from mpiparallel.planner.core import Model
 

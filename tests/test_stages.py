@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.gpt import GPT, GPTConfig
 from models.layers import block_activation_elements
+from models.transformer import GPTConfig, Transformer
 
 CONFIG = GPTConfig(vocab_size=29, n_positions=16, n_embd=16, n_layer=3, n_head=4)
 TOLERANCE = 1e-12
@@ -19,18 +19,18 @@ def batch(rows: int = 6, length: int = 10, seed: int = 0) -> tuple[np.ndarray, n
     return window[:, :-1], window[:, 1:]
 
 
-def model(**options) -> GPT:
-    built = GPT(CONFIG, seed=11, dtype=np.float64, **options)
+def model(**options) -> Transformer:
+    built = Transformer(CONFIG, seed=11, dtype=np.float64, **options)
     for param in built.parameters():  # away from the ones/zeros init, so every path carries gradient
         param.data += 0.05 * np.random.default_rng(len(param.name)).standard_normal(param.data.shape)
     return built
 
 
-def gradients(of: GPT) -> dict[str, np.ndarray]:
+def gradients(of: Transformer) -> dict[str, np.ndarray]:
     return {p.name: p.grad.copy() for p in of.parameters()}
 
 
-def one_at_a_time(of: GPT, pieces: list[tuple[np.ndarray, np.ndarray]], normalizer: int) -> tuple[float, dict]:
+def one_at_a_time(of: Transformer, pieces: list[tuple[np.ndarray, np.ndarray]], normalizer: int) -> tuple[float, dict]:
     """The reference: each microbatch's forward immediately followed by its joint backward."""
     of.zero_grad()
     loss = 0.0
@@ -136,7 +136,7 @@ def test_a_llama_blocks_saved_bytes_equal_the_formula(mode, kv_heads):
     config = GPTConfig(arch="llama", vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=4,
                        n_kv_head=kv_heads, ffn_hidden=24)
     tokens, targets = batch(rows=3, length=10)
-    llama = GPT(config, dtype=np.float64, recompute=mode, query_block=4)
+    llama = Transformer(config, dtype=np.float64, recompute=mode, query_block=4)
     _, saved = llama.forward(tokens, targets)
     expected = 8 * block_activation_elements(3, 10, 16, 4, recompute=mode, query_block=4, kv_heads=kv_heads,
                                              ffn_hidden=24)
@@ -153,4 +153,4 @@ def test_recomputation_saves_what_it_promises():
     with pytest.raises(ValueError, match="recompute"):
         block_activation_elements(b, s, h, a, recompute="some")
     with pytest.raises(ValueError, match="recompute"):
-        GPT(CONFIG, recompute="some")
+        Transformer(CONFIG, recompute="some")

@@ -14,14 +14,14 @@ import pytest
 from mpi4py import MPI
 from mpi_harness import run_on_ranks
 
-from models.gpt import GPT, GPTConfig
 from models.parameter import gather_tensor, shard_tensor
 from models.tensor_parallel import (
-    TensorParallelGPT,
+    TensorParallelTransformer,
     check_tensor_parallel_shape,
     full_state_dict,
     tensor_parallel_placement,
 )
+from models.transformer import GPTConfig, Transformer
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 
@@ -189,8 +189,8 @@ def test_vocabulary_is_padded_with_zero_rows_on_the_last_rank():
 def test_one_rank_tensor_parallel_model_is_the_serial_model():
     config = GPTConfig(vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     tokens = np.random.default_rng(0).integers(0, 61, (2, 9))
-    serial = GPT(config, seed=3, dtype=np.float64)
-    model = TensorParallelGPT(config, MPI.COMM_SELF, seed=3, dtype=np.float64, sequence_parallel=True)
+    serial = Transformer(config, seed=3, dtype=np.float64)
+    model = TensorParallelTransformer(config, MPI.COMM_SELF, seed=3, dtype=np.float64, sequence_parallel=True)
     (loss, saved), (serial_loss, serial_saved) = model.forward(tokens[:, :-1], tokens[:, 1:]), serial.forward(
         tokens[:, :-1], tokens[:, 1:])
     assert loss == pytest.approx(serial_loss, rel=TOLERANCE)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpi_harness import run_with_timeout
 
-from models.gpt import GPT, GPTConfig
+from models.transformer import GPTConfig, Transformer
 from mpiparallel import optim
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4"]
@@ -44,7 +44,7 @@ def test_training_on_the_default_corpus_lowers_the_loss_and_logs_every_step(tmp_
 
 def test_a_small_model_overfits_one_batch():
     config = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-    model = GPT(config, seed=0, dtype=np.float64)
+    model = Transformer(config, seed=0, dtype=np.float64)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (4, 17))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -208,7 +208,7 @@ def test_seq_len_beyond_the_checkpoint_n_positions_is_an_error(tmp_path):
     from mpiparallel import checkpoint
 
     config = GPTConfig(vocab_size=256, n_positions=16, n_embd=32, n_layer=1, n_head=2)
-    checkpoint.save_pretrained(tmp_path / "short", config, GPT(config).state_dict())
+    checkpoint.save_pretrained(tmp_path / "short", config, Transformer(config).state_dict())
     _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--init", str(tmp_path / "short")),
                             "n_positions")
 

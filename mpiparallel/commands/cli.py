@@ -18,11 +18,13 @@ from typing import Any, NoReturn
 import click
 
 from .. import __version__
+from ..train.settings import default
 from . import launch
 from .checkpoint import checkpoint as checkpoint_command
 from .cluster import cluster as cluster_command
 from .data import data as data_command
 from .plan import plan as plan_command
+from .plot import plot as plot_command
 from .schedule import schedule as schedule_command
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
@@ -267,141 +269,161 @@ def verify(ctx: click.Context, against: str, device: str | None, ranks: int | No
 def threads_option(command: Callable) -> Callable:
     return click.option(
         "--threads", type=click.IntRange(min=1), default=None,
-        help="BLAS threads per rank. [default: this node's cores divided by its ranks; OMP_NUM_THREADS and "
+        help="BLAS threads per rank. [default: the cores the node's load average leaves free, divided by its "
+             "ranks, at least 1 (on a busy machine spinning BLAS threads fight other jobs); OMP_NUM_THREADS and "
              "OPENBLAS_NUM_THREADS, if set, win]")(command)
 
 
 @main.command(context_settings={"show_default": True})
 @ranks_option
-@click.option("--n-layer", type=click.IntRange(min=1), default=4, help="Transformer blocks.")
-@click.option("--n-head", type=click.IntRange(min=1), default=4, help="Attention heads.")
-@click.option("--n-embd", type=click.IntRange(min=1), default=128, help="Channels.")
-@click.option("--vocab-size", type=click.IntRange(min=1), default=None,
+@click.option("--n-layer", type=click.IntRange(min=1), default=default("n_layer"), help="Transformer blocks.")
+@click.option("--n-head", type=click.IntRange(min=1), default=default("n_head"), help="Attention heads.")
+@click.option("--n-embd", type=click.IntRange(min=1), default=default("n_embd"), help="Channels.")
+@click.option("--vocab-size", type=click.IntRange(min=1), default=default("vocab_size"),
               help="Vocabulary. [default: the data folder's tokenizer (data.json; 2,048 without --data), else 256 "
                    "(bytes)]")
-@click.option("--arch", type=click.Choice(["gpt2", "llama"]), default="gpt2",
+@click.option("--arch", type=click.Choice(["gpt2", "llama"]), default=default("arch"),
               help="Model family of a model from scratch: gpt2 (learned positions, LayerNorm, GELU, tied head) or "
                    "llama (RoPE, RMSNorm, grouped-query attention, SwiGLU, no biases; with --experts: Mixtral).")
-@click.option("--n-kv-head", type=click.IntRange(min=1), default=None,
+@click.option("--n-kv-head", type=click.IntRange(min=1), default=default("n_kv_head"),
               help="llama: key/value heads of grouped-query attention (must divide --n-head). [default: n_head]")
-@click.option("--ffn-hidden", type=click.IntRange(min=1), default=None,
+@click.option("--ffn-hidden", type=click.IntRange(min=1), default=default("ffn_hidden"),
               help="llama: SwiGLU hidden units. [default: 8/3·n_embd rounded up to a multiple of 64]")
-@click.option("--rope-theta", type=click.FloatRange(min=0, min_open=True), default=10000.0,
+@click.option("--rope-theta", type=click.FloatRange(min=0, min_open=True), default=default("rope_theta"),
               help="llama: RoPE base θ.")
-@click.option("--tie-embeddings/--no-tie-embeddings", default=None,
+@click.option("--tie-embeddings/--no-tie-embeddings", default=default("tie_embeddings"),
               help="llama: share the LM head with the token embedding. [default: untied; GPT-2 is always tied]")
-@click.option("--seq-len", type=click.IntRange(min=1), default=128, help="Tokens per sequence (T).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Sequences per step, global (B).")
-@click.option("--steps", type=click.IntRange(min=0), default=200,
+@click.option("--seq-len", type=click.IntRange(min=1), default=default("seq_len"), help="Tokens per sequence (T).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=default("batch_size"),
+              help="Sequences per step, global (B).")
+@click.option("--steps", type=click.IntRange(min=0), default=default("steps"),
               help="Total optimizer steps, counted from the start of training (also with --resume).")
-@click.option("--lr", type=click.FloatRange(min=0), default=1e-3, help="Peak learning rate.")
-@click.option("--seed", type=int, default=0, help="Seed of the initialization (identical for every mesh).")
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw",
+@click.option("--lr", type=click.FloatRange(min=0), default=default("lr"), help="Peak learning rate.")
+@click.option("--seed", type=int, default=default("seed"),
+              help="Seed of the initialization (identical for every mesh).")
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default=default("optimizer"),
               help="adamw: PyTorch's AdamW, betas (0.9, 0.95), eps 1e-8; sgd: w -= lr·g.")
-@click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0,
+@click.option("--weight-decay", type=click.FloatRange(min=0), default=default("weight_decay"),
               help="AdamW's decoupled weight decay, applied to weights of 2 or more dimensions.")
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default=default("dtype"),
               help="Master weights, optimizer state and (by default) compute and gradients.")
-@click.option("--compute-dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default=None,
+@click.option("--compute-dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
+              default=default("compute_dtype"),
               help="Mixed precision: the working copy of the weights, the activations and every activation sent "
                    "between ranks (bfloat16 on NumPy via ml_dtypes, computed in float32). [default: --dtype]")
-@click.option("--grad-dtype", type=click.Choice(["bfloat16", "float32", "float64"]), default=None,
+@click.option("--grad-dtype", type=click.Choice(["bfloat16", "float32", "float64"]), default=default("grad_dtype"),
               help="Gradients: accumulated over microbatches and reduced in this dtype. [default: --dtype]")
-@click.option("--loss-scale", default=None, metavar="dynamic|none|S",
+@click.option("--loss-scale", default=default("loss_scale"), metavar="dynamic|none|S",
               help="Loss scaling: dynamic (start 2^16, ×2 after 1000 clean steps, ×0.5 after 2 overflows), none, or "
                    "a fixed scale. Overflowing steps are skipped on every rank. [default: dynamic for float16]")
-@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu",
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default=default("device"),
               help="Where parameters and compute live: NumPy on the CPU, or CuPy on the GPU of each rank's local "
                    "rank (ranks share GPUs round robin). The report says how GPU buffers reach MPI.")
-@click.option("--grad-clip", type=click.FloatRange(min=0), default=0.0,
+@click.option("--grad-clip", type=click.FloatRange(min=0), default=default("grad_clip"),
               help="Clip the global gradient norm to this (0: off).")
-@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant",
+@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default=default("lr_schedule"),
               help="After warmup: constant, or cosine decay to a tenth of --lr at the last step.")
-@click.option("--warmup-steps", type=click.IntRange(min=0), default=0, help="Linear warmup steps.")
-@click.option("--data", default=None, metavar="PATH",
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=default("warmup_steps"),
+              help="Linear warmup steps.")
+@click.option("--data", default=default("data"), metavar="PATH",
               help="A folder from `mpiparallel data prepare` (or of llm.c shards: *train*.bin, *val*.bin), one .bin "
                    "shard, a quoted glob of shards (memory-mapped), a .npy array of token ids, or any other file read "
                    "as UTF-8 bytes (vocab 256). [default: Python's own documentation text, which ships with every "
                    "Python, tokenized by a 2,048-token BPE trained on it once and cached in $MPIPARALLEL_CACHE "
                    "(default ~/.cache/mpiparallel)]")
-@click.option("--val-data", default=None, metavar="PATH",
+@click.option("--val-data", default=default("val_data"), metavar="PATH",
               help="Validation tokens (same kinds as --data) for --eval-every. [default: the data folder's *val*.bin, "
                    "else the last --validation-fraction of --data]")
-@click.option("--shuffle", is_flag=True,
+@click.option("--shuffle", is_flag=True, default=default("shuffle"),
               help="Visit each epoch's batches in a random order seeded by (--seed, epoch): still a function of the "
                    "step, so resume is exact on any mesh.")
-@click.option("--init", type=click.Path(file_okay=False), default=None,
+@click.option("--init", type=click.Path(file_okay=False), default=default("init"),
               help="Start from this Hugging Face GPT-2, Llama or Mixtral directory; the family and shape come from "
                    "its config.json.")
-@click.option("--save", type=click.Path(file_okay=False), default=None,
+@click.option("--save", type=click.Path(file_okay=False), default=default("save"),
               help="Write the trained model here as a Hugging Face directory (the master weights).")
-@click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]), default=None,
+@click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
+              default=default("save_dtype"),
               help="The dtype --save writes the weights in. [default: --dtype]")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=default("checkpoint_dir"),
               help="Where training checkpoints go (model + optimizer state).")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
-@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --checkpoint-dir.")
-@click.option("--eval-every", type=click.IntRange(min=0), default=0,
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=default("checkpoint_every"),
+              help="Steps between checkpoints.")
+@click.option("--resume", is_flag=True, default=default("resume"),
+              help="Continue from the newest checkpoint in --checkpoint-dir.")
+@click.option("--eval-every", type=click.IntRange(min=0), default=default("eval_every"),
               help="Steps between validation losses on held-out data (0: none).")
-@click.option("--eval-batches", type=click.IntRange(min=1), default=4, help="Batches per validation loss.")
-@click.option("--validation-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.1,
+@click.option("--eval-batches", type=click.IntRange(min=1), default=default("eval_batches"),
+              help="Batches per validation loss.")
+@click.option("--validation-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              default=default("validation_fraction"),
               help="Share of the data, taken from its end, held out for validation (with --eval-every and no "
                    "validation shards).")
-@click.option("--log-json", type=click.Path(dir_okay=False), default=None,
+@click.option("--log-json", type=click.Path(dir_okay=False), default=default("log_json"),
               help="Write one JSON object per step here (rank 0).")
-@click.option("--trace", type=click.Path(dir_okay=False), default=None,
+@click.option("--tensorboard", type=click.Path(file_okay=False), default=default("tensorboard"),
+              help="Also write each step's loss, learning rate, tokens/s, gradient norm and bytes per axis as "
+                   "TensorBoard scalars to this folder (rank 0; needs tensorboardX: pip install "
+                   "'mpiparallel[tensorboard]'). View with `tensorboard --logdir DIR`.")
+@click.option("--trace", type=click.Path(dir_okay=False), default=default("trace"),
               help="Write a Chrome trace-event JSON of the run (ui.perfetto.dev, chrome://tracing): per rank the "
                    "steps, pipeline actions and collectives, an arrow from each pipeline send to its receive.")
-@click.option("--sample-tokens", type=click.IntRange(min=0), default=0,
+@click.option("--sample-tokens", type=click.IntRange(min=0), default=default("sample_tokens"),
               help="After training, print a sample of this many tokens, decoded by the data's tokenizer.")
-@click.option("--experts", type=click.IntRange(min=0), default=0,
+@click.option("--experts", type=click.IntRange(min=0), default=default("experts"),
               help="Replace every block's MLP by this many GPT-2 MLP experts (mixture of experts; 0: dense).")
-@click.option("--top-k", type=click.IntRange(min=1), default=2, help="Experts each token is routed to.")
-@click.option("--moe-aux-coef", type=click.FloatRange(min=0), default=0.01,
+@click.option("--top-k", type=click.IntRange(min=1), default=default("top_k"), help="Experts each token is routed to.")
+@click.option("--moe-aux-coef", type=click.FloatRange(min=0), default=default("moe_aux_coef"),
               help="Weight of the Switch load-balancing loss, per local token set.")
-@click.option("--capacity-factor", type=click.FloatRange(min=0), default=0.0,
+@click.option("--capacity-factor", type=click.FloatRange(min=0), default=default("capacity_factor"),
               help="Rows per expert per token set: ⌈C·K·tokens/E⌉; overflow dropped in token order (0: unlimited).")
-@click.option("--no-moe-renormalize", "moe_renormalize", flag_value=False, default=True,
-              help="Gates are the raw router probabilities instead of renormalized over the chosen K.")
-@click.option("--moe-bias-rate", type=click.FloatRange(min=0), default=0.0,
+@click.option("--no-moe-renormalize", "moe_renormalize", flag_value=False, default=default("moe_renormalize"),
+              show_default=False, help="Gates are the raw router probabilities instead of renormalized over the "
+                                       "chosen K. [default: off: the chosen K gates are renormalized to sum 1]")
+@click.option("--moe-bias-rate", type=click.FloatRange(min=0), default=default("moe_bias_rate"),
               help="Aux-loss-free balancing (DeepSeek-V3): per-expert routing biases move by this rate toward "
                    "under-loaded experts after every step (0: off).")
-@click.option("--dp", type=click.IntRange(min=1), default=None,
+@click.option("--dp", type=click.IntRange(min=1), default=default("dp"),
               help="Data-parallel ranks. [default: the ranks left over by tp·pp·cp]")
-@click.option("--tp", type=click.IntRange(min=1), default=1,
+@click.option("--tp", type=click.IntRange(min=1), default=default("tp"),
               help="Tensor-parallel ranks (Megatron: attention split by heads, MLP by columns, vocab-parallel "
                    "embedding and cross-entropy).")
-@click.option("--sp", is_flag=True, help="Megatron sequence parallelism inside the tensor-parallel group.")
-@click.option("--pp", type=click.IntRange(min=1), default=1,
+@click.option("--sp", is_flag=True, default=default("sp"),
+              help="Megatron sequence parallelism inside the tensor-parallel group.")
+@click.option("--pp", type=click.IntRange(min=1), default=default("pp"),
               help="Pipeline ranks: the layers are cut into pp × virtual-stages stages, embedding with the first "
                    "and head with the last.")
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]),
-              default="1f1b", help="Pipeline schedule (see `mpiparallel schedule --help` to simulate one).")
-@click.option("--virtual-stages", type=click.IntRange(min=1), default=1,
-              help="Stages per pipeline rank for --schedule interleaved (zbv and dualpipev always use 2).")
-@click.option("--cp", type=click.IntRange(min=1), default=1,
+              default=default("schedule"),
+              help="Pipeline schedule (see `mpiparallel schedule --help` to simulate one).")
+@click.option("--virtual-stages", type=click.IntRange(min=1), default=default("virtual_stages"),
+              help="Stages per pipeline rank for --schedule interleaved (zbv and dualpipev always use 2). "
+                   "[default: 2 for interleaved, else 1; as in `mpiparallel schedule`]")
+@click.option("--cp", type=click.IntRange(min=1), default=default("cp"),
               help="Context-parallel ranks: each sequence is cut into 2·cp chunks, rank r holding chunks r and "
                    "2·cp−1−r (zigzag: equal causal work).")
-@click.option("--cp-attention", type=click.Choice(["ring", "all-gather", "ulysses"]), default="ring",
+@click.option("--cp-attention", type=click.Choice(["ring", "all-gather", "ulysses"]), default=default("cp_attention"),
               help="How attention sees the other CP ranks' tokens: ring passes K/V blocks around the CP group; "
                    "all-gather gathers K/V once per layer; ulysses re-shards sequence to heads with all-to-alls.")
-@click.option("--ep", type=click.IntRange(min=1), default=1,
+@click.option("--ep", type=click.IntRange(min=1), default=default("ep"),
               help="Expert-parallel ranks, carved from dp: each holds E/ep experts, tokens reach them by all-to-all.")
-@click.option("--zero", type=click.IntRange(0, 3), default=0,
+@click.option("--zero", type=click.IntRange(0, 3), default=default("zero"),
               help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
-@click.option("--microbatches", type=click.IntRange(min=1), default=None,
+@click.option("--microbatches", type=click.IntRange(min=1), default=default("microbatches"),
               help="Split each DP rank's rows into this many microbatches (gradient accumulation; the pipeline's "
                    "microbatches). [default: pp, so a pipeline is filled]")
-@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=25.0,
+@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=default("bucket_mb"),
               help="Size of the gradient buckets reduced during backward, in MiB.")
-@click.option("--no-overlap", "overlap", flag_value=False, default=True,
-              help="Reduce gradients only after backward (to measure what overlap saves).")
-@click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
+@click.option("--no-overlap", "overlap", flag_value=False, default=default("overlap"), show_default=False,
+              help="Reduce gradients only after backward (to measure what overlap saves). [default: off: buckets "
+                   "are reduced while backward runs]")
+@click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=default("recompute"),
               help="Activation recomputation (the same numbers, less memory, more compute): selective keeps no "
                    "attention probabilities and recomputes them in backward (no term in seq²); full keeps only "
                    "each block's input and reruns its forward in backward. --memory-report shows the bytes.")
-@click.option("--show-mesh", is_flag=True, help="Print which world rank holds which mesh coordinates.")
-@click.option("--memory-report", is_flag=True,
+@click.option("--show-mesh", is_flag=True, default=default("show_mesh"),
+              help="Print which world rank holds which mesh coordinates.")
+@click.option("--memory-report", is_flag=True, default=default("memory_report"),
               help="Print the bytes each rank holds in parameters, gradients, optimizer state and activations.")
 @threads_option
 @click.pass_context
@@ -418,16 +440,19 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train --steps 300 --sample-tokens 300
       mpiparallel train --data corpus.txt --n-layer 6 --n-embd 384 --n-head 6 --lr-schedule cosine \\
           --warmup-steps 50 --steps 2000 --eval-every 100 --save out/
-      mpiparallel train --init out/ --steps 100 --log-json log.jsonl
+      mpiparallel train --init out/ --data corpus.txt --steps 100 --log-json log.jsonl
       mpiparallel train -n 2 --zero 3 --microbatches 2 --memory-report
       mpiparallel train -n 4 --tp 2 --sp --show-mesh
-      mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8
+      mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8 --n-layer 8
       mpiparallel train -n 4 --cp 2 --tp 2 --cp-attention ulysses
       mpiparallel train -n 4 --experts 8 --top-k 2 --ep 4
       mpiparallel train --arch llama --n-head 8 --n-kv-head 2 --n-embd 128 --steps 300
-      mpiparallel train -n 4 --arch llama --n-head 4 --n-kv-head 1 --tp 4 --experts 4 --ep 2
+      mpiparallel train -n 4 --arch llama --n-head 4 --n-kv-head 1 --tp 2 --experts 4 --ep 2
     """
     _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
+    if options["tensorboard"] is not None and importlib.util.find_spec("tensorboardX") is None:
+        raise click.BadParameter("writing TensorBoard files needs tensorboardX: pip install 'mpiparallel[tensorboard]'"
+                                 " (or pip install tensorboardX)", param_hint="'--tensorboard'")
     if options["experts"] and options["top_k"] > options["experts"]:
         raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
                                  f"--experts {options['experts']}", param_hint="'--top-k'")
@@ -449,7 +474,7 @@ def _check_output_folders(files: dict[str, str | None]) -> None:
 
 @main.command(context_settings={"show_default": True})
 @click.option("--init", type=click.Path(file_okay=False), required=True,
-              help="A Hugging Face GPT-2 directory (as written by train --save).")
+              help="A Hugging Face GPT-2, Llama or Mixtral directory (as written by train --save).")
 @click.option("--prompt", default=None,
               help="Text to continue, encoded by the model folder's tokenizer.json (as bytes for byte-level models). "
                    "[default: a newline]")
@@ -497,3 +522,4 @@ main.add_command(checkpoint_command)
 main.add_command(plan_command)
 main.add_command(data_command)
 main.add_command(cluster_command)
+main.add_command(plot_command)

@@ -44,12 +44,14 @@ def prepare(inputs: tuple[str, ...], default_corpus: bool, out: Path, tokenizer:
     if not inputs and not default_corpus:
         raise click.UsageError("give INPUT files or folders, or --default-corpus")
     from ..data import prepare as preparing
+    from ..text import plural
 
     info = preparing.prepare(inputs, out, tokenizer, vocab_size, val_tokens, shard_tokens,
                              default_corpus=default_corpus)
-    click.echo(f"wrote {out}: {info['train_tokens']:,} train tokens in {len(info['shards']) - (val_tokens > 0)} "
-               f"shards, {info['val_tokens']:,} val tokens, vocabulary {info['vocab_size']} "
-               f"(end-of-text {info['eot_id']}), from {info['documents']:,} documents")
+    shards = len(info["shards"]) - (val_tokens > 0)
+    click.echo(f"wrote {out}: {plural(info['train_tokens'], 'train token')} in {plural(shards, 'shard')}, "
+               f"{plural(info['val_tokens'], 'val token')}, vocabulary {info['vocab_size']} "
+               f"(end-of-text {info['eot_id']}), from {plural(info['documents'], 'document')}")
 
 
 @data.command()

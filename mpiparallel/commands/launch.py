@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, BinaryIO, NoReturn
 import click
 
 from ..errors import ConfigError
+from ..process import keep_freed_memory, limit_blas_threads  # noqa: F401 (the commands' and scripts' entry)
 from . import hosts as multi_host
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ if TYPE_CHECKING:
 
 RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
+
+TERMINAL = "MPIPARALLEL_TERMINAL"
+"""Set to 1 for the ranks when the self-launching parent's output is a terminal: rank 0's output reaches it
+through mpiexec's pipes and this relay, so a progress line may rewrite itself in place (`train.reports`)."""
 
 RELAUNCHED = "MPIPARALLEL_RELAUNCHED"
 """Set in the environment of relaunched ranks, so an MPI whose launcher sets none of the variables below can
@@ -140,8 +145,10 @@ def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cl
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
+        terminal = {TERMINAL: "1"} if sys.stdout.isatty() else {}
         status = supervise(relaunch_command(mpiexec, ranks, argv, placement),
-                           {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids}, Path(pids), ranks, cluster).status
+                           {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids, **terminal}, Path(pids), ranks,
+                           cluster).status
     raise SystemExit(status)
 
 
@@ -438,12 +445,25 @@ _FAILURE_DETAIL = re.compile(rb"^(\[mpiexec@|\[proxy:|\[[^\] ]+:\d+ *:\d+:\d+\]|
 (`[host:pid :0:tid] …`) and a survivor's MPI error. On a cluster they wait: a lost host explains them all."""
 
 
+def _pieces(source: BinaryIO) -> Iterator[bytes]:
+    """`source` in pieces that end at a newline or a carriage return (a progress line rewritten in place ends
+    at "\r" and must show now, not when a newline comes), the last one as it is."""
+    pending = b""
+    for chunk in iter(lambda: source.read1(1 << 16), b""):
+        pending += chunk
+        while (end := min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1)) >= 0:
+            yield pending[:end + 1]
+            pending = pending[end + 1:]
+    if pending:
+        yield pending
+
+
 def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None,
            held: list[bytes] | None = None) -> None:
-    """Pass `source` on to `target` line by line; with a `banner` list, hydra's "BAD TERMINATION" banner (two
-    rules of '=' around its lines, then up to three lines about the exit string) goes there instead; with a
-    `held` list, lines that describe a failure from below go there."""
-    for line in iter(source.readline, b""):
+    """Pass `source` on to `target` line by line (or up to a carriage return); with a `banner` list, hydra's "BAD
+    TERMINATION" banner (two rules of '=' around its lines, then up to three lines about the exit string) goes
+    there instead; with a `held` list, lines that describe a failure from below go there."""
+    for line in _pieces(source):
         rules = 0 if banner is None else sum(bool(_BANNER_RULE.match(kept)) for kept in banner)
         if banner is not None and (rules == 1 or _BANNER_RULE.match(line) or (rules >= 2 and
                                                                                 line.startswith(_BANNER_TAIL))):
@@ -486,48 +506,6 @@ PEER_DEATH_GRACE_S = 1.0
 MESSAGE_GRACE_S = 0.3
 """How long a failing rank waits between printing its message and MPI_Abort: mpiexec relays a rank's output
 through a pipe and may tear the job down before it has read the last lines (seen on a loaded machine)."""
-
-_BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-_LOCAL_RANK_COUNT_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-
-
-def limit_blas_threads(threads: int | None, environ: dict[str, str] = os.environ) -> int:
-    """Give each rank its share of this node's cores for BLAS (call before NumPy is imported).
-
-    Ranks on one node that each start a thread per core fight over the cores and all run slower. Default:
-    cores ÷ ranks on this node (from the launcher's variables), at least 1. An explicit `threads` wins; so do
-    OMP_NUM_THREADS/OPENBLAS_NUM_THREADS already set by the user. Returns the thread count in effect.
-    """
-    if threads is None:
-        already = next((environ[name] for name in _BLAS_THREAD_VARIABLES if environ.get(name)), None)
-        if already is not None:
-            return int(already)
-        local_ranks = next((int(environ[name]) for name in _LOCAL_RANK_COUNT_VARIABLES if environ.get(name)), 1)
-        threads = max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1))
-    for name in _BLAS_THREAD_VARIABLES:
-        environ[name] = str(threads)
-    return threads
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the operating system.
-
-    Layers keep no activations between steps: what a microbatch saved is freed when its backward has run, so at
-    the end of every step tens of megabytes go back to the allocator at once. By default glibc then returns the
-    top of its heap to the system and serves large arrays from fresh mappings, and the next forward pays a page
-    fault for every 4 KiB it touches again (measured: 2.5× the faults and 10–25 % of a CPU training step).
-    Raising the trim threshold and the mmap threshold (to its 32 MiB ceiling) keeps those pages in the process
-    — what the GPU path gets from CuPy's memory pool. Returns False where there is no glibc `mallopt`.
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    trim_threshold, mmap_threshold = -1, -3  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD in <malloc.h>
-    return bool(mallopt(mmap_threshold, 32 << 20)) and bool(mallopt(trim_threshold, 1 << 30))
-
 
 def world_size() -> int:
     """The number of ranks in MPI.COMM_WORLD (starts MPI if it is not running yet)."""

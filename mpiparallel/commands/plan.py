@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +200,41 @@ def plan(ctx: click.Context, **options: Any) -> None:
         plans, considered = planner.plan(model, cluster, precision, choices)
         shown = plans if options["top"] == 0 else plans[:options["top"]]
         document |= {"considered": considered, "feasible": len(plans), "layouts": [p.to_json() for p in shown]}
+    if document.get("feasible") == 0:
+        document["why_none"] = why_nothing_fits(model, cluster, precision, choices)
     if options["as_json"]:
         click.echo(json.dumps(document, indent=1))
     else:
         click.echo(report(document))
+    if document.get("feasible") == 0 and "min_microbatches" not in document:  # the layouts were the question
+        raise ConfigError(f"no layout fits: {document['why_none']}")
+
+
+def why_nothing_fits(model: Any, cluster: Any, precision: Any, choices: Any) -> str:
+    """Which constraint excluded every layout: the fixed choices that leave none (each named with what freeing it
+    would allow), or the memory — the least any layout needs per GPU beside what a GPU has."""
+    from .. import planner
+
+    layouts = list(planner.candidate_layouts(model, cluster, choices))
+    if not layouts:
+        fixed = {field.name: getattr(choices, field.name) for field in fields(choices)
+                 if field.name != "batch_size" and getattr(choices, field.name) is not None}
+        freeing = [name for name in fixed
+                   if next(planner.candidate_layouts(model, cluster, replace(choices, **{name: None})), None)]
+        named = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in fixed.items()) or "none fixed"
+        if freeing:
+            return (f"the fixed choices ({named}) leave no layout train accepts on {cluster.gpus} GPUs with batch "
+                    f"{choices.batch_size}; searching {' or '.join('--' + n.replace('_', '-') for n in freeing)} "
+                    f"instead would")
+        return (f"no layout train accepts for this model on {cluster.gpus} GPUs with batch {choices.batch_size} "
+                f"(fixed: {named}): the GPUs must split into dp·tp·pp·cp, tp must divide the heads and MLP width, "
+                f"pp at most the layers, dp the batch")
+    smallest = min((planner.evaluate(model, cluster, precision, layout, choices.batch_size) for layout in layouts),
+                   key=lambda result: result.max_memory)
+    return (f"memory: of {len(layouts)} layouts the smallest needs {_bytes(smallest.max_memory)} per GPU "
+            f"(dp {smallest.layout.dp}, tp {smallest.layout.tp}, pp {smallest.layout.pp}, zero "
+            f"{smallest.layout.zero}, recompute {smallest.layout.recompute}), a GPU has "
+            f"{_bytes(cluster.gpu_memory)}: use more GPUs, more memory (--gpu-memory) or fix fewer choices")
 
 
 def _model(options: dict[str, Any]) -> Any:
@@ -350,8 +381,8 @@ def report(document: dict[str, Any]) -> str:
         lines.append("fewest microbatches for the bubble asked: " + ", ".join(
             f"{name} {count}" for name, count in document["min_microbatches"].items()))
     if "layouts" in document:
-        lines.append(f"{document['feasible']} of {document['considered']} layouts fit; the fastest "
-                     f"{len(document['layouts'])}:")
+        shown = f"; the fastest {len(document['layouts'])}:" if document["layouts"] else ""
+        lines.append(f"{document['feasible']} of {document['considered']} layouts fit{shown}")
         for index, layout in enumerate(document["layouts"], 1):
             lines += ["", *_layout_lines(index, layout)]
     return "\n".join(lines)

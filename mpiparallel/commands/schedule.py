@@ -15,7 +15,18 @@ import click
 
 from .. import trace
 from ..errors import ConfigError
-from ..schedules import FORMULAS, SCHEDULES, Costs, Simulation, bubble_formula, build_schedule, render, simulate
+from ..schedules import (
+    FORMULAS,
+    SCHEDULES,
+    Costs,
+    Simulation,
+    bubble_formula,
+    build_schedule,
+    default_microbatches,
+    default_virtual_stages,
+    render,
+    simulate,
+)
 
 
 class CostsParameter(click.ParamType):
@@ -39,11 +50,11 @@ class CostsParameter(click.ParamType):
 @click.command(context_settings={"show_default": True})
 @click.option("--pp", type=click.IntRange(min=1), default=4, help="Pipeline ranks.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
-              help="Microbatches per step. [default: 2·pp]")
+              help="Microbatches per step. [default: pp, the fewest that fill the pipeline, as in train]")
 @click.option("--schedule", "name", type=click.Choice(SCHEDULES), default="1f1b", help="The schedule.")
 @click.option("--virtual-stages", type=click.IntRange(min=1), default=None,
               help="Stages (chunks) per rank, for interleaved only; zbv and dualpipev always hold 2. "
-                   "[default: 2 for interleaved]")
+                   "[default: 2 for interleaved, as in train]")
 @click.option("--costs", type=CostsParameter(), default="1,1,1",
               help="Time of one stage's forward, input-gradient and weight-gradient pass per microbatch "
                    "(B = I + W), e.g. measured on this machine.")
@@ -76,9 +87,8 @@ def schedule(pp: int, microbatches: int | None, name: str, virtual_stages: int |
     """
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise click.BadParameter("drawing needs matplotlib: pip install matplotlib", param_hint="'--plot'")
-    microbatches = 2 * pp if microbatches is None else microbatches
-    if virtual_stages is None:
-        virtual_stages = 2 if name == "interleaved" else 1
+    microbatches = microbatches or default_microbatches(pp)
+    virtual_stages = virtual_stages or default_virtual_stages(name)
     simulation_costs = Costs(*costs, transfer=transfer)
     try:
         built = build_schedule(name, pp, microbatches, virtual_stages)

@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, TextIO
 import numpy as np
 
 from ..errors import ConfigError
+from ..text import plural
 from . import sources
 from . import tokenizer as tokenizers_
 from .dataset import DATA_JSON, read_data_json
@@ -212,7 +213,8 @@ class Progress:
         rate = tokens / max(now - self.start, 1e-9)
         end = "\n" if force else ""
         prefix = "\r\033[K" if self.interactive else ""
-        self.stream.write(f"{prefix}{tokens:,} tokens from {documents:,} documents | {rate:,.0f} tokens/s{end}")
+        self.stream.write(f"{prefix}{plural(tokens, 'token')} from {plural(documents, 'document')} | "
+                          f"{rate:,.0f} tokens/s{end}")
         self.stream.flush()
 
 
@@ -243,12 +245,11 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: str = "byt
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not empty; choose another folder or remove it")
-    if not out.resolve().parent.is_dir():
-        raise ConfigError(f"the folder of --out {out} does not exist")
     if shard_tokens < 1 or val_tokens < 0:
         raise ConfigError("--shard-tokens must be at least 1 and --val-tokens at least 0")
     files = input_files(inputs, default_corpus)
     chosen = choose_tokenizer(tokenizer, vocab_size, files, default_corpus)
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)  # `--out data/books` in a fresh folder
     staging = out.resolve().parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()

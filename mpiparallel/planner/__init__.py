@@ -8,6 +8,7 @@ self-contained interactive map, `plan --html`).
 
 from .core import (
     AXES,
+    DEFAULT_PEAK_FLOPS,
     PRECISIONS,
     Choices,
     Cluster,
@@ -28,7 +29,7 @@ from .core import (
 )
 from .gpus import GPUS, peak_flops, preset_for_device
 
-__all__ = ["AXES", "GPUS", "PRECISIONS", "Choices", "Cluster", "Layout", "Model", "Plan", "Precision",
-           "candidate_layouts", "data_parallel_degree", "evaluate", "flops_per_token", "load_machine",
+__all__ = ["AXES", "DEFAULT_PEAK_FLOPS", "GPUS", "PRECISIONS", "Choices", "Cluster", "Layout", "Model", "Plan",
+           "Precision", "candidate_layouts", "data_parallel_degree", "evaluate", "flops_per_token", "load_machine",
            "min_microbatches", "min_model_parallel", "peak_flops", "plan", "precision_with", "preset_for_device",
            "training_mfu"]

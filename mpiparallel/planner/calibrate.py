@@ -33,7 +33,7 @@ def _timed(work, repeats: int, barrier) -> float:
     return float(np.median(samples))
 
 
-def matmul_rate(n_embd: int, rows: int, barrier) -> float:
+def matmul_rate(n_embd: int, rows: int, barrier, repeats: int = 20) -> float:
     """FLOP/s of float32 products of the MLP's shapes: (rows, h) @ (h, 4h) and (rows, 4h) @ (4h, h)."""
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((rows, n_embd), np.float32), rng.standard_normal((n_embd, 4 * n_embd), np.float32)
@@ -43,7 +43,7 @@ def matmul_rate(n_embd: int, rows: int, barrier) -> float:
         np.matmul(x, w, out=hidden)
         np.matmul(hidden, w.T, out=back)
 
-    return 2 * 2 * rows * n_embd * 4 * n_embd / _timed(work, 20, barrier)
+    return 2 * 2 * rows * n_embd * 4 * n_embd / _timed(work, repeats, barrier)
 
 
 def elementwise_rate(elements: int, barrier) -> float:
@@ -61,16 +61,16 @@ def elementwise_rate(elements: int, barrier) -> float:
 
 def serial_step_seconds(shape: dict[str, int], rows: int, barrier) -> float:
     """Seconds of one training step (forward, backward, AdamW) of the serial float32 model on `rows` sequences."""
-    from models.gpt import GPT, GPTConfig
+    from models.transformer import GPTConfig, Transformer
 
-    from ..commands.launch import keep_freed_memory
     from ..optim import AdamW
+    from ..process import keep_freed_memory
 
     keep_freed_memory()  # as `train` does: without it each step's activations cost fresh pages from the OS
 
     config = GPTConfig(vocab_size=shape["vocab_size"], n_positions=max(1024, shape["seq_len"]),
                        n_embd=shape["n_embd"], n_layer=shape["n_layer"], n_head=shape["n_head"])
-    model = GPT(config, dtype=np.float32)
+    model = Transformer(config, dtype=np.float32)
     optimizer = AdamW(model.parameters(), lr=1e-4)
     window = np.random.default_rng(0).integers(0, config.vocab_size, (rows, shape["seq_len"] + 1))
     inputs, targets = window[:, :-1], window[:, 1:]

@@ -56,10 +56,10 @@ from typing import Any, NamedTuple
 
 from collectives.cost_model import CostModel, choose, predict
 from models.context_parallel import VARIANTS as CP_ATTENTIONS
-from models.gpt import GPTConfig
 from models.layers import QUERY_BLOCK, block_activation_elements, query_blocks
 from models.precision import dtype_named, model_state_bytes
 from models.tensor_parallel import check_tensor_parallel_shape, key_value_replicas
+from models.transformer import GPTConfig
 
 from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate, stage_units
 from ..schedules.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
@@ -79,7 +79,7 @@ second); beyond, the bubble is the schedule's formula, exact at unit costs for m
 
 @dataclass(frozen=True)
 class Model:
-    """A model of either family (train's model: `models.gpt.GPTConfig`); `parameters` overrides the count
+    """A model of either family (train's model: `models.transformer.GPTConfig`); `parameters` overrides the count
     (`--params` without a shape). `arch`, `n_kv_head` (0: n_head), `ffn_hidden` (0: the family's default) and
     `tie_embeddings` (None: the family's default) are GPTConfig's, whose rules `config` applies."""
 
@@ -153,6 +153,10 @@ class Model:
         return self.total_parameters() - self.n_layer * (self.experts - self.top_k) * expert_parameters(self)
 
 
+DEFAULT_PEAK_FLOPS = 989e12
+"""An H100's dense bfloat16 matmul FLOP/s: `plan --peak-flops`'s default, and the peak of a GPU in train's MFU."""
+
+
 ATTENTION_KERNELS = ("blocked", "dense", "flash")
 
 
@@ -202,7 +206,7 @@ class Cluster:
     gpus_per_node: int = 8
     intra: CostModel = CostModel(alpha=5e-6, beta=1 / 450e9, gamma=1 / 1.5e12)
     inter: CostModel = CostModel(alpha=10e-6, beta=1 / 50e9, gamma=1 / 1.5e12)
-    matmul_flops: float = 989e12 * 0.5
+    matmul_flops: float = DEFAULT_PEAK_FLOPS * 0.5
     elementwise_bytes: float = 3.35e12 * 0.5
     gpu: GPU | None = None
     software: Software = Software()

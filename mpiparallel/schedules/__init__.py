@@ -41,7 +41,14 @@ from .actions import (
                       Schedule,
                       stage_units,
 )
-from .build import FORMULAS, SCHEDULES, bubble_formula, build_schedule
+from .build import (
+    FORMULAS,
+    SCHEDULES,
+    bubble_formula,
+    build_schedule,
+    default_microbatches,
+    default_virtual_stages,
+)
 from .classic import gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
 from .dualpipe import dualpipev_schedule
 from .simulator import Costs, Interval, ScheduleError, Simulation, simulate, validate
@@ -51,6 +58,7 @@ __all__ = [
     "stage_units",
     "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FORWARD", "FULL_BACKWARD", "RECV_B", "RECV_F", "SEND_B", "SEND_F",
     "FORMULAS", "SCHEDULES", "Action", "Costs", "Interval", "Schedule", "ScheduleError", "Simulation", "bubble_formula",
-    "build_schedule", "dualpipev_schedule", "gpipe_schedule", "interleaved_schedule", "one_f_one_b_schedule",
+    "build_schedule", "default_microbatches", "default_virtual_stages", "dualpipev_schedule", "gpipe_schedule",
+    "interleaved_schedule", "one_f_one_b_schedule",
     "simulate", "validate", "zb_h1_schedule", "zbv_schedule",
 ]

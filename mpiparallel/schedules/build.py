@@ -40,6 +40,17 @@ _BUBBLES: dict[str, Callable[[int, int, int, Costs], float]] = {
 }
 
 
+def default_microbatches(pp: int) -> int:
+    """Microbatches when none are given: pp, the fewest that fill a pipeline (`train` and `schedule` alike)."""
+    return pp
+
+
+def default_virtual_stages(name: str) -> int:
+    """Stages per rank when none are given: 2 for interleaved (1 would be plain 1F1B), else 1 (the V-shaped
+    schedules hold 2 whatever is given)."""
+    return 2 if name == "interleaved" else 1
+
+
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The schedule `name` for `pp` ranks and `microbatches` microbatches, sends and receives included.
 

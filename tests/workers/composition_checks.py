@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiparallel import checkpoint, train
+from mpiparallel import checkpoint
+from mpiparallel.train import loop as train
 
 from .arrays import host, parallel_array_module
 from .byte_data import on_bytes
@@ -126,7 +127,7 @@ def unhooked_gradients_match_hooked(zeros: list[int], microbatch_count: int = 2)
 
 def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
     from collectives import Communicator
-    from models.gpt import GPT, GPTConfig
+    from models.transformer import GPTConfig, Transformer
     from mpiparallel import data
     from mpiparallel.data_parallel import DataParallel
 
@@ -137,7 +138,7 @@ def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
     pieces = data.microbatches(*data.rows_for_rank(inputs, targets, comm.rank, comm.size), microbatch_count)
     gradients = []
     for hooked in (True, False):
-        model = GPT(config, seed=0, dtype=np.dtype("float64"))
+        model = Transformer(config, seed=0, dtype=np.dtype("float64"))
         engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, overlap=True)
         engine.zero_grad()
         if hooked:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 import collectives as C
-from models.gpt import GPT, GPTConfig
 from models.parameter import counts_once
+from models.transformer import GPTConfig, Transformer
 from mpiparallel import data, optim
 from mpiparallel.data_parallel import DataParallel
 
@@ -21,7 +21,7 @@ def _tokens() -> np.ndarray:
     return np.random.default_rng(7).integers(0, CONFIG.vocab_size, BATCH * LENGTH * 3 + 1)
 
 
-def _serial_step(model: GPT, optimizer: optim.AdamW, inputs, targets) -> tuple[float, dict]:
+def _serial_step(model: Transformer, optimizer: optim.AdamW, inputs, targets) -> tuple[float, dict]:
     model.zero_grad()
     loss, saved = model.forward(inputs, targets)
     model.backward(saved)
@@ -31,7 +31,7 @@ def _serial_step(model: GPT, optimizer: optim.AdamW, inputs, targets) -> tuple[f
     return loss, grads
 
 
-def _parallel_step(model: GPT, engine: DataParallel, optimizer: optim.AdamW, inputs, targets,
+def _parallel_step(model: Transformer, engine: DataParallel, optimizer: optim.AdamW, inputs, targets,
                    microbatch_count: int) -> tuple[float, dict]:
     comm = engine.comm
     rows = data.rows_for_rank(inputs, targets, comm.rank, comm.size)
@@ -57,9 +57,9 @@ def _parallel_step(model: GPT, engine: DataParallel, optimizer: optim.AdamW, inp
 def check_equals_serial(zero: int, microbatch_count: int, overlap: bool = True, steps: int = 3) -> list[str]:
     """dp ranks × ZeRO stage × microbatches: loss, gathered gradients and weights equal serial (float64)."""
     comm = C.world()
-    serial = GPT(CONFIG, seed=3, dtype=np.float64)
+    serial = Transformer(CONFIG, seed=3, dtype=np.float64)
     serial_optimizer = optim.AdamW(serial.parameters(), lr=LR, weight_decay=0.1)
-    model = GPT(CONFIG, seed=3, dtype=np.float64, xp=parallel_array_module())
+    model = Transformer(CONFIG, seed=3, dtype=np.float64, xp=parallel_array_module())
     engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, overlap=overlap)  # ≈4 KB: several buckets
     optimizer = optim.AdamW(engine.optimizer_parameters(), lr=LR, weight_decay=0.1)
     tokens, failures = _tokens(), []
@@ -88,7 +88,7 @@ def ledger_of_one_step(zero: int, batch: int = BATCH) -> dict:
     """Bytes this rank sent per operation in one step (ring algorithms), the bucket sizes behind them, and the
     bytes it holds."""
     comm = C.world()
-    model = GPT(CONFIG, seed=3, dtype=np.float64)
+    model = Transformer(CONFIG, seed=3, dtype=np.float64)
     engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, algo="ring")
     optimizer = optim.AdamW(engine.optimizer_parameters(), lr=LR)
     inputs, targets = data.batch_for_step(_tokens(), 0, batch, LENGTH)

@@ -13,8 +13,8 @@ from moe_oracle import copy_experts, forcing_inputs, forcing_weight, loop_refere
 
 import collectives as C
 from collectives.backend import get_array_module
-from models.gpt import GPT, GPTConfig
 from models.moe import MixtureOfExperts, expert_index, local_experts
+from models.transformer import GPTConfig, Transformer
 
 from .arrays import host, parallel_array_module
 from .errors import relative_error
@@ -154,7 +154,7 @@ def forced_routing(case: str) -> dict[str, Any]:
 
 # -- the model -----------------------------------------------------------------------------------------------
 
-def _perturbed(model: GPT) -> GPT:
+def _perturbed(model: Transformer) -> Transformer:
     """Move every parameter away from its init by a draw seeded by its name (the same on every layout), so the
     router's choices are decisive and every path carries gradient."""
     for name, param in model.params.items():
@@ -164,22 +164,22 @@ def _perturbed(model: GPT) -> GPT:
 
 
 def model_against_serial(recompute: str) -> dict[str, Any]:
-    """The MoE GPT with an EP group of all ranks (this rank's rows of the batch, its E/ep experts; on the arrays
-    of MPIPARALLEL_TEST_ARRAYS) vs the NumPy serial MoE GPT run over the same token sets as microbatches: loss,
+    """The MoE Transformer with an EP group of all ranks (this rank's rows of the batch, its E/ep experts; on the arrays
+    of MPIPARALLEL_TEST_ARRAYS) vs the NumPy serial MoE Transformer run over the same token sets as microbatches: loss,
     every gradient (dense ones summed over the ranks, experts' held whole), and the held experts."""
     comm = C.world()
     config = GPTConfig(vocab_size=13, n_positions=8, n_embd=H, n_layer=2, n_head=2, n_experts=4, moe_top_k=2,
                        moe_aux_coef=0.3, moe_capacity_factor=1.5)
     window = np.random.default_rng([SEED, 3]).integers(0, config.vocab_size, (comm.size, 7))
     inputs, targets = window[:, :-1], window[:, 1:]
-    serial = _perturbed(GPT(config, seed=SEED, dtype=np.float64, moe_token_sets=comm.size))
+    serial = _perturbed(Transformer(config, seed=SEED, dtype=np.float64, moe_token_sets=comm.size))
     serial_loss = 0.0
     for row in range(comm.size):  # one microbatch per EP rank's rows: the same token sets
         loss, saved = serial.forward(inputs[row:row + 1], targets[row:row + 1], normalizer=inputs.size)
         serial_loss += loss
         serial.backward(saved)
-    model = _perturbed(GPT(config, seed=SEED, dtype=np.float64, ep_comm=comm, moe_token_sets=comm.size,
-                           recompute=recompute, xp=parallel_array_module()))
+    model = _perturbed(Transformer(config, seed=SEED, dtype=np.float64, ep_comm=comm, moe_token_sets=comm.size,
+                                   recompute=recompute, xp=parallel_array_module()))
     rows = slice(comm.rank, comm.rank + 1)
     loss, saved = model.forward(inputs[rows], targets[rows], normalizer=inputs.size)
     model.backward(saved)

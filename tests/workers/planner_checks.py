@@ -1,4 +1,4 @@
-"""Planner checks run on every rank of a TP group (see mpi_harness): what each rank of `TensorParallelGPT`
+"""Planner checks run on every rank of a TP group (see mpi_harness): what each rank of `TensorParallelTransformer`
 actually holds — its parameter shards and, after one forward, its saved activations — for the planner's
 prediction to be compared with in tests/test_planner_llama.py."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 import collectives as C
-from models.gpt import GPTConfig
-from models.tensor_parallel import TensorParallelGPT
+from models.tensor_parallel import TensorParallelTransformer
+from models.transformer import GPTConfig
 
 
 def held_bytes(configs: list[dict[str, Any]], rows: int, length: int, recompute: str) -> list[dict[str, Any]]:
@@ -20,8 +20,8 @@ def held_bytes(configs: list[dict[str, Any]], rows: int, length: int, recompute:
     tokens = np.random.default_rng(3).integers(0, 32, (rows, length))
     for fields in configs:
         for sequence_parallel in (False, True):
-            model = TensorParallelGPT(GPTConfig(**fields), C.world(), dtype=np.float32,
-                                      sequence_parallel=sequence_parallel, recompute=recompute)
+            model = TensorParallelTransformer(GPTConfig(**fields), C.world(), dtype=np.float32,
+                                              sequence_parallel=sequence_parallel, recompute=recompute)
             _, saved = model.forward(tokens, tokens)
             found.append({"parameters": sum(int(param.data.nbytes) for param in model.parameters()),
                           "activations": saved.nbytes(),

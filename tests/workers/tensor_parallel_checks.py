@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 import collectives as C
-from models.gpt import GPT, GPTConfig, ParameterHooks
 from models.layers import Saved, block_activation_elements
 from models.parameter import gather_tensor, reduce_partial_gradients
-from models.tensor_parallel import TensorParallelGPT, full_state_dict
+from models.tensor_parallel import TensorParallelTransformer, full_state_dict
+from models.transformer import GPTConfig, ParameterHooks, Transformer
 from mpiparallel.mesh import Mesh, MeshShape
 from mpiparallel.optim import AdamW
 
@@ -49,9 +49,9 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
     mesh = Mesh(C.world(), MeshShape(tp=tp, dp=dp))
     config = tiny_config(vocab_size)
     batch_size, length = 2 * dp, 8
-    serial = GPT(config, seed=SEED, dtype=np.float64)
-    model = TensorParallelGPT(config, mesh.tp, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
-                              xp=parallel_array_module())
+    serial = Transformer(config, seed=SEED, dtype=np.float64)
+    model = TensorParallelTransformer(config, mesh.tp, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
+                                      xp=parallel_array_module())
     initial = full_state_dict(model)
     report = {"initial_weights_exact": all(np.array_equal(host(initial[n]), v) for n, v in serial.state_dict().items()),
               "losses": [], "loss_error": 0.0, "grad_error": 0.0, "weight_error": 0.0,
@@ -123,8 +123,8 @@ def ledger_and_memory(sequence_parallel: bool, batch_size: int = 2, length: int 
     LayerNorms keep for backward, next to the serial model's."""
     config = tiny_config()
     tp_comm = C.world()
-    model = TensorParallelGPT(config, tp_comm, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
-                              algo="ring")
+    model = TensorParallelTransformer(config, tp_comm, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
+                                      algo="ring")
     tokens, targets = batch(config, batch_size, length, step=0)
     hooks = LedgerByUnit(tp_comm)
     tp_comm.ledger.reset()
@@ -132,7 +132,7 @@ def ledger_and_memory(sequence_parallel: bool, batch_size: int = 2, length: int 
     forward_total = tp_comm.ledger.total_sent()
     layer_norm_bytes = _layer_norm_bytes(saved)
     model.backward(saved, hooks=hooks)
-    serial = GPT(config, seed=SEED, dtype=np.float64)
+    serial = Transformer(config, seed=SEED, dtype=np.float64)
     before_head = range(serial.unit_count - 1)
     return {"forward": hooks.forward, "backward": hooks.backward, "forward_total": forward_total,
             "backward_total": tp_comm.ledger.total_sent() - forward_total,
@@ -153,8 +153,8 @@ def _layer_norm_bytes(saved: Saved) -> int:
 def checkpoint_round_trip() -> dict[str, Any]:
     """load_state_dict cuts full tensors into this rank's shards; full_state_dict gathers them back unchanged."""
     config = tiny_config(vocab_size=61)
-    model = TensorParallelGPT(config, C.world(), seed=SEED, dtype=np.float64)
-    other = GPT(config, seed=SEED + 1, dtype=np.float64).state_dict()
+    model = TensorParallelTransformer(config, C.world(), seed=SEED, dtype=np.float64)
+    other = Transformer(config, seed=SEED + 1, dtype=np.float64).state_dict()
     model.load_state_dict({name.removeprefix("transformer."): value for name, value in other.items()})
     gathered = full_state_dict(model)
     return {"exact": all(np.array_equal(gathered[name], value) for name, value in other.items()),
@@ -166,10 +166,10 @@ def errors(indivisible_heads: dict[str, int]) -> dict[str, str]:
     do not divide by tp, and with sequence parallelism a sequence of 7 tokens."""
     messages = {}
     try:
-        TensorParallelGPT(GPTConfig(**indivisible_heads), C.world(), dtype=np.float64)
+        TensorParallelTransformer(GPTConfig(**indivisible_heads), C.world(), dtype=np.float64)
     except ValueError as error:
         messages["heads"] = str(error)
-    model = TensorParallelGPT(tiny_config(), C.world(), dtype=np.float64, sequence_parallel=True)
+    model = TensorParallelTransformer(tiny_config(), C.world(), dtype=np.float64, sequence_parallel=True)
     tokens, targets = batch(tiny_config(), 2, 7, step=0)
     try:
         model.forward(tokens, targets)
@@ -178,18 +178,18 @@ def errors(indivisible_heads: dict[str, int]) -> dict[str, str]:
     return messages
 
 
-def _perturbed(config: GPTConfig, sequence_parallel: bool, **options: Any) -> TensorParallelGPT:
+def _perturbed(config: GPTConfig, sequence_parallel: bool, **options: Any) -> TensorParallelTransformer:
     """The TP model with every weight moved off its ones/zeros init (the same move on every rank)."""
-    model = TensorParallelGPT(config, C.world(), seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
-                              **options)
-    serial = GPT(config, seed=SEED, dtype=np.float64)
+    model = TensorParallelTransformer(config, C.world(), seed=SEED, dtype=np.float64,
+                                      sequence_parallel=sequence_parallel, **options)
+    serial = Transformer(config, seed=SEED, dtype=np.float64)
     moved = {name: value + 0.05 * np.random.default_rng(len(name)).standard_normal(value.shape)
              for name, value in serial.state_dict().items()}
     model.load_state_dict(moved)
     return model
 
 
-def _gathered_gradients(model: TensorParallelGPT) -> dict[str, np.ndarray]:
+def _gathered_gradients(model: TensorParallelTransformer) -> dict[str, np.ndarray]:
     return {p.name: host(gather_tensor(p.grad, p.placement, {"tp": model.comm}, p.full_shape))
             for p in model.parameters()}
 
@@ -198,7 +198,7 @@ def _worst(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
     return worst(relative_error(got[name], value) for name, value in want.items())
 
 
-def _one_at_a_time(model: TensorParallelGPT, pieces: list, normalizer: int) -> tuple[float, dict]:
+def _one_at_a_time(model: TensorParallelTransformer, pieces: list, normalizer: int) -> tuple[float, dict]:
     model.zero_grad()
     loss = 0.0
     for tokens, targets in pieces:

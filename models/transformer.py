@@ -1,4 +1,6 @@
-"""GPT-2: token + position embeddings, n_layer pre-LayerNorm blocks, final LayerNorm, LM head tied to wte.
+"""The transformer of every family: token embedding (+ learned positions for GPT-2; RoPE inside attention for
+Llama), n_layer pre-norm blocks, final norm, LM head (tied to wte for GPT-2, untied by default for Llama);
+`GPTConfig.arch` names the family, `models.families` maps its checkpoint names.
 
 The model is a row of units — the embedding (unit 0), each block (units 1 … n_layer) and the head (final
 LayerNorm, tied LM head and cross-entropy: unit n_layer + 1) — and runs any contiguous range of them, so a
@@ -19,7 +21,7 @@ seeded by (seed, its name), so every parallel layout of the model starts from th
 With `GPTConfig.n_experts` > 0 every block's MLP is a mixture of experts (`models.moe`): parameters
 `h.{i}.mlp.router.weight` [n_embd, E] and the experts' `h.{i}.mlp.experts.{e}.c_fc/c_proj.{weight,bias}`
 (initialized as the MLP's, c_proj residual-scaled), and state `h.{i}.mlp.router.expert_bias` [E]
-(`GPT.expert_biases`, zeros). The loss then includes the experts' aux losses (`GPT.forward` says how).
+(`Transformer.expert_biases`, zeros). The loss then includes the experts' aux losses (`Transformer.forward` says how).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .layers import (
     CausalSelfAttention,
     ConcatenatedLinear,
     Embedding,
+    HeadCrossEntropy,
     KVCache,
     LayerNorm,
     Linear,
@@ -51,7 +54,6 @@ from .layers import (
     RMSNorm,
     Saved,
     SwiGLU,
-    TiedHeadCrossEntropy,
 )
 from .moe import (
     MixtureOfExperts,
@@ -295,8 +297,8 @@ class ParameterHooks:
 NO_HOOKS = ParameterHooks()
 
 
-class GPT:
-    """The serial GPT-2 model with hand-written backward.
+class Transformer:
+    """The serial model of every family (GPT-2, Llama, Mixtral: `GPTConfig.arch`) with hand-written backward.
 
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
     `query_block` the attention's query block length; neither changes the numbers. `units` (default: all) are
@@ -311,8 +313,7 @@ class GPT:
     expert biases are state in `expert_biases` (by checkpoint name), not parameters.
     """
 
-    ep_comm: Communicator | None = None  # class defaults, for subclasses that build the model their own way
-    moe_token_sets: int = 1
+    key_value_group: Communicator | None = None  # TP ranks holding the same KV heads (the TP model's)
     loss_scale: float = 1.0  # float16's loss scaling: forward returns, and backward differentiates, S·objective
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
@@ -326,12 +327,16 @@ class GPT:
         self.moe_token_sets = moe_token_sets
         self._set_precision(dtype, compute_dtype, grad_dtype)
         self._hold(units)
-        self.params = {name: self._parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)),
-                                             expert_placement(name, self._ep_size()))
+        self.params = {name: self._initial_parameter(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}
         self._assemble(recompute, query_block)
 
-    # -- construction (the tensor-parallel model overrides the three layer factories) ---------------------------
+    # -- construction (the tensor-parallel model overrides `_initial_parameter` and the layer factories) ---------
+
+    def _initial_parameter(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
+        """The parameter `name` from its serial initial value, as this process holds it (the experts: placement
+        `Held` on "ep")."""
+        return self._parameter(name, xp.asarray(full), expert_placement(name, self._ep_size()))
 
     def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any) -> None:
         """The master dtype (`dtype`: the weights as initialized and updated), the compute dtype of the working
@@ -406,7 +411,7 @@ class GPT:
         return self.params["transformer.wte.weight" if self.config.tied else "lm_head.weight"]
 
     def _cross_entropy(self) -> Any:
-        return self._narrowed(TiedHeadCrossEntropy(self._head_weight()))
+        return self._narrowed(HeadCrossEntropy(self._head_weight()))
 
     def _block(self, i: int) -> Block:
         prefix = f"transformer.h.{i}"

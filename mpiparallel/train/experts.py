@@ -1,0 +1,89 @@
+"""A step's mixture-of-experts accounting: the aux loss and router statistics over the global batch, and
+aux-loss-free balancing (`--moe-bias-rate`, DeepSeek-V3) moving each expert bias after the update.
+
+Each rank's forwards see only their own token sets (a microbatch on one DP×CP rank; under --sp one TP rank's
+slice of it): `RouterTally` adds up what they saw, and the sums over the mesh below make it the whole batch's.
+A dense model's tally does nothing (`NoExperts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from models.moe import expert_bias_name, update_expert_bias
+from models.transformer import Transformer
+
+from ..mesh import Mesh
+from .metering import sum_array_over
+
+
+class RouterTally:
+    """A step's router statistics and aux loss, from the saved state of this rank's forwards (its token sets and
+    layers)."""
+
+    def __init__(self, experts: ExpertBalance) -> None:
+        self.experts = experts
+        self.layers: dict[int, Any] = {}
+        self.aux_loss = 0.0
+
+    def add(self, saved: Any) -> None:
+        self.aux_loss += saved.aux_loss
+        for layer, stats in saved.router_stats.items():
+            self.layers[layer] = stats if layer not in self.layers else self.layers[layer] + stats
+
+    def finish(self) -> dict[str, Any]:
+        return self.experts.balance(self)
+
+
+class ExpertBalance:
+    """The step's aux loss and router statistics over the global batch; with --moe-bias-rate, each local layer's
+    expert bias moved toward its under-loaded experts (its counts over every microbatch and rank)."""
+
+    def __init__(self, model: Transformer, mesh: Mesh, sequence_parallel: bool,
+                 sum_losses: Callable[[float], float]) -> None:
+        self.model, self.mesh, self.sp, self.sum_losses = model, mesh, sequence_parallel, sum_losses
+
+    def new_step(self) -> RouterTally:
+        return RouterTally(self)
+
+    def balance(self, tally: RouterTally) -> dict[str, Any]:
+        config, mesh = self.model.config, self.mesh
+        if config.moe_bias_rate > 0:
+            for layer, stats in tally.layers.items():
+                counts = self._over_token_sets(sum_array_over(mesh.dp_cp, stats.assignments))
+                update_expert_bias(self.model.expert_biases[expert_bias_name(layer)], counts, config.moe_bias_rate)
+        assignments = sum((stats.assignments for stats in tally.layers.values()), np.zeros(config.n_experts))
+        dropped = sum(stats.dropped_tokens for stats in tally.layers.values())
+        totals = sum_array_over(mesh.world, np.append(assignments, dropped))  # every layer and token …
+        copies = 1 if self.sp else mesh.tp.size  # … once (without --sp the TP ranks route the same tokens)
+        per_expert = totals[:-1] / copies
+        load = float(per_expert.max() / per_expert.mean()) if per_expert.sum() else 0.0
+        aux = self._over_token_sets(np.array([tally.aux_loss]))[0]
+        return {"aux_loss": self.sum_losses(aux),
+                "router": {"tokens_per_expert": per_expert.astype(int).tolist(),
+                           "dropped_tokens": int(totals[-1] / copies), "max_over_mean_load": load}}
+
+    def _over_token_sets(self, values: np.ndarray) -> np.ndarray:
+        """With --sp each TP rank routes only its slice of the sequence: its own token set, summed over tp."""
+        return sum_array_over(self.mesh.tp, values) if self.sp else values
+
+
+class NoExperts:
+    """A dense model's tallies: nothing to count, nothing logged."""
+
+    def new_step(self) -> NoExperts:
+        return self
+
+    def add(self, saved: Any) -> None:
+        """A dense forward routes nothing."""
+
+    def finish(self) -> dict[str, Any]:
+        return {}
+
+
+def expert_tallies(model: Transformer, mesh: Mesh, sequence_parallel: bool,
+                   sum_losses: Callable[[float], float]) -> ExpertBalance | NoExperts:
+    return ExpertBalance(model, mesh, sequence_parallel, sum_losses) if model.config.n_experts else NoExperts()

@@ -1,0 +1,130 @@
+"""What training reads: the tokens (`--data`, or the default corpus), the validation batches, the model's shape
+(`--init`'s config.json or the flags) and the tokenizer that decodes it — each checked against the others, so
+that a model never trains on ids its vocabulary or its tokenizer does not mean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from models.transformer import GPTConfig
+
+from .. import checkpoint, data
+from ..errors import ConfigError
+from ..training_checkpoint import on_every_rank
+from .settings import ModelSettings, TrainSettings
+
+
+def open_data(settings: TrainSettings, world: Any) -> tuple[data.Dataset, data.Dataset | None]:
+    """--data (memory-mapped shards or tokens in memory) and its validation: --val-data, else the validation
+    shards of a data folder, else (None) the last --validation-fraction of the training tokens. Without --data:
+    the default corpus's cached BPE folder."""
+    path = settings.data.data if settings.data.data is not None else str(_default_corpus_folder(world))
+    dataset = data.open_data(path)
+    if settings.data.val_data is not None:
+        return dataset, data.open_data(settings.data.val_data, role="val")
+    return dataset, data.validation_in_folder(path)
+
+
+def _default_corpus_folder(world: Any) -> Path:
+    """Rank 0 prepares the default corpus on first use (a few seconds, said on its output) while the others wait;
+    then every rank finds it, or, where its node does not share rank 0's cache folder, builds the same files."""
+    on_every_rank(world, lambda: data.cached_default_corpus(announce=print) if world.rank == 0 else None)
+    return on_every_rank(world, data.cached_default_corpus)
+
+
+def settle_vocab(settings: TrainSettings, dataset: data.Dataset) -> TrainSettings:
+    """--vocab-size, by default the data's (data.json's tokenizer) or 256 (bytes)."""
+    if settings.model.vocab_size is not None:
+        return settings
+    return settings.with_options(vocab_size=dataset.vocab_size or data.BYTE_VOCAB_SIZE)
+
+
+def model_config(settings: TrainSettings) -> GPTConfig:
+    """The model's shape: from --init's config.json, or from the flags."""
+    if settings.model.init:
+        config = checkpoint.load_pretrained(settings.model.init)[0]
+    else:
+        shape = settings.model
+        try:
+            config = GPTConfig(vocab_size=shape.vocab_size, n_positions=max(shape.n_positions, settings.data.seq_len),
+                               n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head,
+                               n_experts=shape.experts, moe_top_k=shape.top_k, moe_renormalize=shape.moe_renormalize,
+                               moe_aux_coef=shape.moe_aux_coef, moe_capacity_factor=shape.capacity_factor,
+                               moe_bias_rate=shape.moe_bias_rate, **_family_choices(shape))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if settings.data.seq_len > config.n_positions:
+        raise ConfigError(f"--seq-len {settings.data.seq_len} exceeds the model's n_positions ({config.n_positions})")
+    return config
+
+
+def _family_choices(shape: ModelSettings) -> dict[str, Any]:
+    """The GPTConfig fields of --arch and its llama options; a llama option given for GPT-2 is one clear error."""
+    choices = {"n_kv_head": shape.n_kv_head, "ffn_hidden": shape.ffn_hidden, "tie_embeddings": shape.tie_embeddings}
+    given = [f"--{name.replace('_', '-')}" for name, value in choices.items() if value is not None]
+    if shape.rope_theta != ModelSettings.rope_theta:
+        given.append("--rope-theta")
+    if shape.arch == "gpt2" and given:
+        raise ConfigError(f"{', '.join(given)} set(s) a llama choice: add --arch llama (GPT-2 has multi-head "
+                          f"attention, a 4·n_embd MLP, learned positions and a tied head)")
+    return {"arch": shape.arch, "n_kv_head": shape.n_kv_head or 0, "ffn_hidden": shape.ffn_hidden or 0,
+            "rope_theta": shape.rope_theta, "tie_embeddings": shape.tie_embeddings}
+
+
+def tokenizer(settings: TrainSettings, dataset: data.Dataset, config: GPTConfig) -> data.Tokenizer | None:
+    """What decodes this model's tokens: the data folder's tokenizer, else the --init folder's, else bytes when
+    the vocabulary is bytes (256, or 257 with the end-of-text token of `data prepare --tokenizer byte`).
+
+    A model folder (--init) whose tokenizer differs from the data's is an error: the weights learned other
+    tokens for those ids, and --save would write the data's tokenizer beside them."""
+    of_data = data.tokenizer_of_folder(dataset.folder, dataset.info)
+    of_model = data.tokenizer_of_folder(settings.model.init)
+    if of_data is not None and of_model is not None and of_data.digest() != of_model.digest():
+        where = settings.data.data or "the default corpus (no --data)"
+        raise ConfigError(
+            f"--init {settings.model.init} has its own tokenizer ({of_model.vocab_size} tokens, digest "
+            f"{of_model.digest()}), but {where} is tokenized by another ({of_data.vocab_size} tokens, digest "
+            f"{of_data.digest()}): the model would read ids that meant other text. Tokenize the text with the "
+            f"model's: mpiparallel data prepare TEXT --tokenizer {settings.model.init} --out DIR, then --data DIR")
+    found = of_data or of_model
+    if found is None and config.vocab_size <= data.ByteTokenizer.vocab_size:
+        return data.ByteTokenizer()
+    return found
+
+
+def batches(settings: TrainSettings, config: GPTConfig, dataset: data.Dataset, validation: data.Dataset | None
+            ) -> tuple[data.TokenBatches, data.TokenBatches | None]:
+    """The training batches in the contract's order and, with --eval-every, the validation batches; every token
+    source checked against the model's vocabulary (in memory now; memory-mapped shards as they are read)."""
+    vocab, shape = config.vocab_size, (settings.data.batch_size, settings.data.seq_len)
+    for source in (dataset, validation):
+        if source is not None:
+            _check_vocab(source, vocab)
+    if validation is None and settings.data.eval_every:
+        dataset, validation = dataset.split_tail(settings.data.validation_fraction)
+        if validation.token_count < shape[0] * shape[1] + 1:
+            raise ConfigError(f"the held-out {settings.data.validation_fraction:.0%} of the data has "
+                              f"{validation.token_count} tokens; one validation batch needs {shape[0] * shape[1] + 1}."
+                              f" Use more data or a larger --validation-fraction, --val-data, or leave out "
+                              f"--eval-every")
+    train_batches = dataset.batches(*shape, settings.data.shuffle, settings.model.seed, vocab)
+    if validation is None or not settings.data.eval_every:
+        return train_batches, None
+    return train_batches, validation.batches(*shape, vocab_size=vocab)
+
+
+def _check_vocab(dataset: data.Dataset, vocab_size: int) -> None:
+    """What is known before reading: the ids of tokens in memory, the vocabulary data.json names."""
+    needed = dataset.vocab_needed or dataset.vocab_size or 0
+    if needed > vocab_size:
+        what = "contains token id" if dataset.vocab_needed else "was prepared with a tokenizer of vocabulary"
+        shown = needed - 1 if dataset.vocab_needed else needed
+        raise ConfigError(f"{dataset.description} {what} {shown}, but the model's vocabulary has {vocab_size} "
+                          f"tokens; use --vocab-size {needed} or more")
+
+
+def data_identity(settings: TrainSettings, dataset: data.Dataset) -> dict[str, Any]:
+    """What a resumed run must find again: the training data's fingerprint and its order."""
+    return {"fingerprint": dataset.fingerprint(), "shuffle": settings.data.shuffle}

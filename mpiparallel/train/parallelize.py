@@ -1,0 +1,189 @@
+"""Where each parallel axis enters training: mesh → schedule → model → engines → optimizer, in axis order.
+
+    axis   enters at                                                   placement (what a rank holds)
+    mesh   `build_mesh`: world = dp·tp·pp·cp, ep divides dp            `mpiparallel.mesh`
+    pp     `pipeline_schedule`: the stages and their order             `pipeline_parallel.place_on_pipeline`
+    tp,sp  `build_model`: this rank's shards of every weight           `models.tensor_parallel` placement
+    cp     `build_model`: attention over the CP ring (zigzag chunks)   replicated (the gradients are summed with dp)
+    ep     `build_model`: this rank's E/ep experts                     `models.moe.expert_placement`
+    dp     `data_parallel_engines`: gradients summed over dp (×cp),   `data_parallel.data_parallel_engines`
+           experts over expert_dp (×cp); ZeRO shards
+    —      `build_optimizer`: over what the engines hand it (ZeRO: this rank's segments)
+
+Every check that a mesh and a model fit together is here, each one clear `ConfigError` on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from models.context_parallel import ContextParallelGroup
+from models.tensor_parallel import TensorParallelTransformer, check_tensor_parallel_shape
+from models.transformer import GPTConfig, Transformer
+
+from .. import checkpoint, optim
+from ..data_parallel import DataParallelGroups, data_parallel_engines
+from ..errors import ConfigError
+from ..mesh import Mesh, MeshShape
+from ..pipeline_parallel import check_tag_space, local_units, place_on_pipeline, stage_units
+from ..schedules import Schedule, build_schedule, default_microbatches, default_virtual_stages
+from .settings import OptimizerSettings, TrainSettings
+
+
+@dataclass
+class Parallel:
+    """This rank's part of the run: its mesh, the pipeline schedule (None without --pp), its model (its shards and
+    stages), the data-parallel engines that own the parameters, and the optimizer over what they hand it."""
+
+    mesh: Mesh
+    schedule: Schedule | None
+    model: Transformer
+    engine: DataParallelGroups
+    optimizer: Any
+
+
+def parallelize(settings: TrainSettings, mesh: Mesh, config: GPTConfig, xp: Any,
+                load_weights: Callable[[Transformer], None]) -> Parallel:
+    """Build this rank's part of the run, axis by axis; `load_weights` (--resume) fills the model before the
+    data-parallel engines take its parameters over."""
+    check_batch(settings, mesh)
+    schedule = pipeline_schedule(settings, mesh, config)
+    model = build_model(settings, mesh, config, schedule, xp)
+    load_weights(model)
+    # a pipeline schedule interleaves microbatches and splits backward: the gradients are reduced after it
+    overlap = settings.mesh.overlap and schedule is None
+    engine = data_parallel_engines(model, mesh, settings.mesh.zero, settings.mesh.bucket_mb, overlap)
+    optimizer = build_optimizer(settings.optimizer, engine.optimizer_parameters())
+    return Parallel(mesh, schedule, model, engine, optimizer)
+
+
+def build_mesh(settings: TrainSettings, world: Any) -> Mesh:
+    layout = settings.mesh
+    mesh = Mesh(world, MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep))
+    if layout.sp and mesh.shape.tp == 1:
+        raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")
+    return mesh
+
+
+def microbatch_count(settings: TrainSettings, mesh: Mesh) -> int:
+    """--microbatches, by default pp (one per stage: the least that fills a pipeline; 1 without one)."""
+    return settings.mesh.microbatches or default_microbatches(mesh.shape.pp)
+
+
+def virtual_stages(settings: TrainSettings) -> int:
+    """--virtual-stages, by default 2 for interleaved, else 1."""
+    return settings.mesh.virtual_stages or default_virtual_stages(settings.mesh.schedule)
+
+
+def microbatch_rows(settings: TrainSettings, mesh: Mesh) -> int:
+    """Sequences in one microbatch on one rank: the global batch over dp ranks and microbatches."""
+    return settings.data.batch_size // (mesh.shape.dp * microbatch_count(settings, mesh))
+
+
+def check_batch(settings: TrainSettings, mesh: Mesh) -> None:
+    share = mesh.shape.dp * microbatch_count(settings, mesh)
+    if settings.data.batch_size % share:
+        raise ConfigError(f"--batch-size {settings.data.batch_size} must be divisible by dp × microbatches = "
+                          f"{mesh.shape.dp} × {microbatch_count(settings, mesh)} = {share}")
+
+
+def activation_shape(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> tuple[int, int, int]:
+    """The (rows, positions, channels) activation one microbatch hands from stage to stage on this rank."""
+    positions = settings.data.seq_len // mesh.shape.cp // (mesh.shape.tp if settings.mesh.sp else 1)
+    return microbatch_rows(settings, mesh), positions, config.n_embd
+
+
+# -- pp ------------------------------------------------------------------------------------------------------
+
+def pipeline_schedule(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> Schedule | None:
+    """The pipeline schedule (None without --pp), checked against the model: every stage needs a block."""
+    layout = settings.mesh
+    if mesh.shape.pp == 1:
+        if layout.virtual_stages not in (None, 1):
+            raise ConfigError("--virtual-stages needs a pipeline: give --pp > 1")
+        return None
+    try:
+        schedule = build_schedule(layout.schedule, mesh.shape.pp, microbatch_count(settings, mesh),
+                                  virtual_stages(settings))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    stage_units(config.n_layer, schedule.num_stages)  # raises when there are more stages than layers
+    check_tag_space(schedule.num_stages, schedule.microbatches)
+    return schedule
+
+
+# -- tp, sp, cp, ep: the model -------------------------------------------------------------------------------
+
+def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule: Schedule | None,
+                xp: Any = np) -> Transformer:
+    """This rank's model: the serial Transformer, or with --tp its tensor-parallel version (this rank's shards of
+    the same weights), holding only this pipeline rank's stages and EP rank's experts; every parameter's
+    placement records the mesh."""
+    tp = mesh.shape.tp
+    if settings.mesh.sp and settings.data.seq_len % tp:
+        raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
+                          f"{settings.data.seq_len} must be divisible by {tp}")
+    check_experts(config, mesh)
+    units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
+    common = {"seed": settings.model.seed, "dtype": np.dtype(settings.model.dtype), "xp": xp,
+              "recompute": settings.model.recompute, "compute_dtype": settings.model.compute_dtype,
+              "grad_dtype": settings.model.grad_dtype, "units": units, "context": context(settings, mesh, config)}
+    if config.n_experts:  # the token sets one step averages the aux loss over, and this rank's EP group
+        token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (
+            tp if settings.mesh.sp else 1)
+        common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
+    if tp == 1:
+        model = Transformer(config, **common)
+    else:
+        try:
+            check_tensor_parallel_shape(config, tp)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        model = TensorParallelTransformer(config, mesh.tp, sequence_parallel=settings.mesh.sp, **common)
+    if schedule is not None:
+        place_on_pipeline(model, schedule)
+    if settings.model.init:
+        model.load_state_dict(checkpoint.load_pretrained(settings.model.init)[1])
+    return model
+
+
+def context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextParallelGroup | None:
+    """The CP group and attention variant (None without --cp), after the checks that give one clear message."""
+    cp, tp, variant = mesh.shape.cp, mesh.shape.tp, settings.mesh.cp_attention
+    if cp == 1:
+        return None
+    if settings.data.seq_len % (2 * cp):
+        raise ConfigError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks: --seq-len "
+                          f"{settings.data.seq_len} must be divisible by {2 * cp}")
+    if settings.mesh.sp and (settings.data.seq_len // cp) % tp:
+        raise ConfigError(f"--sp with --cp {cp}: each CP rank's {settings.data.seq_len // cp} tokens must be "
+                          f"divisible by tp ({tp})")
+    if variant == "ulysses" and config.n_head % (cp * tp):
+        raise ConfigError(f"--cp-attention ulysses shares the heads out over cp·tp = {cp * tp} ranks: n_head "
+                          f"({config.n_head}) must be divisible by {cp * tp}")
+    kv_heads = max(config.kv_heads // tp, 1)  # per TP rank
+    if variant == "ulysses" and kv_heads % cp and cp % kv_heads:
+        raise ConfigError(f"--cp-attention ulysses shares the KV heads out over --cp {cp} ranks: the {kv_heads} KV "
+                          f"head(s) per tensor-parallel rank and cp must divide one another")
+    return ContextParallelGroup(mesh.cp, variant)
+
+
+def check_experts(config: GPTConfig, mesh: Mesh) -> None:
+    """One clear message for each mixture-of-experts setting the mesh cannot run."""
+    ep = mesh.shape.ep
+    if ep > 1 and not config.n_experts:
+        raise ConfigError(f"--ep {ep} spreads experts over ranks: give --experts")
+    if config.n_experts and config.n_experts % ep:
+        raise ConfigError(f"--ep {ep} must divide --experts {config.n_experts} (each EP rank holds E/ep experts)")
+
+
+# -- the update ----------------------------------------------------------------------------------------------
+
+def build_optimizer(settings: OptimizerSettings, params: list) -> Any:
+    if settings.optimizer == "sgd":
+        return optim.SGD(params, lr=settings.lr)
+    return optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)

@@ -1,0 +1,143 @@
+"""Every `mpiparallel train` option, in groups, with its default: the one place the defaults are written.
+
+The command line (`mpiparallel.commands.cli`) reads its defaults from here (`default`), so a script that builds
+`TrainSettings.from_options(...)` and the command that parses flags train the same model. Nothing here imports
+NumPy or MPI: the command line imports it to build its options before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model: its family and shape (or `init`, a Hugging Face directory to start from), seed, precision,
+    device, the activation recomputation mode, and a mixture of experts (experts > 0) with its routing settings."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    vocab_size: int | None = None  # None: the data's (data.json), else 256 (bytes)
+    n_positions: int = 1024
+    seed: int = 0
+    dtype: str = "float32"
+    compute_dtype: str | None = None  # None: dtype (mixed precision: bfloat16 or float16)
+    grad_dtype: str | None = None  # None: dtype
+    loss_scale: str | None = None  # None: "dynamic" for float16, else off
+    device: str = "cpu"
+    init: str | None = None
+    recompute: str = "none"
+    experts: int = 0
+    top_k: int = 2
+    moe_aux_coef: float = 0.01
+    capacity_factor: float = 0.0
+    moe_renormalize: bool = True
+    moe_bias_rate: float = 0.0
+    arch: str = "gpt2"
+    n_kv_head: int | None = None
+    ffn_hidden: int | None = None
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None
+
+
+@dataclass(frozen=True)
+class MeshSettings:
+    """How the ranks share the work: the axis sizes (dp None: the ranks left over), sequence parallelism, the ZeRO
+    stage, microbatches per DP rank (None: pp, so a pipeline is filled; as `mpiparallel schedule`), the pipeline
+    schedule, and the gradient buckets."""
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    zero: int = 0
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int | None = None  # None: 2 for interleaved, else 1 (as `mpiparallel schedule`)
+    cp_attention: str = "ring"
+    bucket_mb: float = 25.0
+    overlap: bool = True
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The update rule and the learning-rate schedule."""
+
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What is read: the tokens (file, shard, glob or folder; see `data.dataset`), the batch shape and order, how
+    many steps, and the held-out validation."""
+
+    data: str | None = None
+    val_data: str | None = None
+    shuffle: bool = False
+    seq_len: int = 128
+    batch_size: int = 8
+    steps: int = 200
+    eval_every: int = 0
+    eval_batches: int = 4
+    validation_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """What is written and printed: the final model, training checkpoints, the JSON log, reports, a sample."""
+
+    save: str | None = None
+    save_dtype: str | None = None  # None: the master weights' dtype (--dtype)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    log_json: str | None = None
+    tensorboard: str | None = None  # a folder for TensorBoard's event files (needs tensorboardX)
+    trace: str | None = None
+    sample_tokens: int = 0
+    show_mesh: bool = False
+    memory_report: bool = False
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Every `mpiparallel train` option, after parsing, in groups (see the command's --help for their meaning)."""
+
+    model: ModelSettings = ModelSettings()
+    mesh: MeshSettings = MeshSettings()
+    optimizer: OptimizerSettings = OptimizerSettings()
+    data: DataSettings = DataSettings()
+    output: OutputSettings = OutputSettings()
+
+    @classmethod
+    def from_options(cls, **options: Any) -> TrainSettings:
+        """Settings from flat option names (the command line's: n_layer=…, zero=…), each put in its group."""
+        return cls().with_options(**options)
+
+    def with_options(self, **options: Any) -> TrainSettings:
+        """A copy with the given flat options changed; an unknown name is an error."""
+        groups: dict[str, dict[str, Any]] = {}
+        for name, value in options.items():
+            group = _GROUP_OF.get(name)
+            if group is None:
+                raise TypeError(f"TrainSettings has no option {name!r}")
+            groups.setdefault(group, {})[name] = value
+        return replace(self, **{group: replace(getattr(self, group), **values) for group, values in groups.items()})
+
+
+_GROUP_OF = {option.name: group.name for group in fields(TrainSettings) for option in fields(group.default)}
+
+
+def default(option: str) -> Any:
+    """The default of a flat option name (the command line's: "n_layer", "zero", …)."""
+    group = getattr(TrainSettings(), _GROUP_OF[option])
+    return getattr(group, option)
