@@ -46,7 +46,7 @@ def run(settings: TrainSettings) -> int:
     trainer = Trainer(parallel, settings, tracer)
     resume.load_optimizer(trainer)
     peak = peak_flops(settings.model.device, mesh, config.n_embd, microbatch_rows(settings, mesh) *
-                      settings.data.seq_len)
+                      settings.data.seq_len, settings.model.compute_dtype or settings.model.dtype)
     reporter = Reporter(settings, config, mesh.world.rank == 0, peak_flops=peak, first_step=resume.first_step)
     if settings.model.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")

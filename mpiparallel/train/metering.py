@@ -181,15 +181,30 @@ def traffic_by_axis(trainer: Any, counted: dict[str, int], across_nodes: bool = 
 
 # -- MFU's denominator -----------------------------------------------------------------------------------------
 
-def peak_flops(device: str, mesh: Mesh, n_embd: int, rows: int) -> float:
-    """The matmul FLOP/s of all ranks together, as the planner assumes them: on GPU its default peak per GPU
-    (`planner.DEFAULT_PEAK_FLOPS`); on CPU the rate `plan --calibrate` measures (the model's MLP products on
-    every rank at once, `planner.calibrate.matmul_rate`), measured here in a few rounds."""
-    from ..planner import DEFAULT_PEAK_FLOPS
+def peak_flops(device: str, mesh: Mesh, n_embd: int, rows: int, compute_dtype: str = "float32") -> float:
+    """The matmul FLOP/s of all ranks together, as the planner assumes them: on GPU the dense tensor-core peak of
+    the device for the compute dtype (`planner.peak_flops`, the same figure `plan --gpu` divides by; an H100's
+    `planner.DEFAULT_PEAK_FLOPS` for a device without a preset); on CPU the rate `plan --calibrate` measures (the
+    model's MLP products on every rank at once, `planner.calibrate.matmul_rate`), measured here in a few rounds."""
     from ..planner.calibrate import matmul_rate
 
     if device == "gpu":
-        return DEFAULT_PEAK_FLOPS * mesh.world.size
+        return gpu_peak_flops(compute_dtype) * mesh.world.size
     # at least the shapes of a 256-channel model: smaller products are dominated by per-call costs, not a peak
     per_rank = matmul_rate(max(n_embd, 256), max(rows, 1024), mesh.world.comm.Barrier, repeats=2)
     return sum_over(mesh.world, per_rank)
+
+
+def gpu_peak_flops(compute_dtype: str) -> float:
+    """This rank's GPU's dense peak for `compute_dtype` by its CUDA name (the planner's presets), else an H100's
+    bfloat16 peak (what `plan` assumes without `--gpu`)."""
+    from collectives.backend import gpu_array_module
+
+    from ..planner import DEFAULT_PEAK_FLOPS
+    from ..planner import peak_flops as preset_peak
+
+    name = gpu_array_module().cuda.runtime.getDeviceProperties(0)["name"]
+    try:
+        return preset_peak(name.decode() if isinstance(name, bytes) else str(name), compute_dtype)
+    except ValueError:
+        return DEFAULT_PEAK_FLOPS
