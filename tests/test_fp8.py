@@ -1,0 +1,214 @@
+"""FP8 quantization and GEMM (`models.fp8`) against the math written out: E4M3 rounding against ml_dtypes' cast,
+scale = amax/448 per tile recomputed tile by tile in loops, values exact where representable, the special tiles,
+the GEMM as Σ over 128-wide intervals of (Σ raw products)·s_a·s_b, its stated elementwise error bound, and the
+limited accumulator's error with and without promotion. The same on the CuPy test double (and CuPy on a GPU)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import fake_cupy
+import ml_dtypes
+import numpy as np
+import pytest
+
+from collectives import backend
+from models.fp8 import (
+    E4M3,
+    E4M3_ROUNDOFF,
+    Quantized,
+    fp8_matmul,
+    gemm_error_bound,
+    quantize,
+    quantize_activation,
+    quantize_weight,
+    round_to_e4m3,
+    truncate_to_bits,
+)
+
+RNG = np.random.default_rng(11)
+
+
+def every_e4m3_value() -> np.ndarray:
+    """The 256 bit patterns of E4M3 as float32 (NaN included)."""
+    return np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+
+
+def spread(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Values over many binades (10⁻⁵ … 10³), both signs: what makes per-tile scales matter."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * np.exp(rng.uniform(-10, 5, shape))).astype(np.float32)
+
+
+def amax_over_tiles_by_loops(x: np.ndarray, rows: int, columns: int) -> np.ndarray:
+    """max |x| of every rows × columns tile, tile by tile (the ragged edge: what is left)."""
+    out = np.zeros((math.ceil(x.shape[0] / rows), math.ceil(x.shape[1] / columns)), np.float32)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = np.abs(x[i * rows:(i + 1) * rows, j * columns:(j + 1) * columns]).max()
+    return out
+
+
+# -- rounding and scales ---------------------------------------------------------------------------------------
+
+
+def test_rounding_to_e4m3_is_ml_dtypes_cast_over_the_whole_range_and_at_every_tie():
+    values = every_e4m3_value()
+    finite = np.sort(values[np.isfinite(values)])
+    midpoints = (finite[:-1] + finite[1:]) / 2  # exact in float32: ties, to even
+    samples = spread((200_000,), seed=1)
+    samples = np.concatenate([finite, midpoints, np.nextafter(midpoints, 0), np.nextafter(midpoints, 1000),
+                              samples[np.abs(samples) <= 448]])
+    np.testing.assert_array_equal(round_to_e4m3(samples), samples.astype(E4M3).astype(np.float32))
+    np.testing.assert_array_equal(round_to_e4m3(finite), finite)  # representable: unchanged
+    assert np.isnan(round_to_e4m3(np.array([np.inf, -np.inf, np.nan, 465.0, -1e6], np.float32))).all()
+
+
+@pytest.mark.parametrize(("shape", "tile"), [((5, 300), (1, 128)), ((200, 300), (128, 128)), ((300, 7), (128, 1)),
+                                             ((3, 64), (1, 128))])
+def test_each_tile_is_scaled_by_its_own_amax_over_448_with_ragged_edges(shape, tile):
+    x = spread(shape)
+    quantized = quantize(x, tile)
+    tile = (min(tile[0], shape[0]), min(tile[1], shape[1]))
+    expected = amax_over_tiles_by_loops(x, *tile) / np.float32(448)
+    np.testing.assert_array_equal(quantized.scales, expected)
+    np.testing.assert_array_equal(quantized.values.astype(np.float32),
+                                  (x / np.repeat(np.repeat(expected, tile[0], 0), tile[1], 1)[:shape[0], :shape[1]])
+                                  .astype(E4M3).astype(np.float32))
+    assert quantized.values.dtype == E4M3 and quantized.values.nbytes == x.size
+
+
+def test_every_element_is_within_half_an_e4m3_spacing_of_its_value():
+    x = spread((64, 384), seed=2)
+    quantized = quantize_activation(x)
+    error = np.abs(quantized.dequantize().astype(np.float64) - x)
+    bound = E4M3_ROUNDOFF * np.abs(x) + 2.0**-10 * quantized.expanded_scales()  # normal; subnormal spacing 2⁻⁹·s
+    assert (error <= bound * (1 + 2.0**-20)).all()
+    largest = np.abs(x).reshape(64, 3, 128).argmax(axis=-1)  # each tile's amax lands on ±448 exactly
+    assert (np.abs(np.take_along_axis(quantized.values.astype(np.float32).reshape(64, 3, 128),
+                                      largest[..., None], -1)) == 448).all()
+
+
+def test_values_that_are_e4m3_numbers_times_the_tiles_scale_come_back_exactly():
+    finite = every_e4m3_value()
+    finite = finite[np.isfinite(finite)]
+    x = RNG.choice(finite, size=(4, 256)).astype(np.float32)
+    x[:, [0, 128]] = 448  # each 1×128 tile's amax: 448·2^k below makes the scale 2^k, a power of two
+    x *= np.exp2(np.arange(-3, 1))[:, None].astype(np.float32)
+    quantized = quantize_activation(x)
+    np.testing.assert_array_equal(quantized.scales, np.exp2(np.arange(-3, 1))[:, None].repeat(2, 1))
+    np.testing.assert_array_equal(quantized.dequantize(), x)
+
+
+def test_a_zero_tile_gets_scale_one_and_an_inf_or_nan_poisons_only_its_own_tile():
+    x = spread((3, 384), seed=3)
+    x[0, 128:256] = 0
+    x[1, 5] = np.inf
+    x[2, 300] = np.nan
+    quantized = quantize_activation(x)
+    assert quantized.scales[0, 1] == 1 and (quantized.values[0, 128:256].astype(np.float32) == 0).all()
+    assert np.isnan(quantized.scales[1, 0]) and np.isnan(quantized.dequantize()[1, :128]).all()
+    assert np.isnan(quantized.scales[2, 2]) and np.isnan(quantized.dequantize()[2, 256:]).all()
+    healthy = np.ones_like(quantized.scales, bool)
+    healthy[[1, 2], [0, 2]] = False
+    assert np.isfinite(quantized.scales[healthy]).all()
+    assert np.isfinite(quantized.dequantize()[:, 128:256]).all()
+
+
+def test_a_weight_block_serves_its_transpose_unchanged():
+    weight = spread((300, 200), seed=4)
+    blocks, transposed = quantize_weight(weight), quantize_weight(weight.T)
+    np.testing.assert_array_equal(blocks.T.scales, transposed.scales)
+    np.testing.assert_array_equal(blocks.T.values.astype(np.float32), transposed.values.astype(np.float32))
+
+
+def test_truncation_keeps_the_leading_bits_toward_zero():
+    x = np.array([1 + 2.0**-13 + 2.0**-14, -(1 + 2.0**-13 + 2.0**-14), 3.0, 0.0])
+    np.testing.assert_array_equal(truncate_to_bits(x, 14), [1 + 2.0**-13, -(1 + 2.0**-13), 3.0, 0.0])
+
+
+# -- the GEMM --------------------------------------------------------------------------------------------------
+
+
+def gemm_by_intervals(a: Quantized, b: Quantized, interval: int = 128) -> np.ndarray:
+    """Σ over inner intervals of (Σ raw E4M3 products in float64) · s_a(row, interval) · s_b(interval, column)."""
+    left, right = a.values.astype(np.float64), b.values.astype(np.float64)
+    out = np.zeros((a.shape[0], b.shape[1]))
+    for start in range(0, a.shape[1], interval):
+        partial = left[:, start:start + interval] @ right[start:start + interval]
+        row_scale = np.array([a.scales[i // a.tile[0], start // a.tile[1]] for i in range(a.shape[0])])
+        column_scale = np.array([b.scales[start // b.tile[0], j // b.tile[1]] for j in range(b.shape[1])])
+        out += partial * row_scale[:, None] * column_scale[None, :]
+    return out
+
+
+@pytest.mark.parametrize("gemm", ["forward", "input gradient", "weight gradient"])
+def test_the_three_gemms_are_the_promoted_sum_of_scaled_intervals_within_the_stated_bound(gemm):
+    tokens, k, n = 70, 300, 200  # ragged everywhere
+    x, weight, dout = spread((tokens, k), 5), spread((k, n), 6) * 0.01, spread((tokens, n), 7)
+    a, b, qa, qb = {
+        "forward": lambda: (x, weight, quantize_activation(x), quantize_weight(weight)),
+        "input gradient": lambda: (dout, weight.T, quantize_activation(dout), quantize_weight(weight).T),
+        "weight gradient": lambda: (x.T, dout, quantize(x.T, (1, 128)), quantize(dout, (128, 1))),
+    }[gemm]()
+    result = fp8_matmul(qa, qb)
+    assert result.dtype == np.float32
+    written_out = gemm_by_intervals(qa, qb)
+    assert np.abs(result - written_out).max() <= 1e-5 * np.abs(written_out).max()
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    bound = gemm_error_bound(a, b, qa, qb)
+    assert (np.abs(result - exact) <= bound).all()
+    assert np.abs(result - exact).max() > bound.max() / 100  # the bound is near what happens, not vacuous
+
+
+def test_promotion_every_128_keeps_the_limited_accumulators_error_from_growing_with_k():
+    errors = {}
+    for k in (512, 4096):
+        x, weight = RNG.standard_normal((16, k)).astype(np.float32), RNG.standard_normal((k, 16)).astype(np.float32)
+        qa, qb = quantize_activation(x), quantize_weight(weight)
+        exact = qa.dequantize().astype(np.float64) @ qb.dequantize().astype(np.float64)  # the operands' own product
+        for promote in (128, None):
+            result = fp8_matmul(qa, qb, promote, accumulator_bits=14)
+            errors[k, promote] = np.linalg.norm(result - exact) / np.linalg.norm(exact)
+    assert errors[4096, 128] < 2 * errors[512, 128] < 1e-3  # promoted: ≈ 14-bit error of 128 terms, any K
+    assert errors[4096, None] > 4 * errors[512, None] > 10 * errors[512, 128]  # unpromoted: grows with K
+    assert errors[4096, None] > 10 * errors[4096, 128]
+
+
+def test_an_interval_that_crosses_a_scale_is_refused():
+    x, weight = spread((4, 256)), spread((256, 8))
+    with pytest.raises(ValueError, match="promotion every 128"):
+        fp8_matmul(quantize(x, (1, 64)), quantize_weight(weight))
+
+
+# -- the same on the CuPy test double (CuPy itself on a GPU) --------------------------------------------------
+
+
+@pytest.fixture(params=["fake", pytest.param("cupy", marks=pytest.mark.skipif(not backend.cupy_available(),
+                                                                            reason="no GPU"))])
+def xp(request, monkeypatch):
+    if request.param == "cupy":
+        import cupy
+
+        yield cupy
+        return
+    monkeypatch.setattr(backend, "_cupy", backend._cupy)
+    monkeypatch.setattr(backend.HostStaging, "possible", backend.HostStaging.possible)
+    monkeypatch.setitem(sys.modules, "cupyx", sys.modules.get("cupyx"))
+    monkeypatch.setattr(np, "asarray", np.asarray)
+    monkeypatch.setattr(np, "array", np.array)
+    yield fake_cupy.install()
+    backend.cuda_aware_mpi.cache_clear()
+
+
+def test_device_arrays_quantize_and_multiply_as_numpy_does(xp):
+    x, weight = spread((40, 300), 8), spread((300, 130), 9)
+    on_host = fp8_matmul(quantize_activation(x), quantize_weight(weight))
+    qa, qb = quantize_activation(xp.asarray(x)), quantize_weight(xp.asarray(weight))
+    assert isinstance(qa.values, xp.ndarray) and qa.values.dtype == np.float32  # E4M3 numbers held in float32
+    np.testing.assert_array_equal(qa.values.get(), quantize_activation(x).values.astype(np.float32))
+    np.testing.assert_array_equal(qb.scales.get(), quantize_weight(weight).scales)
+    on_device = fp8_matmul(qa, qb).get()
+    assert np.abs(on_device - on_host).max() <= 1e-6 * np.abs(on_host).max()
+    assert ml_dtypes.finfo(E4M3).max == 448
