@@ -67,6 +67,14 @@ Choices, and why:
   data-parallel gradient reduction (both are sums over disjoint rank sets). The row-parallel biases and wpe are
   added to sequence slices too, but their gradients are summed from the all-gathered d(output) the layer needs
   anyway, so they are complete on every rank.
+- FP8 (`--fp8 blockwise`, `models.fp8`): every rank quantizes its own shards and activations, tiles starting at
+  the shard's edge — the same code as serial, no communication of scales. Where each cut dimension of a shard
+  (a column-parallel rank's output columns of each fused block, a row-parallel rank's inner rows) is a multiple
+  of 128, the tiles are exactly the serial model's and TP differs from serial FP8 only in float32 summation
+  order (the row-parallel partial sums). Where a shard edge cuts a 128-tile, that tile's pieces get their own
+  scales: each piece is scaled at least as finely as the serial tile (its amax is ≤ the tile's), so the error
+  bound holds and the numbers differ from serial by FP8 rounding, not by a bias. No refusal: narrow models (and
+  the tests' tiny ones) would otherwise be unable to use TP at all.
 - The vocabulary is padded with zero rows to a multiple of n; the padded logits are −∞, so their probabilities,
   their gradients and their weights stay exactly zero, and `gather_tensor` drops them: loss, gradients and
   checkpoints equal the unpadded serial model's.
@@ -81,8 +89,9 @@ import numpy as np
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
+from .fp8 import TILE
 from .gpt import GPT, GPTConfig, initial_value
-from .layers import QUERY_BLOCK, ConcatenatedLinear, Layer, Linear, Saved
+from .layers import PLAIN_GEMMS, QUERY_BLOCK, ConcatenatedLinear, Gemms, Layer, Linear, Saved
 from .moe import expert_placement
 from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_tensor, shard_tensor
 from .precision import narrow, widen
@@ -222,11 +231,13 @@ class RowParallelLinear(Layer):
     that whole d(output), so it is complete on every rank even when the bias was added to a sequence slice.
     """
 
-    def __init__(self, weight: Parameter, bias: Parameter | None, group: TensorParallelGroup) -> None:
-        self.weight, self.bias, self.group = weight, bias, group
+    def __init__(self, weight: Parameter, bias: Parameter | None, group: TensorParallelGroup,
+                 gemms: Gemms = PLAIN_GEMMS) -> None:
+        self.weight, self.bias, self.group, self.gemms = weight, bias, group, gemms
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        partial = widen(x).reshape(-1, x.shape[-1]) @ self.weight.data  # narrow dtypes: float32 accumulation
+        # narrow dtypes: float32 accumulation
+        partial = self.gemms.forward(widen(x).reshape(-1, x.shape[-1]), self.weight.data)
         partial = narrow(partial.reshape(*x.shape[:-1], partial.shape[-1]), x.dtype)  # sent at the compute dtype
         out = self.group.out_of_row_parallel(partial)
         if self.bias is not None:
@@ -235,12 +246,12 @@ class RowParallelLinear(Layer):
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         saved.dpartial = self.group.out_of_row_parallel_backward(dout)
-        dx = widen(saved.dpartial).reshape(-1, dout.shape[-1]) @ self.weight.data.T
+        dx = self.gemms.input_gradient(widen(saved.dpartial).reshape(-1, dout.shape[-1]), self.weight.data)
         return narrow(dx.reshape(*saved.x.shape), dout.dtype)
 
     def backward_weights(self, saved: Saved) -> None:
         x, dpartial = widen(saved.x), widen(saved.dpartial).reshape(-1, saved.dpartial.shape[-1])
-        self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dpartial
+        self.weight.grad += self.gemms.weight_gradient(x.reshape(-1, x.shape[-1]), dpartial)
         if self.bias is not None:
             self.bias.grad += dpartial.sum(axis=0)
         saved.clear()
@@ -432,7 +443,8 @@ class TensorParallelGPT(GPT):
     def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
                  sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
                  query_block: int = QUERY_BLOCK, units: Any = None, context: Any = None, ep_comm: Any = None,
-                 moe_token_sets: int = 1, compute_dtype: Any = None, grad_dtype: Any = None) -> None:
+                 moe_token_sets: int = 1, compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none",
+                 fp8_tile: int = TILE) -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
@@ -443,7 +455,7 @@ class TensorParallelGPT(GPT):
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets
-        self._set_precision(dtype, compute_dtype, grad_dtype)
+        self._set_precision(dtype, compute_dtype, grad_dtype, fp8, fp8_tile)
         self._hold(units)
         self.params = {name: self._shard(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}
@@ -473,10 +485,10 @@ class TensorParallelGPT(GPT):
         return {TP_AXIS: (self.group.rank, self.group.size)}
 
     def _column_parallel(self, prefix: str) -> ColumnParallel:
-        return ColumnParallel(self._narrowed(Linear(*self._weight_and_bias(prefix))), self.group)
+        return ColumnParallel(self._linear(prefix), self.group)
 
     def _row_parallel(self, prefix: str) -> RowParallelLinear:
-        return RowParallelLinear(*self._weight_and_bias(prefix), self.group)
+        return RowParallelLinear(*self._weight_and_bias(prefix), self.group, gemms=self.gemms)
 
     def _concatenated(self, prefixes: list[str], key_value: bool = False) -> ColumnParallel:
         """Column-parallel projections of one input (entering the group once); KV heads held on several ranks sum
@@ -485,7 +497,7 @@ class TensorParallelGPT(GPT):
         groups = [None] * len(weights)
         if key_value:
             groups[-2:] = [self.key_value_group] * 2
-        return ColumnParallel(self._narrowed(ConcatenatedLinear(weights, groups)), self.group)
+        return ColumnParallel(self._narrowed(ConcatenatedLinear(weights, groups, gemms=self.gemms)), self.group)
 
     def _local_heads(self) -> int:
         return self.config.n_head // self.group.size
