@@ -136,16 +136,18 @@ class Narrowed:
 
 
 def model_state_bytes(compute: Any, master: Any, grad: Any, optimizer: str = "adamw", zero: int = 0,
-                      dp: int = 1) -> dict[str, float]:
+                      dp: int = 1, moments: Any = None) -> dict[str, float]:
     """Bytes per parameter each rank holds in parameters, gradients and optimizer state.
 
     parameters: the compute dtype's working copy (ZeRO-3: ÷ dp); gradients: the grad dtype (ZeRO-2/3: ÷ dp);
-    optimizer state: AdamW's two moments at the master dtype, plus the master weights when the compute dtype is
-    narrower (ZeRO-1/2/3: ÷ dp). bf16 compute, float32 grads and master: 2 + 4 + 12 = 18 B; bf16 grads: the
-    paper's 2 + 2 + 12 = 16 B; ZeRO-1 over 2 ranks with float32 grads: 2 + 4 + 6 = 12 B."""
+    optimizer state: AdamW's two moments at `moments` (default: the master dtype), plus the master weights when
+    the compute dtype is narrower (ZeRO-1/2/3: ÷ dp). bf16 compute, float32 grads and master: 2 + 4 + 12 = 18 B;
+    bf16 grads: the paper's 2 + 2 + 12 = 16 B; ZeRO-1 over 2 ranks with float32 grads: 2 + 4 + 6 = 12 B;
+    DeepSeek-V3's bf16 moments with float32 grads and master: 2 + 4 + (4 + 4) = 14 B. FP8 adds nothing here:
+    the E4M3 copies of a weight live only during its GEMMs (the working copy stays bf16)."""
     compute, master, grad = dtype_named(compute), dtype_named(master), dtype_named(grad)
-    moments = 2 if optimizer == "adamw" else 0
-    state = (moments + (compute != master)) * master.itemsize
+    moment_size = dtype_named(moments).itemsize if moments is not None else master.itemsize
+    state = (2 * moment_size if optimizer == "adamw" else 0) + (compute != master) * master.itemsize
     return {"parameters": compute.itemsize / (dp if zero >= 3 else 1),
             "gradients": grad.itemsize / (dp if zero >= 2 else 1),
             "optimizer_state": state / (dp if zero >= 1 else 1)}
