@@ -76,6 +76,7 @@ class ModelSettings:
     dtype: str = "float32"
     compute_dtype: str | None = None  # None: dtype (mixed precision: bfloat16 or float16)
     grad_dtype: str | None = None  # None: dtype
+    fp8: str = "none"  # "blockwise": the linears inside the blocks multiply in E4M3 (needs bfloat16 compute)
     loss_scale: str | None = None  # None: "dynamic" for float16, else off
     device: str = "cpu"
     init: str | None = None
@@ -124,6 +125,7 @@ class OptimizerSettings:
     grad_clip: float = 0.0
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    exp_avg_dtype: str = "float32"  # AdamW's moments: "float32" keeps them at --dtype; "bfloat16" halves them
 
 
 @dataclass(frozen=True)
@@ -534,10 +536,12 @@ class Trainer:
         sizes = {"tp": self.mesh.tp.size}  # from the placements: this rank's shard of every parameter
         count = sum(math.prod(local_shape(p.full_shape, p.placement, sizes)) for p in self.model.parameters())
         per_parameter = model_state_bytes(model.compute_dtype, model.master_dtype, model.grad_dtype,
-                                          self.settings.optimizer.optimizer, self.settings.mesh.zero, n)
+                                          self.settings.optimizer.optimizer, self.settings.mesh.zero, n,
+                                          moment_dtype(self.settings.optimizer))
         theory = {kind: count * size for kind, size in per_parameter.items()}
-        precision = f"{model.compute_dtype.name} compute, {model.grad_dtype.name} gradients, " \
-                    f"{model.master_dtype.name} master and optimizer state"
+        moments = moment_dtype(self.settings.optimizer) or model.master_dtype.name
+        precision = f"{model.compute_dtype.name} compute{' (FP8 GEMMs)' if model.fp8 != 'none' else ''}, " \
+                    f"{model.grad_dtype.name} gradients, {model.master_dtype.name} master, {moments} moments"
         lines = [f"rank {self.mesh.world.rank} (zero {self.settings.mesh.zero}, dp {n}; {precision}): "
                  f"{count:,} parameters, {sum(per_parameter.values()):.2f} bytes per parameter "
                  f"({' + '.join(f'{size:g}' for size in per_parameter.values())})"]
@@ -783,11 +787,15 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
     if settings.mesh.sp and settings.data.seq_len % tp:
         raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {tp}")
+    if settings.model.fp8 != "none" and settings.model.compute_dtype != "bfloat16":
+        raise ConfigError(f"--fp8 {settings.model.fp8} needs --compute-dtype bfloat16 (DeepSeek-V3's recipe: "
+                          f"what is not FP8 is bfloat16), got --compute-dtype {settings.model.compute_dtype or dtype}")
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     _check_experts(config, mesh)
     token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (tp if settings.mesh.sp else 1)
     common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
               "compute_dtype": settings.model.compute_dtype, "grad_dtype": settings.model.grad_dtype,
+              "fp8": settings.model.fp8,
               "units": units, "context": _context(settings, mesh, config)}
     if config.n_experts:
         common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
@@ -932,9 +940,18 @@ def _data_identity(settings: TrainSettings, dataset: data.Dataset) -> dict[str, 
 
 
 def _build_optimizer(settings: TrainSettings, params: list) -> Any:
+    moments = moment_dtype(settings.optimizer)
     if settings.optimizer.optimizer == "sgd":
+        if moments is not None:
+            raise ConfigError("--exp-avg-dtype bfloat16 stores AdamW's moments; --optimizer sgd has none")
         return optim.SGD(params, lr=settings.optimizer.lr)
-    return optim.AdamW(params, lr=settings.optimizer.lr, weight_decay=settings.optimizer.weight_decay)
+    return optim.AdamW(params, lr=settings.optimizer.lr, weight_decay=settings.optimizer.weight_decay,
+                       moment_dtype=moments)
+
+
+def moment_dtype(optimizer: OptimizerSettings) -> str | None:
+    """The AdamW moments' dtype: "bfloat16" with --exp-avg-dtype bfloat16, else None (the master dtype)."""
+    return "bfloat16" if optimizer.exp_avg_dtype == "bfloat16" else None
 
 
 def _resume(settings: TrainSettings, model: GPT, mesh: Mesh, data_identity: dict[str, Any]
@@ -1004,7 +1021,8 @@ class Reporter:
                      f"{config.n_head} heads{kv_heads(config)}, vocab "
                      f"{config.vocab_size}: {config.parameter_count() / 1e6:.2f} M parameters; "
                      f"{settings.data.batch_size}×{settings.data.seq_len} tokens per step, {settings.model.dtype}"
-                     f"{f' ({settings.model.compute_dtype} compute)' if settings.model.compute_dtype else ''}")
+                     f"{f' ({settings.model.compute_dtype} compute)' if settings.model.compute_dtype else ''}"
+                     f"{f', FP8 {settings.model.fp8} GEMMs' if settings.model.fp8 != 'none' else ''}")
 
     def step(self, record: dict) -> None:
         if not self.is_root:
