@@ -3,7 +3,9 @@
 Three dtypes (`--dtype`, `--compute-dtype`, `--grad-dtype`; DESIGN.md's Precision contract):
 
     tensor                                          dtype            why
-    master weights, AdamW moments                   master (--dtype)  updates of lr·g ≪ w vanish in bfloat16
+    master weights                                  master (--dtype)  updates of lr·g ≪ w vanish in bfloat16
+    AdamW moments m, v                              master, or        running averages: bf16's 2⁻⁸ is noise
+                                                    --exp-avg-dtype   next to the gradients' (DeepSeek-V3: bf16)
     weights' working copy (Parameter.data)          compute          what the GEMMs read; re-rounded after a step
     activations, and every activation sent          compute          half the memory and half the bytes
       between ranks (TP, SP, CP, PP, EP)
@@ -11,6 +13,18 @@ Three dtypes (`--dtype`, `--compute-dtype`, `--grad-dtype`; DESIGN.md's Precisio
     inside a layer: GEMM accumulation, norm and      float32 or wider  a bf16 sum of 1000 terms keeps 2-3 digits
       softmax statistics, logits → loss
     the gradient norm                               float64          a sum of squares over every parameter
+
+and with `--fp8 blockwise` (`models.fp8`; needs bfloat16 compute):
+
+    the operands of the three GEMMs of every        E4M3 + float32   4 significant bits suffice for a GEMM's
+      linear inside the blocks (attention q/k/v      scale per tile   inputs when each 1×128 tile (128×128
+      and output projections, MLP/SwiGLU, experts)                    block of a weight) has its own scale
+    their accumulation                              float32, every   the tensor core's ~14-bit accumulator
+                                                    128 products      loses ≈ K·2⁻¹⁴; promotion bounds K at 128
+    their outputs, and what the layers save         compute (bf16)   the next layer's input, cast on the fly
+    embedding, LM head, MoE router, norms,           compute (bf16)   small GEMMs or sensitive ones: logits,
+      attention core (q·kᵀ, softmax, p·v), MoE                        gates and statistics decide too much to
+      combine, the weights' working copy                              be rounded to 4 bits
 
 bfloat16 on NumPy is `ml_dtypes.bfloat16`, whose arithmetic runs as scalar loops: a layer computing in a narrow
 dtype (`Narrowed`) therefore widens its inputs and saved tensors to float32, runs its float32 code — GEMMs on
