@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from collectives import backend
+from collectives.backend import BFLOAT16
 from models.fp8 import (
     E4M3,
     E4M3_ROUNDOFF,
@@ -30,6 +31,8 @@ from models.fp8 import (
 from models.gpt import GPT, GPTConfig, parameter_shapes
 from models.layers import Linear
 from models.parameter import Parameter
+from models.precision import model_state_bytes
+from mpiparallel.optim import AdamW, adamw_update
 
 RNG = np.random.default_rng(11)
 
@@ -308,3 +311,33 @@ def test_an_fp8_models_loss_and_gradients_stay_near_float64s():
 
     assert abs(results["fp8"][0] - exact_loss) <= 1e-3 * exact_loss
     assert gradient_error("bf16") < 0.02 < gradient_error("fp8") < 0.15  # FP8 is on, and close
+
+
+# -- the rest of DeepSeek-V3's recipe: bfloat16 AdamW moments, and the bytes per parameter ----------------------
+
+
+def test_bfloat16_moments_are_the_float32_update_with_m_and_v_rounded_once_per_step():
+    rng = np.random.default_rng(16)
+    start = rng.standard_normal((8, 8)).astype(np.float32)
+    grads = [rng.standard_normal((8, 8)).astype(np.float32) * 1e-3 for _ in range(3)]
+    param = Parameter("w", start.copy())
+    optimizer = AdamW([param], lr=1e-2, weight_decay=0.1, moment_dtype="bfloat16")
+    weights, m, v = start.copy(), np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32)
+    for grad in grads:
+        param.grad[...] = grad
+        optimizer.step()
+        adamw_update(weights, grad, m, v, optimizer.step_count, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        m, v = m.astype(BFLOAT16).astype(np.float32), v.astype(BFLOAT16).astype(np.float32)  # the written-out rounding
+    assert optimizer.exp_avg["w"].dtype == BFLOAT16 and optimizer.exp_avg_sq["w"].dtype == BFLOAT16
+    np.testing.assert_array_equal(optimizer.exp_avg["w"].astype(np.float32), m)
+    np.testing.assert_array_equal(optimizer.exp_avg_sq["w"].astype(np.float32), v)
+    np.testing.assert_array_equal(param.data, weights)
+
+
+def test_deepseeks_precision_holds_14_bytes_per_parameter_and_the_planner_counts_them():
+    from mpiparallel.planner import PRECISIONS
+
+    recipe = model_state_bytes("bfloat16", "float32", "float32", moments="bfloat16")
+    assert recipe == {"parameters": 2, "gradients": 4, "optimizer_state": 4 + 2 * 2}  # 14 B
+    assert (PRECISIONS["fp8"].weights, PRECISIONS["fp8"].gradients, PRECISIONS["fp8"].optimizer) == (2, 4, 8)
+    assert sum(model_state_bytes("bfloat16", "float32", "float32", zero=1, dp=2, moments="bfloat16").values()) == 10
