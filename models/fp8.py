@@ -159,6 +159,59 @@ def quantize_weight(weight: Array, tile: int = TILE) -> Quantized:
     return quantize(weight, (tile, tile))
 
 
+# -- FP8 on the wire: E4M3 bit patterns, and rows packed with their scales (EP dispatch) -------------------------
+
+
+def e4m3_bits(values: Array) -> Array:
+    """The uint8 bit patterns of E4M3 numbers (float32 holding them, or ml_dtypes' E4M3): sign, 4 exponent bits
+    (bias 7; 0 for subnormals), 3 fraction bits; NaN as 0x7F. Arithmetic, so CuPy arrays need no FP8 dtype."""
+    xp = get_array_module(values)
+    values = values.astype(np.float32)
+    magnitude = xp.abs(values)
+    magnitude = xp.where(xp.isnan(magnitude), np.float32(0), magnitude)  # NaN: its pattern is set below
+    exponent = xp.frexp(magnitude)[1] - 1
+    normal = magnitude >= 2.0**E4M3_MIN_NORMAL_EXPONENT
+    biased = xp.where(normal, exponent + 7, 0)
+    spacing_exponent = xp.where(normal, exponent, E4M3_MIN_NORMAL_EXPONENT) - E4M3_FRACTION_BITS
+    fraction = xp.rint(xp.ldexp(magnitude, -spacing_exponent)) - xp.where(normal, 8, 0)
+    bits = (xp.signbit(values).astype(np.int32) << 7) | (biased.astype(np.int32) << 3) | fraction.astype(np.int32)
+    return xp.where(xp.isnan(values), 0x7F, bits).astype(np.uint8)
+
+
+def e4m3_from_bits(bits: Array) -> Array:
+    """The E4M3 numbers of uint8 bit patterns, as float32 (the inverse of `e4m3_bits`; 0x7F and 0xFF are NaN)."""
+    xp = get_array_module(bits)
+    bits = bits.astype(np.int32)
+    biased, fraction = (bits >> 3) & 0xF, (bits & 0x7).astype(np.float32)
+    magnitude = xp.where(biased == 0, xp.ldexp(fraction, -9), xp.ldexp(fraction + 8, biased - 10))
+    value = xp.where(bits & 0x80, -magnitude, magnitude).astype(np.float32)
+    return xp.where((bits & 0x7F) == 0x7F, np.float32(np.nan), value)
+
+
+def packed_row_bytes(channels: int, tile: int = TILE) -> int:
+    """Bytes of one row sent in FP8: a byte per channel and a float32 scale per 1×`tile` tile."""
+    return channels + 4 * math.ceil(channels / tile)
+
+
+def pack_rows(quantized: Quantized) -> Array:
+    """Row-tiled (1×t) E4M3 rows as one uint8 array [rows, channels + 4·tiles]: the values' bit patterns, then
+    the row's float32 scales' bytes — what the EP dispatch sends (a row's tiles travel with it)."""
+    xp = get_array_module(quantized.scales)
+    if quantized.tile[0] != 1:
+        raise ValueError(f"pack_rows packs 1×t tiles, got {quantized.tile}")
+    scales = xp.ascontiguousarray(quantized.scales.astype(np.float32)).view(np.uint8)
+    return xp.concatenate([e4m3_bits(quantized.values), scales], axis=1)
+
+
+def unpack_rows(packed: Array, channels: int, tile: int = TILE) -> Quantized:
+    """The inverse of `pack_rows` for rows of `channels` values in 1×`tile` tiles."""
+    xp = get_array_module(packed)
+    values = e4m3_from_bits(packed[:, :channels])
+    scales = xp.ascontiguousarray(packed[:, channels:]).view(np.float32)
+    tile = min(tile, channels) or 1
+    return Quantized(values if is_device_array(values) else values.astype(E4M3), scales, (1, tile))
+
+
 # -- the GEMM ---------------------------------------------------------------------------------------------------
 
 

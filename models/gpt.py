@@ -467,7 +467,7 @@ class GPT:
                         config.moe_capacity_factor, config.moe_aux_coef, aux_weight=1.0 / self.moe_token_sets,
                         expert_bias=self.expert_biases[expert_bias_name(i)])
         experts = [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()]
-        return MixtureOfExperts(router, experts, self.ep_comm)
+        return MixtureOfExperts(router, experts, self.ep_comm, fp8_dispatch=self.fp8 != "none")
 
     def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter | None]:
         """A layer's weight and its bias (None where the family has none: llama)."""

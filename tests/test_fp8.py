@@ -20,13 +20,18 @@ from models.fp8 import (
     E4M3_ROUNDOFF,
     BlockwiseFp8Gemms,
     Quantized,
+    e4m3_bits,
+    e4m3_from_bits,
     fp8_matmul,
     gemm_error_bound,
+    pack_rows,
+    packed_row_bytes,
     quantize,
     quantize_activation,
     quantize_weight,
     round_to_e4m3,
     truncate_to_bits,
+    unpack_rows,
 )
 from models.gpt import GPT, GPTConfig, parameter_shapes
 from models.layers import Linear
@@ -341,3 +346,25 @@ def test_deepseeks_precision_holds_14_bytes_per_parameter_and_the_planner_counts
     assert recipe == {"parameters": 2, "gradients": 4, "optimizer_state": 4 + 2 * 2}  # 14 B
     assert (PRECISIONS["fp8"].weights, PRECISIONS["fp8"].gradients, PRECISIONS["fp8"].optimizer) == (2, 4, 8)
     assert sum(model_state_bytes("bfloat16", "float32", "float32", zero=1, dp=2, moments="bfloat16").values()) == 10
+
+
+def test_e4m3_bit_patterns_are_ml_dtypes_and_packed_rows_come_back_whole():
+    patterns = np.arange(256, dtype=np.uint8)
+    values = patterns.view(E4M3).astype(np.float32)
+    finite = np.isfinite(values)
+    np.testing.assert_array_equal(e4m3_bits(values)[finite], patterns[finite])
+    np.testing.assert_array_equal(e4m3_from_bits(patterns)[finite], values[finite])
+    assert np.isnan(e4m3_from_bits(patterns)[~finite]).all() and (e4m3_bits(values[~finite]) == 0x7F).all()
+    rows = quantize_activation(spread((6, 300), 17))
+    packed = pack_rows(rows)
+    assert packed.dtype == np.uint8 and packed.shape == (6, packed_row_bytes(300)) == (6, 300 + 4 * 3)
+    unpacked = unpack_rows(packed, 300)
+    np.testing.assert_array_equal(unpacked.scales, rows.scales)
+    np.testing.assert_array_equal(unpacked.dequantize(), rows.dequantize())
+
+
+def test_device_rows_pack_to_the_same_bytes(xp):
+    rows = quantize_activation(spread((6, 300), 18))
+    on_device = pack_rows(quantize_activation(xp.asarray(spread((6, 300), 18))))
+    np.testing.assert_array_equal(on_device.get(), pack_rows(rows))
+    np.testing.assert_array_equal(unpack_rows(on_device, 300).dequantize().get(), rows.dequantize())
