@@ -55,8 +55,8 @@ drops, s = r = (n−1)/n·K·N, i.e. 4·(n−1)/n·K·N·h·b. Rows for experts 
 (as `all_to_all`): the count exchange, (n−1)/n·E int64 sent in forward (backward reuses the plan), and inside
 each of the four all-to-allv calls its own (n−1) int64 counts. With FP8 (`fp8_dispatch`, `--fp8 blockwise`) the
 forward dispatch sends E4M3 rows with their scales, s·(h + 4·⌈h/128⌉) bytes instead of s·h·2, and the combine
-and both backward exchanges stay at the compute dtype (DeepSeek-V3's choice). Expert parameters are held only by their EP
-rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
+and both backward exchanges stay at the compute dtype (DeepSeek-V3's choice). Expert parameters are held only
+by their EP rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
 """
 
 from __future__ import annotations
