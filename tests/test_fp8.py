@@ -6,7 +6,9 @@ limited accumulator's error with and without promotion. The same on the CuPy tes
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
+from pathlib import Path
 
 import fake_cupy
 import ml_dtypes
@@ -368,3 +370,15 @@ def test_device_rows_pack_to_the_same_bytes(xp):
     on_device = pack_rows(quantize_activation(xp.asarray(spread((6, 300), 18))))
     np.testing.assert_array_equal(on_device.get(), pack_rows(rows))
     np.testing.assert_array_equal(unpack_rows(on_device, 300).dequantize().get(), rows.dequantize())
+
+
+def test_the_benchmark_prints_the_error_table_and_tiles_beat_per_tensor_scaling():
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_fp8.py"
+    result = subprocess.run([sys.executable, str(script), "--rows", "32", "--ks", "128,2048"], capture_output=True,
+                            text=True, timeout=300, check=True)
+    header, *rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert [int(row[0]) for row in rows] == [128, 2048] and all(len(row) == 9 for row in rows)
+    for row in rows:
+        per_tensor, tiles, promoted_accumulation = float(row[1]), float(row[2]), float(row[6])
+        assert tiles < per_tensor / 3 and promoted_accumulation < 1e-3
+    assert float(rows[1][7]) > 5 * float(rows[1][6])  # K = 2048: no promotion, 14-bit accumulator error grows
