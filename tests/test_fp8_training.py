@@ -77,9 +77,12 @@ def test_every_axis_in_fp8_follows_the_serial_fp8_run(fp8_runs):
         where = (result["model"], result["options"])
         assert result["steps"] == 3 and max(result["loss_errors"]) <= LOSS_BOUND, (where, result["loss_errors"])
         errors = result["first_step_gradient_errors"]
-        assert errors.get(POSITION_GRADIENT, 0.0) <= 2.0**-7, where
-        others = max(error for name, error in errors.items() if name != POSITION_GRADIENT)
-        assert others <= (SUMMATION_ORDER_BOUND if kind == SAME else FLIPPED_ROUNDING_BOUND), (where, others)
+        if kind == SAME:
+            assert errors.get(POSITION_GRADIENT, 0.0) <= 2.0**-7, where
+            others = max(error for name, error in errors.items() if name != POSITION_GRADIENT)
+            assert others <= SUMMATION_ORDER_BOUND, (where, others)
+        else:
+            assert max(errors.values()) <= FLIPPED_ROUNDING_BOUND, (where, max(errors.values()))
 
 
 TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4", "--steps", "1",
