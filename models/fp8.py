@@ -281,8 +281,8 @@ class BlockwiseFp8Gemms:
     the drop-in for `models.layers.Gemms`. Each call quantizes its operands afresh (online scales): a weight's
     blocks are recomputed in the input pass, identical to forward's since the weight has not changed.
 
-    `tile` is the tile edge and the promotion interval (128; tests use smaller ones to cut tiny models into
-    several tiles)."""
+    `tile` is the tile edge and the promotion interval (128, DeepSeek-V3's N_C); `accumulator_bits` models a
+    limited tensor-core accumulator (None: exact float32, what training uses)."""
 
     name = "blockwise"
 

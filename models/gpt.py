@@ -35,7 +35,7 @@ from collectives.backend import BFLOAT16, Array, get_array_module, like, to_host
 
 from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
 from .families import MOE_KEYS
-from .fp8 import TILE, fp8_gemms
+from .fp8 import fp8_gemms
 from .layers import (
     GELU,
     MLP,
@@ -320,13 +320,13 @@ class GPT:
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
                  context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1,
-                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none", fp8_tile: int = TILE) -> None:
+                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none") -> None:
         if moe_token_sets < 1:
             raise ValueError(f"moe_token_sets must be at least 1, got {moe_token_sets}")
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets
-        self._set_precision(dtype, compute_dtype, grad_dtype, fp8, fp8_tile)
+        self._set_precision(dtype, compute_dtype, grad_dtype, fp8)
         self._hold(units)
         self.params = {name: self._parameter(name, xp.asarray(initial_value(name, shape, config, seed, dtype)),
                                              expert_placement(name, self._ep_size()))
@@ -335,11 +335,10 @@ class GPT:
 
     # -- construction (the tensor-parallel model overrides the three layer factories) ---------------------------
 
-    def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any, fp8: str = "none",
-                       fp8_tile: int = TILE) -> None:
+    def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any, fp8: str = "none") -> None:
         """The master dtype (`dtype`: the weights as initialized and updated), the compute dtype of the working
         copy and the activations (default: `dtype`), and the gradients' (default: `dtype`): `models.precision`.
-        `fp8` "blockwise" runs the GEMMs of every linear inside the blocks in E4M3 with `fp8_tile` tiles
+        `fp8` "blockwise" runs the GEMMs of every linear inside the blocks in E4M3 with 128-wide tiles
         (`models.fp8`); it needs bfloat16 compute (DeepSeek-V3's recipe: what is not FP8 is BF16)."""
         self.master_dtype = np.dtype(dtype)
         self.compute_dtype = dtype_named(compute_dtype or dtype)
@@ -348,7 +347,7 @@ class GPT:
             raise ValueError(f"fp8 {fp8!r} needs bfloat16 compute (--compute-dtype bfloat16), got "
                              f"{self.compute_dtype.name}")
         self.fp8 = fp8
-        self.gemms = fp8_gemms(fp8, fp8_tile) or PLAIN_GEMMS
+        self.gemms = fp8_gemms(fp8) or PLAIN_GEMMS
 
     def _parameter(self, name: str, value: Array, placement: Any, full_shape: Any = None) -> Parameter:
         """A parameter at the compute dtype; when that is narrower than the master dtype, it keeps `value` as its

@@ -89,7 +89,6 @@ import numpy as np
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
-from .fp8 import TILE
 from .gpt import GPT, GPTConfig, initial_value
 from .layers import PLAIN_GEMMS, QUERY_BLOCK, ConcatenatedLinear, Gemms, Layer, Linear, Saved
 from .moe import expert_placement
@@ -443,8 +442,7 @@ class TensorParallelGPT(GPT):
     def __init__(self, config: GPTConfig, tp_comm: Any, seed: int = 0, dtype: Any = np.float32,
                  sequence_parallel: bool = False, algo: str = "auto", xp: Any = np, recompute: str = "none",
                  query_block: int = QUERY_BLOCK, units: Any = None, context: Any = None, ep_comm: Any = None,
-                 moe_token_sets: int = 1, compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none",
-                 fp8_tile: int = TILE) -> None:
+                 moe_token_sets: int = 1, compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none") -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
         self.comm, tp = self.group.comm, self.group.size
         check_tensor_parallel_shape(config, tp)
@@ -455,7 +453,7 @@ class TensorParallelGPT(GPT):
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets
-        self._set_precision(dtype, compute_dtype, grad_dtype, fp8, fp8_tile)
+        self._set_precision(dtype, compute_dtype, grad_dtype, fp8)
         self._hold(units)
         self.params = {name: self._shard(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}

@@ -23,6 +23,7 @@ within the bfloat16 matrix's u/4 ≈ 1e-3 (u = 2⁻⁸); measured ≤ 2.2e-4 (do
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -132,3 +133,22 @@ def test_ep_dispatches_e4m3_rows_with_their_scales_and_combines_in_bfloat16():
         # rounding then lands on the neighbouring bfloat16 number (2⁻⁸ of the element at most)
         assert rank["y"] <= 1e-6 and rank["dx"] <= BF16_ROUNDOFF, rank
         assert max(rank["gradients"].values()) <= 1e-5, rank
+
+
+def test_a_run_with_bfloat16_moments_resumes_exactly(tmp_path):
+    """The bfloat16 moments go into the training checkpoint as they are: steps 3-4 after a resume are the
+    uninterrupted run's, bit for bit (2 ranks, ZeRO-1, FP8)."""
+    common = [sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY[:-4], "--zero", "1", "--compute-dtype",
+              "bfloat16", "--fp8", "blockwise", "--exp-avg-dtype", "bfloat16", "--threads", "1"]
+
+    def losses(name: str, *args: str) -> list[float]:
+        log = tmp_path / f"{name}.jsonl"
+        result = run_with_timeout([*common, *args, "--log-json", str(log)], 180, env=dict(os.environ))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+    whole = losses("whole", "--steps", "4")
+    checkpoints = str(tmp_path / "checkpoints")
+    first = losses("first", "--steps", "2", "--checkpoint-dir", checkpoints, "--checkpoint-every", "2")
+    resumed = losses("resumed", "--steps", "4", "--checkpoint-dir", checkpoints, "--resume")
+    assert first + resumed == whole
