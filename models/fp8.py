@@ -112,10 +112,6 @@ class Quantized:
         """The transpose: the same values and scales, tiles transposed (a 128×128 block serves W and Wᵀ)."""
         return Quantized(self.values.T, self.scales.T, self.tile[::-1])
 
-    def nbytes(self) -> int:
-        """Bytes held: one per value on NumPy (E4M3), plus four per scale."""
-        return self.values.nbytes + self.scales.nbytes
-
 
 def tile_amax(x: Array, tile: tuple[int, int]) -> Array:
     """max |x| over each `tile` of the 2-D float32 `x` (NaN where a tile holds one); ragged edges padded with 0,
