@@ -165,26 +165,48 @@ class Layer:
         raise NotImplementedError
 
 
-class Linear(Layer):
-    """y = x @ weight + bias over the last axis (weight [in, out], Conv1D layout; bias None: none, as in Llama)."""
+class Gemms:
+    """The three matrix products of a linear layer y = x·W on 2-D operands, at the operands' own dtype: forward
+    x·W, the input gradient dy·Wᵀ, the weight gradient xᵀ·dy. The linear layers (`Linear`, `ConcatenatedLinear`,
+    `models.tensor_parallel.RowParallelLinear`) call them and nothing else, so `models.fp8.BlockwiseFp8Gemms`, their
+    E4M3 twin, turns every linear inside the blocks to FP8 on every parallel axis at once."""
 
-    def __init__(self, weight: Parameter, bias: Parameter | None = None) -> None:
-        self.weight, self.bias = weight, bias
+    name = "none"
+
+    def forward(self, x2d: Array, weight: Array) -> Array:
+        return x2d @ weight
+
+    def input_gradient(self, dout2d: Array, weight: Array) -> Array:
+        return dout2d @ weight.T
+
+    def weight_gradient(self, x2d: Array, dout2d: Array) -> Array:
+        return x2d.T @ dout2d
+
+
+PLAIN_GEMMS = Gemms()
+
+
+class Linear(Layer):
+    """y = x @ weight + bias over the last axis (weight [in, out], Conv1D layout; bias None: none, as in Llama);
+    its matrix products are `gemms`' (default: plain; FP8 with `models.fp8.BlockwiseFp8Gemms`)."""
+
+    def __init__(self, weight: Parameter, bias: Parameter | None = None, gemms: Gemms = PLAIN_GEMMS) -> None:
+        self.weight, self.bias, self.gemms = weight, bias, gemms
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        out = x.reshape(-1, x.shape[-1]) @ self.weight.data
+        out = self.gemms.forward(x.reshape(-1, x.shape[-1]), self.weight.data)
         if self.bias is not None:
             out += self.bias.data
         return out.reshape(*x.shape[:-1], out.shape[-1]), Saved(x=x)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         saved.dout = dout
-        dx = dout.reshape(-1, dout.shape[-1]) @ self.weight.data.T
+        dx = self.gemms.input_gradient(dout.reshape(-1, dout.shape[-1]), self.weight.data)
         return dx.reshape(*dout.shape[:-1], dx.shape[-1])
 
     def backward_weights(self, saved: Saved) -> None:
         x, dout = saved.x, saved.dout.reshape(-1, saved.dout.shape[-1])
-        self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dout
+        self.weight.grad += self.gemms.weight_gradient(x.reshape(-1, x.shape[-1]), dout)
         if self.bias is not None:
             self.bias.grad += column_sums(dout)
         saved.clear()
@@ -199,8 +221,9 @@ class ConcatenatedLinear(Layer):
     copies of W_i that saw different inputs (grouped-query KV heads replicated over tensor-parallel ranks): the
     weight pass sums W_i's gradient over it (an all-reduce of in·out_i elements)."""
 
-    def __init__(self, weights: list[Parameter], gradient_groups: list[Any] | None = None) -> None:
-        self.weights = list(weights)
+    def __init__(self, weights: list[Parameter], gradient_groups: list[Any] | None = None,
+                 gemms: Gemms = PLAIN_GEMMS) -> None:
+        self.weights, self.gemms = list(weights), gemms
         self.gradient_groups = list(gradient_groups or [None] * len(self.weights))
         ends = [0]
         for weight in self.weights:
@@ -212,20 +235,20 @@ class ConcatenatedLinear(Layer):
         x2d = x.reshape(-1, x.shape[-1])
         out = xp.empty((len(x2d), self.columns[-1].stop), dtype=x.dtype)
         for weight, columns in zip(self.weights, self.columns, strict=True):
-            out[:, columns] = x2d @ weight.data
+            out[:, columns] = self.gemms.forward(x2d, weight.data)
         return out.reshape(*x.shape[:-1], out.shape[-1]), Saved(x=x)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         saved.dout = dout.reshape(-1, dout.shape[-1])
-        dx = saved.dout[:, self.columns[0]] @ self.weights[0].data.T
+        dx = self.gemms.input_gradient(saved.dout[:, self.columns[0]], self.weights[0].data)
         for weight, columns in zip(self.weights[1:], self.columns[1:], strict=True):
-            dx += saved.dout[:, columns] @ weight.data.T
+            dx += self.gemms.input_gradient(saved.dout[:, columns], weight.data)
         return dx.reshape(*dout.shape[:-1], dx.shape[-1])
 
     def backward_weights(self, saved: Saved) -> None:
         x2d = saved.x.reshape(-1, saved.x.shape[-1])
         for weight, columns, group in zip(self.weights, self.columns, self.gradient_groups, strict=True):
-            grad = x2d.T @ saved.dout[:, columns]
+            grad = self.gemms.weight_gradient(x2d, saved.dout[:, columns])
             weight.grad += grad if group is None else all_reduce(grad, group)
         saved.clear()
 

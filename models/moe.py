@@ -54,8 +54,10 @@ r·h·b, where s = kept rows this rank routes to experts on other ranks and r = 
 other ranks; backward moves the same again. So 2·(s + r)·h·b bytes of all-to-allv; with balanced routing and no
 drops, s = r = (n−1)/n·K·N, i.e. 4·(n−1)/n·K·N·h·b. Rows for experts on this rank are copied, not sent. Besides
 (as `all_to_all`): the count exchange, (n−1)/n·E int64 sent in forward (backward reuses the plan), and inside
-each of the four all-to-allv calls its own (n−1) int64 counts. Expert parameters are held only by their EP
-rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
+each of the four all-to-allv calls its own (n−1) int64 counts. With FP8 (`fp8_dispatch`, `--fp8 blockwise`) the
+forward dispatch sends E4M3 rows with their scales, s·(h + 4·⌈h/128⌉) bytes instead of s·h·2, and the combine
+and both backward exchanges stay at the compute dtype (DeepSeek-V3's choice). Expert parameters are held only
+by their EP rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ import numpy as np
 from collectives import Communicator, all_to_all, all_to_allv
 from collectives.backend import Array, get_array_module, like, to_host
 
+from .fp8 import pack_rows, quantize_activation, unpack_rows
 from .layers import MLP, Block, Layer, Saved, column_sums, row_sums, softmax_backward
 from .parameter import HELD, Parameter, Placement
 
@@ -324,8 +327,9 @@ class MixtureOfExperts(Layer):
     `RouterStats` (its `aux_loss` is the value whose gradient, times the router's `aux_weight`, backward adds).
     """
 
-    def __init__(self, router: Router, experts: Sequence[MLP], ep_comm: Any = None, algo: str = "auto") -> None:
-        self.router, self.experts, self.algo = router, list(experts), algo
+    def __init__(self, router: Router, experts: Sequence[MLP], ep_comm: Any = None, algo: str = "auto",
+                 fp8_dispatch: bool = False) -> None:
+        self.router, self.experts, self.algo, self.fp8_dispatch = router, list(experts), algo, fp8_dispatch
         self.ep = None if ep_comm is None or Communicator.of(ep_comm).size == 1 else Communicator.of(ep_comm)
         ep_size = 1 if self.ep is None else self.ep.size
         if len(self.experts) * ep_size != router.n_experts:
@@ -345,10 +349,26 @@ class MixtureOfExperts(Layer):
                                          out_rows=out_rows, stats=routing.stats)
 
     def _dispatch(self, rows: Array, counts: list[int]) -> tuple[Array, DispatchPlan | None]:
+        if self.fp8_dispatch:
+            return self._dispatch_in_fp8(rows, counts)
         if self.ep is None:
             return rows, None
         plan = plan_dispatch(counts, self.ep)
         return dispatch_to_experts(rows, plan, self.ep, self.algo), plan
+
+    def _dispatch_in_fp8(self, rows: Array, counts: list[int]) -> tuple[Array, DispatchPlan | None]:
+        """DeepSeek-V3's FP8 dispatch: the rows are quantized (1×128 tiles, a row's own) before they move, sent
+        as E4M3 bytes with their float32 scales (`models.fp8.pack_rows`), and dequantized on arrival — with or
+        without EP, so serial and EP compute the same numbers. The experts' first FP8 GEMM quantizes them again
+        into the same values and scales (a tile's amax is its ±448 element times its scale), so only the bytes
+        change: h + 4·⌈h/128⌉ per row instead of 2h; the weight gradient sees the E4M3 rows, as DeepSeek's
+        cached FP8 activations are."""
+        quantized = quantize_activation(rows)
+        if self.ep is None:
+            return quantized.dequantize(), None
+        plan = plan_dispatch(counts, self.ep)
+        packed = dispatch_to_experts(pack_rows(quantized), plan, self.ep, self.algo)
+        return unpack_rows(packed, rows.shape[-1]).dequantize(), plan
 
     def _combine(self, local_out: Array, plan: DispatchPlan | None) -> Array:
         return local_out if plan is None else combine_from_experts(local_out, plan, self.ep, self.algo)

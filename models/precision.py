@@ -3,7 +3,9 @@
 Three dtypes (`--dtype`, `--compute-dtype`, `--grad-dtype`; DESIGN.md's Precision contract):
 
     tensor                                          dtype            why
-    master weights, AdamW moments                   master (--dtype)  updates of lr·g ≪ w vanish in bfloat16
+    master weights                                  master (--dtype)  updates of lr·g ≪ w vanish in bfloat16
+    AdamW moments m, v                              master, or        running averages: bf16's 2⁻⁸ is noise
+                                                    --exp-avg-dtype   next to the gradients' (DeepSeek-V3: bf16)
     weights' working copy (Parameter.data)          compute          what the GEMMs read; re-rounded after a step
     activations, and every activation sent          compute          half the memory and half the bytes
       between ranks (TP, SP, CP, PP, EP)
@@ -11,6 +13,18 @@ Three dtypes (`--dtype`, `--compute-dtype`, `--grad-dtype`; DESIGN.md's Precisio
     inside a layer: GEMM accumulation, norm and      float32 or wider  a bf16 sum of 1000 terms keeps 2-3 digits
       softmax statistics, logits → loss
     the gradient norm                               float64          a sum of squares over every parameter
+
+and with `--fp8 blockwise` (`models.fp8`; needs bfloat16 compute):
+
+    the operands of the three GEMMs of every        E4M3 + float32   4 significant bits suffice for a GEMM's
+      linear inside the blocks (attention q/k/v      scale per tile   inputs when each 1×128 tile (128×128
+      and output projections, MLP/SwiGLU, experts)                    block of a weight) has its own scale
+    their accumulation                              float32, every   the tensor core's ~14-bit accumulator
+                                                    128 products      loses ≈ K·2⁻¹⁴; promotion bounds K at 128
+    their outputs, and what the layers save         compute (bf16)   the next layer's input, cast on the fly
+    embedding, LM head, MoE router, norms,           compute (bf16)   small GEMMs or sensitive ones: logits,
+      attention core (q·kᵀ, softmax, p·v), MoE                        gates and statistics decide too much to
+      combine, the weights' working copy                              be rounded to 4 bits
 
 bfloat16 on NumPy is `ml_dtypes.bfloat16`, whose arithmetic runs as scalar loops: a layer computing in a narrow
 dtype (`Narrowed`) therefore widens its inputs and saved tensors to float32, runs its float32 code — GEMMs on
@@ -136,16 +150,18 @@ class Narrowed:
 
 
 def model_state_bytes(compute: Any, master: Any, grad: Any, optimizer: str = "adamw", zero: int = 0,
-                      dp: int = 1) -> dict[str, float]:
+                      dp: int = 1, moments: Any = None) -> dict[str, float]:
     """Bytes per parameter each rank holds in parameters, gradients and optimizer state.
 
     parameters: the compute dtype's working copy (ZeRO-3: ÷ dp); gradients: the grad dtype (ZeRO-2/3: ÷ dp);
-    optimizer state: AdamW's two moments at the master dtype, plus the master weights when the compute dtype is
-    narrower (ZeRO-1/2/3: ÷ dp). bf16 compute, float32 grads and master: 2 + 4 + 12 = 18 B; bf16 grads: the
-    paper's 2 + 2 + 12 = 16 B; ZeRO-1 over 2 ranks with float32 grads: 2 + 4 + 6 = 12 B."""
+    optimizer state: AdamW's two moments at `moments` (default: the master dtype), plus the master weights when
+    the compute dtype is narrower (ZeRO-1/2/3: ÷ dp). bf16 compute, float32 grads and master: 2 + 4 + 12 = 18 B;
+    bf16 grads: the paper's 2 + 2 + 12 = 16 B; ZeRO-1 over 2 ranks with float32 grads: 2 + 4 + 6 = 12 B;
+    DeepSeek-V3's bf16 moments with float32 grads and master: 2 + 4 + (4 + 4) = 14 B. FP8 adds nothing here:
+    the E4M3 copies of a weight live only during its GEMMs (the working copy stays bf16)."""
     compute, master, grad = dtype_named(compute), dtype_named(master), dtype_named(grad)
-    moments = 2 if optimizer == "adamw" else 0
-    state = (moments + (compute != master)) * master.itemsize
+    moment_size = dtype_named(moments).itemsize if moments is not None else master.itemsize
+    state = (2 * moment_size if optimizer == "adamw" else 0) + (compute != master) * master.itemsize
     return {"parameters": compute.itemsize / (dp if zero >= 3 else 1),
             "gradients": grad.itemsize / (dp if zero >= 2 else 1),
             "optimizer_state": state / (dp if zero >= 1 else 1)}

@@ -67,6 +67,14 @@ Choices, and why:
   data-parallel gradient reduction (both are sums over disjoint rank sets). The row-parallel biases and wpe are
   added to sequence slices too, but their gradients are summed from the all-gathered d(output) the layer needs
   anyway, so they are complete on every rank.
+- FP8 (`--fp8 blockwise`, `models.fp8`): every rank quantizes its own shards and activations, tiles starting at
+  the shard's edge — the same code as serial, no communication of scales. Where each cut dimension of a shard
+  (a column-parallel rank's output columns of each fused block, a row-parallel rank's inner rows) is a multiple
+  of 128, the tiles are exactly the serial model's and TP differs from serial FP8 only in float32 summation
+  order (the row-parallel partial sums). Where a shard edge cuts a 128-tile, that tile's pieces get their own
+  scales: each piece is scaled at least as finely as the serial tile (its amax is ≤ the tile's), so the error
+  bound holds and the numbers differ from serial by FP8 rounding, not by a bias. No refusal: narrow models (and
+  the tests' tiny ones) would otherwise be unable to use TP at all.
 - The vocabulary is padded with zero rows to a multiple of n; the padded logits are −∞, so their probabilities,
   their gradients and their weights stay exactly zero, and `gather_tensor` drops them: loss, gradients and
   checkpoints equal the unpadded serial model's.
@@ -81,7 +89,7 @@ import numpy as np
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
-from .layers import ConcatenatedLinear, Layer, Linear, Saved
+from .layers import PLAIN_GEMMS, ConcatenatedLinear, Gemms, Layer, Saved
 from .moe import expert_placement
 from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes, shard_tensor
 from .precision import narrow, widen
@@ -214,11 +222,13 @@ class RowParallelLinear(Layer):
     that whole d(output), so it is complete on every rank even when the bias was added to a sequence slice.
     """
 
-    def __init__(self, weight: Parameter, bias: Parameter | None, group: TensorParallelGroup) -> None:
-        self.weight, self.bias, self.group = weight, bias, group
+    def __init__(self, weight: Parameter, bias: Parameter | None, group: TensorParallelGroup,
+                 gemms: Gemms = PLAIN_GEMMS) -> None:
+        self.weight, self.bias, self.group, self.gemms = weight, bias, group, gemms
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
-        partial = widen(x).reshape(-1, x.shape[-1]) @ self.weight.data  # narrow dtypes: float32 accumulation
+        # narrow dtypes: float32 accumulation
+        partial = self.gemms.forward(widen(x).reshape(-1, x.shape[-1]), self.weight.data)
         partial = narrow(partial.reshape(*x.shape[:-1], partial.shape[-1]), x.dtype)  # sent at the compute dtype
         out = self.group.out_of_row_parallel(partial)
         if self.bias is not None:
@@ -227,12 +237,12 @@ class RowParallelLinear(Layer):
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         saved.dpartial = self.group.out_of_row_parallel_backward(dout)
-        dx = widen(saved.dpartial).reshape(-1, dout.shape[-1]) @ self.weight.data.T
+        dx = self.gemms.input_gradient(widen(saved.dpartial).reshape(-1, dout.shape[-1]), self.weight.data)
         return narrow(dx.reshape(*saved.x.shape), dout.dtype)
 
     def backward_weights(self, saved: Saved) -> None:
         x, dpartial = widen(saved.x), widen(saved.dpartial).reshape(-1, saved.dpartial.shape[-1])
-        self.weight.grad += x.reshape(-1, x.shape[-1]).T @ dpartial
+        self.weight.grad += self.gemms.weight_gradient(x.reshape(-1, x.shape[-1]), dpartial)
         if self.bias is not None:
             self.bias.grad += dpartial.sum(axis=0)
         saved.clear()
@@ -460,10 +470,10 @@ class TensorParallelTransformer(Transformer):
         return {TP_AXIS: (self.group.rank, self.group.size)}
 
     def _column_parallel(self, prefix: str) -> ColumnParallel:
-        return ColumnParallel(self._narrowed(Linear(*self._weight_and_bias(prefix))), self.group)
+        return ColumnParallel(self._linear(prefix), self.group)
 
     def _row_parallel(self, prefix: str) -> RowParallelLinear:
-        return RowParallelLinear(*self._weight_and_bias(prefix), self.group)
+        return RowParallelLinear(*self._weight_and_bias(prefix), self.group, gemms=self.gemms)
 
     def _concatenated(self, prefixes: list[str], key_value: bool = False) -> ColumnParallel:
         """Column-parallel projections of one input (entering the group once); KV heads held on several ranks sum
@@ -472,7 +482,7 @@ class TensorParallelTransformer(Transformer):
         groups = [None] * len(weights)
         if key_value:
             groups[-2:] = [self.key_value_group] * 2
-        return ColumnParallel(self._narrowed(ConcatenatedLinear(weights, groups)), self.group)
+        return ColumnParallel(self._narrowed(ConcatenatedLinear(weights, groups, gemms=self.gemms)), self.group)
 
     def _local_heads(self) -> int:
         return self.config.n_head // self.group.size

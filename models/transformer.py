@@ -33,13 +33,15 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
-from collectives.backend import Array, get_array_module, like, to_host
+from collectives.backend import BFLOAT16, Array, get_array_module, like, to_host
 
 from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
 from .families import MOE_KEYS
+from .fp8 import fp8_gemms
 from .layers import (
     GELU,
     MLP,
+    PLAIN_GEMMS,
     QUERY_BLOCK,
     RECOMPUTE_MODES,
     Block,
@@ -319,13 +321,13 @@ class Transformer:
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
                  context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1,
-                 compute_dtype: Any = None, grad_dtype: Any = None) -> None:
+                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none") -> None:
         if moe_token_sets < 1:
             raise ValueError(f"moe_token_sets must be at least 1, got {moe_token_sets}")
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.moe_token_sets = moe_token_sets
-        self._set_precision(dtype, compute_dtype, grad_dtype)
+        self._set_precision(dtype, compute_dtype, grad_dtype, fp8)
         self._hold(units)
         self.params = {name: self._initial_parameter(name, initial_value(name, shape, config, seed, dtype), xp)
                        for name, shape in self.local_parameter_shapes().items()}
@@ -338,12 +340,19 @@ class Transformer:
         `Held` on "ep")."""
         return self._parameter(name, xp.asarray(full), expert_placement(name, self._ep_size()))
 
-    def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any) -> None:
+    def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any, fp8: str = "none") -> None:
         """The master dtype (`dtype`: the weights as initialized and updated), the compute dtype of the working
-        copy and the activations (default: `dtype`), and the gradients' (default: `dtype`): `models.precision`."""
+        copy and the activations (default: `dtype`), and the gradients' (default: `dtype`): `models.precision`.
+        `fp8` "blockwise" runs the GEMMs of every linear inside the blocks in E4M3 with 128-wide tiles
+        (`models.fp8`); it needs bfloat16 compute (DeepSeek-V3's recipe: what is not FP8 is BF16)."""
         self.master_dtype = np.dtype(dtype)
         self.compute_dtype = dtype_named(compute_dtype or dtype)
         self.grad_dtype = dtype_named(grad_dtype or dtype)
+        if fp8 != "none" and self.compute_dtype != BFLOAT16:
+            raise ValueError(f"fp8 {fp8!r} needs bfloat16 compute (--compute-dtype bfloat16), got "
+                             f"{self.compute_dtype.name}")
+        self.fp8 = fp8
+        self.gemms = fp8_gemms(fp8) or PLAIN_GEMMS
 
     def _parameter(self, name: str, value: Array, placement: Any, full_shape: Any = None) -> Parameter:
         """A parameter at the compute dtype; when that is narrower than the master dtype, it keeps `value` as its
@@ -440,10 +449,10 @@ class Transformer:
         """One expert: the family's MLP, unsplit (experts are whole on the rank that holds them)."""
         if self.config.is_llama:
             return MLP(self._narrowed(ConcatenatedLinear([self.params[f"{prefix}.gate_proj.weight"],
-                                                          self.params[f"{prefix}.up_proj.weight"]])),
-                       self._narrowed(Linear(self.params[f"{prefix}.down_proj.weight"])), self._narrowed(SwiGLU()))
-        return MLP(self._narrowed(Linear(*self._weight_and_bias(f"{prefix}.c_fc"))),
-                   self._narrowed(Linear(*self._weight_and_bias(f"{prefix}.c_proj"))), self._narrowed(GELU()))
+                                                          self.params[f"{prefix}.up_proj.weight"]],
+                                                         gemms=self.gemms)),
+                       self._linear(f"{prefix}.down_proj"), self._narrowed(SwiGLU()))
+        return MLP(self._linear(f"{prefix}.c_fc"), self._linear(f"{prefix}.c_proj"), self._narrowed(GELU()))
 
     def _attention(self, qkv: Any, projection: Any) -> Any:
         """Causal self-attention over the whole sequence, or with a CP group over its zigzag chunks."""
@@ -462,7 +471,7 @@ class Transformer:
                         config.moe_capacity_factor, config.moe_aux_coef, aux_weight=1.0 / self.moe_token_sets,
                         expert_bias=self.expert_biases[expert_bias_name(i)])
         experts = [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()]
-        return MixtureOfExperts(router, experts, self.ep_comm)
+        return MixtureOfExperts(router, experts, self.ep_comm, fp8_dispatch=self.fp8 != "none")
 
     def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter | None]:
         """A layer's weight and its bias (None where the family has none: llama)."""
@@ -476,16 +485,21 @@ class Transformer:
             norm = LayerNorm(*self._weight_and_bias(prefix))
         return self._narrowed(norm, statistics=("rstd",))  # the statistics stay float32
 
+    def _linear(self, prefix: str) -> Any:
+        """A linear inside a block: the model's GEMMs (FP8 with --fp8), at the compute dtype."""
+        return self._narrowed(Linear(*self._weight_and_bias(prefix), gemms=self.gemms))
+
     def _column_parallel(self, prefix: str) -> Any:
-        return self._narrowed(Linear(*self._weight_and_bias(prefix)))
+        return self._linear(prefix)
 
     def _concatenated(self, prefixes: list[str], key_value: bool = False) -> Any:
         """Bias-free projections of one input side by side (llama's q, k, v; gate and up). `key_value`: the
         last two are KV projections (tensor parallelism may replicate their heads)."""
-        return self._narrowed(ConcatenatedLinear([self.params[f"{prefix}.weight"] for prefix in prefixes]))
+        return self._narrowed(ConcatenatedLinear([self.params[f"{prefix}.weight"] for prefix in prefixes],
+                                                 gemms=self.gemms))
 
     def _row_parallel(self, prefix: str) -> Any:
-        return self._narrowed(Linear(*self._weight_and_bias(prefix)))
+        return self._linear(prefix)
 
     def _local_heads(self) -> int:
         return self.config.n_head

@@ -181,20 +181,27 @@ class SGD(_Optimizer):
         sgd_update(weights, grad, lr, self.scratch_like(weights))
 
 
-def _zeros_like_master(param: Any) -> Array:
-    """Optimizer state for a parameter: zeros at its master's dtype (mixed precision), else its data's."""
+def _zeros_like_master(param: Any, dtype: Any = None) -> Array:
+    """Optimizer state for a parameter: zeros at `dtype`, else at its master's dtype (mixed precision), else its
+    data's."""
     reference = getattr(param, "master", None)
     reference = param.data if reference is None else reference
-    return get_array_module(reference).zeros_like(reference)
+    return get_array_module(reference).zeros_like(reference, dtype=dtype)
 
 
 class AdamW(_Optimizer):
-    """PyTorch's AdamW; weight decay only on parameters with ndim ≥ 2; moments kept per parameter name."""
+    """PyTorch's AdamW; weight decay only on parameters with ndim ≥ 2; moments kept per parameter name.
+
+    `moment_dtype` (default: the master weights') is the dtype m and v are stored in. bfloat16 (DeepSeek-V3's
+    choice, `--exp-avg-dtype bfloat16`) halves their 8 bytes per parameter to 4: each step widens them to the
+    weights' dtype, updates there, and rounds them back once (to nearest even) — m and v are running averages,
+    whose 2⁻⁸ relative rounding per step is noise next to the gradients', and bfloat16 keeps float32's exponent
+    range, so v (squares of small gradients) does not underflow."""
 
     name = "adamw"
 
     def __init__(self, params: Sequence[Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, moment_dtype: Any = None) -> None:
         super().__init__(params, lr)
         beta1, beta2 = betas
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
@@ -202,14 +209,19 @@ class AdamW(_Optimizer):
         if eps < 0 or weight_decay < 0:
             raise ConfigError(f"AdamW eps and weight decay must be non-negative, got {eps} and {weight_decay}")
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
-        self.exp_avg = {p.name: _zeros_like_master(p) for p in self.params}
-        self.exp_avg_sq = {p.name: _zeros_like_master(p) for p in self.params}
+        self.exp_avg = {p.name: _zeros_like_master(p, moment_dtype) for p in self.params}
+        self.exp_avg_sq = {p.name: _zeros_like_master(p, moment_dtype) for p in self.params}
 
     def update(self, param: Parameter, weights: Array, grad: Array, lr: float) -> None:
         # A ZeRO shard segment is a flat slice of a parameter: its `full_shape` says whether the parameter decays.
         decay = self.weight_decay if weight_decay_applies(getattr(param, "full_shape", param.data.shape)) else 0.0
-        adamw_update(weights, grad, self.exp_avg[param.name], self.exp_avg_sq[param.name],
-                     self.step_count, lr, self.beta1, self.beta2, self.eps, decay, self.scratch_like(weights))
+        stored = self.exp_avg[param.name], self.exp_avg_sq[param.name]
+        exp_avg, exp_avg_sq = (moment.astype(weights.dtype, copy=False) for moment in stored)  # narrow: widened
+        adamw_update(weights, grad, exp_avg, exp_avg_sq, self.step_count, lr, self.beta1, self.beta2, self.eps,
+                     decay, self.scratch_like(weights))
+        for moment, updated in zip(stored, (exp_avg, exp_avg_sq), strict=True):
+            if updated is not moment:
+                moment[...] = updated  # rounded back to the stored dtype
 
     def state_dict(self) -> dict[str, Any]:
         """{"optimizer": "adamw", "step": t, "exp_avg": {name: m}, "exp_avg_sq": {name: v}} (arrays not copied)."""

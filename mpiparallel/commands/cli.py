@@ -313,6 +313,12 @@ def threads_option(command: Callable) -> Callable:
                    "between ranks (bfloat16 on NumPy via ml_dtypes, computed in float32). [default: --dtype]")
 @click.option("--grad-dtype", type=click.Choice(["bfloat16", "float32", "float64"]), default=default("grad_dtype"),
               help="Gradients: accumulated over microbatches and reduced in this dtype. [default: --dtype]")
+@click.option("--fp8", type=click.Choice(["none", "blockwise"]), default=default("fp8"),
+              help="blockwise: every linear inside the blocks multiplies E4M3 operands (DeepSeek-V3: activations "
+                   "and output gradients scaled per 1×128 tile, weights per 128×128 block, float32 accumulation "
+                   "promoted every 128). Needs --compute-dtype bfloat16. Emulated: slower than bfloat16, not faster.")
+@click.option("--exp-avg-dtype", type=click.Choice(["float32", "bfloat16"]), default=default("exp_avg_dtype"),
+              help="AdamW's moments m and v: float32 keeps them at --dtype; bfloat16 halves their bytes.")
 @click.option("--loss-scale", default=default("loss_scale"), metavar="dynamic|none|S",
               help="Loss scaling: dynamic (start 2^16, ×2 after 1000 clean steps, ×0.5 after 2 overflows), none, or "
                    "a fixed scale. Overflowing steps are skipped on every rank. [default: dynamic for float16]")

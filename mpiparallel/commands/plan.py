@@ -135,10 +135,12 @@ def _choice_options(function: Any) -> Any:
 @_choice_options
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Global batch in sequences. [default: 8, or 4 per GPU with --params]")
-@click.option("--precision", type=click.Choice(["mixed", "bfloat16", "float32", "float64"]), default=None,
+@click.option("--precision", type=click.Choice(["mixed", "bfloat16", "fp8", "float32", "float64"]), default=None,
               help="mixed: bf16 weights and gradients + fp32 master and AdamW moments (16 bytes/parameter, train "
                    "--compute-dtype bfloat16 --grad-dtype bfloat16); bfloat16: with fp32 gradients (18, train's "
-                   "--compute-dtype bfloat16); float32/64: train's --dtype. [default: mixed, float32 with --machine]")
+                   "--compute-dtype bfloat16); fp8: DeepSeek-V3's fp32 gradients and master, bf16 moments (14, "
+                   "train's --fp8 blockwise --compute-dtype bfloat16 --exp-avg-dtype bfloat16); float32/64: train's "
+                   "--dtype. [default: mixed, float32 with --machine]")
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", help="Optimizer state kept.")
 @click.option("--bytes-per-param", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Model-state bytes per parameter (the weights alone with --weights-only).")

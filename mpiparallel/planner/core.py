@@ -241,10 +241,10 @@ class Precision:
         return self.weights + self.gradients + self.optimizer
 
 
-def precision_of(compute: str, master: str, gradients: str) -> Precision:
-    """Bytes per parameter of `train --compute-dtype C --dtype M --grad-dtype G` with AdamW: the one formula
-    `--memory-report` uses too (`models.precision.model_state_bytes`)."""
-    per_parameter = model_state_bytes(compute, master, gradients)
+def precision_of(compute: str, master: str, gradients: str, moments: str | None = None) -> Precision:
+    """Bytes per parameter of `train --compute-dtype C --dtype M --grad-dtype G [--exp-avg-dtype X]` with AdamW:
+    the one formula `--memory-report` uses too (`models.precision.model_state_bytes`)."""
+    per_parameter = model_state_bytes(compute, master, gradients, moments=moments)
     return Precision(per_parameter["parameters"], per_parameter["gradients"], per_parameter["optimizer_state"],
                      dtype_named(compute).itemsize)
 
@@ -253,6 +253,9 @@ PRECISIONS = {
     # bf16 weights and gradients; AdamW keeps an fp32 master copy and two fp32 moments: 2 + 2 + 12 = 16 bytes
     "mixed": precision_of("bfloat16", "float32", "bfloat16"),
     "bfloat16": precision_of("bfloat16", "float32", "float32"),  # --compute-dtype bfloat16: 2 + 4 + 12 = 18 bytes
+    # DeepSeek-V3: --fp8 blockwise --compute-dtype bfloat16 --exp-avg-dtype bfloat16: 2 + 4 + (4 + 2·2) = 14 bytes
+    # (the E4M3 copies of the weights exist only inside the GEMMs)
+    "fp8": precision_of("bfloat16", "float32", "float32", moments="bfloat16"),
     "float32": precision_of("float32", "float32", "float32"),  # weights, grads, 2 moments: 4 + 4 + 8
     "float64": precision_of("float64", "float64", "float64"),
 }

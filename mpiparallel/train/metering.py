@@ -25,6 +25,7 @@ from models.transformer import Transformer
 from .. import traffic
 from ..mesh import Mesh
 from ..pipeline_parallel import TIED_WEIGHT
+from .settings import moment_dtype
 
 
 def sum_array_over(comm: Communicator, values: np.ndarray) -> np.ndarray:
@@ -103,11 +104,13 @@ def memory_report(trainer: Any) -> str:
     n = mesh.dp.size
     sizes = {"tp": mesh.tp.size}  # from the placements: this rank's shard of every parameter
     count = sum(math.prod(local_shape(p.full_shape, p.placement, sizes)) for p in model.parameters())
+    moments = moment_dtype(settings.optimizer)
     per_parameter = model_state_bytes(model.compute_dtype, model.master_dtype, model.grad_dtype,
-                                      settings.optimizer.optimizer, settings.mesh.zero, n)
+                                      settings.optimizer.optimizer, settings.mesh.zero, n, moments)
     theory = {kind: count * size for kind, size in per_parameter.items()}
-    precision = (f"{model.compute_dtype.name} compute, {model.grad_dtype.name} gradients, "
-                 f"{model.master_dtype.name} master and optimizer state")
+    precision = (f"{model.compute_dtype.name} compute{' (FP8 GEMMs)' if model.fp8 != 'none' else ''}, "
+                 f"{model.grad_dtype.name} gradients, {model.master_dtype.name} master, "
+                 f"{moments or model.master_dtype.name} moments")
     lines = [f"rank {mesh.world.rank} (zero {settings.mesh.zero}, dp {n}; {precision}): "
              f"{count:,} parameters, {sum(per_parameter.values()):.2f} bytes per parameter "
              f"({' + '.join(f'{size:g}' for size in per_parameter.values())})"]

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..mesh import Mesh, MeshShape
 from ..pipeline_parallel import check_tag_space, local_units, place_on_pipeline, stage_units
 from ..schedules import Schedule, build_schedule, default_microbatches, default_virtual_stages
-from .settings import OptimizerSettings, TrainSettings
+from .settings import OptimizerSettings, TrainSettings, moment_dtype
 
 
 @dataclass
@@ -127,11 +127,16 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
     if settings.mesh.sp and settings.data.seq_len % tp:
         raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {tp}")
+    if settings.model.fp8 != "none" and settings.model.compute_dtype != "bfloat16":
+        raise ConfigError(f"--fp8 {settings.model.fp8} needs --compute-dtype bfloat16 (DeepSeek-V3's recipe: "
+                          f"what is not FP8 is bfloat16), got --compute-dtype "
+                          f"{settings.model.compute_dtype or settings.model.dtype}")
     check_experts(config, mesh)
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     common = {"seed": settings.model.seed, "dtype": np.dtype(settings.model.dtype), "xp": xp,
               "recompute": settings.model.recompute, "compute_dtype": settings.model.compute_dtype,
-              "grad_dtype": settings.model.grad_dtype, "units": units, "context": context(settings, mesh, config)}
+              "grad_dtype": settings.model.grad_dtype, "fp8": settings.model.fp8, "units": units,
+              "context": context(settings, mesh, config)}
     if config.n_experts:  # the token sets one step averages the aux loss over, and this rank's EP group
         token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (
             tp if settings.mesh.sp else 1)
@@ -184,6 +189,9 @@ def check_experts(config: GPTConfig, mesh: Mesh) -> None:
 # -- the update ----------------------------------------------------------------------------------------------
 
 def build_optimizer(settings: OptimizerSettings, params: list) -> Any:
+    moments = moment_dtype(settings)
     if settings.optimizer == "sgd":
+        if moments is not None:
+            raise ConfigError("--exp-avg-dtype bfloat16 stores AdamW's moments; --optimizer sgd has none")
         return optim.SGD(params, lr=settings.lr)
-    return optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    return optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, moment_dtype=moments)

@@ -116,6 +116,7 @@ class Reporter:
         self.peak_flops, self.first_step, self.started = peak_flops, first_step, time.perf_counter()
         if is_root:
             compute = f" ({settings.model.compute_dtype} compute)" if settings.model.compute_dtype else ""
+            compute += f", FP8 {settings.model.fp8} GEMMs" if settings.model.fp8 != "none" else ""
             self.say(f"{describe_model(config)} {plural(config.n_layer, 'layer')}, {config.n_embd} channels, "
                      f"{plural(config.n_head, 'head')}{_kv_heads(config)}, vocab {config.vocab_size}: "
                      f"{config.parameter_count() / 1e6:.2f} M parameters; {settings.data.batch_size}×"

@@ -25,6 +25,7 @@ class ModelSettings:
     dtype: str = "float32"
     compute_dtype: str | None = None  # None: dtype (mixed precision: bfloat16 or float16)
     grad_dtype: str | None = None  # None: dtype
+    fp8: str = "none"  # "blockwise": the linears inside the blocks multiply in E4M3 (needs bfloat16 compute)
     loss_scale: str | None = None  # None: "dynamic" for float16, else off
     device: str = "cpu"
     init: str | None = None
@@ -73,6 +74,7 @@ class OptimizerSettings:
     grad_clip: float = 0.0
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    exp_avg_dtype: str = "float32"  # AdamW's moments: "float32" keeps them at --dtype; "bfloat16" halves them
 
 
 @dataclass(frozen=True)
@@ -141,3 +143,8 @@ def default(option: str) -> Any:
     """The default of a flat option name (the command line's: "n_layer", "zero", …)."""
     group = getattr(TrainSettings(), _GROUP_OF[option])
     return getattr(group, option)
+
+
+def moment_dtype(optimizer: OptimizerSettings) -> str | None:
+    """The AdamW moments' dtype: "bfloat16" with --exp-avg-dtype bfloat16, else None (the master dtype)."""
+    return "bfloat16" if optimizer.exp_avg_dtype == "bfloat16" else None
