@@ -33,6 +33,7 @@ import numpy as np
 from collectives import Communicator
 from collectives.backend import Array, get_array_module, like, to_host
 
+from . import deepseek_v3
 from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
 from .families import MOE_KEYS
 from .layers import (
@@ -66,7 +67,7 @@ from .parameter import Parameter, seeded_normal, shard_tensor
 from .precision import Narrowed, dtype_named, is_narrow, narrow
 from .rotary import RotaryEmbedding
 
-ARCHITECTURES = ("gpt2", "llama")
+ARCHITECTURES = ("gpt2", "llama", deepseek_v3.ARCH)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,13 @@ class GPTConfig:
     to 1; moe_aux_coef weighs the Switch load-balancing loss; moe_capacity_factor C caps each expert at
     ⌈C·K·tokens/E⌉ rows per token set (0: unlimited); moe_bias_rate R > 0 turns on aux-loss-free balancing (the
     trainer updates the expert biases).
+
+    `arch` "deepseek_v3" (`models.deepseek_v3`): the llama choices with multi-head latent attention (q_lora_rank
+    None: one query projection; kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; RoPE pairs
+    interleaved when rope_interleave) and, from block first_k_dense_replace on, DeepSeekMoE: n_experts routed
+    experts moe_ffn_hidden wide with a sigmoid router (groups: n_group, topk_group; gates × routed_scaling_factor,
+    normalized when moe_renormalize), n_shared_experts shared ones, moe_seq_aux_coef the sequence-wise balance
+    loss's α; moe_bias_rate drives the selection bias (e_score_correction_bias).
     """
 
     vocab_size: int = 256
@@ -104,6 +112,19 @@ class GPTConfig:
     rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    moe_ffn_hidden: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_seq_aux_coef: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -111,7 +132,7 @@ class GPTConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
-        if self.n_embd % self.n_head:
+        if self.n_embd % self.n_head and not self.is_deepseek:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_kv_head < 0 or self.ffn_hidden < 0:
             raise ValueError(f"n_kv_head and ffn_hidden must be >= 0 (0: the default), got {self.n_kv_head} and "
@@ -121,6 +142,8 @@ class GPTConfig:
                              f"serves an equal group of query heads")
         if self.arch == "gpt2":
             self._check_gpt2_choices()
+        elif self.is_deepseek:
+            deepseek_v3.check_choices(self)
         elif self.head_dim % 2:
             raise ValueError(f"RoPE rotates channel pairs: the head size n_embd/n_head ({self.head_dim}) must be even")
         if self.n_experts < 0:
@@ -141,7 +164,16 @@ class GPTConfig:
 
     @property
     def is_llama(self) -> bool:
-        return self.arch == "llama"
+        """The llama family's choices (RoPE, RMSNorm, SwiGLU, no biases): llama and deepseek_v3."""
+        return self.arch in ("llama", deepseek_v3.ARCH)
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.arch == deepseek_v3.ARCH
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has experts (all of a MoE model's but DeepSeek's first_k_dense_replace)."""
+        return bool(self.n_experts) and layer >= self.first_k_dense_replace
 
     @property
     def kv_heads(self) -> int:
@@ -180,6 +212,8 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape, in checkpoint order. GPT-2's are GPT2LMHeadModel's names (lm_head.weight
     is wte, tied); llama's follow the same scheme (`transformer.h.{i}.attn.q_proj.weight`, …, `lm_head.weight`
     when untied), [in, out] like every linear here — `models.families` maps them to Hugging Face's."""
+    if config.is_deepseek:
+        return deepseek_v3.parameter_shapes(config)
     if config.is_llama:
         return _llama_shapes(config)
     c = config.n_embd
@@ -239,7 +273,7 @@ def _swiglu_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]
 def expert_bias_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """The MoE expert biases (aux-loss-free balancing): model state saved with the parameters, but no
     parameters — no gradient, no weight decay, changed only by `models.moe.update_expert_bias`."""
-    return {expert_bias_name(i): (config.n_experts,) for i in range(config.n_layer)} if config.n_experts else {}
+    return {expert_bias_name(i): (config.n_experts,) for i in range(config.n_layer) if config.is_moe_layer(i)}
 
 
 def units_using(name: str, n_layer: int, tied: bool = True) -> tuple[int, ...]:
@@ -262,7 +296,7 @@ RESIDUAL_PROJECTIONS = (".c_proj.weight", ".o_proj.weight", ".down_proj.weight")
 def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: int, dtype: Any) -> np.ndarray:
     """The contract's initialization of one parameter, as a NumPy array: norms' weights 1, biases 0, residual
     projections normal(0, 0.02/√(2·n_layer)), every other weight normal(0, 0.02) — for both families."""
-    if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight")):
+    if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight", "_layernorm.weight")):
         return np.ones(shape, dtype)
     if name.endswith(".bias"):
         return np.zeros(shape, dtype)
@@ -295,7 +329,7 @@ class ParameterHooks:
 NO_HOOKS = ParameterHooks()
 
 
-class GPT:
+class GPT(deepseek_v3.DeepSeekV3Blocks):
     """The serial GPT-2 model with hand-written backward.
 
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
@@ -383,8 +417,8 @@ class GPT:
         local, last = set(self.local_units), self.config.n_layer + 1
         self.expert_biases = self._initial_expert_biases()
         config = self.config
-        rope = config.is_llama
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling) if rope else None
+        rope_dim = config.qk_rope_head_dim if config.is_deepseek else config.head_dim
+        self.rope = RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling) if config.is_llama else None
         self.embedding = self._embedding() if 0 in local else None
         self.blocks = [self._block(i) if i + 1 in local else None for i in range(config.n_layer)]
         self.head = LMHead(self._norm("transformer.ln_f"), self._cross_entropy()) if last in local else None
@@ -409,6 +443,8 @@ class GPT:
         return self._narrowed(TiedHeadCrossEntropy(self._head_weight()))
 
     def _block(self, i: int) -> Block:
+        if self.config.is_deepseek:
+            return self._deepseek_block(i)
         prefix = f"transformer.h.{i}"
         if self.config.is_llama:
             attention = self._attention(self._concatenated([f"{prefix}.attn.{name}_proj" for name in "qkv"], True),
