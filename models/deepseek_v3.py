@@ -1,0 +1,172 @@
+"""The DeepSeek-V3 family (`GPTConfig.arch` "deepseek_v3") as choices of the one transformer: its parameters,
+its checks, and the block the model builds from them (`DeepSeekV3Blocks`, mixed into `models.gpt.GPT`, so the
+tensor-parallel model's layer factories apply to it as to every family).
+
+A block is the llama block (RMSNorm, residual adds) with two parts replaced:
+
+    attention    multi-head latent attention (`models.latent_attention`): q_a_proj, q_a_layernorm, q_b_proj
+                 (or q_proj when q_lora_rank is None), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    MLP          blocks 0 … first_k_dense_replace − 1: a dense SwiGLU `ffn_hidden` wide (intermediate_size);
+                 the others DeepSeekMoE (`models.deepseek_moe`): a sigmoid router, `n_experts` routed SwiGLU
+                 experts `moe_ffn_hidden` wide and one shared SwiGLU n_shared_experts·moe_ffn_hidden wide
+
+Our names (linears [in, out], as every linear here; `models.families` maps them to transformers'):
+
+    transformer.h.{i}.attn.q_a_proj.weight [C, r_q]      … q_a_layernorm.weight [r_q], q_b_proj.weight [r_q, H·d_qk]
+    transformer.h.{i}.attn.q_proj.weight [C, H·d_qk]     (q_lora_rank None)
+    transformer.h.{i}.attn.kv_a_proj_with_mqa.weight [C, r + d_r], kv_a_layernorm.weight [r],
+    transformer.h.{i}.attn.kv_b_proj.weight [r, H·(d_n + d_v)], o_proj.weight [H·d_v, C]
+    transformer.h.{i}.mlp.router.weight [C, E], mlp.router.expert_bias [E] (state: e_score_correction_bias)
+    transformer.h.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight, mlp.shared_experts.…
+
+with d_qk = d_n + d_r. No communication here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
+from .latent_attention import LatentAttention, LowRankProjection
+from .layers import Block, Linear, RMSNorm
+from .moe import MixtureOfExperts, MoEBlock, expert_bias_name
+from .rotary import softmax_scale_correction
+
+ARCH = "deepseek_v3"
+LATENT_NORM_EPS = 1e-6
+"""q_a_layernorm's and kv_a_layernorm's eps: fixed, not rms_norm_eps (DeepSeek's code and transformers alike)."""
+LATENT_DIMENSIONS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def check_choices(config: Any) -> None:
+    """Raise ValueError naming the first DeepSeek-V3 setting that cannot build a model."""
+    for name in LATENT_DIMENSIONS:
+        if getattr(config, name) < 1:
+            raise ValueError(f"deepseek_v3 needs {name} >= 1, got {getattr(config, name)}")
+    if config.q_lora_rank is not None and config.q_lora_rank < 1:
+        raise ValueError(f"q_lora_rank must be >= 1, or None for one query projection; got {config.q_lora_rank}")
+    if config.qk_rope_head_dim % 2:
+        raise ValueError(f"RoPE rotates channel pairs: qk_rope_head_dim ({config.qk_rope_head_dim}) must be even")
+    if not 0 <= config.first_k_dense_replace <= config.n_layer:
+        raise ValueError(f"first_k_dense_replace must be between 0 and n_layer ({config.n_layer}), "
+                         f"got {config.first_k_dense_replace}")
+    if config.n_experts:
+        if config.moe_ffn_hidden < 1 or config.n_shared_experts < 0:
+            raise ValueError(f"DeepSeekMoE needs moe_ffn_hidden >= 1 and n_shared_experts >= 0, got "
+                             f"{config.moe_ffn_hidden} and {config.n_shared_experts}")
+        if config.moe_aux_coef:
+            raise ValueError("deepseek_v3 balances its experts with the expert bias (--moe-bias-rate) and the "
+                             "sequence-wise loss (--moe-seq-aux-coef), not the Switch loss: moe_aux_coef must be 0")
+        check_groups(config.n_experts, config.moe_top_k, config.n_group, config.topk_group)
+
+
+def query_head_dim(config: Any) -> int:
+    """d_qk = d_n + d_r: the query and key head width."""
+    return config.qk_nope_head_dim + config.qk_rope_head_dim
+
+
+def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape in checkpoint order (see the module docstring)."""
+    c = config.n_embd
+    shapes = {"transformer.wte.weight": (config.vocab_size, c)}
+    for i in range(config.n_layer):
+        block = f"transformer.h.{i}"
+        shapes[f"{block}.ln_1.weight"] = (c,)
+        shapes |= _attention_shapes(config, f"{block}.attn")
+        shapes[f"{block}.ln_2.weight"] = (c,)
+        shapes |= _feed_forward_shapes(config, i, f"{block}.mlp")
+    shapes["transformer.ln_f.weight"] = (c,)
+    if not config.tied:
+        shapes["lm_head.weight"] = (config.vocab_size, c)
+    return shapes
+
+
+def _attention_shapes(config: Any, prefix: str) -> dict[str, tuple[int, ...]]:
+    c, heads, rank = config.n_embd, config.n_head, config.kv_lora_rank
+    queries = heads * query_head_dim(config)
+    if config.q_lora_rank is None:
+        shapes = {f"{prefix}.q_proj.weight": (c, queries)}
+    else:
+        shapes = {f"{prefix}.q_a_proj.weight": (c, config.q_lora_rank),
+                  f"{prefix}.q_a_layernorm.weight": (config.q_lora_rank,),
+                  f"{prefix}.q_b_proj.weight": (config.q_lora_rank, queries)}
+    return shapes | {
+        f"{prefix}.kv_a_proj_with_mqa.weight": (c, rank + config.qk_rope_head_dim),
+        f"{prefix}.kv_a_layernorm.weight": (rank,),
+        f"{prefix}.kv_b_proj.weight": (rank, heads * (config.qk_nope_head_dim + config.v_head_dim)),
+        f"{prefix}.o_proj.weight": (heads * config.v_head_dim, c),
+    }
+
+
+def _swiglu_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (c, width), f"{prefix}.up_proj.weight": (c, width),
+            f"{prefix}.down_proj.weight": (width, c)}
+
+
+def _feed_forward_shapes(config: Any, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    c = config.n_embd
+    if not config.is_moe_layer(layer):
+        return _swiglu_shapes(prefix, c, config.ffn_width)
+    shapes = {f"{prefix}.router.weight": (c, config.n_experts)}
+    for e in range(config.n_experts):
+        shapes |= _swiglu_shapes(f"{prefix}.experts.{e}", c, config.moe_ffn_hidden)
+    if config.n_shared_experts:
+        shapes |= _swiglu_shapes(f"{prefix}.shared_experts", c, config.n_shared_experts * config.moe_ffn_hidden)
+    return shapes
+
+
+class DeepSeekV3Blocks:
+    """The DeepSeek-V3 block, built with the model's layer factories (`models.gpt.GPT` and its tensor-parallel
+    subclass): `_narrowed`, `_norm`, `_row_parallel`, `_mlp`, `_expert`, `_local_heads`, `_local_experts`, and
+    `_enter_attention` (identity in the serial model; the tensor-parallel model enters its group there once
+    for the whole attention, whose up-projections hold this rank's heads and whose o_proj is row-parallel)."""
+
+    def _deepseek_block(self, i: int) -> Block:
+        prefix, config = f"transformer.h.{i}", self.config
+        attention = self._enter_attention(self._latent_attention(f"{prefix}.attn"))
+        if config.is_moe_layer(i):
+            block, mlp = MoEBlock, self._deepseek_moe(i)
+        else:
+            block, mlp = Block, self._mlp(f"{prefix}.mlp")
+        return block(self._norm(f"{prefix}.ln_1"), attention, self._norm(f"{prefix}.ln_2"), mlp,
+                     recompute_full=self.recompute == "full")
+
+    def _enter_attention(self, attention: Any) -> Any:
+        return attention
+
+    def _latent_attention(self, prefix: str) -> LatentAttention:
+        config = self.config
+        if config.q_lora_rank is None:
+            query = self._plain_linear(f"{prefix}.q_proj")
+        else:
+            query = LowRankProjection(self._plain_linear(f"{prefix}.q_a_proj"),
+                                      self._latent_norm(f"{prefix}.q_a_layernorm"),
+                                      self._plain_linear(f"{prefix}.q_b_proj"))
+        scale = softmax_scale_correction(config.rope_scaling) / query_head_dim(config) ** 0.5
+        return LatentAttention(query, self._plain_linear(f"{prefix}.kv_a_proj_with_mqa"),
+                               self._latent_norm(f"{prefix}.kv_a_layernorm"), self._plain_linear(f"{prefix}.kv_b_proj"),
+                               self._row_parallel(f"{prefix}.o_proj"), self._local_heads(), config.qk_nope_head_dim,
+                               config.qk_rope_head_dim, config.v_head_dim, self.rope, config.rope_interleave,
+                               softmax_scale=scale, query_block=self.query_block,
+                               keep_probabilities=self.recompute != "selective")
+
+    def _latent_norm(self, prefix: str) -> Any:
+        """The RMSNorm of a compressed query or KV latent (eps `LATENT_NORM_EPS`; statistics kept wide)."""
+        return self._narrowed(RMSNorm(self.params[f"{prefix}.weight"], LATENT_NORM_EPS), statistics=("rstd",))
+
+    def _plain_linear(self, prefix: str) -> Any:
+        """A bias-free linear of this rank's weight as it is held (whole, or its heads' columns under TP)."""
+        return self._narrowed(Linear(self.params[f"{prefix}.weight"]))
+
+    def _deepseek_moe(self, i: int) -> DeepSeekMoE:
+        config, prefix = self.config, f"transformer.h.{i}.mlp"
+        router = SigmoidRouter(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.n_group,
+                               config.topk_group, config.moe_renormalize, config.routed_scaling_factor,
+                               config.moe_capacity_factor, config.moe_seq_aux_coef,
+                               aux_weight=1.0 / self.moe_token_sets,
+                               expert_bias=self.expert_biases[expert_bias_name(i)])
+        routed = MixtureOfExperts(router, [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()],
+                                  self.ep_comm)
+        shared = self._expert(f"{prefix}.shared_experts") if config.n_shared_experts else None
+        return DeepSeekMoE(routed, shared)
+

@@ -1,0 +1,75 @@
+"""The DeepSeek-V3 family as a model: its parameters, the whole model's gradients against finite differences
+(float64), recomputation, generation from the compressed cache, and the config checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_layers import check_model_gradients
+
+from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes
+
+SHAPE = dict(arch="deepseek_v3", vocab_size=13, n_positions=16, n_embd=12, n_head=2, kv_lora_rank=6,
+             qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=3, ffn_hidden=10, moe_aux_coef=0.0)
+MOE = dict(n_experts=4, moe_top_k=2, moe_ffn_hidden=5, n_shared_experts=1, n_group=2, topk_group=1,
+           routed_scaling_factor=2.0, first_k_dense_replace=1)
+
+
+def config(**changes) -> GPTConfig:
+    return GPTConfig(**(SHAPE | dict(n_layer=2, q_lora_rank=8) | MOE | changes))
+
+
+def test_parameters_follow_transformers_modules_with_dense_first_blocks_and_no_switch_loss():
+    shapes = parameter_shapes(config(n_layer=3))
+    assert shapes["transformer.h.0.attn.q_b_proj.weight"] == (8, 2 * (4 + 4))
+    assert shapes["transformer.h.0.attn.kv_a_proj_with_mqa.weight"] == (12, 6 + 4)
+    assert shapes["transformer.h.0.attn.kv_b_proj.weight"] == (6, 2 * (4 + 3))
+    assert shapes["transformer.h.0.attn.o_proj.weight"] == (2 * 3, 12)
+    assert shapes["transformer.h.0.mlp.down_proj.weight"] == (10, 12)  # dense: intermediate_size
+    assert shapes["transformer.h.1.mlp.shared_experts.down_proj.weight"] == (5, 12)
+    assert shapes["transformer.h.2.mlp.experts.3.gate_proj.weight"] == (12, 5)
+    assert "transformer.h.0.attn.q_proj.weight" not in shapes and "lm_head.weight" in shapes
+    assert list(expert_bias_shapes(config(n_layer=3))) == [f"transformer.h.{i}.mlp.router.expert_bias" for i in (1, 2)]
+    assert "transformer.h.0.attn.q_proj.weight" in parameter_shapes(config(q_lora_rank=None))
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(q_lora_rank=None, rope_interleave=False, moe_renormalize=False),
+                                     dict(moe_seq_aux_coef=0.2)],
+                         ids=["low-rank-query", "one-query-projection", "sequence-balance-loss"])
+def test_whole_model_gradients_match_finite_differences(changes):
+    check_model_gradients(GPT(config(**changes), seed=3, dtype=np.float64))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_computes_the_same_loss_and_gradients(recompute):
+    tokens, targets = np.random.default_rng(0).integers(0, 13, (2, 2, 8))
+    results = []
+    for mode in ("none", recompute):
+        model = GPT(config(moe_seq_aux_coef=0.1), seed=5, dtype=np.float64, recompute=mode, query_block=3)
+        loss, saved = model.forward(tokens, targets)
+        model.backward(saved)
+        results.append((loss, [p.grad.copy() for p in model.parameters()]))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-13)
+    for mine, theirs in zip(results[1][1], results[0][1], strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-11, atol=1e-14)
+
+
+def test_generation_from_the_compressed_cache_equals_recomputing_the_sequence():
+    model = GPT(config(), seed=4, dtype=np.float64)
+    for p in model.parameters():
+        p.data += 0.2 * np.random.default_rng(1).standard_normal(p.data.shape)
+    prompt = np.array([3, 1, 4])
+    generated = model.generate(prompt, 5, temperature=0)
+    sequence = list(prompt)
+    for _ in range(5):
+        sequence.append(int(np.argmax(model.logits(np.array([sequence]))[0, -1])))
+    assert generated.tolist() == sequence[3:]
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(kv_lora_rank=0), "kv_lora_rank"), (dict(qk_rope_head_dim=3), "even"), (dict(moe_aux_coef=0.01), "Switch"),
+    (dict(first_k_dense_replace=5), "first_k_dense_replace"), (dict(n_group=3), "n_group"),
+    (dict(q_lora_rank=0), "q_lora_rank")])
+def test_impossible_deepseek_settings_are_one_clear_error(changes, match):
+    with pytest.raises(ValueError, match=match):
+        config(**changes)
