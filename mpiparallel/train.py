@@ -82,7 +82,7 @@ class ModelSettings:
     recompute: str = "none"
     experts: int = 0
     top_k: int = 2
-    moe_aux_coef: float = 0.01
+    moe_aux_coef: float | None = None  # None: 0.01, or 0 for deepseek_v3 (which balances otherwise)
     capacity_factor: float = 0.0
     moe_renormalize: bool = True
     moe_bias_rate: float = 0.0
@@ -91,6 +91,18 @@ class ModelSettings:
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
     tie_embeddings: bool | None = None
+    q_lora_rank: int | None = None  # deepseek_v3's (None: the defaults `_deepseek_choices` states)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    moe_ffn_hidden: int | None = None
+    shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense: int = 0
+    moe_seq_aux_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -708,7 +720,7 @@ def _model_config(settings: TrainSettings) -> GPTConfig:
             config = GPTConfig(vocab_size=shape.vocab_size, n_positions=max(shape.n_positions, settings.data.seq_len),
                                n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head,
                                n_experts=shape.experts, moe_top_k=shape.top_k, moe_renormalize=shape.moe_renormalize,
-                               moe_aux_coef=shape.moe_aux_coef, moe_capacity_factor=shape.capacity_factor,
+                               moe_aux_coef=_switch_aux_coef(shape), moe_capacity_factor=shape.capacity_factor,
                                moe_bias_rate=shape.moe_bias_rate, **_family_choices(shape))
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -753,8 +765,44 @@ def _family_choices(shape: ModelSettings) -> dict[str, Any]:
     if shape.arch == "gpt2" and given:
         raise ConfigError(f"{', '.join(given)} set(s) a llama choice: add --arch llama (GPT-2 has multi-head "
                           f"attention, a 4·n_embd MLP, learned positions and a tied head)")
+    deepseek = _deepseek_choices(shape)
     return {"arch": shape.arch, "n_kv_head": shape.n_kv_head or 0, "ffn_hidden": shape.ffn_hidden or 0,
-            "rope_theta": shape.rope_theta, "tie_embeddings": shape.tie_embeddings}
+            "rope_theta": shape.rope_theta, "tie_embeddings": shape.tie_embeddings} | deepseek
+
+
+DEEPSEEK_DEFAULTS = {"shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                     "first_k_dense": 0, "moe_seq_aux_coef": 0.0}
+DEEPSEEK_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "moe_ffn_hidden")
+
+
+def _deepseek_choices(shape: ModelSettings) -> dict[str, Any]:
+    """The GPTConfig fields of --arch deepseek_v3; one clear error when one is given for another family. Defaults
+    (DeepSeek-V2-Lite's proportions): nope and value heads n_embd/n_head, RoPE heads half that (even),
+    kv_lora_rank n_embd/4, no query compression, experts ffn_hidden/8 wide, one shared expert."""
+    given = [name for name in DEEPSEEK_SIZES if getattr(shape, name) is not None]
+    given += [name for name, default in DEEPSEEK_DEFAULTS.items() if getattr(shape, name) != default]
+    if shape.arch != "deepseek_v3":
+        if given:
+            raise ConfigError(f"{', '.join('--' + name.replace('_', '-') for name in given)} set(s) a deepseek_v3 "
+                              f"choice: add --arch deepseek_v3")
+        return {}
+    head = max(shape.n_embd // shape.n_head, 1)
+    nope = shape.qk_nope_head_dim or head
+    width = shape.ffn_hidden or 64 * -(-(8 * shape.n_embd) // (3 * 64))
+    return {"q_lora_rank": shape.q_lora_rank, "kv_lora_rank": shape.kv_lora_rank or max(shape.n_embd // 4, 1),
+            "qk_nope_head_dim": nope, "qk_rope_head_dim": shape.qk_rope_head_dim or max(2, nope // 2 // 2 * 2),
+            "v_head_dim": shape.v_head_dim or head, "moe_ffn_hidden": shape.moe_ffn_hidden or max(width // 8, 1),
+            "n_shared_experts": shape.shared_experts, "n_group": shape.n_group, "topk_group": shape.topk_group,
+            "routed_scaling_factor": shape.routed_scaling_factor, "first_k_dense_replace": shape.first_k_dense,
+            "moe_seq_aux_coef": shape.moe_seq_aux_coef}
+
+
+def _switch_aux_coef(shape: ModelSettings) -> float:
+    """--moe-aux-coef, by default 0.01 (deepseek_v3: 0; it balances with the bias and the sequence-wise loss)."""
+    if shape.moe_aux_coef is not None:
+        return shape.moe_aux_coef
+    return 0.0 if shape.arch == "deepseek_v3" else 0.01
 
 
 def _build_schedule(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> Schedule | None:
@@ -978,9 +1026,11 @@ def _due(step: int, every: int, steps: int) -> bool:
 # -- reporting ----------------------------------------------------------------------------------------------
 
 def describe_model(config: GPTConfig) -> str:
-    """GPT-2, Llama or Mixtral (a llama with experts)."""
+    """GPT-2, Llama, Mixtral (a llama with experts) or DeepSeek-V3."""
     if not config.is_llama:
         return "GPT-2"
+    if config.is_deepseek:
+        return "DeepSeek-V3"
     return "Mixtral" if config.n_experts else "Llama"
 
 
