@@ -43,6 +43,8 @@ def check_choices(config: Any) -> None:
     for name in LATENT_DIMENSIONS:
         if getattr(config, name) < 1:
             raise ValueError(f"deepseek_v3 needs {name} >= 1, got {getattr(config, name)}")
+    if config.n_kv_head not in (0, config.n_head):
+        raise ValueError("multi-head latent attention has no KV heads to group: n_kv_head is a llama setting")
     if config.q_lora_rank is not None and config.q_lora_rank < 1:
         raise ValueError(f"q_lora_rank must be >= 1, or None for one query projection; got {config.q_lora_rank}")
     if config.qk_rope_head_dim % 2:

@@ -218,3 +218,37 @@ def test_our_loader_reads_what_transformers_writes_for_a_fresh_model_and_fused_e
     _, from_fused, _ = load_pretrained(tmp_path)
     for name, value in tensors.items():
         np.testing.assert_array_equal(from_fused[name], value, err_msg=name)
+
+
+def test_a_model_trained_from_scratch_by_the_command_line_loads_in_transformers_and_continues(tmp_path):
+    torch, transformers = hugging_face()
+    from test_train import mpiparallel
+
+    shape = ["--arch", "deepseek_v3", "--n-layer", "2", "--n-embd", "24", "--n-head", "2", "--seq-len", "16",
+             "--batch-size", "2", "--experts", "8", "--top-k", "2", "--n-group", "2", "--topk-group", "1",
+             "--first-k-dense", "1", "--q-lora-rank", "8", "--moe-bias-rate", "0.01", "--dtype", "float64"]
+    result = mpiparallel("train", *shape, "--steps", "3", "--save", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    config, tensors, _ = load_pretrained(tmp_path / "out")
+    assert (config.arch, config.q_lora_rank, config.n_group, config.first_k_dense_replace) == ("deepseek_v3", 8, 2, 1)
+    biases = [value for name, value in tensors.items() if name.endswith("expert_bias")]
+    assert len(biases) == 1 and np.abs(biases[0]).max() > 0  # the balancing moved the selection bias, and it was saved
+    model = GPT(config, dtype=np.float64)
+    model.load_state_dict(tensors)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=(1, 12))
+    with torch.no_grad():
+        expected = load_into_transformers(torch, transformers, tmp_path / "out", config)(
+            torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(model.logits(tokens), expected, rtol=1e-9, atol=1e-12)
+    result = mpiparallel("train", "--init", str(tmp_path / "out"), "--seq-len", "16", "--batch-size", "2", "--steps",
+                         "1", "--dtype", "float64")
+    assert result.returncode == 0, result.stderr
+    assert "DeepSeek-V3 2 layers" in result.stdout
+
+
+def test_a_deepseek_option_for_another_family_is_one_clear_error():
+    from test_train import mpiparallel
+
+    result = mpiparallel("train", "--arch", "llama", "--kv-lora-rank", "8", "--steps", "1")
+    assert result.returncode != 0 and "--kv-lora-rank set(s) a deepseek_v3 choice" in result.stderr
+    assert "Traceback" not in result.stderr
