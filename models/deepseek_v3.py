@@ -28,6 +28,7 @@ from typing import Any
 
 from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
 from .latent_attention import LatentAttention, LowRankProjection
+from .latent_context_parallel import GatheredLatentAttention
 from .layers import Block, Linear, RMSNorm
 from .moe import MixtureOfExperts, MoEBlock, expert_bias_name
 from .rotary import softmax_scale_correction
@@ -145,12 +146,18 @@ class DeepSeekV3Blocks:
                                       self._latent_norm(f"{prefix}.q_a_layernorm"),
                                       self._plain_linear(f"{prefix}.q_b_proj"))
         scale = softmax_scale_correction(config.rope_scaling) / query_head_dim(config) ** 0.5
-        return LatentAttention(query, self._plain_linear(f"{prefix}.kv_a_proj_with_mqa"),
-                               self._latent_norm(f"{prefix}.kv_a_layernorm"), self._plain_linear(f"{prefix}.kv_b_proj"),
-                               self._row_parallel(f"{prefix}.o_proj"), self._local_heads(), config.qk_nope_head_dim,
-                               config.qk_rope_head_dim, config.v_head_dim, self.rope, config.rope_interleave,
-                               softmax_scale=scale, query_block=self.query_block,
-                               keep_probabilities=self.recompute != "selective")
+        layers = (query, self._plain_linear(f"{prefix}.kv_a_proj_with_mqa"),
+                  self._latent_norm(f"{prefix}.kv_a_layernorm"), self._plain_linear(f"{prefix}.kv_b_proj"),
+                  self._row_parallel(f"{prefix}.o_proj"), self._local_heads(), config.qk_nope_head_dim,
+                  config.qk_rope_head_dim, config.v_head_dim, self.rope, config.rope_interleave)
+        settings = {"softmax_scale": scale, "query_block": self.query_block,
+                    "keep_probabilities": self.recompute != "selective"}
+        if self.context is None:
+            return LatentAttention(*layers, **settings)
+        if self.context.variant != "all-gather":
+            raise ValueError(f"deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather "
+                             f"(it gathers the compressed latent), not {self.context.variant}")
+        return GatheredLatentAttention(*layers, comm=self.context.comm, **settings)
 
     def _latent_norm(self, prefix: str) -> Any:
         """The RMSNorm of a compressed query or KV latent (eps `LATENT_NORM_EPS`; statistics kept wide)."""

@@ -106,23 +106,40 @@ class LatentAttention(Layer):
         """The global positions of the `length` tokens of a forward (0 … length−1)."""
         return np.arange(length)
 
+    def query_spans(self, length: int) -> list[tuple[int, int, int]]:
+        """(first row, end row, global position of the first row) of each run of consecutive positions among the
+        `length` local queries: one run here; a context-parallel rank holds two."""
+        return [(0, length, 0)]
+
+    def gather_keys(self, latent_keys: Array) -> Array:
+        """The [latent | RoPE key] rows (B, t, r + d_r) of every position the queries may see, in position order,
+        from this rank's: its own here (context parallelism gathers them from the other ranks)."""
+        return latent_keys
+
+    def gather_keys_backward(self, dkeys: Array) -> Array:
+        """The backward of `gather_keys`: d(this rank's rows) from d(every gathered row)."""
+        return dkeys
+
     # -- forward -----------------------------------------------------------------------------------------------
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         q, query = self.query.forward(x)
         compressed, kv_down = self.kv_down.forward(x)
         latent, kv_norm = self.kv_norm.forward(compressed[..., :self.latent_dim])
-        kv, kv_up = self.kv_up.forward(latent)
         dtype = q.dtype  # the compute dtype: narrow ones are widened for the math, rounded for what is kept
-        positions = self.positions(x.shape[1])
+        positions, spans = self.positions(x.shape[1]), self.query_spans(x.shape[1])
+        k_rope = self._rotated(widen(compressed[..., self.latent_dim:])[:, None], positions)[:, 0]
+        xp = get_array_module(latent)
+        keys = self.gather_keys(xp.concatenate((latent, narrow(k_rope, dtype)), axis=-1))
+        kv, kv_up = self.kv_up.forward(keys[..., :self.latent_dim])
         q_nope, q_rope = self._queries(widen(q), positions)
-        k_rope = self._rotated(widen(compressed[..., self.latent_dim:])[:, None], positions)
         k_nope, v = self._keys_values(widen(kv))
-        merged, probs = self._attend(q_nope, q_rope, k_nope, k_rope, v, offset=0, keep=self.keep_probabilities)
+        k_rope = widen(keys[..., self.latent_dim:])[:, None]
+        merged, probs = self._attend(q_nope, q_rope, k_nope, k_rope, v, spans, keep=self.keep_probabilities)
         out, projection = self.projection.forward(narrow(merged, dtype))
         saved = Saved(query=query, kv_down=kv_down, kv_norm=kv_norm, kv_up=kv_up, projection=projection,
                       q_nope=q_nope, q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, merged=merged, probs=probs,
-                      positions=positions)
+                      positions=positions, spans=spans)
         narrow_saved(saved, dtype, self.input_pass_only)
         return out, saved
 
@@ -148,31 +165,39 @@ class LatentAttention(Layer):
         heads = kv.reshape(batch, length, self.n_head, self.nope_dim + self.value_dim).transpose(0, 2, 1, 3)
         return heads[..., :self.nope_dim], heads[..., self.nope_dim:]
 
-    def _attend(self, q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, v: Array, offset: int,
-                keep: bool) -> tuple[Array, list[Array] | None]:
-        """softmax(scores)·v for queries at positions offset … offset+t−1 over keys from position 0, merged to
+    def _blocks(self, spans: list[tuple[int, int, int]]) -> list[tuple[slice, int]]:
+        """(query rows, global position of the first) of every query block of every span: block rows see the
+        keys at positions 0 … position + rows − 1, the later ones being in their future (FlashAttention skips
+        the same blocks)."""
+        return [(slice(first + start, first + stop), position + start)
+                for first, end, position in spans for start, stop in query_blocks(end - first, self.query_block)]
+
+    def _attend(self, q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, v: Array,
+                spans: list[tuple[int, int, int]], keep: bool) -> tuple[Array, list[Array] | None]:
+        """softmax(scores)·v of the queries, each over the keys from position 0 to its own, merged to
         (B, t, H·d_v); also each query block's probabilities if `keep`."""
         xp = get_array_module(q_nope)
         batch, n_head, queries, _ = q_nope.shape
         merged = xp.empty((batch, queries, n_head, self.value_dim), dtype=q_nope.dtype)
         heads = merged.transpose(0, 2, 1, 3)  # written through by the products
         kept = [] if keep else None
-        for start, stop in query_blocks(queries, self.query_block):
-            probs = self._probabilities(q_nope, q_rope, k_nope, k_rope, start, stop, offset)
-            xp.matmul(probs, v[..., :offset + stop, :], out=heads[..., start:stop, :])
+        for rows, position in self._blocks(spans):
+            probs = self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, position)
+            seen = position + probs.shape[-2]
+            xp.matmul(probs, v[..., :seen, :], out=heads[..., rows, :])
             if keep:
                 kept.append(probs)
         return merged.reshape(batch, queries, n_head * self.value_dim), kept
 
     @staticmethod
-    def _probabilities(q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, start: int, stop: int,
-                       offset: int = 0) -> Array:
-        """Causal softmax of query rows [start, stop) over keys [0, offset + stop): the no-RoPE scores per head
-        plus the RoPE scores against the one shared key (broadcast over the heads)."""
-        keys = slice(0, offset + stop)
-        scores = q_nope[..., start:stop, :] @ k_nope[..., keys, :].swapaxes(-1, -2)
-        scores += q_rope[..., start:stop, :] @ k_rope[..., keys, :].swapaxes(-1, -2)
-        return causal_softmax(scores, offset=offset + start)
+    def _probabilities(q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, position: int) -> Array:
+        """Causal softmax of a block of query rows, the first at global `position`, over the keys at positions
+        0 … position + rows − 1: the no-RoPE scores per head plus the RoPE scores against the one shared key
+        (broadcast over the heads)."""
+        keys = slice(0, position + q_nope.shape[-2])
+        scores = q_nope @ k_nope[..., keys, :].swapaxes(-1, -2)
+        scores += q_rope @ k_rope[..., keys, :].swapaxes(-1, -2)
+        return causal_softmax(scores, offset=position)
 
     # -- backward ----------------------------------------------------------------------------------------------
 
@@ -181,20 +206,24 @@ class LatentAttention(Layer):
         dq, dkv, dk_rope = self._backward_to_projections(saved, dmerged)
         for name in self.input_pass_only:
             delattr(saved, name)
-        dlatent = self.kv_norm.backward_input(saved.kv_norm, self.kv_up.backward_input(saved.kv_up, dkv))
+        dlatent = self.kv_up.backward_input(saved.kv_up, dkv)
         xp = get_array_module(dlatent)
+        dkeys = self.gather_keys_backward(xp.concatenate((dlatent, dk_rope.astype(dlatent.dtype)), axis=-1))
+        dk_rope = self._rotated_back(widen(dkeys[..., self.latent_dim:])[:, None], saved.positions)[:, 0]
+        dlatent = self.kv_norm.backward_input(saved.kv_norm, dkeys[..., :self.latent_dim])
         dcompressed = xp.concatenate((dlatent, dk_rope.astype(dlatent.dtype, copy=False)), axis=-1)
         dx = self.kv_down.backward_input(saved.kv_down, dcompressed)
         dx += self.query.backward_input(saved.query, dq)
         return dx
 
     def _backward_to_projections(self, saved: Saved, dmerged: Array) -> tuple[Array, Array, Array]:
-        """d(queries) (B, T, H·(d_n + d_r)), d(up_kv output) (B, T, H·(d_n + d_v)) and d(RoPE key) (B, T, d_r),
-        in the projections' layouts and dtype, from d(merged heads)."""
+        """d(queries) (B, t, H·(d_n + d_r)), d(up_kv output) (B, s, H·(d_n + d_v)) and d(rotated RoPE key)
+        (B, s, d_r) of the s key positions, in the projections' layouts and dtype, from d(merged heads)."""
         xp, dtype = get_array_module(dmerged), dmerged.dtype
         dmerged = widen(dmerged)
         widen_saved(saved, self.input_pass_only)
         batch, length, _ = dmerged.shape
+        keys_length = saved.v.shape[2]
         n_head, d_n, d_r, d_v = self.n_head, self.nope_dim, self.rope_dim, self.value_dim
         dheads = dmerged.reshape(batch, length, n_head, d_v).transpose(0, 2, 1, 3)
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, H·d_v), not (B, H, T, T)
@@ -203,14 +232,14 @@ class LatentAttention(Layer):
         dq_nope = dq.transpose(0, 2, 1, 3)[..., :d_n]
         dq_rope = xp.empty((batch, n_head, length, d_r), dmerged.dtype)
         # zeroed because every query block adds into the keys and values it saw
-        dkv = xp.zeros((batch, length, n_head, d_n + d_v), dmerged.dtype)
+        dkv = xp.zeros((batch, keys_length, n_head, d_n + d_v), dmerged.dtype)
         dk_nope, dv = dkv.transpose(0, 2, 1, 3)[..., :d_n], dkv.transpose(0, 2, 1, 3)[..., d_n:]
-        dk_rope = xp.zeros((batch, 1, length, d_r), dmerged.dtype)
+        dk_rope = xp.zeros((batch, 1, keys_length, d_r), dmerged.dtype)
         q_nope, q_rope, k_nope, k_rope, v = saved.q_nope, saved.q_rope, saved.k_nope, saved.k_rope, saved.v
-        for index, (start, stop) in enumerate(query_blocks(length, self.query_block)):
-            rows, keys = slice(start, stop), slice(0, stop)
+        for index, (rows, position) in enumerate(self._blocks(saved.spans)):
+            keys = slice(0, position + rows.stop - rows.start)
             probs = (saved.probs[index] if saved.probs is not None
-                     else self._probabilities(q_nope, q_rope, k_nope, k_rope, start, stop))
+                     else self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, position))
             dv[..., keys, :] += probs.swapaxes(-1, -2) @ dheads[..., rows, :]
             dprobs = dheads[..., rows, :] @ v[..., keys, :].swapaxes(-1, -2)
             dscores = softmax_backward(probs, dprobs, weighted_sum[..., rows, :])
@@ -221,9 +250,8 @@ class LatentAttention(Layer):
         dq_nope *= self.softmax_scale
         dq_rope *= self.softmax_scale
         dq[..., d_n:] = self._rotated_back(dq_rope, saved.positions).transpose(0, 2, 1, 3)
-        dk_rope = self._rotated_back(dk_rope, saved.positions)[:, 0]
-        return (narrow(dq.reshape(batch, length, -1), dtype), narrow(dkv.reshape(batch, length, -1), dtype),
-                narrow(dk_rope, dtype))
+        return (narrow(dq.reshape(batch, length, -1), dtype), narrow(dkv.reshape(batch, keys_length, -1), dtype),
+                narrow(dk_rope[:, 0], dtype))
 
     def _rotated_back(self, dx: Array, positions: np.ndarray) -> Array:
         """The backward of `_rotated`: turned back, then (interleaved) reordered to the projection's channels."""
@@ -253,5 +281,5 @@ class LatentAttention(Layer):
         latents, rope_keys = cache.append(latent[:, None], k_rope)
         k_nope, v = self._keys_values(self.kv_up.forward(latents[:, 0])[0])
         q_nope, q_rope = self._queries(self.query.forward(x)[0], positions)
-        merged, _ = self._attend(q_nope, q_rope, k_nope, rope_keys, v, offset=start, keep=False)
+        merged, _ = self._attend(q_nope, q_rope, k_nope, rope_keys, v, [(0, length, start)], keep=False)
         return self.projection.forward(merged)[0]
