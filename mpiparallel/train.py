@@ -833,6 +833,7 @@ def _build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedul
                           f"{settings.data.seq_len} must be divisible by {tp}")
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     _check_experts(config, mesh)
+    _check_sequence_balance(settings, mesh, config)
     token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (tp if settings.mesh.sp else 1)
     common = {"seed": settings.model.seed, "dtype": dtype, "xp": xp, "recompute": settings.model.recompute,
               "compute_dtype": settings.model.compute_dtype, "grad_dtype": settings.model.grad_dtype,
@@ -867,6 +868,13 @@ def _check_experts(config: GPTConfig, mesh: Mesh) -> None:
         raise ConfigError(f"--ep {ep} must divide --experts {config.n_experts} (each EP rank holds E/ep experts)")
 
 
+def _check_sequence_balance(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:
+    """DeepSeek-V3's sequence-wise balance loss needs each rank to route whole sequences."""
+    if config.moe_seq_aux_coef and (mesh.shape.cp > 1 or (settings.mesh.sp and mesh.shape.tp > 1)):
+        raise ConfigError("--moe-seq-aux-coef balances each sequence's routing: it needs whole sequences on every "
+                          "rank (no --cp, no --sp)")
+
+
 def _build_engines(model: GPT, mesh: Mesh, settings: TrainSettings, overlap: bool) -> Any:
     """Data parallelism for the model: gradients summed over dp (×cp); with expert parallelism the experts are
     summed only over the ranks holding the same experts (expert_dp, ×cp), in their own engine."""
@@ -887,6 +895,9 @@ def _context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextP
     cp, tp, variant = mesh.shape.cp, mesh.shape.tp, settings.mesh.cp_attention
     if cp == 1:
         return None
+    if config.is_deepseek and variant != "all-gather":
+        raise ConfigError(f"deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather "
+                          f"(it gathers the compressed latent), not {variant}")
     if settings.data.seq_len % (2 * cp):
         raise ConfigError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {2 * cp}")
