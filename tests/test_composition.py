@@ -44,7 +44,7 @@ MIXTRAL = {**LLAMA, "experts": 4, "top_k": 2, "moe_aux_coef": 0.0}
 DEEPSEEK = {**DENSE, "arch": "deepseek_v3", "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
             "qk_rope_head_dim": 4, "v_head_dim": 3, "ffn_hidden": 24, "experts": 4, "top_k": 2, "moe_ffn_hidden": 6,
             "n_group": 2, "topk_group": 1, "first_k_dense": 1, "routed_scaling_factor": 2.0}
-DEEPSEEK_BIAS = {**{key: value for key, value in DEEPSEEK.items() if key != "q_lora_rank"}, "top_k": 1,
+DEEPSEEK_BIAS = {**{key: value for key, value in DEEPSEEK.items() if key != "q_lora_rank"}, "top_k": 2,
                  "n_group": 1, "topk_group": 1, "moe_bias_rate": 0.01}
 MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "llama-mqa": LLAMA_MQA,
           "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS}
