@@ -592,7 +592,9 @@ class Trainer:
             blocks=len(local - {0, config.n_layer + 1}), has_embedding=0 in local,
             has_head=config.n_layer + 1 in local, sp=settings.mesh.sp, recompute=settings.model.recompute,
             seq_len=settings.data.seq_len, cp_attention=settings.mesh.cp_attention, moe=bool(config.n_experts),
-            n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp)
+            n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp,
+            dense_blocks=sum(not config.is_moe_layer(unit - 1) for unit in local - {0, config.n_layer + 1}),
+            latent_width=config.kv_lora_rank + config.qk_rope_head_dim if config.is_deepseek else 0)
         partial = sum(piece.grad.nbytes for piece in self.engine.optimizer_parameters()
                       if isinstance(piece.placement.get("tp"), Partial))
         key_value_group = getattr(self.model, "key_value_group", None)  # KV heads held by several TP ranks
