@@ -17,7 +17,9 @@ gradient buckets an engine reduces:
           (4L + 2)·h; with MoE also the router and experts)                        (`models.tensor_parallel`)
     pp    per microbatch and stage boundary to another rank: S forward, S backward; the tied embedding's
           gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
-    cp    per block and microbatch, K and V of the whole sequence: ring 2(c−1)/c·bs·h_kv forward and
+    cp    per block and microbatch (MLA: all-gather of its compressed [latent | RoPE key], (c−1)/c·bs·(r + d_r)
+          forward, and the reduce-scatter of its gradient, the same backward), K and V of the whole sequence:
+          ring 2(c−1)/c·bs·h_kv forward and
           2(2c−1)/c·bs·h_kv backward, all-gather 2(c−1)/c and 4(c−1)/c, with h_kv = n_kv·d channels of this TP
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
           each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`models.context_parallel`)
@@ -115,6 +117,15 @@ class RunShape:
     n_head: int = 1         # query heads of the whole model (the llama family's KV heads below)
     kv_heads: int = 1       # KV heads of the whole model (n_head for multi-head attention)
     tp: int = 1
+    dense_blocks: int | None = None  # blocks with a dense MLP among `blocks` (None: all, or none with moe)
+    latent_width: int = 0   # MLA (deepseek_v3): r + d_r, the compressed KV row its CP gathers (0: other attention)
+
+    @property
+    def dense_mlps(self) -> int:
+        """This rank's blocks whose MLP is split over tp (DeepSeek-V3's first dense blocks among MoE ones)."""
+        if self.dense_blocks is not None:
+            return self.dense_blocks
+        return 0 if self.moe else self.blocks
 
     @property
     def gradient_bytes(self) -> int:
@@ -168,8 +179,8 @@ def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_
     exchange = (collective_bytes("all_gather", s, comm) + collective_bytes("reduce_scatter", s, comm) if shape.sp
                 else collective_bytes("all_reduce", s, comm))
     forwards = 2 if shape.recompute == "full" else 1  # full recomputation reruns each block's forward
-    linear_pairs = 1 if shape.moe else 2  # attention's c_attn/c_proj, and the MLP's c_fc/c_proj
-    per_microbatch = shape.blocks * linear_pairs * (forwards + 1) * exchange
+    # attention's c_attn/c_proj in every block, the MLP's c_fc/c_proj in the dense ones
+    per_microbatch = (shape.blocks + shape.dense_mlps) * (forwards + 1) * exchange
     if shape.has_embedding:
         per_microbatch += exchange
     if shape.has_head:
@@ -224,7 +235,9 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
     heads, kv_heads, head_dim = shape.local_heads
     tokens = shape.rows * shape.seq_len * shape.itemsize
     forwards = 2 if shape.recompute == "full" else 1
-    if shape.cp_attention == "ulysses":
+    if shape.latent_width:  # MLA: the [latent | RoPE key] rows all-gathered, their gradients reduce-scattered
+        forward = backward = (cp - 1) / cp * tokens * shape.latent_width
+    elif shape.cp_attention == "ulysses":
         each_way = 2 * (cp - 1) / cp**2 * tokens * (heads + max(kv_heads, cp)) * head_dim
         forward, backward = each_way, each_way
     else:
