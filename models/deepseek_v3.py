@@ -24,6 +24,7 @@ with d_qk = d_n + d_r. No communication here.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
@@ -116,6 +117,31 @@ def _feed_forward_shapes(config: Any, layer: int, prefix: str) -> dict[str, tupl
     if config.n_shared_experts:
         shapes |= _swiglu_shapes(f"{prefix}.shared_experts", c, config.n_shared_experts * config.moe_ffn_hidden)
     return shapes
+
+
+def parameter_counts(config: Any, mtp_depth: int = 1) -> dict[str, int]:
+    """What a DeepSeek-V3 model holds and computes with, counted from `parameter_shapes`:
+
+    total      every parameter of the main model (embedding and untied head included; no MTP module)
+    activated  what one token's forward multiplies by: everything but the routed experts, plus top_k routed
+               experts per MoE block (the embedding row and the head counted whole, as DeepSeek counts)
+    mtp        `mtp_depth` multi-token-prediction modules as DeepSeek's checkpoint stores them: per module one MoE
+               block, eh_proj [2h, h], enorm, hnorm and shared_head.norm, and its own copies of the embedding and
+               the head (layer num_hidden_layers of the published checkpoint)
+
+    DeepSeek-V3's published config gives 671.0 B total, 37.6 B activated (the report's "37B"), and 13.5 B of MTP:
+    684.5 B in the checkpoint (Hugging Face's "685B")."""
+    shapes = parameter_shapes(config)
+    total = sum(math.prod(shape) for shape in shapes.values())
+    routed = sum(math.prod(shape) for name, shape in shapes.items() if ".mlp.experts." in name)
+    moe_blocks = [i for i in range(config.n_layer) if config.is_moe_layer(i)]
+    per_expert = routed // (len(moe_blocks) * config.n_experts) if moe_blocks else 0
+    activated = total - routed + len(moe_blocks) * config.moe_top_k * per_expert
+    last = f"transformer.h.{moe_blocks[-1] if moe_blocks else config.n_layer - 1}."
+    block = sum(math.prod(shape) for name, shape in shapes.items() if name.startswith(last))
+    h, table = config.n_embd, config.vocab_size * config.n_embd
+    mtp = mtp_depth * (block + 2 * h * h + 3 * h + 2 * table)
+    return {"total": total, "activated": activated, "mtp": mtp}
 
 
 class DeepSeekV3Blocks:

@@ -73,3 +73,35 @@ def test_generation_from_the_compressed_cache_equals_recomputing_the_sequence():
 def test_impossible_deepseek_settings_are_one_clear_error(changes, match):
     with pytest.raises(ValueError, match=match):
         config(**changes)
+
+
+DEEPSEEK_V3_CONFIG = {  # the published config.json of deepseek-ai/DeepSeek-V3 (the keys this model reads)
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 1}
+
+
+def test_deepseek_v3s_published_config_has_671b_parameters_37b_activated_and_a_14b_mtp_module():
+    from models.deepseek_v3 import parameter_counts
+    from models.families import config_fields
+
+    counts = parameter_counts(GPTConfig(**config_fields(DEEPSEEK_V3_CONFIG)))
+    assert round(counts["total"] / 1e9) == 671  # the report: 671B total parameters
+    assert int(counts["activated"] / 1e9) == 37  # 37B activated for each token (37.6 B counted)
+    assert round(counts["mtp"] / 1e9, 1) == 13.5  # the 14B MTP module; 684.5 B on Hugging Face ("685B")
+    assert round((counts["total"] + counts["mtp"]) / 1e9, 1) == 684.5  # the checkpoint's 684.5 B, called 685B
+
+
+def test_split_sequences_with_the_sequence_balance_loss_are_one_clear_error():
+    from mpi_harness import train_error
+
+    message = train_error("--arch", "deepseek_v3", "-n", "2", "--cp", "2", "--cp-attention", "all-gather",
+                          "--experts", "4", "--moe-seq-aux-coef", "0.1", "--n-layer", "1", "--n-embd", "16",
+                          "--seq-len", "16", "--batch-size", "2", "--steps", "1")
+    assert "--moe-seq-aux-coef balances each sequence's routing" in message
