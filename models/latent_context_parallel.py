@@ -3,7 +3,7 @@
 A CP rank holds two zigzag chunks of every sequence (`models.context_parallel`: chunks r and 2·cp−1−r of 2·cp, c
 tokens each). Its queries must see the keys and values of every earlier position. MLA's keys and values are
 functions of one small vector per token — the normalized latent c (r channels) and the rotated RoPE key (d_r),
-576 numbers in DeepSeek-V3 against 2·128·128 = 32,768 for its expanded per-head K and V — so this variant
+576 numbers in DeepSeek-V3 against 128·(192 + 128) = 40,960 for its expanded per-head K and V — so this variant
 all-gathers that vector, [c | k_rope], rotated at each token's global position before it leaves, and every rank
 expands the whole sequence's k_nope and v itself with kv_b_proj:
 
