@@ -168,6 +168,8 @@ DEVICE_MATRIX = [
     (4, "dense", {"tp": 2, "pp": 2, "sp": True, "schedule": "zbv", "recompute": "selective", "device": "gpu"}),
     (4, "moe", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero": 1,
                 "device": "gpu"}),
+    (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "all-gather", "sp": True, "recompute": "selective",
+                     "device": "gpu"}),
 ]
 DEVICE_ARRAYS = ({"MPIPARALLEL_TEST_ARRAYS": "cupy"} if os.environ.get("MPIPARALLEL_TEST_ARRAYS") == "cupy"
                  else {"MPIPARALLEL_TEST_ARRAYS": "fake", "MPIPARALLEL_CUDA_AWARE": "0"})
