@@ -48,7 +48,6 @@ from .layers import (
     KVCache,
     LayerNorm,
     Linear,
-    LMHead,
     RMSNorm,
     Saved,
     SwiGLU,
@@ -91,7 +90,8 @@ class GPTConfig:
     interleaved when rope_interleave) and, from block first_k_dense_replace on, DeepSeekMoE: n_experts routed
     experts moe_ffn_hidden wide with a sigmoid router (groups: n_group, topk_group; gates × routed_scaling_factor,
     normalized when moe_renormalize), n_shared_experts shared ones, moe_seq_aux_coef the sequence-wise balance
-    loss's α; moe_bias_rate drives the selection bias (e_score_correction_bias).
+    loss's α; moe_bias_rate drives the selection bias (e_score_correction_bias). mtp_depth D > 0 adds D
+    multi-token-prediction modules to the head unit (`models.multi_token`), their losses weighted mtp_weight / D.
     """
 
     vocab_size: int = 256
@@ -125,6 +125,8 @@ class GPTConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
     moe_seq_aux_coef: float = 0.0
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -284,7 +286,7 @@ def units_using(name: str, n_layer: int, tied: bool = True) -> tuple[int, ...]:
         return (0, n_layer + 1) if tied else (0,)
     if short == "wpe.weight":
         return (0,)
-    if short.startswith("ln_f.") or short == "lm_head.weight":
+    if short.startswith(("ln_f.", "mtp.")) or short == "lm_head.weight":
         return (n_layer + 1,)
     return (int(short.split(".")[1]) + 1,)  # h.{i}.…
 
@@ -296,7 +298,7 @@ RESIDUAL_PROJECTIONS = (".c_proj.weight", ".o_proj.weight", ".down_proj.weight")
 def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: int, dtype: Any) -> np.ndarray:
     """The contract's initialization of one parameter, as a NumPy array: norms' weights 1, biases 0, residual
     projections normal(0, 0.02/√(2·n_layer)), every other weight normal(0, 0.02) — for both families."""
-    if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight", "_layernorm.weight")):
+    if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight", "norm.weight")):  # and MLA's, MTP's norms
         return np.ones(shape, dtype)
     if name.endswith(".bias"):
         return np.zeros(shape, dtype)
@@ -401,7 +403,8 @@ class GPT(deepseek_v3.DeepSeekV3Blocks):
 
     def units_of(self, name: str) -> tuple[int, ...]:
         """The units that read parameter (or expert bias) `name` (`units_using`)."""
-        return units_using(name, self.config.n_layer, self.config.tied)
+        # multi-token prediction looks the next tokens up in wte on the head unit too
+        return units_using(name, self.config.n_layer, self.config.tied or bool(self.config.mtp_depth))
 
     def _ep_size(self) -> int:
         return 1 if self.ep_comm is None else self.ep_comm.size
@@ -421,7 +424,7 @@ class GPT(deepseek_v3.DeepSeekV3Blocks):
         self.rope = RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling) if config.is_llama else None
         self.embedding = self._embedding() if 0 in local else None
         self.blocks = [self._block(i) if i + 1 in local else None for i in range(config.n_layer)]
-        self.head = LMHead(self._norm("transformer.ln_f"), self._cross_entropy()) if last in local else None
+        self.head = self._output_head() if last in local else None
         self.units = [self.embedding, *self.blocks, self.head]
         self.sequence_shards = 1  # how many pieces the sequence is cut into between the layers (SP: tp)
 
