@@ -288,6 +288,10 @@ def deepseek_options(command: Callable) -> Callable:
                      help="deepseek_v3: the first blocks keep a dense MLP (first_k_dense_replace)."),
         click.option("--moe-seq-aux-coef", type=click.FloatRange(min=0), default=0.0,
                      help="deepseek_v3: α of the sequence-wise balance loss (DeepSeek-V3 eq. 17–20)."),
+        click.option("--mtp-depth", type=click.IntRange(min=0), default=0,
+                     help="deepseek_v3: multi-token-prediction modules, module k predicting the token k + 1 ahead."),
+        click.option("--mtp-weight", type=click.FloatRange(min=0, min_open=True), default=0.3,
+                     help="deepseek_v3: λ, the MTP losses' weight (λ/D each)."),
     ]
     for option in reversed(options):
         command = option(command)
