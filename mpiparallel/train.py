@@ -103,6 +103,8 @@ class ModelSettings:
     routed_scaling_factor: float = 1.0
     first_k_dense: int = 0
     moe_seq_aux_coef: float = 0.0
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -594,7 +596,8 @@ class Trainer:
             seq_len=settings.data.seq_len, cp_attention=settings.mesh.cp_attention, moe=bool(config.n_experts),
             n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp,
             dense_blocks=sum(not config.is_moe_layer(unit - 1) for unit in local - {0, config.n_layer + 1}),
-            latent_width=config.kv_lora_rank + config.qk_rope_head_dim if config.is_deepseek else 0)
+            latent_width=config.kv_lora_rank + config.qk_rope_head_dim if config.is_deepseek else 0,
+            mtp_depth=config.mtp_depth)
         partial = sum(piece.grad.nbytes for piece in self.engine.optimizer_parameters()
                       if isinstance(piece.placement.get("tp"), Partial))
         key_value_group = getattr(self.model, "key_value_group", None)  # KV heads held by several TP ranks
@@ -773,7 +776,7 @@ def _family_choices(shape: ModelSettings) -> dict[str, Any]:
 
 
 DEEPSEEK_DEFAULTS = {"shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-                     "first_k_dense": 0, "moe_seq_aux_coef": 0.0}
+                     "first_k_dense": 0, "moe_seq_aux_coef": 0.0, "mtp_depth": 0, "mtp_weight": 0.3}
 DEEPSEEK_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                   "moe_ffn_hidden")
 
@@ -797,7 +800,7 @@ def _deepseek_choices(shape: ModelSettings) -> dict[str, Any]:
             "v_head_dim": shape.v_head_dim or head, "moe_ffn_hidden": shape.moe_ffn_hidden or max(width // 8, 1),
             "n_shared_experts": shape.shared_experts, "n_group": shape.n_group, "topk_group": shape.topk_group,
             "routed_scaling_factor": shape.routed_scaling_factor, "first_k_dense_replace": shape.first_k_dense,
-            "moe_seq_aux_coef": shape.moe_seq_aux_coef}
+            "moe_seq_aux_coef": shape.moe_seq_aux_coef, "mtp_depth": shape.mtp_depth, "mtp_weight": shape.mtp_weight}
 
 
 def _switch_aux_coef(shape: ModelSettings) -> float:
@@ -871,10 +874,15 @@ def _check_experts(config: GPTConfig, mesh: Mesh) -> None:
 
 
 def _check_sequence_balance(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:
-    """DeepSeek-V3's sequence-wise balance loss needs each rank to route whole sequences."""
-    if config.moe_seq_aux_coef and (mesh.shape.cp > 1 or (settings.mesh.sp and mesh.shape.tp > 1)):
+    """DeepSeek-V3's sequence-wise balance loss and its multi-token prediction need whole sequences on every rank;
+    MTP also runs on one pipeline stage with the embedding (not split over stages yet)."""
+    split = mesh.shape.cp > 1 or (settings.mesh.sp and mesh.shape.tp > 1)
+    if config.moe_seq_aux_coef and split:
         raise ConfigError("--moe-seq-aux-coef balances each sequence's routing: it needs whole sequences on every "
                           "rank (no --cp, no --sp)")
+    if config.mtp_depth and (split or mesh.shape.pp > 1):
+        raise ConfigError("--mtp-depth shifts whole sequences by a token per module: it runs without --cp, --sp "
+                          "and --pp")
 
 
 def _build_engines(model: GPT, mesh: Mesh, settings: TrainSettings, overlap: bool) -> Any:
