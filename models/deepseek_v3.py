@@ -18,6 +18,9 @@ Our names (linears [in, out], as every linear here; `models.families` maps them 
     transformer.h.{i}.attn.kv_b_proj.weight [r, H·(d_n + d_v)], o_proj.weight [H·d_v, C]
     transformer.h.{i}.mlp.router.weight [C, E], mlp.router.expert_bias [E] (state: e_score_correction_bias)
     transformer.h.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight, mlp.shared_experts.…
+    transformer.mtp.{k}.enorm.weight, hnorm.weight [C], eh_proj.weight [2C, C], shared_head.norm.weight [C], and
+    a block's ln_1, attn.*, ln_2, mlp.* (MoE when the model has experts): the multi-token-prediction modules
+    (`models.multi_token`; checkpoint layers n_layer + k, as DeepSeek's)
 
 with d_qk = d_n + d_r. No communication here.
 """
@@ -30,8 +33,9 @@ from typing import Any
 from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
 from .latent_attention import LatentAttention, LowRankProjection
 from .latent_context_parallel import GatheredLatentAttention
-from .layers import Block, Linear, RMSNorm
+from .layers import Block, Linear, LMHead, RMSNorm
 from .moe import MixtureOfExperts, MoEBlock, expert_bias_name
+from .multi_token import MultiTokenPrediction, PredictionModule
 from .rotary import softmax_scale_correction
 
 ARCH = "deepseek_v3"
@@ -51,6 +55,9 @@ def check_choices(config: Any) -> None:
         raise ValueError(f"q_lora_rank must be >= 1, or None for one query projection; got {config.q_lora_rank}")
     if config.qk_rope_head_dim % 2:
         raise ValueError(f"RoPE rotates channel pairs: qk_rope_head_dim ({config.qk_rope_head_dim}) must be even")
+    if config.mtp_depth < 0 or (config.mtp_depth and config.mtp_weight <= 0):
+        raise ValueError(f"mtp_depth must be >= 0 and mtp_weight > 0 with it, got {config.mtp_depth} and "
+                         f"{config.mtp_weight}")
     if not 0 <= config.first_k_dense_replace <= config.n_layer:
         raise ValueError(f"first_k_dense_replace must be between 0 and n_layer ({config.n_layer}), "
                          f"got {config.first_k_dense_replace}")
@@ -82,7 +89,20 @@ def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     shapes["transformer.ln_f.weight"] = (c,)
     if not config.tied:
         shapes["lm_head.weight"] = (config.vocab_size, c)
+    for k in range(config.mtp_depth):
+        module = mtp_prefix(k)
+        shapes |= {f"{module}.enorm.weight": (c,), f"{module}.hnorm.weight": (c,),
+                   f"{module}.eh_proj.weight": (2 * c, c), f"{module}.ln_1.weight": (c,)}
+        shapes |= _attention_shapes(config, f"{module}.attn")
+        shapes[f"{module}.ln_2.weight"] = (c,)
+        shapes |= _feed_forward_shapes(config, config.n_layer, f"{module}.mlp")
+        shapes[f"{module}.shared_head.norm.weight"] = (c,)
     return shapes
+
+
+def mtp_prefix(k: int) -> str:
+    """Our name prefix of multi-token-prediction module k (0-based: it predicts k + 2 tokens ahead)."""
+    return f"transformer.mtp.{k}"
 
 
 def _attention_shapes(config: Any, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -150,15 +170,31 @@ class DeepSeekV3Blocks:
     `_enter_attention` (identity in the serial model; the tensor-parallel model enters its group there once
     for the whole attention, whose up-projections hold this rank's heads and whose o_proj is row-parallel)."""
 
-    def _deepseek_block(self, i: int) -> Block:
-        prefix, config = f"transformer.h.{i}", self.config
+    def _deepseek_block(self, i: int, prefix: str | None = None) -> Block:
+        """Block i (`prefix` names its parameters: transformer.h.{i} by default, an MTP module's otherwise; the
+        MTP modules' MoE chooses with no selection bias and adds no balance loss)."""
+        config, main = self.config, prefix is None
+        prefix = prefix or f"transformer.h.{i}"
         attention = self._enter_attention(self._latent_attention(f"{prefix}.attn"))
         if config.is_moe_layer(i):
-            block, mlp = MoEBlock, self._deepseek_moe(i)
+            block, mlp = MoEBlock, self._deepseek_moe(i, f"{prefix}.mlp", balanced=main)
         else:
             block, mlp = Block, self._mlp(f"{prefix}.mlp")
         return block(self._norm(f"{prefix}.ln_1"), attention, self._norm(f"{prefix}.ln_2"), mlp,
                      recompute_full=self.recompute == "full")
+
+    def _output_head(self) -> Any:
+        """The head unit: the final norm, the head and its cross-entropy, and the MTP modules when mtp_depth > 0."""
+        head = LMHead(self._norm("transformer.ln_f"), self._cross_entropy())
+        config = self.config
+        if not config.is_deepseek or not config.mtp_depth:
+            return head
+        modules = [PredictionModule(self._norm(f"{mtp_prefix(k)}.enorm"), self._norm(f"{mtp_prefix(k)}.hnorm"),
+                                    self._plain_linear(f"{mtp_prefix(k)}.eh_proj"),
+                                    self._deepseek_block(config.n_layer, mtp_prefix(k)),
+                                    self._norm(f"{mtp_prefix(k)}.shared_head.norm"), self._cross_entropy())
+                   for k in range(config.mtp_depth)]
+        return MultiTokenPrediction(head, modules, self._embedding(), config.mtp_weight)
 
     def _enter_attention(self, attention: Any) -> Any:
         return attention
@@ -193,13 +229,13 @@ class DeepSeekV3Blocks:
         """A bias-free linear of this rank's weight as it is held (whole, or its heads' columns under TP)."""
         return self._narrowed(Linear(self.params[f"{prefix}.weight"]))
 
-    def _deepseek_moe(self, i: int) -> DeepSeekMoE:
-        config, prefix = self.config, f"transformer.h.{i}.mlp"
+    def _deepseek_moe(self, i: int, prefix: str, balanced: bool = True) -> DeepSeekMoE:
+        config = self.config
         router = SigmoidRouter(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.n_group,
                                config.topk_group, config.moe_renormalize, config.routed_scaling_factor,
-                               config.moe_capacity_factor, config.moe_seq_aux_coef,
+                               config.moe_capacity_factor, config.moe_seq_aux_coef if balanced else 0.0,
                                aux_weight=1.0 / self.moe_token_sets,
-                               expert_bias=self.expert_biases[expert_bias_name(i)])
+                               expert_bias=self.expert_biases[expert_bias_name(i)] if balanced else None)
         routed = MixtureOfExperts(router, [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()],
                                   self.ep_comm)
         shared = self._expert(f"{prefix}.shared_experts") if config.n_shared_experts else None

@@ -242,34 +242,54 @@ def _mixtral_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 # -- DeepSeek-V3 -----------------------------------------------------------------------------------------------
 
-DEEPSEEK_KEYS = ("moe_capacity_factor", "moe_bias_rate", "moe_seq_aux_coef")
-"""Our config.json keys of a DeepSeek-V3 model beyond transformers' (its MoE shape has transformers' names)."""
+DEEPSEEK_KEYS = ("moe_capacity_factor", "moe_bias_rate", "moe_seq_aux_coef", "mtp_depth", "mtp_weight")
+"""Our config.json keys of a DeepSeek-V3 model beyond transformers' (its MoE shape has transformers' names).
+`mtp_depth` is ours too: transformers writes num_nextn_predict_layers = 1 for models without MTP weights, so a
+checkpoint from elsewhere loads its main model only (its MTP layers, if any, are left unread)."""
 
 _DEEPSEEK_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 _DEEPSEEK_NORMS = ("q_a_layernorm", "kv_a_layernorm")
 
 
 def _deepseek_name_map(config: Any) -> list[tuple[str, str, bool]]:
+    """Every block, then the final norm and head, then the MTP modules as DeepSeek's checkpoint stores them:
+    layer n_layer + k, with its own copies of the embedding and the head (written on save; on load the shared
+    ones are read)."""
     names = [("transformer.wte.weight", "model.embed_tokens.weight", False)]
     for i in range(config.n_layer):
-        ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
-        names.append((ours + "ln_1.weight", theirs + "input_layernorm.weight", False))
-        names += [(f"{ours}attn.{part}.weight", f"{theirs}self_attn.{part}.weight", True)
-                  for part in _DEEPSEEK_ATTENTION]
-        names += [(f"{ours}attn.{part}.weight", f"{theirs}self_attn.{part}.weight", False) for part in _DEEPSEEK_NORMS]
-        names.append((ours + "ln_2.weight", theirs + "post_attention_layernorm.weight", False))
-        if config.is_moe_layer(i):
-            names.append((ours + "mlp.router.weight", theirs + "mlp.gate.weight", True))
-            names.append((ours + "mlp.router.expert_bias", theirs + "mlp.gate.e_score_correction_bias", False))
-            mlps = [f"mlp.experts.{e}" for e in range(config.n_experts)] + ["mlp.shared_experts"]
-        else:
-            mlps = ["mlp"]
-        names += [(f"{ours}{mlp}.{part}.weight", f"{theirs}{mlp}.{part}.weight", True)
-                  for mlp in mlps for part, _ in _MLP_NAMES]
+        names += _deepseek_block_names(config, i, f"transformer.h.{i}.", f"model.layers.{i}.")
     names.append(("transformer.ln_f.weight", "model.norm.weight", False))
+    head = "transformer.wte.weight" if config.tied else "lm_head.weight"
     if not config.tied:
         names.append(("lm_head.weight", "lm_head.weight", False))
+    for k in range(config.mtp_depth):
+        ours, theirs = f"transformer.mtp.{k}.", f"model.layers.{config.n_layer + k}."
+        names += [(ours + "enorm.weight", theirs + "enorm.weight", False),
+                  (ours + "hnorm.weight", theirs + "hnorm.weight", False),
+                  (ours + "eh_proj.weight", theirs + "eh_proj.weight", True)]
+        names += _deepseek_block_names(config, config.n_layer, ours, theirs, bias=False)
+        names += [(ours + "shared_head.norm.weight", theirs + "shared_head.norm.weight", False),
+                  ("transformer.wte.weight", theirs + "embed_tokens.weight", False),
+                  (head, theirs + "shared_head.head.weight", False)]
     return names
+
+
+def _deepseek_block_names(config: Any, layer: int, ours: str, theirs: str,
+                          bias: bool = True) -> list[tuple[str, str, bool]]:
+    """One block's names (a MoE block when `layer` has experts; its selection bias unless `bias` is False)."""
+    names = [(ours + "ln_1.weight", theirs + "input_layernorm.weight", False)]
+    names += [(f"{ours}attn.{part}.weight", f"{theirs}self_attn.{part}.weight", True) for part in _DEEPSEEK_ATTENTION]
+    names += [(f"{ours}attn.{part}.weight", f"{theirs}self_attn.{part}.weight", False) for part in _DEEPSEEK_NORMS]
+    names.append((ours + "ln_2.weight", theirs + "post_attention_layernorm.weight", False))
+    if config.is_moe_layer(layer):
+        names.append((ours + "mlp.router.weight", theirs + "mlp.gate.weight", True))
+        if bias:
+            names.append((ours + "mlp.router.expert_bias", theirs + "mlp.gate.e_score_correction_bias", False))
+        mlps = [f"mlp.experts.{e}" for e in range(config.n_experts)] + ["mlp.shared_experts"]
+    else:
+        mlps = ["mlp"]
+    return names + [(f"{ours}{mlp}.{part}.weight", f"{theirs}{mlp}.{part}.weight", True)
+                    for mlp in mlps for part, _ in _MLP_NAMES]
 
 
 _FUSED_DEEPSEEK = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -327,7 +347,7 @@ def _deepseek_config(config: Any, dtype: np.dtype) -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": config.mtp_depth,
         "use_cache": True,
         "torch_dtype": np.dtype(dtype).name,
     } | {key: getattr(config, key) for key in DEEPSEEK_KEYS}

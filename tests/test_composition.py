@@ -46,10 +46,12 @@ DEEPSEEK = {**DENSE, "arch": "deepseek_v3", "q_lora_rank": 8, "kv_lora_rank": 8,
             "n_group": 2, "topk_group": 1, "first_k_dense": 1, "routed_scaling_factor": 2.0}
 DEEPSEEK_BIAS = {**{key: value for key, value in DEEPSEEK.items() if key != "q_lora_rank"}, "top_k": 2,
                  "n_group": 1, "topk_group": 1, "moe_bias_rate": 0.01}
+# two multi-token-prediction modules, and the sequence-wise balance loss (equal to serial where sequences stay whole)
+DEEPSEEK_MTP = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3, "moe_seq_aux_coef": 0.05}
 MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "llama-mqa": LLAMA_MQA,
-          "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS}
+          "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS, "deepseek-mtp": DEEPSEEK_MTP}
 LLAMA_FAMILY = ("llama", "llama-mqa", "mixtral")
-DEEPSEEK_FAMILY = ("deepseek", "deepseek-bias")
+DEEPSEEK_FAMILY = ("deepseek", "deepseek-bias", "deepseek-mtp")
 TOLERANCE = 1e-9
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -160,6 +162,9 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "deepseek", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "all-gather", "zero": 3, "recompute": "full"}),
     (4, "deepseek-bias", {"dp": 4, "ep": 4, "zero": 3}),
     (4, "deepseek-bias", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2}),
+    (4, "deepseek-mtp", {"dp": 2, "tp": 2, "zero": 1, "recompute": "full"}),
+    (4, "deepseek-mtp", {"dp": 4, "ep": 2, "zero": 3, "recompute": "selective"}),
+    (4, "deepseek-mtp", {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "microbatches": 2}),
 ]
 # pipelines on device arrays: the CuPy double (tests/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)

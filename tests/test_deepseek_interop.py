@@ -127,7 +127,7 @@ def load_into_transformers(torch, transformers, directory, config: GPTConfig):
     saved = safetensors.numpy.load_file(str(directory / "model.safetensors"))
     state = hf_model.state_dict()
     with torch.no_grad():
-        for name in [name for name in saved if ".mlp.gate." in name]:
+        for name in [name for name in saved if ".mlp.gate." in name and name in state]:  # not MTP layers
             state[name].copy_(torch.from_numpy(saved[name]))
     widen_upcasts(torch, hf_model, config)
     return hf_model
@@ -252,3 +252,76 @@ def test_a_deepseek_option_for_another_family_is_one_clear_error():
     result = mpiparallel("train", "--arch", "llama", "--kv-lora-rank", "8", "--steps", "1")
     assert result.returncode != 0 and "--kv-lora-rank set(s) a deepseek_v3 choice" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_multi_token_prediction_trains_as_transformers_mtp_layer_on_its_main_model(tmp_path):
+    """One MTP module (DeepSeek-V3's depth) against an independent reference: transformers' main model with its
+    own `MtpLayer` (the speculative-decoding layer that reads DeepSeek's checkpoint layout) holding our MTP weights,
+    the loss cross-entropy + λ · cross-entropy of the token two ahead, written out here; both train with AdamW."""
+    torch, transformers = hugging_face()
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    config = GPTConfig(**{**vars(CASES["low-rank-query-groups-shared-dense-first"]), "mtp_depth": 1,
+                          "mtp_weight": 0.4})
+    model = randomized(GPT(config, dtype=np.float64))
+    save_pretrained(tmp_path, config, model.state_dict())
+    hf_model = load_into_transformers(torch, transformers, tmp_path, config)
+    mtp = MtpLayer(hf_model.config, deepseek.DeepseekV3DecoderLayer, deepseek.DeepseekV3RMSNorm, config.n_layer,
+                   use_post_norm=True).to(torch.float64).train()
+    import safetensors.numpy
+    written = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    layer = f"model.layers.{config.n_layer}."
+    theirs = {name.removeprefix(layer).replace("shared_head.norm", "post_norm"): value
+              for name, value in written.items() if name.startswith(layer)}
+    theirs = {("mtp_block." + name if name.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "post_norm") else name):
+              value for name, value in theirs.items() if not name.startswith(("embed_tokens", "shared_head.head"))}
+    experts = "mtp_block.mlp.experts"  # transformers' modules hold the routed experts fused
+    per_expert = [name for name in theirs if name.startswith(experts + ".")]
+    theirs[experts + ".gate_up_proj"] = np.stack([np.concatenate((theirs[f"{experts}.{e}.gate_proj.weight"],
+                                                                 theirs[f"{experts}.{e}.up_proj.weight"]))
+                                                 for e in range(config.n_experts)])
+    theirs[experts + ".down_proj"] = np.stack([theirs[f"{experts}.{e}.down_proj.weight"]
+                                              for e in range(config.n_experts)])
+    for name in per_expert:
+        del theirs[name]
+    missing, unexpected = mtp.load_state_dict({name: torch.from_numpy(value) for name, value in theirs.items()},
+                                              strict=False)
+    assert not unexpected and set(missing) == {"mtp_block.mlp.gate.e_score_correction_bias"}  # zero: no bias
+    widen_upcasts(torch, mtp, config)
+    last_hidden = {}
+    hf_model.model.layers[-1].register_forward_hook(lambda module, args, output: last_hidden.update(h=output))
+
+    lr, steps, weight = 3e-3, 3, config.mtp_weight
+    ours = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    theirs_optimizer = torch.optim.AdamW(list(hf_model.parameters()) + list(mtp.parameters()), lr=lr,
+                                         betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    rng = np.random.default_rng(5)
+    for _ in range(steps):
+        window = rng.integers(0, config.vocab_size, size=(2, 17))
+        inputs, targets = window[:, :-1], window[:, 1:]
+        model.zero_grad()
+        loss, saved = model.forward(inputs, targets)
+        model.backward(saved)
+        ours.step()
+        theirs_optimizer.zero_grad()
+        logits = hf_model(torch.from_numpy(inputs)).logits
+        labels = torch.from_numpy(targets)
+        main_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), labels.reshape(-1))
+        n = inputs.shape[1] - 1
+        positions = torch.arange(n)[None]
+        hidden = mtp(hf_model.model.embed_tokens(labels[:, :n]), last_hidden["h"][:, :n],
+                     hf_model.model.rotary_emb(last_hidden["h"], positions), None, positions, None)
+        mtp_logits = hf_model.lm_head(hidden)
+        mtp_loss = torch.nn.functional.cross_entropy(mtp_logits.reshape(-1, config.vocab_size),
+                                                     labels[:, 1:].reshape(-1))
+        (main_loss + weight * mtp_loss).backward()
+        theirs_optimizer.step()
+        assert loss == pytest.approx((main_loss + weight * mtp_loss).item(), rel=1e-9, abs=0)
+
+    np.testing.assert_allclose(model.params["transformer.mtp.0.eh_proj.weight"].data,
+                               mtp.eh_proj.weight.detach().numpy().T, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(model.params["transformer.mtp.0.attn.kv_b_proj.weight"].data,
+                               mtp.mtp_block.self_attn.kv_b_proj.weight.detach().numpy().T, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(model.params["transformer.wte.weight"].data,
+                               hf_model.model.embed_tokens.weight.detach().numpy(), rtol=1e-9, atol=1e-12)

@@ -34,8 +34,8 @@ def test_parameters_follow_transformers_modules_with_dense_first_blocks_and_no_s
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(q_lora_rank=None, rope_interleave=False, moe_renormalize=False),
-                                     dict(moe_seq_aux_coef=0.2)],
-                         ids=["low-rank-query", "one-query-projection", "sequence-balance-loss"])
+                                     dict(moe_seq_aux_coef=0.2), dict(mtp_depth=2, mtp_weight=0.5)],
+                         ids=["low-rank-query", "one-query-projection", "sequence-balance-loss", "mtp"])
 def test_whole_model_gradients_match_finite_differences(changes):
     check_model_gradients(GPT(config(**changes), seed=3, dtype=np.float64))
 

@@ -38,6 +38,7 @@ MESHES = [
     (4, "--arch deepseek_v3 --n-layer 3 --experts 4 --top-k 2 --first-k-dense 1 --q-lora-rank 8 --tp 2 --cp 2 "
         "--cp-attention all-gather --recompute full"),
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --first-k-dense 1 --tp 2 --sp"),
+    (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 2 --tp 2 --recompute full"),  # MTP on the head rank
 ]
 LINE = re.compile(r"^rank (\d+): (.*)$")
 AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, ratio ([\d.]+)|no formula[^)]*)\)")
