@@ -199,6 +199,11 @@ class GPTConfig:
         """Whether the LM head is the token embedding (always for GPT-2; llama only with tie_embeddings)."""
         return not self.is_llama or bool(self.tie_embeddings)
 
+    @property
+    def head_reads_embedding(self) -> bool:
+        """Whether the head unit reads wte too: a tied head, or multi-token prediction's next-token lookups."""
+        return self.tied or bool(self.mtp_depth)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -403,8 +408,7 @@ class GPT(deepseek_v3.DeepSeekV3Blocks):
 
     def units_of(self, name: str) -> tuple[int, ...]:
         """The units that read parameter (or expert bias) `name` (`units_using`)."""
-        # multi-token prediction looks the next tokens up in wte on the head unit too
-        return units_using(name, self.config.n_layer, self.config.tied or bool(self.config.mtp_depth))
+        return units_using(name, self.config.n_layer, self.config.head_reads_embedding)
 
     def _ep_size(self) -> int:
         return 1 if self.ep_comm is None else self.ep_comm.size
