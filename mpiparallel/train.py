@@ -615,7 +615,7 @@ class Trainer:
                                                                hooked=self.pipeline is None,
                                                                comm=mesh.communicators()[axis])
         if self.pipeline is not None:
-            wte = self.model.params.get(TIED_WEIGHT) if config.tied else None  # ZeRO-3 may have freed its data
+            wte = self.model.params.get(TIED_WEIGHT) if config.head_reads_embedding else None  # ZeRO-3 may have freed
             tied = 0 if wte is None else shape.gradient_bytes * math.prod(
                 local_shape(wte.full_shape, wte.placement, {"tp": mesh.shape.tp}))
             predicted["pp"] = traffic.pipeline_bytes(shape, self.pipeline.schedule, mesh.pp.rank, mesh.shape.tp, tied,
@@ -874,15 +874,14 @@ def _check_experts(config: GPTConfig, mesh: Mesh) -> None:
 
 
 def _check_sequence_balance(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:
-    """DeepSeek-V3's sequence-wise balance loss and its multi-token prediction need whole sequences on every rank;
-    MTP also runs on one pipeline stage with the embedding (not split over stages yet)."""
+    """DeepSeek-V3's sequence-wise balance loss and its multi-token prediction need whole sequences on every
+    rank."""
     split = mesh.shape.cp > 1 or (settings.mesh.sp and mesh.shape.tp > 1)
     if config.moe_seq_aux_coef and split:
         raise ConfigError("--moe-seq-aux-coef balances each sequence's routing: it needs whole sequences on every "
                           "rank (no --cp, no --sp)")
-    if config.mtp_depth and (split or mesh.shape.pp > 1):
-        raise ConfigError("--mtp-depth shifts whole sequences by a token per module: it runs without --cp, --sp "
-                          "and --pp")
+    if config.mtp_depth and split:
+        raise ConfigError("--mtp-depth shifts whole sequences by a token per module: it runs without --cp and --sp")
 
 
 def _build_engines(model: GPT, mesh: Mesh, settings: TrainSettings, overlap: bool) -> Any:
@@ -934,7 +933,7 @@ def _place_on_pipeline(model: GPT, schedule: Schedule) -> None:
     """Each stage's parameters are held by its rank alone; a tied token embedding, read by the first stage and
     the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank holds both (an
     untied llama head is the last stage's own)."""
-    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.tied
+    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.head_reads_embedding
     for name, param in model.params.items():
         param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
 
