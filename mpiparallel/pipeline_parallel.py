@@ -111,8 +111,9 @@ def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> MPI
 def sum_tied_gradient(model: GPT, comm: Communicator, first: int, last: int) -> None:
     """The tied token embedding: the first stage's rank (embedding) and the last stage's (LM head) each hold a
     partial gradient; exchange them and add, so both hold the sum (a + b = b + a: bitwise equal on both). An
-    untied head (llama's default) shares nothing: no exchange."""
-    if first == last or comm.rank not in (first, last) or not model.config.tied:
+    untied head (llama's default) shares nothing: no exchange — unless DeepSeek-V3's multi-token prediction reads
+    wte on the last stage too."""
+    if first == last or comm.rank not in (first, last) or not model.config.head_reads_embedding:
         return
     grad = model.params[TIED_WEIGHT].grad
     other = last if comm.rank == first else first

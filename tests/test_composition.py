@@ -165,6 +165,13 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "deepseek-mtp", {"dp": 2, "tp": 2, "zero": 1, "recompute": "full"}),
     (4, "deepseek-mtp", {"dp": 4, "ep": 2, "zero": 3, "recompute": "selective"}),
     (4, "deepseek-mtp", {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "microbatches": 2}),
+    # MTP on the last stage: wte read there too, its gradient summed with the first stage's, every schedule
+    (4, "deepseek-mtp", {"dp": 2, "pp": 2, "schedule": "1f1b", "zero": 2}),
+    (4, "deepseek-mtp", {"pp": 2, "tp": 2, "schedule": "zb", "microbatches": 4, "recompute": "selective"}),
+    (4, "deepseek-mtp", {"dp": 2, "pp": 2, "schedule": "dualpipev", "zero": 3}),
+    (4, "deepseek-mtp", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero": 1}),
+    (4, "deepseek-mtp", {"pp": 2, "dp": 2, "schedule": "gpipe", "microbatches": 4}),
+    (4, "deepseek-mtp", {"pp": 2, "dp": 2, "schedule": "zbv"}),
 ]
 # pipelines on device arrays: the CuPy double (tests/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)
