@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
+from mpi_harness import train_error
 from test_layers import check_model_gradients
+from test_train import mpiparallel
 
 from models.gpt import GPT, GPTConfig, expert_bias_shapes, parameter_shapes
 
@@ -99,9 +104,30 @@ def test_deepseek_v3s_published_config_has_671b_parameters_37b_activated_and_a_1
 
 
 def test_split_sequences_with_the_sequence_balance_loss_are_one_clear_error():
-    from mpi_harness import train_error
-
     message = train_error("--arch", "deepseek_v3", "-n", "2", "--cp", "2", "--cp-attention", "all-gather",
                           "--experts", "4", "--moe-seq-aux-coef", "0.1", "--n-layer", "1", "--n-embd", "16",
                           "--seq-len", "16", "--batch-size", "2", "--steps", "1")
     assert "--moe-seq-aux-coef balances each sequence's routing" in message
+
+
+def test_resuming_on_another_mesh_continues_exactly(tmp_path):
+    """Saved under tensor parallelism (experts, MTP and the moving selection bias included), resumed with expert
+    parallelism and ZeRO-3: the resumed steps' losses equal the uninterrupted run's."""
+    shape = ["--arch", "deepseek_v3", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+             "--batch-size", "4", "--experts", "4", "--top-k", "2", "--first-k-dense", "1", "--mtp-depth", "1",
+             "--moe-bias-rate", "0.01", "--dtype", "float64", "--steps", "4", "--checkpoint-dir",
+             str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    whole = mpiparallel("train", "-n", "2", *shape, "--tp", "2", "--log-json", str(tmp_path / "a.jsonl"))
+    assert whole.returncode == 0, whole.stderr
+    shutil.rmtree(tmp_path / "ck" / "step-00000004")  # resume from step 2
+    resumed = mpiparallel("train", "-n", "2", *shape, "--dp", "2", "--ep", "2", "--zero", "3", "--resume",
+                          "--log-json", str(tmp_path / "b.jsonl"))
+    assert resumed.returncode == 0, resumed.stderr
+
+    def losses(name):
+        return {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+
+    after = losses("b.jsonl")
+    assert sorted(after) == [2, 3]
+    for step, loss in after.items():
+        assert loss == pytest.approx(losses("a.jsonl")[step], rel=1e-9, abs=0)
