@@ -21,13 +21,17 @@ other way: d(k_rope) sums the heads' contributions, like a grouped-query KV head
 
 Attention runs in blocks of `query_block` query rows, each multiplying only the keys it may see (as
 `models.layers.CausalSelfAttention`); `keep_probabilities=False` (selective recomputation) keeps no softmax
-probabilities and recomputes each block's in backward. `forward_incremental` decodes with a cache of the
-normalized latent and the rotated RoPE key — the compressed cache — and expands the keys and values from it.
+probabilities and recomputes each block's in backward. The queries come in spans of consecutive positions
+(`query_spans`: one here, a context-parallel rank's two zigzag chunks there), each block seeing the keys from
+position 0 to its own; the keys are the [latent | RoPE key] rows `gather_keys` returns (this rank's own here;
+`models.latent_context_parallel` gathers them from the CP group). `forward_incremental` decodes with a cache of
+the normalized latent and the rotated RoPE key — the compressed cache — and expands the keys and values from it.
 
 Saved per layer and microbatch (elements; b·s tokens): the query path's (x, and with the low-rank query its
 down output, norm and up input: b·s·(2·r_q + 2)), the KV path's (x, c's norm, up input: b·s·(2r + 2)), the
-scaled rotated queries b·s·H·(d_n + d_r), k_nope and v as views into up_kv's output b·s·H·(d_n + d_v), k_rope
-b·s·d_r, the merged output b·s·H·d_v, and the probabilities (none with selective recomputation).
+scaled rotated queries b·s·H·(d_n + d_r), k_nope and v as views into up_kv's output b·s·H·(d_n + d_v), the
+rotated k_rope b·s·d_r (and the [latent | k_rope] rows, up_kv's input, b·s·(r + d_r)), the merged output
+b·s·H·d_v, and the probabilities (none with selective recomputation).
 
 Same protocol as `models.layers`: forward / backward_input / backward_weights over a caller-held `Saved`, so a
 zero-bubble schedule may run the weight pass late. Communication: none (the tensor-parallel model splits the
