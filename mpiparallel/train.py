@@ -597,7 +597,8 @@ class Trainer:
             n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp,
             dense_blocks=sum(not config.is_moe_layer(unit - 1) for unit in local - {0, config.n_layer + 1}),
             latent_width=config.kv_lora_rank + config.qk_rope_head_dim if config.is_deepseek else 0,
-            mtp_depth=config.mtp_depth)
+            mtp_depth=config.mtp_depth, latent_heads_width=config.n_head * (
+                config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) if config.is_deepseek else 0)
         partial = sum(piece.grad.nbytes for piece in self.engine.optimizer_parameters()
                       if isinstance(piece.placement.get("tp"), Partial))
         key_value_group = getattr(self.model, "key_value_group", None)  # KV heads held by several TP ranks
@@ -904,9 +905,9 @@ def _context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextP
     cp, tp, variant = mesh.shape.cp, mesh.shape.tp, settings.mesh.cp_attention
     if cp == 1:
         return None
-    if config.is_deepseek and variant != "all-gather":
-        raise ConfigError(f"deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather "
-                          f"(it gathers the compressed latent), not {variant}")
+    if config.is_deepseek and variant == "ring":
+        raise ConfigError("deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather "
+                          "or ulysses (it gathers the compressed latent), not ring")
     if settings.data.seq_len % (2 * cp):
         raise ConfigError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {2 * cp}")
