@@ -32,7 +32,7 @@ from typing import Any
 
 from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
 from .latent_attention import LatentAttention, LowRankProjection
-from .latent_context_parallel import GatheredLatentAttention
+from .latent_context_parallel import GatheredLatentAttention, UlyssesLatentAttention
 from .layers import Block, Linear, LMHead, RMSNorm
 from .moe import MixtureOfExperts, MoEBlock, expert_bias_name
 from .multi_token import MultiTokenPrediction, PredictionModule
@@ -216,9 +216,11 @@ class DeepSeekV3Blocks:
                     "keep_probabilities": self.recompute != "selective"}
         if self.context is None:
             return LatentAttention(*layers, **settings)
+        if self.context.variant == "ulysses":
+            return UlyssesLatentAttention(*layers, comm=self.context.comm, **settings)
         if self.context.variant != "all-gather":
             raise ValueError(f"deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather "
-                             f"(it gathers the compressed latent), not {self.context.variant}")
+                             f"or ulysses (it gathers the compressed latent), not {self.context.variant}")
         return GatheredLatentAttention(*layers, comm=self.context.comm, **settings)
 
     def _latent_norm(self, prefix: str) -> Any:

@@ -110,6 +110,11 @@ class LatentAttention(Layer):
         """The global positions of the `length` tokens of a forward (0 … length−1)."""
         return np.arange(length)
 
+    def query_positions(self, length: int) -> np.ndarray:
+        """The global positions of the `length` queries attention sees (those of the tokens here; Ulysses sees
+        every position of its heads)."""
+        return self.positions(length)
+
     def query_spans(self, length: int) -> list[tuple[int, int, int]]:
         """(first row, end row, global position of the first row) of each run of consecutive positions among the
         `length` local queries: one run here; a context-parallel rank holds two."""
@@ -131,19 +136,20 @@ class LatentAttention(Layer):
         compressed, kv_down = self.kv_down.forward(x)
         latent, kv_norm = self.kv_norm.forward(compressed[..., :self.latent_dim])
         dtype = q.dtype  # the compute dtype: narrow ones are widened for the math, rounded for what is kept
-        positions, spans = self.positions(x.shape[1]), self.query_spans(x.shape[1])
+        positions, query_positions = self.positions(x.shape[1]), self.query_positions(q.shape[1])
+        spans = self.query_spans(q.shape[1])
         k_rope = self._rotated(widen(compressed[..., self.latent_dim:])[:, None], positions)[:, 0]
         xp = get_array_module(latent)
         keys = self.gather_keys(xp.concatenate((latent, narrow(k_rope, dtype)), axis=-1))
         kv, kv_up = self.kv_up.forward(keys[..., :self.latent_dim])
-        q_nope, q_rope = self._queries(widen(q), positions)
+        q_nope, q_rope = self._queries(widen(q), query_positions)
         k_nope, v = self._keys_values(widen(kv))
         k_rope = widen(keys[..., self.latent_dim:])[:, None]
         merged, probs = self._attend(q_nope, q_rope, k_nope, k_rope, v, spans, keep=self.keep_probabilities)
         out, projection = self.projection.forward(narrow(merged, dtype))
         saved = Saved(query=query, kv_down=kv_down, kv_norm=kv_norm, kv_up=kv_up, projection=projection,
                       q_nope=q_nope, q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, merged=merged, probs=probs,
-                      positions=positions, spans=spans)
+                      positions=positions, query_positions=query_positions, spans=spans)
         narrow_saved(saved, dtype, self.input_pass_only)
         return out, saved
 
@@ -253,7 +259,7 @@ class LatentAttention(Layer):
             dk_rope[..., keys, :] += (dscores.swapaxes(-1, -2) @ q_rope[..., rows, :]).sum(axis=1, keepdims=True)
         dq_nope *= self.softmax_scale
         dq_rope *= self.softmax_scale
-        dq[..., d_n:] = self._rotated_back(dq_rope, saved.positions).transpose(0, 2, 1, 3)
+        dq[..., d_n:] = self._rotated_back(dq_rope, saved.query_positions).transpose(0, 2, 1, 3)
         return (narrow(dq.reshape(batch, length, -1), dtype), narrow(dkv.reshape(batch, keys_length, -1), dtype),
                 narrow(dk_rope[:, 0], dtype))
 

@@ -19,7 +19,8 @@ gradient buckets an engine reduces:
     pp    per microbatch and stage boundary to another rank: S forward, S backward; the tied embedding's
           gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
     cp    per block and microbatch (MLA: all-gather of its compressed [latent | RoPE key], (c−1)/c·bs·(r + d_r)
-          forward, and the reduce-scatter of its gradient, the same backward), K and V of the whole sequence:
+          forward, and the reduce-scatter of its gradient, the same backward; Ulysses adds the all-to-alls of q
+          and the output, (c−1)/c²·bs·H·(d_n + d_r + d_v) each way), K and V of the whole sequence:
           ring 2(c−1)/c·bs·h_kv forward and
           2(2c−1)/c·bs·h_kv backward, all-gather 2(c−1)/c and 4(c−1)/c, with h_kv = n_kv·d channels of this TP
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
@@ -121,6 +122,7 @@ class RunShape:
     dense_blocks: int | None = None  # blocks with a dense MLP among `blocks` (None: all, or none with moe)
     latent_width: int = 0   # MLA (deepseek_v3): r + d_r, the compressed KV row its CP gathers (0: other attention)
     mtp_depth: int = 0      # DeepSeek-V3's multi-token-prediction modules (on the head's rank)
+    latent_heads_width: int = 0  # MLA: n_head·(d_n + d_r + d_v), what Ulysses sends of q and the output per token
 
     @property
     def dense_mlps(self) -> int:
@@ -254,6 +256,8 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
     forwards = 2 if shape.recompute == "full" else 1
     if shape.latent_width:  # MLA: the [latent | RoPE key] rows all-gathered, their gradients reduce-scattered
         forward = backward = (cp - 1) / cp * tokens * shape.latent_width
+        if shape.cp_attention == "ulysses":  # and q and the output by heads: this TP rank's heads
+            forward = backward = forward + (cp - 1) / cp**2 * tokens * shape.latent_heads_width / tp
     elif shape.cp_attention == "ulysses":
         each_way = 2 * (cp - 1) / cp**2 * tokens * (heads + max(kv_heads, cp)) * head_dim
         forward, backward = each_way, each_way

@@ -122,7 +122,8 @@ def test_input_and_weight_passes_apart_equal_the_joint_backward(keep):
         p.zero_grad()
     saved = layer.forward(x)[1]
     dx_apart = layer.backward_input(saved, dout.copy())
-    assert set(vars(saved)) == {"query", "kv_down", "kv_norm", "kv_up", "projection", "positions", "spans"}
+    assert set(vars(saved)) == {"query", "kv_down", "kv_norm", "kv_up", "projection", "positions",
+                                 "query_positions", "spans"}
     layer.backward_weights(saved)
     assert not vars(saved)
     np.testing.assert_array_equal(dx_apart, dx_together)

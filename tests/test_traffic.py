@@ -40,6 +40,7 @@ MESHES = [
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --first-k-dense 1 --tp 2 --sp"),
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 2 --tp 2 --recompute full"),  # MTP on the head rank
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 1 --pp 2"),  # wte's gradient between the end stages
+    (4, "--arch deepseek_v3 --experts 4 --top-k 2 --tp 2 --cp 2 --cp-attention ulysses --recompute full"),
 ]
 LINE = re.compile(r"^rank (\d+): (.*)$")
 AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, ratio ([\d.]+)|no formula[^)]*)\)")
