@@ -15,7 +15,9 @@ import math
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from test_llama_interop import hugging_face
+from test_train import mpiparallel
 
 from models.gpt import GPT, GPTConfig
 from mpiparallel import optim
@@ -123,7 +125,6 @@ def load_into_transformers(torch, transformers, directory, config: GPTConfig):
                                                                    experts_implementation="eager")
     hf_model = hf_model.to(torch.float64).train()
     # transformers keeps the router's weight and bias in float32 on load: put back the file's float64 values
-    import safetensors.numpy
     saved = safetensors.numpy.load_file(str(directory / "model.safetensors"))
     state = hf_model.state_dict()
     with torch.no_grad():
@@ -206,7 +207,6 @@ def test_our_loader_reads_what_transformers_writes_for_a_fresh_model_and_fused_e
         expected = load_into_transformers(torch, transformers, tmp_path, ours)(torch.from_numpy(tokens)).logits.numpy()
     np.testing.assert_allclose(model.logits(tokens), expected, rtol=1e-9, atol=1e-12)
 
-    import safetensors.numpy
     written = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
     experts = "model.layers.1.mlp.experts"
     fused = {key: value for key, value in written.items() if not key.startswith(experts)}
@@ -222,8 +222,6 @@ def test_our_loader_reads_what_transformers_writes_for_a_fresh_model_and_fused_e
 
 def test_a_model_trained_from_scratch_by_the_command_line_loads_in_transformers_and_continues(tmp_path):
     torch, transformers = hugging_face()
-    from test_train import mpiparallel
-
     shape = ["--arch", "deepseek_v3", "--n-layer", "2", "--n-embd", "24", "--n-head", "2", "--seq-len", "16",
              "--batch-size", "2", "--experts", "8", "--top-k", "2", "--n-group", "2", "--topk-group", "1",
              "--first-k-dense", "1", "--q-lora-rank", "8", "--moe-bias-rate", "0.01", "--dtype", "float64"]
@@ -247,8 +245,6 @@ def test_a_model_trained_from_scratch_by_the_command_line_loads_in_transformers_
 
 
 def test_a_deepseek_option_for_another_family_is_one_clear_error():
-    from test_train import mpiparallel
-
     result = mpiparallel("train", "--arch", "llama", "--kv-lora-rank", "8", "--steps", "1")
     assert result.returncode != 0 and "--kv-lora-rank set(s) a deepseek_v3 choice" in result.stderr
     assert "Traceback" not in result.stderr
@@ -269,7 +265,6 @@ def test_multi_token_prediction_trains_as_transformers_mtp_layer_on_its_main_mod
     hf_model = load_into_transformers(torch, transformers, tmp_path, config)
     mtp = MtpLayer(hf_model.config, deepseek.DeepseekV3DecoderLayer, deepseek.DeepseekV3RMSNorm, config.n_layer,
                    use_post_norm=True).to(torch.float64).train()
-    import safetensors.numpy
     written = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
     layer = f"model.layers.{config.n_layer}."
     theirs = {name.removeprefix(layer).replace("shared_head.norm", "post_norm"): value
