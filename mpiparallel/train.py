@@ -905,9 +905,6 @@ def _context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextP
     cp, tp, variant = mesh.shape.cp, mesh.shape.tp, settings.mesh.cp_attention
     if cp == 1:
         return None
-    if config.is_deepseek and variant == "ring":
-        raise ConfigError("deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather "
-                          "or ulysses (it gathers the compressed latent), not ring")
     if settings.data.seq_len % (2 * cp):
         raise ConfigError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {2 * cp}")
