@@ -32,7 +32,7 @@ from typing import Any
 
 from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
 from .latent_attention import LatentAttention, LowRankProjection
-from .latent_context_parallel import GatheredLatentAttention, UlyssesLatentAttention
+from .latent_context_parallel import GatheredLatentAttention, RingLatentAttention, UlyssesLatentAttention
 from .layers import Block, Linear, LMHead, RMSNorm
 from .moe import MixtureOfExperts, MoEBlock, expert_bias_name
 from .multi_token import MultiTokenPrediction, PredictionModule
@@ -216,12 +216,9 @@ class DeepSeekV3Blocks:
                     "keep_probabilities": self.recompute != "selective"}
         if self.context is None:
             return LatentAttention(*layers, **settings)
-        if self.context.variant == "ulysses":
-            return UlyssesLatentAttention(*layers, comm=self.context.comm, **settings)
-        if self.context.variant != "all-gather":
-            raise ValueError(f"deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather "
-                             f"or ulysses (it gathers the compressed latent), not {self.context.variant}")
-        return GatheredLatentAttention(*layers, comm=self.context.comm, **settings)
+        variant = {"ring": RingLatentAttention, "all-gather": GatheredLatentAttention,
+                   "ulysses": UlyssesLatentAttention}[self.context.variant]
+        return variant(*layers, comm=self.context.comm, **settings)
 
     def _latent_norm(self, prefix: str) -> Any:
         """The RMSNorm of a compressed query or KV latent (eps `LATENT_NORM_EPS`; statistics kept wide)."""

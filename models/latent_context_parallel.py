@@ -1,4 +1,4 @@
-"""Context parallelism (CP) for multi-head latent attention: all-gather and Ulysses, both moving the compressed latent.
+"""Context parallelism (CP) for multi-head latent attention: ring, all-gather and Ulysses, moving the compressed latent.
 
 A CP rank holds two zigzag chunks of every sequence (`models.context_parallel`: chunks r and 2·cp−1−r of 2·cp, c
 tokens each). Its queries must see the keys and values of every earlier position. MLA's keys and values are
@@ -33,7 +33,14 @@ query blocks, selective recomputation) and sends the output back by sequence (th
     backward   the same three, reversed (the latent's a reduce-scatter)
 
 Queries and values travel at their own widths (d_n + d_r against d_v); keys never travel. Needs H (this rank's
-heads) divisible by cp. Ring attention is not implemented for MLA (one clear error).
+heads) divisible by cp.
+
+Ring (`RingLatentAttention`) passes the same [latent | RoPE key] blocks around the CP ring instead of gathering
+them (`models.context_parallel.RingAttention`'s schedule, its online softmax and causal chunk pairs): each rank
+expands the block in hand to its heads' keys and values, attends, and lets it go, so no rank holds more than one
+block's keys at a time; backward passes the blocks around again with their rows' gradients (float32 or wider):
+
+    forward    (cp−1)/cp·b·s·(r + d_r)           backward   (cp−1)/cp·b·s·(r + d_r) + b·s·(r + d_r) gradients
 """
 
 from __future__ import annotations
@@ -43,10 +50,16 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
-from collectives.backend import Array
+from collectives.backend import Array, get_array_module
 
 from .context_parallel import (
+    KEY_VALUE_GRADIENT_TAG,
     HeadsToSequence,
+    OnlineSoftmax,
+    OnlineSoftmaxBackward,
+    RingAttention,
+    _chunk,
+    causal_chunk_pairs,
     gather_keys_values,
     gather_keys_values_backward,
     heads_to_sequence,
@@ -57,8 +70,8 @@ from .context_parallel import (
     zigzag_unsplit,
 )
 from .latent_attention import LatentAttention
-from .layers import Layer, Saved
-from .precision import Narrowed
+from .layers import Layer, Saved, row_sums
+from .precision import Narrowed, narrow, narrow_saved, widen, widen_saved
 
 
 class GatheredLatentAttention(LatentAttention):
@@ -153,3 +166,121 @@ class UlyssesLatentAttention(GatheredLatentAttention):
 
     def query_spans(self, length: int) -> list[tuple[int, int, int]]:
         return [(0, length, 0)]
+
+
+class RingLatentAttention(LatentAttention):
+    """MLA with ring attention over the CP group `comm`: the compressed [latent | RoPE key] blocks travel around
+    the ring (`models.context_parallel.RingAttention`'s schedule), and each rank expands every block it holds to
+    keys and values with kv_b_proj, attends its two chunks to it (the online softmax, the causal chunk pairs) and
+    lets it go; backward passes the blocks around again with the gradients of their rows. Per rank and layer
+    (elements): forward (cp−1)·b·(s/cp)·(r + d_r), backward (2cp−1)·b·(s/cp)·(r + d_r). Each rank runs kv_b_proj
+    over all s positions (as the all-gather variant does), but holds only one block of them at a time; its
+    weight gradient is accumulated during the input pass (a small r × H·(d_n + d_v) buffer, added in the weight
+    pass). `kv_up` must be a bias-free `Linear` (optionally `Narrowed`)."""
+
+    input_pass_only = ("q", "keys", "merged", "log_sum_exp")
+
+    def __init__(self, *args: Any, comm: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.comm = Communicator.of(comm)
+        self.chunks = zigzag_chunks(self.comm.rank, self.comm.size)
+        self.ring = RingAttention(None, None, self.n_head, self.comm)  # its schedule of blocks around the ring
+
+    def positions(self, length: int) -> np.ndarray:
+        return zigzag_positions(length * self.comm.size, self.comm.rank, self.comm.size)
+
+    def _expanded(self, block: Array) -> tuple[Array, Array]:
+        """Keys (B, H, 1, t, d_n + d_r) — k_nope per head beside the shared k_rope — and values (B, H, 1, t, d_v)
+        of a [latent | RoPE key] block, shaped as `OnlineSoftmax` reads them (one query head per key head)."""
+        xp = get_array_module(block)
+        kv = block[..., :self.latent_dim] @ widen(self.kv_up.weight.data)
+        k_nope, v = self._keys_values(kv)
+        k_rope = xp.broadcast_to(block[:, None, :, self.latent_dim:], (*k_nope.shape[:3], self.rope_dim))
+        return xp.concatenate((k_nope, k_rope), axis=-1)[:, :, None], v[:, :, None]
+
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        q, query = self.query.forward(x)
+        if q.shape[1] % 2:
+            raise ValueError(f"context-parallel attention takes this rank's two zigzag chunks: local length "
+                             f"{q.shape[1]} must be even (the sequence length divisible by 2·cp)")
+        compressed, kv_down = self.kv_down.forward(x)
+        latent, kv_norm = self.kv_norm.forward(compressed[..., :self.latent_dim])
+        dtype, xp = q.dtype, get_array_module(q)
+        positions = self.positions(x.shape[1])
+        k_rope = self._rotated(widen(compressed[..., self.latent_dim:])[:, None], positions)[:, 0]
+        keys = narrow(xp.concatenate((widen(latent), k_rope), axis=-1), dtype)  # the block that travels
+        q = xp.concatenate(self._queries(widen(q), positions), axis=-1)[:, :, None]  # (B, H, 1, 2c, d_n + d_r)
+        merged = xp.empty((*q.shape[:-1], self.value_dim), dtype=q.dtype)
+        attention = OnlineSoftmax(q, merged)
+        for source, block in self.ring._around_ring(keys):
+            block_keys, block_values = self._expanded(widen(block))
+            for query_chunk, key_chunk, diagonal in causal_chunk_pairs(self.chunks, zigzag_chunks(source,
+                                                                                                   self.comm.size)):
+                attention.add(query_chunk, _chunk(block_keys, key_chunk), _chunk(block_values, key_chunk), diagonal)
+        log_sum_exp = attention.finish()
+        merged = merged[:, :, 0].transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)
+        out, projection = self.projection.forward(narrow(merged, dtype))
+        saved = Saved(query=query, kv_down=kv_down, kv_norm=kv_norm, projection=projection, q=q, keys=keys,
+                      merged=merged, log_sum_exp=log_sum_exp, positions=positions)
+        narrow_saved(saved, dtype, ("q", "merged"))  # the log-sum-exp is a statistic: float32
+        return out, saved
+
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        dmerged = self.projection.backward_input(saved.projection, dout)
+        xp, dtype = get_array_module(dmerged), dmerged.dtype
+        widen_saved(saved, ("q", "merged"))
+        q, d_n, d_v = saved.q, self.nope_dim, self.value_dim
+        batch, heads, _, length, _ = q.shape
+        dheads = widen(dmerged).reshape(batch, length, heads, d_v).transpose(0, 2, 1, 3)[:, :, None]
+        merged = saved.merged.reshape(batch, length, heads, d_v).transpose(0, 2, 1, 3)[:, :, None]
+        dq = xp.zeros_like(q)
+        gradients = OnlineSoftmaxBackward(q, saved.log_sum_exp, dheads, row_sums(dheads * merged), dq)
+        weight = widen(self.kv_up.weight.data)
+        saved.dweight = xp.zeros_like(weight)
+        dkeys_own = xp.zeros(saved.keys.shape, weight.dtype)
+        for source, block, dblock in self._blocks_backward(saved.keys, dkeys_own):
+            block = widen(block)
+            block_keys, block_values = self._expanded(block)
+            dblock_keys, dblock_values = xp.zeros_like(block_keys), xp.zeros_like(block_values)
+            for query_chunk, key_chunk, diagonal in causal_chunk_pairs(self.chunks, zigzag_chunks(source,
+                                                                                                   self.comm.size)):
+                gradients.add(query_chunk, _chunk(block_keys, key_chunk), _chunk(block_values, key_chunk),
+                              _chunk(dblock_keys, key_chunk), _chunk(dblock_values, key_chunk), diagonal)
+            dkv = xp.concatenate((dblock_keys[:, :, 0, :, :d_n], dblock_values[:, :, 0]), axis=-1)
+            dkv = dkv.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # up_kv's output layout
+            latent_rows = block[..., :self.latent_dim].reshape(-1, self.latent_dim)
+            saved.dweight += latent_rows.T @ dkv.reshape(-1, dkv.shape[-1])
+            dblock[..., :self.latent_dim] += dkv @ weight.T
+            dblock[..., self.latent_dim:] += dblock_keys[:, :, 0, :, d_n:].sum(axis=1)
+        dq = dq[:, :, 0] * self.softmax_scale
+        dq_rope = self._rotated_back(xp.ascontiguousarray(dq[..., d_n:]), saved.positions)
+        dq = xp.concatenate((dq[..., :d_n], dq_rope), axis=-1).transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        dk_rope = self._rotated_back(dkeys_own[:, None, :, self.latent_dim:], saved.positions)[:, 0]
+        for name in self.input_pass_only:
+            delattr(saved, name)
+        dlatent = self.kv_norm.backward_input(saved.kv_norm, narrow(dkeys_own[..., :self.latent_dim], dtype))
+        dcompressed = xp.concatenate((dlatent, narrow(dk_rope, dtype).astype(dlatent.dtype, copy=False)), axis=-1)
+        dx = self.kv_down.backward_input(saved.kv_down, dcompressed)
+        dx += self.query.backward_input(saved.query, narrow(dq, dtype))
+        return dx
+
+    def _blocks_backward(self, keys: Array, dkeys: Array) -> Any:
+        """The ring's backward schedule: every block with the gradient of its rows that travels with it."""
+        xp = get_array_module(dkeys)
+        comm = self.comm
+        dblock = xp.zeros_like(dkeys)
+        for source, block in self.ring._around_ring(keys):
+            yield source, block, dblock
+            if comm.size > 1:
+                dblock = comm.sendrecv(dblock, (comm.rank + 1) % comm.size, xp.empty_like(dblock),
+                                       (comm.rank - 1) % comm.size, KEY_VALUE_GRADIENT_TAG)
+        dkeys[...] = dblock
+
+    def backward_weights(self, saved: Saved) -> None:
+        self.projection.backward_weights(saved.projection)
+        weight = self.kv_up.weight
+        weight.grad += saved.dweight.astype(weight.grad.dtype, copy=False)
+        self.kv_norm.backward_weights(saved.kv_norm)
+        self.kv_down.backward_weights(saved.kv_down)
+        self.query.backward_weights(saved.query)
+        saved.clear()

@@ -20,7 +20,8 @@ gradient buckets an engine reduces:
           gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
     cp    per block and microbatch (MLA: all-gather of its compressed [latent | RoPE key], (c−1)/c·bs·(r + d_r)
           forward, and the reduce-scatter of its gradient, the same backward; Ulysses adds the all-to-alls of q
-          and the output, (c−1)/c²·bs·H·(d_n + d_r + d_v) each way), K and V of the whole sequence:
+          and the output, (c−1)/c²·bs·H·(d_n + d_r + d_v) each way; ring sends the same blocks forward and
+          backward, plus c hops of their float32-or-wider gradients, bs·(r + d_r)), K and V of the whole sequence:
           ring 2(c−1)/c·bs·h_kv forward and
           2(2c−1)/c·bs·h_kv backward, all-gather 2(c−1)/c and 4(c−1)/c, with h_kv = n_kv·d channels of this TP
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
@@ -258,6 +259,8 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
         forward = backward = (cp - 1) / cp * tokens * shape.latent_width
         if shape.cp_attention == "ulysses":  # and q and the output by heads: this TP rank's heads
             forward = backward = forward + (cp - 1) / cp**2 * tokens * shape.latent_heads_width / tp
+        elif shape.cp_attention == "ring":  # backward: the blocks again, and cp hops of their gradients (widened)
+            backward = forward + shape.rows * shape.seq_len * shape.latent_width * shape.statistics_bytes
     elif shape.cp_attention == "ulysses":
         each_way = 2 * (cp - 1) / cp**2 * tokens * (heads + max(kv_heads, cp)) * head_dim
         forward, backward = each_way, each_way

@@ -144,8 +144,8 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "mixtral", {"dp": 2, "ep": 2, "tp": 2, "sp": True}),
     (4, "mixtral", {"dp": 2, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 1}),
     (4, "mixtral", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ring"}),
-    # DeepSeek-V3: every pair of axes; its context parallelism gathers the compressed latent (all-gather, and
-    # Ulysses, which sends q and the output by heads besides)
+    # DeepSeek-V3: every pair of axes; its context parallelism moves the compressed latent in every variant (ring:
+    # around the ring; all-gather; Ulysses, which sends q and the output by heads besides)
     (2, "deepseek", {"dp": 2, "zero": 3, "recompute": "full"}),
     (2, "deepseek", {"tp": 2, "sp": True, "recompute": "selective"}),
     (2, "deepseek-bias", {"tp": 2}),
@@ -166,6 +166,12 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "deepseek", {"dp": 2, "cp": 2, "cp_attention": "ulysses", "zero": 3}),
     (4, "deepseek", {"pp": 2, "cp": 2, "cp_attention": "ulysses", "schedule": "zbv"}),
     (4, "deepseek-bias", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ulysses", "zero": 2, "recompute": "selective"}),
+    (2, "deepseek", {"cp": 2, "cp_attention": "ring", "recompute": "full", "zero": 2}),
+    (4, "deepseek", {"cp": 4, "cp_attention": "ring", "recompute": "selective"}),
+    (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "ring", "sp": True}),
+    (4, "deepseek", {"pp": 2, "cp": 2, "cp_attention": "ring", "schedule": "1f1b"}),
+    (4, "deepseek-bias", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ring", "zero": 3}),
+    (4, "deepseek", {"cp": 4, "cp_attention": "ulysses"}),
     (4, "deepseek-bias", {"dp": 4, "ep": 4, "zero": 3}),
     (4, "deepseek-bias", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2}),
     (4, "deepseek-mtp", {"dp": 2, "tp": 2, "zero": 1, "recompute": "full"}),
@@ -332,13 +338,10 @@ REFUSED = [  # (arguments, what the one error must say): what the axes' arithmet
       "--n-head", "2", "--n-embd", "16"], "n_head (2) must be divisible by 4"),
     (["-n", "4", "--pp", "2", "--seq-len", "16", "--experts", "4", "--ep", "4"],
      "--ep 4 must divide the data-parallel size 2"),
-    (["-n", "2", "--cp", "2", "--seq-len", "16", "--arch", "deepseek_v3", "--cp-attention", "ring"],
-     "deepseek_v3's latent attention runs context-parallel with --cp-attention all-gather or ulysses"),
 ]
 
 
-@pytest.mark.parametrize("args, message", REFUSED, ids=["sp-cp-tokens", "ulysses-heads-with-pp", "ep-over-pp-dp",
-                                                        "deepseek-ring"])
+@pytest.mark.parametrize("args, message", REFUSED, ids=["sp-cp-tokens", "ulysses-heads-with-pp", "ep-over-pp-dp"])
 def test_combinations_the_arithmetic_rules_out_get_one_clear_error(args, message):
     assert message in train_error(*TINY, *args)
 

@@ -41,6 +41,7 @@ MESHES = [
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 2 --tp 2 --recompute full"),  # MTP on the head rank
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 1 --pp 2"),  # wte's gradient between the end stages
     (4, "--arch deepseek_v3 --experts 4 --top-k 2 --tp 2 --cp 2 --cp-attention ulysses --recompute full"),
+    (4, "--arch deepseek_v3 --cp 4 --cp-attention ring"),
 ]
 LINE = re.compile(r"^rank (\d+): (.*)$")
 AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, ratio ([\d.]+)|no formula[^)]*)\)")
