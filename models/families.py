@@ -1,4 +1,4 @@
-"""Model families as data: Hugging Face's Llama and Mixtral configs and tensor names, both ways.
+"""Model families as data: Hugging Face's Llama, Mixtral and DeepSeek-V3 configs and tensor names, both ways.
 
 A family is not a second model class (see `models.transformer.GPTConfig`): the transformer is built from named choices,
 and this module holds what makes a Llama or Mixtral checkpoint ours and ours theirs:
@@ -21,6 +21,15 @@ Our linears keep GPT-2's [in, out] layout (y = x @ W), so every llama matrix is 
 nn.Linear's [out, in]. Reading also accepts the fused expert tensors transformers 5 writes
 (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2F, C], `mlp.experts.down_proj` [E, C, F]).
 
+DeepSeek-V3 (`DeepseekV3ForCausalLM`; our names in `models.deepseek_v3`): input_layernorm, self_attn.q_a_proj,
+q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj,
+post_attention_layernorm; dense blocks mlp.gate_proj/up_proj/down_proj; MoE blocks mlp.gate.weight [E, C]
+(our router [C, E], ᵀ), mlp.gate.e_score_correction_bias [E] (our expert_bias), mlp.shared_experts.*, and the
+routed experts as transformers 5 writes them to disk: per expert, mlp.experts.{e}.gate_proj/up_proj/down_proj
+(DeepSeek's own checkpoint layout; transformers fuses them only in memory, and its save_pretrained writes them
+back apart — measured with 5.24). Reading also accepts the fused tensors of its in-memory layout,
+mlp.experts.gate_up_proj [E, 2F, C] (each expert's gate rows, then its up rows) and mlp.experts.down_proj [E, C, F].
+
 Configs: transformers 4 writes `rope_theta` and `rope_scaling`, transformers 5 `rope_parameters`; both are read,
 and both are written so either version loads what we save. No communication.
 """
@@ -36,7 +45,7 @@ import numpy as np
 
 from .rotary import rope_type
 
-LLAMA_TYPES = ("llama", "mixtral")
+LLAMA_TYPES = ("llama", "mixtral", "deepseek_v3")
 MOE_KEYS = ("n_experts", "moe_top_k", "moe_renormalize", "moe_aux_coef", "moe_capacity_factor", "moe_bias_rate")
 """Our config.json keys of a mixture-of-experts model (GPT-2 and Mixtral alike)."""
 
@@ -54,7 +63,9 @@ _EXPERT_NAMES = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 
 def name_map(config: Any) -> list[tuple[str, str, bool]]:
     """(our name, Hugging Face's name, transposed) for every tensor of a llama-family model, expert biases
-    included, in our checkpoint order."""
+    included, in our checkpoint order (DeepSeek-V3's experts by their per-expert names)."""
+    if config.is_deepseek:
+        return _deepseek_name_map(config)
     names = [("transformer.wte.weight", "model.embed_tokens.weight", False)]
     for i in range(config.n_layer):
         ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
@@ -82,7 +93,7 @@ def to_hugging_face(config: Any, tensors: Mapping[str, Any]) -> dict[str, Any]:
 def from_hugging_face(config: Any, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Hugging Face's tensors as ours (names, [in, out] layouts). Tensors it lacks are left out (the caller
     reports what is missing); an absent expert bias is zero (a checkpoint from elsewhere has none)."""
-    tensors = _unfused_experts(dict(tensors))
+    tensors = _unfused_deepseek_experts(dict(tensors)) if config.is_deepseek else _unfused_experts(dict(tensors))
     ours = {}
     for name, theirs, transposed in name_map(config):
         if theirs in tensors:
@@ -118,7 +129,10 @@ def _unfused_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def hugging_face_config(config: Any, dtype: np.dtype) -> dict[str, Any]:
-    """config.json for LlamaForCausalLM, or MixtralForCausalLM when the model has experts."""
+    """config.json for LlamaForCausalLM, MixtralForCausalLM when the model has experts, or
+    DeepseekV3ForCausalLM."""
+    if config.is_deepseek:
+        return _deepseek_config(config, dtype)
     mixtral = bool(config.n_experts)
     rope = {"rope_type": "default"} if not config.rope_scaling else dict(config.rope_scaling)
     fields = {
@@ -161,6 +175,8 @@ def config_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type")
     if model_type not in LLAMA_TYPES:
         raise ValueError(f"model_type {model_type!r} is not a llama-family model ({', '.join(LLAMA_TYPES)})")
+    if model_type == "deepseek_v3":
+        return _deepseek_fields(raw)
     shape = {name: _integer(raw, key) for name, key in (
         ("vocab_size", "vocab_size"), ("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
         ("n_head", "num_attention_heads"), ("ffn_hidden", "intermediate_size"))}
@@ -222,3 +238,153 @@ def _mixtral_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
     fields = {"n_experts": _integer(raw, "num_local_experts", 8), "moe_top_k": _integer(raw, "num_experts_per_tok", 2),
               "moe_aux_coef": hf_aux}
     return fields | {key: raw[key] for key in MOE_KEYS if key in raw}
+
+
+# -- DeepSeek-V3 -----------------------------------------------------------------------------------------------
+
+DEEPSEEK_KEYS = ("moe_capacity_factor", "moe_bias_rate", "moe_seq_aux_coef", "mtp_depth", "mtp_weight")
+"""Our config.json keys of a DeepSeek-V3 model beyond transformers' (its MoE shape has transformers' names).
+`mtp_depth` is ours too: transformers writes num_nextn_predict_layers = 1 for models without MTP weights, so a
+checkpoint from elsewhere loads its main model only (its MTP layers, if any, are left unread)."""
+
+_DEEPSEEK_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_DEEPSEEK_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+
+
+def _deepseek_name_map(config: Any) -> list[tuple[str, str, bool]]:
+    """Every block, then the final norm and head, then the MTP modules as DeepSeek's checkpoint stores them:
+    layer n_layer + k, with its own copies of the embedding and the head (written on save; on load the shared
+    ones are read)."""
+    names = [("transformer.wte.weight", "model.embed_tokens.weight", False)]
+    for i in range(config.n_layer):
+        names += _deepseek_block_names(config, i, f"transformer.h.{i}.", f"model.layers.{i}.")
+    names.append(("transformer.ln_f.weight", "model.norm.weight", False))
+    head = "transformer.wte.weight" if config.tied else "lm_head.weight"
+    if not config.tied:
+        names.append(("lm_head.weight", "lm_head.weight", False))
+    for k in range(config.mtp_depth):
+        ours, theirs = f"transformer.mtp.{k}.", f"model.layers.{config.n_layer + k}."
+        names += [(ours + "enorm.weight", theirs + "enorm.weight", False),
+                  (ours + "hnorm.weight", theirs + "hnorm.weight", False),
+                  (ours + "eh_proj.weight", theirs + "eh_proj.weight", True)]
+        names += _deepseek_block_names(config, config.n_layer, ours, theirs, bias=False)
+        names += [(ours + "shared_head.norm.weight", theirs + "shared_head.norm.weight", False),
+                  ("transformer.wte.weight", theirs + "embed_tokens.weight", False),
+                  (head, theirs + "shared_head.head.weight", False)]
+    return names
+
+
+def _deepseek_block_names(config: Any, layer: int, ours: str, theirs: str,
+                          bias: bool = True) -> list[tuple[str, str, bool]]:
+    """One block's names (a MoE block when `layer` has experts; its selection bias unless `bias` is False)."""
+    names = [(ours + "ln_1.weight", theirs + "input_layernorm.weight", False)]
+    names += [(f"{ours}attn.{part}.weight", f"{theirs}self_attn.{part}.weight", True) for part in _DEEPSEEK_ATTENTION]
+    names += [(f"{ours}attn.{part}.weight", f"{theirs}self_attn.{part}.weight", False) for part in _DEEPSEEK_NORMS]
+    names.append((ours + "ln_2.weight", theirs + "post_attention_layernorm.weight", False))
+    if config.is_moe_layer(layer):
+        names.append((ours + "mlp.router.weight", theirs + "mlp.gate.weight", True))
+        if bias:
+            names.append((ours + "mlp.router.expert_bias", theirs + "mlp.gate.e_score_correction_bias", False))
+        mlps = [f"mlp.experts.{e}" for e in range(config.n_experts)] + ["mlp.shared_experts"]
+    else:
+        mlps = ["mlp"]
+    return names + [(f"{ours}{mlp}.{part}.weight", f"{theirs}{mlp}.{part}.weight", True)
+                    for mlp in mlps for part, _ in _MLP_NAMES]
+
+
+_FUSED_DEEPSEEK = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _unfused_deepseek_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers 5's fused DeepSeek-V3 experts as per-expert gate_proj, up_proj, down_proj [out, in]."""
+    for name in [name for name in tensors if _FUSED_DEEPSEEK.match(name)]:
+        experts, kind = _FUSED_DEEPSEEK.match(name).groups()
+        value = tensors.pop(name)
+        for e, matrix in enumerate(value):
+            if kind == "down_proj":
+                tensors[f"{experts}.{e}.down_proj.weight"] = matrix
+            else:
+                width = matrix.shape[0] // 2
+                tensors[f"{experts}.{e}.gate_proj.weight"] = matrix[:width]
+                tensors[f"{experts}.{e}.up_proj.weight"] = matrix[width:]
+    return tensors
+
+
+def _deepseek_config(config: Any, dtype: np.dtype) -> dict[str, Any]:
+    """config.json for DeepseekV3ForCausalLM (a model without experts: every block dense)."""
+    rope = {"rope_type": "default"} if not config.rope_scaling else dict(config.rope_scaling)
+    return {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.ffn_width,
+        "moe_intermediate_size": config.moe_ffn_hidden,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_head,
+        "n_shared_experts": config.n_shared_experts,
+        "n_routed_experts": config.n_experts,
+        "num_experts_per_tok": config.moe_top_k,
+        "n_group": config.n_group,
+        "topk_group": config.topk_group,
+        "routed_scaling_factor": config.routed_scaling_factor,
+        "norm_topk_prob": config.moe_renormalize,
+        "first_k_dense_replace": config.first_k_dense_replace if config.n_experts else config.n_layer,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "rope_interleave": config.rope_interleave,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.n_positions,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if not config.rope_scaling else dict(config.rope_scaling),
+        "rope_parameters": {"rope_theta": config.rope_theta, **rope},
+        "tie_word_embeddings": config.tied,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "num_nextn_predict_layers": config.mtp_depth,
+        "use_cache": True,
+        "torch_dtype": np.dtype(dtype).name,
+    } | {key: getattr(config, key) for key in DEEPSEEK_KEYS}
+
+
+def _deepseek_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`GPTConfig` keyword arguments from a DeepSeek-V3 config.json, refusing what our model does not compute."""
+    if raw.get("attention_bias", False):
+        raise ValueError("attention_bias = true is not supported (MLA here has no biases)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act = {raw['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(key, supported) != supported:
+            raise ValueError(f"{key} = {raw[key]!r} is not supported (DeepSeek-V3's router: {supported})")
+    shape = {name: _integer(raw, key) for name, key in (
+        ("vocab_size", "vocab_size"), ("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
+        ("n_head", "num_attention_heads"), ("ffn_hidden", "intermediate_size"), ("kv_lora_rank", "kv_lora_rank"),
+        ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"),
+        ("v_head_dim", "v_head_dim"))}
+    experts = _integer(raw, "n_routed_experts", 0)
+    dense = _integer(raw, "first_k_dense_replace", 0)
+    q_lora_rank = raw.get("q_lora_rank")
+    theta, scaling = _rope(raw)
+    fields = shape | {
+        "arch": "deepseek_v3", "n_positions": _integer(raw, "max_position_embeddings", 2048),
+        "q_lora_rank": None if q_lora_rank is None else _integer(raw, "q_lora_rank"),
+        "rope_theta": theta, "rope_scaling": scaling, "rope_interleave": bool(raw.get("rope_interleave", True)),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "n_experts": experts if dense < shape["n_layer"] else 0, "moe_aux_coef": 0.0,
+    }
+    if fields["n_experts"]:
+        fields |= {"moe_top_k": _integer(raw, "num_experts_per_tok"), "first_k_dense_replace": dense,
+                   "moe_ffn_hidden": _integer(raw, "moe_intermediate_size"),
+                   "n_shared_experts": _integer(raw, "n_shared_experts", 0),
+                   "n_group": _integer(raw, "n_group", 1) if raw.get("n_group") is not None else 1,
+                   "topk_group": _integer(raw, "topk_group", 1) if raw.get("topk_group") is not None else 1,
+                   "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+                   "moe_renormalize": bool(raw.get("norm_topk_prob", True))}
+    return fields | {key: raw[key] for key in DEEPSEEK_KEYS if key in raw}

@@ -193,7 +193,9 @@ class Router:
     def n_experts(self) -> int:
         return self.weight.data.shape[1]
 
-    def forward(self, x2d: Array) -> Saved:
+    def forward(self, x2d: Array, sequences: int = 1) -> Saved:
+        """Route the N tokens of `x2d` (N, h), which are `sequences` sequences of N/sequences tokens (unused here;
+        DeepSeek's sequence-wise balance loss needs them)."""
         xp = get_array_module(x2d)
         probs = _softmax(x2d @ self.weight.data)
         chosen = self._choose(probs)
@@ -338,7 +340,7 @@ class MixtureOfExperts(Layer):
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         x2d = x.reshape(-1, x.shape[-1])
-        routing = self.router.forward(x2d)
+        routing = self.router.forward(x2d, sequences=x.shape[0] if x.ndim == 3 else 1)
         rows = x2d[routing.order // self.router.top_k]
         local_rows, plan = self._dispatch(rows, routing.counts)
         expert_counts = routing.counts if plan is None else plan.expert_counts

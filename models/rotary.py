@@ -12,7 +12,18 @@ then cos and sin are cast to the activations' dtype; Hugging Face upcasts to flo
 
 `rope_scaling` of type "llama3" (Llama 3.1) stretches the low frequencies for long contexts: wavelengths longer
 than original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter than
-original / high_freq_factor kept, and those between interpolated smoothly (Meta's formula).
+original / high_freq_factor kept, and those between interpolated smoothly (Meta's formula). Type "yarn" (YaRN,
+DeepSeek-V2/V3's long-context scaling) blends each frequency between itself (extrapolation, the fast ones that
+turn more than beta_fast times over the original context) and itself / factor (interpolation, those turning fewer
+than beta_slow times), linearly in the channel index between the two; it also multiplies cos and sin by an
+attention factor (`attention_factor`: mscale(factor, mscale) / mscale(factor, mscale_all_dim), with
+mscale(s, m) = 0.1·m·ln s + 1) and DeepSeek's softmax scale by mscale(factor, mscale_all_dim)²
+(`softmax_scale_correction`).
+
+DeepSeek lays its rotary channels out in interleaved pairs (x0, x1), (x2, x3), … (`rope_interleave`):
+`pairs_to_halves` reorders them to [even | odd], after which the rotation above is the interleaved one, with
+the output in the [even | odd] order transformers also returns (queries and keys alike, so q·k is unchanged);
+`halves_to_pairs` is its backward.
 
 Context parallelism and KV caches need the angles of any positions (the zigzag chunks, the decoded tail): the
 layer takes the positions explicitly. Communication: none.
@@ -26,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from collectives.backend import Array, like
+from collectives.backend import Array, get_array_module, like
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> np.ndarray:
@@ -39,6 +50,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] 
     kind = rope_type(scaling)
     if kind == "llama3":
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_scaled(inv_freq, head_dim, theta, scaling)
     return inv_freq
 
 
@@ -65,15 +78,78 @@ def _llama3_scaled(inv_freq: np.ndarray, scaling: Mapping[str, Any]) -> np.ndarr
     return np.where(between, blended, scaled)
 
 
+def _yarn_scaled(inv_freq: np.ndarray, head_dim: int, theta: float, scaling: Mapping[str, Any]) -> np.ndarray:
+    """YaRN: channel pair i keeps inv_freq_i below the correction range, takes inv_freq_i / factor above it, and
+    a linear blend inside it; the range is where a pair turns beta_fast … beta_slow times over the original
+    context (floored and ceiled unless `truncate` is false)."""
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def channel_turning(turns: float) -> float:  # the channel index whose pair turns `turns` times over `original`
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = channel_turning(fast), channel_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    interpolated = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return inv_freq / factor * interpolated + inv_freq * (1.0 - interpolated)
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """YaRN's multiplier of cos and sin (1 for the other rope types): `attention_factor` if the config gives it,
+    else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else mscale(factor)."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+    return _mscale(factor)
+
+
+def softmax_scale_correction(scaling: Mapping[str, Any] | None) -> float:
+    """DeepSeek's factor on the softmax scale 1/√d under a scaled rope: mscale(factor, mscale_all_dim)² when
+    mscale_all_dim is set, else 1."""
+    if rope_type(scaling) == "default" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+
+
+def pairs_to_halves(x: Array) -> Array:
+    """Interleaved rotary channels (x0, x1), (x2, x3), … as [x0, x2, … | x1, x3, …] (a copy): the layout in which
+    `RotaryEmbedding` turns pair i = (x_2i, x_2i+1)."""
+    xp = get_array_module(x)
+    return xp.concatenate((x[..., 0::2], x[..., 1::2]), axis=-1)
+
+
+def halves_to_pairs(dx: Array) -> Array:
+    """The backward of `pairs_to_halves`: gradients in the [even | odd] layout back to interleaved channels."""
+    xp = get_array_module(dx)
+    half = dx.shape[-1] // 2
+    out = xp.empty_like(dx)
+    out[..., 0::2], out[..., 1::2] = dx[..., :half], dx[..., half:]
+    return out
+
+
 class RotaryEmbedding:
     """Rotates (B, heads, t, d) query or key views in place at given positions; `rotate_back` is the backward.
 
     cos and sin are tabulated once per position count (at float64, cast to the array's dtype) and indexed by
-    the positions of each call."""
+    the positions of each call; YaRN's attention factor multiplies both (the turn then also scales, and its
+    transpose, the backward, scales alike)."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None) -> None:
         self.head_dim, self.theta = head_dim, theta
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.attention_factor = attention_factor(scaling)
         self._tables: dict[tuple[Any, type], tuple[Array, Array]] = {}
 
     def _cos_sin(self, like_array: Array, length: int) -> tuple[Array, Array]:
@@ -84,8 +160,9 @@ class RotaryEmbedding:
         if cos is None or len(cos) < length:
             rows = max(length, 2 * (0 if cos is None else len(cos)))
             angles = np.outer(np.arange(rows, dtype=np.float64), self.inv_freq)
-            cos, sin = (like(like_array, np.cos(angles).astype(like_array.dtype)),
-                        like(like_array, np.sin(angles).astype(like_array.dtype)))
+            factor = self.attention_factor
+            cos, sin = (like(like_array, (factor * np.cos(angles)).astype(like_array.dtype)),
+                        like(like_array, (factor * np.sin(angles)).astype(like_array.dtype)))
             self._tables[key] = cos, sin
         return cos, sin
 

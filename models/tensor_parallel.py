@@ -21,6 +21,15 @@ whole by the tp/n_kv ranks whose query heads read it (placement `Sharded(1, repl
 ranks sum its weight gradients in the weight pass — an all-reduce of the h × d gradients over a communicator
 of tp/n_kv ranks per block and microbatch (Megatron's rule). Any other tp is one clear error.
 
+DeepSeek-V3 (`GPTConfig.arch` "deepseek_v3") shards its latent attention as Megatron, torchtitan and DeepSeek's
+inference code do: q_b_proj (or q_proj) and kv_b_proj by heads (columns), o_proj by rows; the down-projections
+q_a_proj and kv_a_proj_with_mqa and their RMSNorms are replicated, every rank computing the whole latent (b·s·(r_q
++ r + d_r) numbers, no communication). The attention enters the group once as a whole (one f for x), so its
+backward all-reduces d(x) once, as a llama block's; the replicated weights' gradients are each rank's heads'
+share (placement `Partial`), summed over the group once per step by `reduce_partial_gradients` — an all-reduce
+of h·(r_q + r + d_r) + r_q + r elements per block. Its MoE experts, routed and shared, are replicated like
+Mixtral's. Dense blocks split their SwiGLU as llama's.
+
 A transformer block is the serial `models.layers.Block` with its linears replaced by `ColumnParallel` and
 `RowParallelLinear`; the norms, attention, the activations and MLP are the serial classes, run on local shards.
 
@@ -369,8 +378,13 @@ _SPLITS = {  # name suffix -> how the tp axis cuts it; every other parameter is 
     "mlp.gate_proj.weight": Sharded(1),  # SwiGLU: gate and up cut alike, so each rank pairs its own units
     "mlp.up_proj.weight": Sharded(1),
     "mlp.down_proj.weight": Sharded(0),
+    "attn.q_b_proj.weight": Sharded(1),  # DeepSeek-V3's up-projections: columns by heads
+    "attn.kv_b_proj.weight": Sharded(1),
 }
 _KEY_VALUE = ("attn.k_proj.weight", "attn.v_proj.weight")
+_LATENT = ("attn.q_a_proj.weight", "attn.q_a_layernorm.weight", "attn.kv_a_proj_with_mqa.weight",
+           "attn.kv_a_layernorm.weight")
+"""DeepSeek-V3's down-projections and their norms: replicated, each rank's gradient only its heads' share."""
 
 
 def key_value_replicas(n_kv_head: int, tp: int) -> int:
@@ -392,10 +406,13 @@ def tensor_parallel_placement(name: str, sequence_parallel: bool = False,
     only its sequence slice); everything else replicated."""
     if name.endswith(_KEY_VALUE):
         return {TP_AXIS: Sharded(1, replicas=key_value_copies)}
+    if name.endswith(_LATENT):
+        return {TP_AXIS: PARTIAL}
     for suffix, sharded in _SPLITS.items():
         if name.endswith(suffix):
             return {TP_AXIS: sharded}
-    if sequence_parallel and (".ln_" in name or ".mlp.router." in name or ".mlp.experts." in name):
+    if sequence_parallel and any(part in name for part in (".ln_", ".mlp.router.", ".mlp.experts.",
+                                                           ".mlp.shared_experts.")):
         return {TP_AXIS: PARTIAL}  # LayerNorms, and MoE routers and experts (replicated), see this rank's slice
     return {}
 
@@ -486,6 +503,11 @@ class TensorParallelTransformer(Transformer):
 
     def _local_heads(self) -> int:
         return self.config.n_head // self.group.size
+
+    def _enter_attention(self, attention: Any) -> ColumnParallel:
+        """DeepSeek-V3's latent attention enters the group once, as a whole: its replicated down-projections and
+        this rank's heads of its up-projections all read the one input; its o_proj is row-parallel."""
+        return ColumnParallel(attention, self.group)
 
     def _local_kv_heads(self) -> int:
         return max(self.config.kv_heads // self.group.size, 1)

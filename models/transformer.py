@@ -35,6 +35,7 @@ import numpy as np
 from collectives import Communicator
 from collectives.backend import BFLOAT16, Array, get_array_module, like, to_host
 
+from . import deepseek_v3
 from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
 from .families import MOE_KEYS
 from .fp8 import fp8_gemms
@@ -52,7 +53,6 @@ from .layers import (
     KVCache,
     LayerNorm,
     Linear,
-    LMHead,
     RMSNorm,
     Saved,
     SwiGLU,
@@ -70,7 +70,7 @@ from .parameter import Parameter, seeded_normal, shard_tensor
 from .precision import Narrowed, dtype_named, is_narrow, narrow
 from .rotary import RotaryEmbedding
 
-ARCHITECTURES = ("gpt2", "llama")
+ARCHITECTURES = ("gpt2", "llama", deepseek_v3.ARCH)
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,14 @@ class GPTConfig:
     to 1; moe_aux_coef weighs the Switch load-balancing loss; moe_capacity_factor C caps each expert at
     ⌈C·K·tokens/E⌉ rows per token set (0: unlimited); moe_bias_rate R > 0 turns on aux-loss-free balancing (the
     trainer updates the expert biases).
+
+    `arch` "deepseek_v3" (`models.deepseek_v3`): the llama choices with multi-head latent attention (q_lora_rank
+    None: one query projection; kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; RoPE pairs
+    interleaved when rope_interleave) and, from block first_k_dense_replace on, DeepSeekMoE: n_experts routed
+    experts moe_ffn_hidden wide with a sigmoid router (groups: n_group, topk_group; gates × routed_scaling_factor,
+    normalized when moe_renormalize), n_shared_experts shared ones, moe_seq_aux_coef the sequence-wise balance
+    loss's α; moe_bias_rate drives the selection bias (e_score_correction_bias). mtp_depth D > 0 adds D
+    multi-token-prediction modules to the head unit (`models.multi_token`), their losses weighted mtp_weight / D.
     """
 
     vocab_size: int = 256
@@ -108,6 +116,21 @@ class GPTConfig:
     rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    moe_ffn_hidden: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_seq_aux_coef: float = 0.0
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -115,7 +138,7 @@ class GPTConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
-        if self.n_embd % self.n_head:
+        if self.n_embd % self.n_head and not self.is_deepseek:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_kv_head < 0 or self.ffn_hidden < 0:
             raise ValueError(f"n_kv_head and ffn_hidden must be >= 0 (0: the default), got {self.n_kv_head} and "
@@ -125,6 +148,8 @@ class GPTConfig:
                              f"serves an equal group of query heads")
         if self.arch == "gpt2":
             self._check_gpt2_choices()
+        elif self.is_deepseek:
+            deepseek_v3.check_choices(self)
         elif self.head_dim % 2:
             raise ValueError(f"RoPE rotates channel pairs: the head size n_embd/n_head ({self.head_dim}) must be even")
         if self.n_experts < 0:
@@ -145,7 +170,16 @@ class GPTConfig:
 
     @property
     def is_llama(self) -> bool:
-        return self.arch == "llama"
+        """The llama family's choices (RoPE, RMSNorm, SwiGLU, no biases): llama and deepseek_v3."""
+        return self.arch in ("llama", deepseek_v3.ARCH)
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.arch == deepseek_v3.ARCH
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has experts (all of a MoE model's but DeepSeek's first_k_dense_replace)."""
+        return bool(self.n_experts) and layer >= self.first_k_dense_replace
 
     @property
     def kv_heads(self) -> int:
@@ -169,6 +203,11 @@ class GPTConfig:
         """Whether the LM head is the token embedding (always for GPT-2; llama only with tie_embeddings)."""
         return not self.is_llama or bool(self.tie_embeddings)
 
+    @property
+    def head_reads_embedding(self) -> bool:
+        """Whether the head unit reads wte too: a tied head, or multi-token prediction's next-token lookups."""
+        return self.tied or bool(self.mtp_depth)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -184,6 +223,8 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape, in checkpoint order. GPT-2's are GPT2LMHeadModel's names (lm_head.weight
     is wte, tied); llama's follow the same scheme (`transformer.h.{i}.attn.q_proj.weight`, …, `lm_head.weight`
     when untied), [in, out] like every linear here — `models.families` maps them to Hugging Face's."""
+    if config.is_deepseek:
+        return deepseek_v3.parameter_shapes(config)
     if config.is_llama:
         return _llama_shapes(config)
     c = config.n_embd
@@ -243,7 +284,7 @@ def _swiglu_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]
 def expert_bias_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """The MoE expert biases (aux-loss-free balancing): model state saved with the parameters, but no
     parameters — no gradient, no weight decay, changed only by `models.moe.update_expert_bias`."""
-    return {expert_bias_name(i): (config.n_experts,) for i in range(config.n_layer)} if config.n_experts else {}
+    return {expert_bias_name(i): (config.n_experts,) for i in range(config.n_layer) if config.is_moe_layer(i)}
 
 
 def units_using(name: str, n_layer: int, tied: bool = True) -> tuple[int, ...]:
@@ -254,7 +295,7 @@ def units_using(name: str, n_layer: int, tied: bool = True) -> tuple[int, ...]:
         return (0, n_layer + 1) if tied else (0,)
     if short == "wpe.weight":
         return (0,)
-    if short.startswith("ln_f.") or short == "lm_head.weight":
+    if short.startswith(("ln_f.", "mtp.")) or short == "lm_head.weight":
         return (n_layer + 1,)
     return (int(short.split(".")[1]) + 1,)  # h.{i}.…
 
@@ -266,7 +307,7 @@ RESIDUAL_PROJECTIONS = (".c_proj.weight", ".o_proj.weight", ".down_proj.weight")
 def initial_value(name: str, shape: tuple[int, ...], config: GPTConfig, seed: int, dtype: Any) -> np.ndarray:
     """The contract's initialization of one parameter, as a NumPy array: norms' weights 1, biases 0, residual
     projections normal(0, 0.02/√(2·n_layer)), every other weight normal(0, 0.02) — for both families."""
-    if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight")):
+    if name.endswith((".ln_1.weight", ".ln_2.weight", "ln_f.weight", "norm.weight")):  # and MLA's, MTP's norms
         return np.ones(shape, dtype)
     if name.endswith(".bias"):
         return np.zeros(shape, dtype)
@@ -299,8 +340,9 @@ class ParameterHooks:
 NO_HOOKS = ParameterHooks()
 
 
-class Transformer:
-    """The serial model of every family (GPT-2, Llama, Mixtral: `GPTConfig.arch`) with hand-written backward.
+class Transformer(deepseek_v3.DeepSeekV3Blocks):
+    """The serial model of every family (GPT-2, Llama, Mixtral, DeepSeek-V3: `GPTConfig.arch`) with hand-written
+    backward.
 
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
     `query_block` the attention's query block length; neither changes the numbers. `units` (default: all) are
@@ -381,7 +423,7 @@ class Transformer:
 
     def units_of(self, name: str) -> tuple[int, ...]:
         """The units that read parameter (or expert bias) `name` (`units_using`)."""
-        return units_using(name, self.config.n_layer, self.config.tied)
+        return units_using(name, self.config.n_layer, self.config.head_reads_embedding)
 
     def _ep_size(self) -> int:
         return 1 if self.ep_comm is None else self.ep_comm.size
@@ -397,11 +439,11 @@ class Transformer:
         local, last = set(self.local_units), self.config.n_layer + 1
         self.expert_biases = self._initial_expert_biases()
         config = self.config
-        rope = config.is_llama
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling) if rope else None
+        rope_dim = config.qk_rope_head_dim if config.is_deepseek else config.head_dim
+        self.rope = RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling) if config.is_llama else None
         self.embedding = self._embedding() if 0 in local else None
         self.blocks = [self._block(i) if i + 1 in local else None for i in range(config.n_layer)]
-        self.head = LMHead(self._norm("transformer.ln_f"), self._cross_entropy()) if last in local else None
+        self.head = self._output_head() if last in local else None
         self.units = [self.embedding, *self.blocks, self.head]
         self.sequence_shards = 1  # how many pieces the sequence is cut into between the layers (SP: tp)
 
@@ -423,6 +465,8 @@ class Transformer:
         return self._narrowed(HeadCrossEntropy(self._head_weight()))
 
     def _block(self, i: int) -> Block:
+        if self.config.is_deepseek:
+            return self._deepseek_block(i)
         prefix = f"transformer.h.{i}"
         if self.config.is_llama:
             attention = self._attention(self._concatenated([f"{prefix}.attn.{name}_proj" for name in "qkv"], True),

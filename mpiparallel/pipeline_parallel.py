@@ -113,7 +113,7 @@ def place_on_pipeline(model: Transformer, schedule: Schedule) -> None:
     """The pp placement: each stage's parameters are held by its rank alone; a tied token embedding, read by the
     first stage and the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank
     holds both (an untied llama head is the last stage's own)."""
-    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.tied
+    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.head_reads_embedding
     for name, param in model.params.items():
         param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
 
@@ -121,8 +121,9 @@ def place_on_pipeline(model: Transformer, schedule: Schedule) -> None:
 def sum_tied_gradient(model: Transformer, comm: Communicator, first: int, last: int) -> None:
     """The tied token embedding: the first stage's rank (embedding) and the last stage's (LM head) each hold a
     partial gradient; exchange them and add, so both hold the sum (a + b = b + a: bitwise equal on both). An
-    untied head (llama's default) shares nothing: no exchange."""
-    if first == last or comm.rank not in (first, last) or not model.config.tied:
+    untied head (llama's default) shares nothing: no exchange — unless DeepSeek-V3's multi-token prediction reads
+    wte on the last stage too."""
+    if first == last or comm.rank not in (first, last) or not model.config.head_reads_embedding:
         return
     grad = model.params[TIED_WEIGHT].grad
     other = last if comm.rank == first else first

@@ -14,10 +14,15 @@ gradient buckets an engine reduces:
           attention's 2, the experts being replicated over TP), one more forward's worth with --recompute full;
           AR(S) for the embedding and for the head's input; the vocab-parallel cross-entropy's AR of b·s and
           2·b·s values; SP: once per step an AR of the gradients that are partial sums over tp (the LayerNorms'
-          (4L + 2)·h; with MoE also the router and experts)                        (`models.tensor_parallel`)
+          (4L + 2)·h; with MoE also the router and experts); on the head's rank each MTP module k (DeepSeek-V3) on
+          its s − k positions: an embedding, a block and a head exchange, the cross-entropy's (`models.multi_token`)
     pp    per microbatch and stage boundary to another rank: S forward, S backward; the tied embedding's
           gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
-    cp    per block and microbatch, K and V of the whole sequence: ring 2(c−1)/c·bs·h_kv forward and
+    cp    per block and microbatch (MLA: all-gather of its compressed [latent | RoPE key], (c−1)/c·bs·(r + d_r)
+          forward, and the reduce-scatter of its gradient, the same backward; Ulysses adds the all-to-alls of q
+          and the output, (c−1)/c²·bs·H·(d_n + d_r + d_v) each way; ring sends the same blocks forward and
+          backward, plus c hops of their float32-or-wider gradients, bs·(r + d_r)), K and V of the whole sequence:
+          ring 2(c−1)/c·bs·h_kv forward and
           2(2c−1)/c·bs·h_kv backward, all-gather 2(c−1)/c and 4(c−1)/c, with h_kv = n_kv·d channels of this TP
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
           each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`models.context_parallel`)
@@ -115,6 +120,17 @@ class RunShape:
     n_head: int = 1         # query heads of the whole model (the llama family's KV heads below)
     kv_heads: int = 1       # KV heads of the whole model (n_head for multi-head attention)
     tp: int = 1
+    dense_blocks: int | None = None  # blocks with a dense MLP among `blocks` (None: all, or none with moe)
+    latent_width: int = 0   # MLA (deepseek_v3): r + d_r, the compressed KV row its CP gathers (0: other attention)
+    mtp_depth: int = 0      # DeepSeek-V3's multi-token-prediction modules (on the head's rank)
+    latent_heads_width: int = 0  # MLA: n_head·(d_n + d_r + d_v), what Ulysses sends of q and the output per token
+
+    @property
+    def dense_mlps(self) -> int:
+        """This rank's blocks whose MLP is split over tp (DeepSeek-V3's first dense blocks among MoE ones)."""
+        if self.dense_blocks is not None:
+            return self.dense_blocks
+        return 0 if self.moe else self.blocks
 
     @property
     def gradient_bytes(self) -> int:
@@ -164,24 +180,39 @@ def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_
     if comm.size == 1:
         return 0.0
     s = shape.rows * shape.positions * shape.channels * shape.itemsize
-    # one exchange: an all-reduce of S, or under SP the all-gather and reduce-scatter in its place
-    exchange = (collective_bytes("all_gather", s, comm) + collective_bytes("reduce_scatter", s, comm) if shape.sp
-                else collective_bytes("all_reduce", s, comm))
+    exchange = _exchange_bytes(shape, s, comm)
     forwards = 2 if shape.recompute == "full" else 1  # full recomputation reruns each block's forward
-    linear_pairs = 1 if shape.moe else 2  # attention's c_attn/c_proj, and the MLP's c_fc/c_proj
-    per_microbatch = shape.blocks * linear_pairs * (forwards + 1) * exchange
+    # attention's c_attn/c_proj in every block, the MLP's c_fc/c_proj in the dense ones
+    per_microbatch = (shape.blocks + shape.dense_mlps) * (forwards + 1) * exchange
     if shape.has_embedding:
         per_microbatch += exchange
     if shape.has_head:
-        tokens = shape.rows * shape.positions
-        per_microbatch += exchange + collective_bytes("all_reduce", tokens * shape.statistics_bytes, comm) \
-            + collective_bytes("all_reduce", 2 * tokens * shape.statistics_bytes, comm)
+        per_microbatch += exchange + _cross_entropy_bytes(shape, shape.positions, comm)
+        # each MTP module on its T − k positions: the embedding, one block (MoE: attention only), the head
+        for k in range(1, shape.mtp_depth + 1):
+            module = _exchange_bytes(shape, s * (shape.positions - k) / shape.positions, comm)
+            per_microbatch += module * (2 + (1 if shape.moe else 2) * (forwards + 1)) \
+                + _cross_entropy_bytes(shape, shape.positions - k, comm)
     total = shape.microbatches * per_microbatch
     # KV heads replicated on tp/n_kv ranks: each microbatch's K and V weight gradients summed over the copies
     if key_value_comm is not None:
         total += shape.microbatches * shape.blocks * key_value_gradient_bytes(shape, key_value_comm)
     # SP: the gradients that are partial sums over tp (LayerNorms; with MoE the router and experts), summed once
     return total + collective_bytes("all_reduce", partial_gradient_bytes, comm)
+
+
+def _exchange_bytes(shape: RunShape, nbytes: float, comm: Communicator) -> float:
+    """One exchange of an activation of `nbytes`: an all-reduce, or under SP the all-gather and reduce-scatter."""
+    if shape.sp:
+        return collective_bytes("all_gather", nbytes, comm) + collective_bytes("reduce_scatter", nbytes, comm)
+    return collective_bytes("all_reduce", nbytes, comm)
+
+
+def _cross_entropy_bytes(shape: RunShape, positions: int, comm: Communicator) -> float:
+    """The vocab-parallel cross-entropy's all-reduces: the row maxima, then the sums and target logits."""
+    tokens = shape.rows * positions
+    return collective_bytes("all_reduce", tokens * shape.statistics_bytes, comm) \
+        + collective_bytes("all_reduce", 2 * tokens * shape.statistics_bytes, comm)
 
 
 def key_value_gradient_bytes(shape: RunShape, copies: Communicator) -> float:
@@ -224,7 +255,13 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
     heads, kv_heads, head_dim = shape.local_heads
     tokens = shape.rows * shape.seq_len * shape.itemsize
     forwards = 2 if shape.recompute == "full" else 1
-    if shape.cp_attention == "ulysses":
+    if shape.latent_width:  # MLA: the [latent | RoPE key] rows all-gathered, their gradients reduce-scattered
+        forward = backward = (cp - 1) / cp * tokens * shape.latent_width
+        if shape.cp_attention == "ulysses":  # and q and the output by heads: this TP rank's heads
+            forward = backward = forward + (cp - 1) / cp**2 * tokens * shape.latent_heads_width / tp
+        elif shape.cp_attention == "ring":  # backward: the blocks again, and cp hops of their gradients (widened)
+            backward = forward + shape.rows * shape.seq_len * shape.latent_width * shape.statistics_bytes
+    elif shape.cp_attention == "ulysses":
         each_way = 2 * (cp - 1) / cp**2 * tokens * (heads + max(kv_heads, cp)) * head_dim
         forward, backward = each_way, each_way
     else:

@@ -21,7 +21,9 @@ import os
 import pytest
 from mpi_harness import run_on_ranks, train_error
 
-from models.transformer import GPTConfig, parameter_shapes
+from models.transformer import parameter_shapes
+from mpiparallel.train import TrainSettings
+from mpiparallel.train.inputs import model_config
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 
@@ -38,9 +40,20 @@ MOE_BIAS = {**MOE, "top_k": 1, "moe_bias_rate": 0.01}
 LLAMA = {**DENSE, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 24}
 LLAMA_MQA = {**LLAMA, "n_kv_head": 1, "tie_embeddings": True}
 MIXTRAL = {**LLAMA, "experts": 4, "top_k": 2, "moe_aux_coef": 0.0}
+# DeepSeek-V3: latent attention with a low-rank query (q 4+4 wide, v 3 per head, latent 8), a dense first block,
+# then DeepSeekMoE with group-limited routing and a shared expert; and one query projection with the selection
+# bias moved by aux-loss-free balancing
+DEEPSEEK = {**DENSE, "arch": "deepseek_v3", "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4, "v_head_dim": 3, "ffn_hidden": 24, "experts": 4, "top_k": 2, "moe_ffn_hidden": 6,
+            "n_group": 2, "topk_group": 1, "first_k_dense": 1, "routed_scaling_factor": 2.0}
+DEEPSEEK_BIAS = {**{key: value for key, value in DEEPSEEK.items() if key != "q_lora_rank"}, "top_k": 2,
+                 "n_group": 1, "topk_group": 1, "moe_bias_rate": 0.01}
+# two multi-token-prediction modules, and the sequence-wise balance loss (equal to serial where sequences stay whole)
+DEEPSEEK_MTP = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3, "moe_seq_aux_coef": 0.05}
 MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "llama-mqa": LLAMA_MQA,
-          "mixtral": MIXTRAL}
+          "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS, "deepseek-mtp": DEEPSEEK_MTP}
 LLAMA_FAMILY = ("llama", "llama-mqa", "mixtral")
+DEEPSEEK_FAMILY = ("deepseek", "deepseek-bias", "deepseek-mtp")
 TOLERANCE = 1e-9
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -133,6 +146,46 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "mixtral", {"dp": 2, "ep": 2, "tp": 2, "sp": True}),
     (4, "mixtral", {"dp": 2, "ep": 2, "pp": 2, "schedule": "1f1b", "zero": 1}),
     (4, "mixtral", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ring"}),
+    # DeepSeek-V3: every pair of axes; its context parallelism moves the compressed latent in every variant (ring:
+    # around the ring; all-gather; Ulysses, which sends q and the output by heads besides)
+    (2, "deepseek", {"dp": 2, "zero": 3, "recompute": "full"}),
+    (2, "deepseek", {"tp": 2, "sp": True, "recompute": "selective"}),
+    (2, "deepseek-bias", {"tp": 2}),
+    (2, "deepseek", {"pp": 2, "schedule": "zbv"}),
+    (2, "deepseek", {"cp": 2, "cp_attention": "all-gather", "recompute": "selective", "zero": 2}),
+    (2, "deepseek", {"dp": 2, "ep": 2, "zero": 2}),
+    (4, "deepseek", {"dp": 2, "tp": 2, "sp": True, "zero": 1}),
+    (4, "deepseek", {"dp": 2, "pp": 2, "schedule": "1f1b", "zero": 2, "recompute": "selective"}),
+    (4, "deepseek", {"dp": 2, "cp": 2, "cp_attention": "all-gather", "zero": 1}),
+    (4, "deepseek", {"tp": 2, "pp": 2, "schedule": "gpipe", "microbatches": 4}),
+    (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "all-gather", "sp": True}),
+    (4, "deepseek", {"pp": 2, "cp": 2, "cp_attention": "all-gather", "schedule": "zb"}),
+    (4, "deepseek", {"dp": 2, "ep": 2, "tp": 2, "sp": True}),
+    (4, "deepseek", {"dp": 2, "ep": 2, "pp": 2, "schedule": "dualpipev", "zero": 1}),
+    (4, "deepseek", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "all-gather", "zero": 3, "recompute": "full"}),
+    (2, "deepseek", {"cp": 2, "cp_attention": "ulysses", "recompute": "selective", "zero": 1}),
+    (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "ulysses", "sp": True, "recompute": "full"}),
+    (4, "deepseek", {"dp": 2, "cp": 2, "cp_attention": "ulysses", "zero": 3}),
+    (4, "deepseek", {"pp": 2, "cp": 2, "cp_attention": "ulysses", "schedule": "zbv"}),
+    (4, "deepseek-bias", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ulysses", "zero": 2, "recompute": "selective"}),
+    (2, "deepseek", {"cp": 2, "cp_attention": "ring", "recompute": "full", "zero": 2}),
+    (4, "deepseek", {"cp": 4, "cp_attention": "ring", "recompute": "selective"}),
+    (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "ring", "sp": True}),
+    (4, "deepseek", {"pp": 2, "cp": 2, "cp_attention": "ring", "schedule": "1f1b"}),
+    (4, "deepseek-bias", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ring", "zero": 3}),
+    (4, "deepseek", {"cp": 4, "cp_attention": "ulysses"}),
+    (4, "deepseek-bias", {"dp": 4, "ep": 4, "zero": 3}),
+    (4, "deepseek-bias", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2}),
+    (4, "deepseek-mtp", {"dp": 2, "tp": 2, "zero": 1, "recompute": "full"}),
+    (4, "deepseek-mtp", {"dp": 4, "ep": 2, "zero": 3, "recompute": "selective"}),
+    (4, "deepseek-mtp", {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "microbatches": 2}),
+    # MTP on the last stage: wte read there too, its gradient summed with the first stage's, every schedule
+    (4, "deepseek-mtp", {"dp": 2, "pp": 2, "schedule": "1f1b", "zero": 2}),
+    (4, "deepseek-mtp", {"pp": 2, "tp": 2, "schedule": "zb", "microbatches": 4, "recompute": "selective"}),
+    (4, "deepseek-mtp", {"dp": 2, "pp": 2, "schedule": "dualpipev", "zero": 3}),
+    (4, "deepseek-mtp", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero": 1}),
+    (4, "deepseek-mtp", {"pp": 2, "dp": 2, "schedule": "gpipe", "microbatches": 4}),
+    (4, "deepseek-mtp", {"pp": 2, "dp": 2, "schedule": "zbv"}),
 ]
 # pipelines on device arrays: the CuPy double (tests/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)
@@ -141,6 +194,8 @@ DEVICE_MATRIX = [
     (4, "dense", {"tp": 2, "pp": 2, "sp": True, "schedule": "zbv", "recompute": "selective", "device": "gpu"}),
     (4, "moe", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero": 1,
                 "device": "gpu"}),
+    (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "all-gather", "sp": True, "recompute": "selective",
+                     "device": "gpu"}),
 ]
 DEVICE_ARRAYS = ({"MPIPARALLEL_TEST_ARRAYS": "cupy"} if os.environ.get("MPIPARALLEL_TEST_ARRAYS") == "cupy"
                  else {"MPIPARALLEL_TEST_ARRAYS": "fake", "MPIPARALLEL_CUDA_AWARE": "0"})
@@ -206,6 +261,14 @@ def test_the_llama_family_rows_cover_every_pair_of_axes():
     assert not missing, f"no llama-family row of MATRIX combines {missing}"
 
 
+def test_the_deepseek_rows_cover_every_pair_of_axes():
+    pairs = {frozenset(pair) for pair in itertools.combinations(AXES, 2)}
+    missing = sorted(sorted(pair) for pair in pairs
+                     if not any(pair <= features(ranks, options) for ranks, model, options in MATRIX
+                                if model in DEEPSEEK_FAMILY))
+    assert not missing, f"no deepseek_v3 row of MATRIX combines {missing}"
+
+
 def test_the_matrix_has_the_three_axis_layouts():
     for layout_ranks, model, sizes, extra in THREE_AXIS_LAYOUTS:
         assert any(ranks == layout_ranks and name == model
@@ -251,11 +314,7 @@ def assert_equals_serial(result: dict, model: str) -> None:
     """Every step ran; every loss, gradient (each parameter, each step) and weight within TOLERANCE of serial."""
     settings, options = MODELS[model], result["options"]
     steps = settings["steps"]
-    config = GPTConfig(n_layer=settings["n_layer"], n_embd=settings["n_embd"], n_head=settings["n_head"],
-                       vocab_size=settings["vocab_size"], n_experts=settings.get("experts", 0),
-                       moe_top_k=settings.get("top_k", 2), arch=settings.get("arch", "gpt2"),
-                       n_kv_head=settings.get("n_kv_head", 0), ffn_hidden=settings.get("ffn_hidden", 0),
-                       tie_embeddings=settings.get("tie_embeddings"))
+    config = model_config(TrainSettings.from_options(**settings))
     assert result["steps"] == steps and result["losses"] == steps + 1, options  # + the validation loss
     assert result["gradients_compared"] == steps * len(parameter_shapes(config)), options
     assert result["loss_error"] <= TOLERANCE, (options, result["loss_error"])

@@ -33,6 +33,15 @@ MESHES = [
     (4, "--arch llama --n-kv-head 1 --tp 4 --sp --microbatches 2"),
     (4, "--arch llama --n-kv-head 2 --tp 2 --cp 2 --cp-attention all-gather --pp 1"),
     (4, "--arch llama --n-kv-head 2 --pp 2 --dp 2 --experts 4 --ep 2 --top-k 2"),
+    # DeepSeek-V3: a dense first block beside MoE ones over tp, the compressed latent gathered over cp,
+    # the replicated down-projections' partial gradients summed over tp
+    (4, "--arch deepseek_v3 --n-layer 3 --experts 4 --top-k 2 --first-k-dense 1 --q-lora-rank 8 --tp 2 --cp 2 "
+        "--cp-attention all-gather --recompute full"),
+    (2, "--arch deepseek_v3 --experts 4 --top-k 2 --first-k-dense 1 --tp 2 --sp"),
+    (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 2 --tp 2 --recompute full"),  # MTP on the head rank
+    (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 1 --pp 2"),  # wte's gradient between the end stages
+    (4, "--arch deepseek_v3 --experts 4 --top-k 2 --tp 2 --cp 2 --cp-attention ulysses --recompute full"),
+    (4, "--arch deepseek_v3 --cp 4 --cp-attention ring"),
 ]
 LINE = re.compile(r"^rank (\d+): (.*)$")
 AXIS = re.compile(r"(\w+) ([\d.]+) MB \((?:formula ([\d.]+) MB, ratio ([\d.]+)|no formula[^)]*)\)")

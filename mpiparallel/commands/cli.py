@@ -274,6 +274,45 @@ def threads_option(command: Callable) -> Callable:
              "OPENBLAS_NUM_THREADS, if set, win]")(command)
 
 
+def deepseek_options(command: Callable) -> Callable:
+    """The DeepSeek-V3 family's options of `train` (`--arch deepseek_v3`; models/deepseek_v3.py)."""
+    options = [
+        click.option("--q-lora-rank", type=click.IntRange(min=1), default=default("q_lora_rank"),
+                     help="deepseek_v3: query down-projection rank (q_a_proj). [default: none, one q_proj]"),
+        click.option("--kv-lora-rank", type=click.IntRange(min=1), default=default("kv_lora_rank"),
+                     help="deepseek_v3: compressed KV latent channels. [default: n_embd/4]"),
+        click.option("--qk-nope-head-dim", type=click.IntRange(min=1), default=default("qk_nope_head_dim"),
+                     help="deepseek_v3: query/key channels per head without RoPE. [default: n_embd/n_head]"),
+        click.option("--qk-rope-head-dim", type=click.IntRange(min=2), default=default("qk_rope_head_dim"),
+                     help="deepseek_v3: RoPE channels per head, one key shared by all heads. [default: half the "
+                          "nope width, even]"),
+        click.option("--v-head-dim", type=click.IntRange(min=1), default=default("v_head_dim"),
+                     help="deepseek_v3: value channels per head. [default: n_embd/n_head]"),
+        click.option("--moe-ffn-hidden", type=click.IntRange(min=1), default=default("moe_ffn_hidden"),
+                     help="deepseek_v3: SwiGLU width of each routed and shared expert. [default: ffn_hidden/8]"),
+        click.option("--shared-experts", type=click.IntRange(min=0), default=default("shared_experts"),
+                     help="deepseek_v3: always-on shared experts (one SwiGLU shared-experts × moe-ffn-hidden wide)."),
+        click.option("--n-group", type=click.IntRange(min=1), default=default("n_group"),
+                     help="deepseek_v3: expert groups of group-limited routing (DeepSeek-V3: the nodes)."),
+        click.option("--topk-group", type=click.IntRange(min=1), default=default("topk_group"),
+                     help="deepseek_v3: groups each token may use, the best by their top-2 scores' sum."),
+        click.option("--routed-scaling-factor", type=click.FloatRange(min=0, min_open=True),
+                     default=default("routed_scaling_factor"),
+                     help="deepseek_v3: factor on the routed experts' gates."),
+        click.option("--first-k-dense", type=click.IntRange(min=0), default=default("first_k_dense"),
+                     help="deepseek_v3: the first blocks keep a dense MLP (first_k_dense_replace)."),
+        click.option("--moe-seq-aux-coef", type=click.FloatRange(min=0), default=default("moe_seq_aux_coef"),
+                     help="deepseek_v3: α of the sequence-wise balance loss (DeepSeek-V3 eq. 17–20)."),
+        click.option("--mtp-depth", type=click.IntRange(min=0), default=default("mtp_depth"),
+                     help="deepseek_v3: multi-token-prediction modules, module k predicting the token k + 1 ahead."),
+        click.option("--mtp-weight", type=click.FloatRange(min=0, min_open=True), default=default("mtp_weight"),
+                     help="deepseek_v3: λ, the MTP losses' weight (λ/D each)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command(context_settings={"show_default": True})
 @ranks_option
 @click.option("--n-layer", type=click.IntRange(min=1), default=default("n_layer"), help="Transformer blocks.")
@@ -282,9 +321,10 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--vocab-size", type=click.IntRange(min=1), default=default("vocab_size"),
               help="Vocabulary. [default: the data folder's tokenizer (data.json; 2,048 without --data), else 256 "
                    "(bytes)]")
-@click.option("--arch", type=click.Choice(["gpt2", "llama"]), default=default("arch"),
-              help="Model family of a model from scratch: gpt2 (learned positions, LayerNorm, GELU, tied head) or "
-                   "llama (RoPE, RMSNorm, grouped-query attention, SwiGLU, no biases; with --experts: Mixtral).")
+@click.option("--arch", type=click.Choice(["gpt2", "llama", "deepseek_v3"]), default=default("arch"),
+              help="Model family of a model from scratch: gpt2 (learned positions, LayerNorm, GELU, tied head), "
+                   "llama (RoPE, RMSNorm, grouped-query attention, SwiGLU, no biases; with --experts: Mixtral) or "
+                   "deepseek_v3 (multi-head latent attention; with --experts: DeepSeekMoE).")
 @click.option("--n-kv-head", type=click.IntRange(min=1), default=default("n_kv_head"),
               help="llama: key/value heads of grouped-query attention (must divide --n-head). [default: n_head]")
 @click.option("--ffn-hidden", type=click.IntRange(min=1), default=default("ffn_hidden"),
@@ -380,7 +420,8 @@ def threads_option(command: Callable) -> Callable:
               help="Replace every block's MLP by this many GPT-2 MLP experts (mixture of experts; 0: dense).")
 @click.option("--top-k", type=click.IntRange(min=1), default=default("top_k"), help="Experts each token is routed to.")
 @click.option("--moe-aux-coef", type=click.FloatRange(min=0), default=default("moe_aux_coef"),
-              help="Weight of the Switch load-balancing loss, per local token set.")
+              help="Weight of the Switch load-balancing loss, per local token set. [default: 0.01; deepseek_v3: 0, "
+                   "it balances with --moe-bias-rate and --moe-seq-aux-coef]")
 @click.option("--capacity-factor", type=click.FloatRange(min=0), default=default("capacity_factor"),
               help="Rows per expert per token set: ⌈C·K·tokens/E⌉; overflow dropped in token order (0: unlimited).")
 @click.option("--no-moe-renormalize", "moe_renormalize", flag_value=False, default=default("moe_renormalize"),
@@ -389,6 +430,7 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--moe-bias-rate", type=click.FloatRange(min=0), default=default("moe_bias_rate"),
               help="Aux-loss-free balancing (DeepSeek-V3): per-expert routing biases move by this rate toward "
                    "under-loaded experts after every step (0: off).")
+@deepseek_options
 @click.option("--dp", type=click.IntRange(min=1), default=default("dp"),
               help="Data-parallel ranks. [default: the ranks left over by tp·pp·cp]")
 @click.option("--tp", type=click.IntRange(min=1), default=default("tp"),
@@ -454,6 +496,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 4 --experts 8 --top-k 2 --ep 4
       mpiparallel train --arch llama --n-head 8 --n-kv-head 2 --n-embd 128 --steps 300
       mpiparallel train -n 4 --arch llama --n-head 4 --n-kv-head 1 --tp 2 --experts 4 --ep 2
+      mpiparallel train --arch deepseek_v3 --experts 8 --top-k 2 --n-group 4 --topk-group 2 --first-k-dense 1
     """
     _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
     if options["tensorboard"] is not None and importlib.util.find_spec("tensorboardX") is None:

@@ -51,7 +51,7 @@ def model_config(settings: TrainSettings) -> GPTConfig:
             config = GPTConfig(vocab_size=shape.vocab_size, n_positions=max(shape.n_positions, settings.data.seq_len),
                                n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head,
                                n_experts=shape.experts, moe_top_k=shape.top_k, moe_renormalize=shape.moe_renormalize,
-                               moe_aux_coef=shape.moe_aux_coef, moe_capacity_factor=shape.capacity_factor,
+                               moe_aux_coef=switch_aux_coef(shape), moe_capacity_factor=shape.capacity_factor,
                                moe_bias_rate=shape.moe_bias_rate, **_family_choices(shape))
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -70,7 +70,42 @@ def _family_choices(shape: ModelSettings) -> dict[str, Any]:
         raise ConfigError(f"{', '.join(given)} set(s) a llama choice: add --arch llama (GPT-2 has multi-head "
                           f"attention, a 4·n_embd MLP, learned positions and a tied head)")
     return {"arch": shape.arch, "n_kv_head": shape.n_kv_head or 0, "ffn_hidden": shape.ffn_hidden or 0,
-            "rope_theta": shape.rope_theta, "tie_embeddings": shape.tie_embeddings}
+            "rope_theta": shape.rope_theta, "tie_embeddings": shape.tie_embeddings} | deepseek_choices(shape)
+
+
+DEEPSEEK_DEFAULTS = {"shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                     "first_k_dense": 0, "moe_seq_aux_coef": 0.0, "mtp_depth": 0, "mtp_weight": 0.3}
+DEEPSEEK_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "moe_ffn_hidden")
+
+
+def deepseek_choices(shape: ModelSettings) -> dict[str, Any]:
+    """The GPTConfig fields of --arch deepseek_v3; one clear error when one is given for another family. Defaults
+    (DeepSeek-V2-Lite's proportions): nope and value heads n_embd/n_head, RoPE heads half that (even),
+    kv_lora_rank n_embd/4, no query compression, experts ffn_hidden/8 wide, one shared expert."""
+    given = [name for name in DEEPSEEK_SIZES if getattr(shape, name) is not None]
+    given += [name for name, default in DEEPSEEK_DEFAULTS.items() if getattr(shape, name) != default]
+    if shape.arch != "deepseek_v3":
+        if given:
+            raise ConfigError(f"{', '.join('--' + name.replace('_', '-') for name in given)} set(s) a deepseek_v3 "
+                              f"choice: add --arch deepseek_v3")
+        return {}
+    head = max(shape.n_embd // shape.n_head, 1)
+    nope = shape.qk_nope_head_dim or head
+    width = shape.ffn_hidden or 64 * -(-(8 * shape.n_embd) // (3 * 64))
+    return {"q_lora_rank": shape.q_lora_rank, "kv_lora_rank": shape.kv_lora_rank or max(shape.n_embd // 4, 1),
+            "qk_nope_head_dim": nope, "qk_rope_head_dim": shape.qk_rope_head_dim or max(2, nope // 2 // 2 * 2),
+            "v_head_dim": shape.v_head_dim or head, "moe_ffn_hidden": shape.moe_ffn_hidden or max(width // 8, 1),
+            "n_shared_experts": shape.shared_experts, "n_group": shape.n_group, "topk_group": shape.topk_group,
+            "routed_scaling_factor": shape.routed_scaling_factor, "first_k_dense_replace": shape.first_k_dense,
+            "moe_seq_aux_coef": shape.moe_seq_aux_coef, "mtp_depth": shape.mtp_depth, "mtp_weight": shape.mtp_weight}
+
+
+def switch_aux_coef(shape: ModelSettings) -> float:
+    """--moe-aux-coef, by default 0.01 (deepseek_v3: 0; it balances with the bias and the sequence-wise loss)."""
+    if shape.moe_aux_coef is not None:
+        return shape.moe_aux_coef
+    return 0.0 if shape.arch == "deepseek_v3" else 0.01
 
 
 def tokenizer(settings: TrainSettings, dataset: data.Dataset, config: GPTConfig) -> data.Tokenizer | None:

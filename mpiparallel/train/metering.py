@@ -156,7 +156,11 @@ def traffic_by_axis(trainer: Any, counted: dict[str, int], across_nodes: bool = 
         blocks=len(local - {0, config.n_layer + 1}), has_embedding=0 in local,
         has_head=config.n_layer + 1 in local, sp=settings.mesh.sp, recompute=settings.model.recompute,
         seq_len=settings.data.seq_len, cp_attention=settings.mesh.cp_attention, moe=bool(config.n_experts),
-        n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp)
+        n_head=config.n_head, kv_heads=config.kv_heads, tp=mesh.shape.tp,
+        dense_blocks=sum(not config.is_moe_layer(unit - 1) for unit in local - {0, config.n_layer + 1}),
+        latent_width=config.kv_lora_rank + config.qk_rope_head_dim if config.is_deepseek else 0,
+        mtp_depth=config.mtp_depth, latent_heads_width=config.n_head * (
+            config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) if config.is_deepseek else 0)
     partial = sum(piece.grad.nbytes for piece in trainer.engine.optimizer_parameters()
                   if isinstance(piece.placement.get("tp"), Partial))
     key_value_group = None if across_nodes else model.key_value_group  # KV heads held by several TP ranks
@@ -172,7 +176,7 @@ def traffic_by_axis(trainer: Any, counted: dict[str, int], across_nodes: bool = 
                 engine, trainer.microbatches, shape.itemsize, hooked=trainer.passes.hooked,
                 comm=mesh.communicators()[axis])
     if trainer.schedule is not None:
-        wte = model.params.get(TIED_WEIGHT) if config.tied else None  # ZeRO-3 may have freed its data
+        wte = model.params.get(TIED_WEIGHT) if config.head_reads_embedding else None  # ZeRO-3 may have freed it
         tied = 0 if wte is None else shape.gradient_bytes * math.prod(
             local_shape(wte.full_shape, wte.placement, {"tp": mesh.shape.tp}))
         predicted["pp"] = traffic.pipeline_bytes(shape, trainer.schedule, mesh.pp.rank, mesh.shape.tp, tied,

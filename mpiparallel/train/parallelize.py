@@ -132,6 +132,7 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
                           f"what is not FP8 is bfloat16), got --compute-dtype "
                           f"{settings.model.compute_dtype or settings.model.dtype}")
     check_experts(config, mesh)
+    check_sequence_balance(settings, mesh, config)
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     common = {"seed": settings.model.seed, "dtype": np.dtype(settings.model.dtype), "xp": xp,
               "recompute": settings.model.recompute, "compute_dtype": settings.model.compute_dtype,
@@ -184,6 +185,17 @@ def check_experts(config: GPTConfig, mesh: Mesh) -> None:
         raise ConfigError(f"--ep {ep} spreads experts over ranks: give --experts")
     if config.n_experts and config.n_experts % ep:
         raise ConfigError(f"--ep {ep} must divide --experts {config.n_experts} (each EP rank holds E/ep experts)")
+
+
+def check_sequence_balance(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:
+    """DeepSeek-V3's sequence-wise balance loss and its multi-token prediction need whole sequences on every
+    rank."""
+    split = mesh.shape.cp > 1 or (settings.mesh.sp and mesh.shape.tp > 1)
+    if config.moe_seq_aux_coef and split:
+        raise ConfigError("--moe-seq-aux-coef balances each sequence's routing: it needs whole sequences on every "
+                          "rank (no --cp, no --sp)")
+    if config.mtp_depth and split:
+        raise ConfigError("--mtp-depth shifts whole sequences by a token per module: it runs without --cp and --sp")
 
 
 # -- the update ----------------------------------------------------------------------------------------------

@@ -69,9 +69,11 @@ class NoTensorBoard:
 
 
 def describe_model(config: GPTConfig) -> str:
-    """GPT-2, Llama or Mixtral (a llama with experts)."""
+    """GPT-2, Llama, Mixtral (a llama with experts) or DeepSeek-V3."""
     if not config.is_llama:
         return "GPT-2"
+    if config.is_deepseek:
+        return "DeepSeek-V3"
     return "Mixtral" if config.n_experts else "Llama"
 
 

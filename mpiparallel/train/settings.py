@@ -32,7 +32,7 @@ class ModelSettings:
     recompute: str = "none"
     experts: int = 0
     top_k: int = 2
-    moe_aux_coef: float = 0.01
+    moe_aux_coef: float | None = None  # None: 0.01, or 0 for deepseek_v3 (which balances otherwise)
     capacity_factor: float = 0.0
     moe_renormalize: bool = True
     moe_bias_rate: float = 0.0
@@ -41,6 +41,20 @@ class ModelSettings:
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
     tie_embeddings: bool | None = None
+    q_lora_rank: int | None = None  # deepseek_v3's (None: the defaults `inputs.deepseek_choices` states)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    moe_ffn_hidden: int | None = None
+    shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense: int = 0
+    moe_seq_aux_coef: float = 0.0
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,202 @@
+"""DeepSeekMoE: shared experts every token passes through, and fine-grained routed experts chosen by a sigmoid
+router restricted to a few groups (DeepSeek-V3's report, section 2.1.2 and eq. 12–20).
+
+For one local token set (one microbatch on one rank: N tokens x_n, b sequences of T tokens), E routed experts in
+G = n_group groups of E/G, K choices per token:
+
+    scores     s_n = σ(x_n · W_r)                                   W_r [h, E] (`mlp.router.weight`), no bias
+    biased     s_n + b                                              b = the aux-loss-free bias (`expert_bias`,
+                                                                    transformers' `e_score_correction_bias`):
+                                                                    it chooses, it enters no gate
+    groups     each group's score: the sum of its 2 largest biased scores; keep the `topk_group` best groups
+    chosen     the K largest biased scores inside the kept groups    ties → the lower index
+    gates      g_nk = c · s_n[chosen_nk] / (Σ_j s_n[chosen_nj] + 1e-20)    (norm_topk_prob; else c · s_n[chosen_nk]),
+                                                                    c = routed_scaling_factor
+    output     y_n = shared(x_n) + Σ_k g_nk · expert_{chosen_nk}(x_n)
+
+The shared experts are one SwiGLU MLP n_shared·moe_intermediate_size wide (transformers stores them so); each
+routed expert is a SwiGLU MLP moe_intermediate_size wide. The routed part is `models.moe.MixtureOfExperts` with
+this router (capacity, expert parallelism and their all-to-allv included); only the router is new.
+
+Sequence-wise balance loss (eq. 17–20, coefficient α, `--moe-seq-aux-coef`), per sequence of T tokens:
+
+    s'_t   = s_t / Σ_j s_tj                   the scores normalized per token
+    f_i    = E / (K·T) · #{t : i chosen for t}    P_i = (1/T) Σ_t s'_ti          L = α Σ_i f_i · P_i
+
+and the token set's aux loss is the mean of L over its b sequences (so sets of whole sequences average to the
+serial value on any mesh that keeps sequences whole). f counts choices: it has no gradient. Backward, with
+aux_weight w = d(objective)/d(aux) of this set: d s'_ti = w·α·f_i / (T·b), then through the normalization,
+d s_t = (d s'_t − Σ_i d s'_ti · s'_ti) / Σ_j s_tj.
+
+Backward of the gates (d g from the experts' side; choosing has no gradient): with norm_topk_prob,
+d s[chosen_k] = (c · d g_k − Σ_j d g_j · g_j) / (Σ_j s[chosen_j] + 1e-20); without, c · d g_k; then
+d logits = d s · σ'(logits) = d s · s · (1 − s). Communication: none here (the routed part's all-to-allv under EP
+is `models.moe`'s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from collectives.backend import Array, get_array_module, to_host
+
+from .layers import Layer, Saved, row_sums
+from .moe import MixtureOfExperts, Router, RouterStats, expert_capacity
+
+GATE_EPSILON = 1e-20
+"""Added to the chosen scores' sum before normalizing (DeepSeek's and transformers' guard against 0/0)."""
+
+
+def _sigmoid(logits: Array) -> Array:
+    """σ(logits), in place."""
+    xp = get_array_module(logits)
+    xp.negative(logits, out=logits)
+    xp.exp(logits, out=logits)
+    logits += 1.0
+    return xp.reciprocal(logits, out=logits)
+
+
+class SigmoidRouter(Router):
+    """DeepSeek-V3's router (see the module docstring): sigmoid scores, group-limited top-k on the biased scores,
+    gates from the unbiased ones. Same interface as `models.moe.Router`, which it extends: `forward(x2d,
+    sequences)` returns the routing (`order`, `counts`, `gates`, `stats`), `backward_input` d(x2d) from d(gates).
+    """
+
+    def __init__(self, weight: Any, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                 routed_scaling_factor: float = 1.0, capacity_factor: float = 0.0, seq_aux_coef: float = 0.0,
+                 aux_weight: float = 1.0, expert_bias: Array | None = None) -> None:
+        super().__init__(weight, top_k, norm_topk_prob, capacity_factor, 0.0, aux_weight, expert_bias)
+        check_groups(self.n_experts, top_k, n_group, topk_group)
+        if seq_aux_coef < 0:
+            raise ValueError(f"seq_aux_coef must be >= 0, got {seq_aux_coef}")
+        self.n_group, self.topk_group = n_group, topk_group
+        self.scaling, self.seq_aux_coef = routed_scaling_factor, seq_aux_coef
+
+    def forward(self, x2d: Array, sequences: int = 1) -> Saved:
+        xp = get_array_module(x2d)
+        scores = _sigmoid(x2d @ self.weight.data)
+        chosen = self._choose(scores)
+        chosen_scores = xp.take_along_axis(scores, chosen, axis=1)
+        chosen_total = row_sums(chosen_scores) + GATE_EPSILON if self.renormalize else None
+        gates = chosen_scores * (self.scaling / chosen_total if self.renormalize else self.scaling)
+        capacity = expert_capacity(self.capacity_factor, self.top_k, len(x2d), self.n_experts)
+        order, assignments = self._assign(chosen.reshape(-1), capacity)
+        counts = to_host(assignments) if capacity is None else np.minimum(to_host(assignments), capacity)
+        routing = Saved(x2d=x2d, scores=scores, chosen=chosen, chosen_total=chosen_total, gates=gates, order=order,
+                        counts=counts.tolist(), sequences=sequences)
+        routing.stats = self._stats(routing, to_host(assignments), counts)
+        return routing
+
+    def _choose(self, scores: Array) -> Array:
+        """The K best biased scores per row inside its `topk_group` best groups, best first."""
+        xp = get_array_module(scores)
+        biased = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:
+            tokens = len(biased)
+            by_group = biased.reshape(tokens, self.n_group, -1)
+            top_two = -xp.sort(-by_group, axis=2)[:, :, :2].sum(axis=2)  # (N, G)
+            kept = xp.argsort(-top_two, axis=1, kind="stable")[:, :self.topk_group]
+            allowed = xp.zeros((tokens, self.n_group), dtype=bool)
+            allowed[xp.arange(tokens)[:, None], kept] = True
+            biased = xp.where(xp.repeat(allowed, self.n_experts // self.n_group, axis=1), biased, -xp.inf)
+        return xp.argsort(-biased, axis=1, kind="stable")[:, :self.top_k]
+
+    def _stats(self, routing: Saved, assignments: np.ndarray, processed: np.ndarray) -> RouterStats:
+        xp = get_array_module(routing.scores)
+        tokens = len(routing.scores)
+        kept = xp.zeros(tokens * self.top_k, dtype=bool)
+        kept[routing.order] = True
+        served = int(kept.reshape(tokens, self.top_k).any(axis=1).sum())
+        aux = float(self._sequence_balance(routing)[0]) if self.seq_aux_coef else 0.0
+        return RouterStats(tokens, assignments, processed, tokens - served, aux)
+
+    def _sequence_balance(self, routing: Saved) -> tuple[Array, Array, Array]:
+        """(α · mean over sequences of Σ_i f_i·P_i, f per sequence (b, E), the normalized scores (b, T, E))."""
+        xp = get_array_module(routing.scores)
+        sequences, experts = routing.sequences, self.n_experts
+        length = len(routing.scores) // sequences
+        normalized = (routing.scores / row_sums(routing.scores)).reshape(sequences, length, experts)
+        chosen = routing.chosen.reshape(sequences, -1)
+        counts = xp.zeros((sequences, experts), dtype=routing.scores.dtype)
+        for sequence in range(sequences):
+            counts[sequence] = xp.bincount(chosen[sequence], minlength=experts)
+        fractions = counts * (experts / (self.top_k * length))
+        balance = (fractions * normalized.mean(axis=1)).sum(axis=1).mean()
+        return self.seq_aux_coef * balance, fractions, normalized
+
+    def backward_input(self, routing: Saved, dgates: Array) -> Array:
+        """d(x2d) through the router from d(gates) (N, K; zero for dropped assignments) and the balance loss."""
+        xp = get_array_module(dgates)
+        if self.renormalize:
+            dchosen = (self.scaling * dgates - row_sums(dgates * routing.gates)) / routing.chosen_total
+        else:
+            dchosen = self.scaling * dgates
+        tokens = len(dgates)
+        dscores = self._balance_gradient(routing) if self.seq_aux_coef else xp.zeros_like(routing.scores)
+        dscores[xp.arange(tokens)[:, None], routing.chosen] += dchosen  # a row never chooses an expert twice
+        scores = routing.scores
+        dscores *= scores
+        dscores *= 1.0 - scores
+        routing.dlogits = dscores
+        for name in ("scores", "chosen", "chosen_total", "gates"):  # only the input pass needed them
+            delattr(routing, name)
+        return routing.dlogits @ self.weight.data.T
+
+    def _balance_gradient(self, routing: Saved) -> Array:
+        """d(aux_weight · L)/d(scores) (N, E) of the sequence-wise balance loss (f held constant)."""
+        _, fractions, normalized = self._sequence_balance(routing)
+        sequences, length, _ = normalized.shape
+        dnormalized = (self.aux_weight * self.seq_aux_coef / (length * sequences)) * fractions[:, None, :]
+        xp, experts = get_array_module(fractions), self.n_experts
+        dnormalized = xp.broadcast_to(dnormalized, normalized.shape).reshape(-1, experts)
+        normalized = normalized.reshape(-1, experts)
+        return (dnormalized - row_sums(dnormalized * normalized)) / row_sums(routing.scores)
+
+
+def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Group-limited routing's shape rules, one ValueError naming the broken one."""
+    if n_group < 1 or n_experts % n_group:
+        raise ValueError(f"n_group ({n_group}) must be at least 1 and divide the routed experts ({n_experts})")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be between 1 and n_group ({n_group}), got {topk_group}")
+    if n_group > 1 and n_experts // n_group < 2:
+        raise ValueError(f"a group's score is the sum of its 2 best experts: n_group ({n_group}) leaves "
+                         f"{n_experts // n_group} expert(s) per group")
+    if top_k > topk_group * (n_experts // n_group):
+        raise ValueError(f"top_k ({top_k}) exceeds the experts of the topk_group ({topk_group}) kept groups "
+                         f"({topk_group * (n_experts // n_group)})")
+
+
+class DeepSeekMoE(Layer):
+    """The DeepSeekMoE layer in place of a block's MLP: the routed experts (`MixtureOfExperts` with a
+    `SigmoidRouter`) plus the shared experts (an MLP; None when n_shared_experts is 0), summed. Forward keeps the
+    router's statistics in `saved.stats`, as `MixtureOfExperts` does, so `MoEBlock` can use it."""
+
+    def __init__(self, routed: MixtureOfExperts, shared: Any = None) -> None:
+        self.routed, self.shared = routed, shared
+
+    @property
+    def router(self) -> SigmoidRouter:
+        return self.routed.router
+
+    def forward(self, x: Array) -> tuple[Array, Saved]:
+        y, routed = self.routed.forward(x)
+        saved = Saved(routed=routed, stats=routed.stats)
+        if self.shared is not None:
+            shared_out, saved.shared = self.shared.forward(x)
+            y += shared_out
+        return y, saved
+
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        dx = self.routed.backward_input(saved.routed, dout)
+        if self.shared is not None:
+            dx += self.shared.backward_input(saved.shared, dout)
+        return dx
+
+    def backward_weights(self, saved: Saved) -> None:
+        if self.shared is not None:
+            self.shared.backward_weights(saved.shared)
+        self.routed.backward_weights(saved.routed)
+        saved.clear()

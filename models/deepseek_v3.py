@@ -1,0 +1,243 @@
+"""The DeepSeek-V3 family (`GPTConfig.arch` "deepseek_v3") as choices of the one transformer: its parameters,
+its checks, and the block the model builds from them (`DeepSeekV3Blocks`, mixed into
+`models.transformer.Transformer`, so the tensor-parallel model's layer factories apply to it as to every family).
+
+A block is the llama block (RMSNorm, residual adds) with two parts replaced:
+
+    attention    multi-head latent attention (`models.latent_attention`): q_a_proj, q_a_layernorm, q_b_proj
+                 (or q_proj when q_lora_rank is None), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    MLP          blocks 0 … first_k_dense_replace − 1: a dense SwiGLU `ffn_hidden` wide (intermediate_size);
+                 the others DeepSeekMoE (`models.deepseek_moe`): a sigmoid router, `n_experts` routed SwiGLU
+                 experts `moe_ffn_hidden` wide and one shared SwiGLU n_shared_experts·moe_ffn_hidden wide
+
+Our names (linears [in, out], as every linear here; `models.families` maps them to transformers'):
+
+    transformer.h.{i}.attn.q_a_proj.weight [C, r_q]      … q_a_layernorm.weight [r_q], q_b_proj.weight [r_q, H·d_qk]
+    transformer.h.{i}.attn.q_proj.weight [C, H·d_qk]     (q_lora_rank None)
+    transformer.h.{i}.attn.kv_a_proj_with_mqa.weight [C, r + d_r], kv_a_layernorm.weight [r],
+    transformer.h.{i}.attn.kv_b_proj.weight [r, H·(d_n + d_v)], o_proj.weight [H·d_v, C]
+    transformer.h.{i}.mlp.router.weight [C, E], mlp.router.expert_bias [E] (state: e_score_correction_bias)
+    transformer.h.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight, mlp.shared_experts.…
+    transformer.mtp.{k}.enorm.weight, hnorm.weight [C], eh_proj.weight [2C, C], shared_head.norm.weight [C], and
+    a block's ln_1, attn.*, ln_2, mlp.* (MoE when the model has experts): the multi-token-prediction modules
+    (`models.multi_token`; checkpoint layers n_layer + k, as DeepSeek's)
+
+with d_qk = d_n + d_r. No communication here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
+from .latent_attention import LatentAttention, LowRankProjection
+from .latent_context_parallel import GatheredLatentAttention, RingLatentAttention, UlyssesLatentAttention
+from .layers import Block, Linear, LMHead, RMSNorm
+from .moe import MixtureOfExperts, MoEBlock, expert_bias_name
+from .multi_token import MultiTokenPrediction, PredictionModule
+from .rotary import softmax_scale_correction
+
+ARCH = "deepseek_v3"
+LATENT_NORM_EPS = 1e-6
+"""q_a_layernorm's and kv_a_layernorm's eps: fixed, not rms_norm_eps (DeepSeek's code and transformers alike)."""
+LATENT_DIMENSIONS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def check_choices(config: Any) -> None:
+    """Raise ValueError naming the first DeepSeek-V3 setting that cannot build a model."""
+    for name in LATENT_DIMENSIONS:
+        if getattr(config, name) < 1:
+            raise ValueError(f"deepseek_v3 needs {name} >= 1, got {getattr(config, name)}")
+    if config.n_kv_head not in (0, config.n_head):
+        raise ValueError("multi-head latent attention has no KV heads to group: n_kv_head is a llama setting")
+    if config.q_lora_rank is not None and config.q_lora_rank < 1:
+        raise ValueError(f"q_lora_rank must be >= 1, or None for one query projection; got {config.q_lora_rank}")
+    if config.qk_rope_head_dim % 2:
+        raise ValueError(f"RoPE rotates channel pairs: qk_rope_head_dim ({config.qk_rope_head_dim}) must be even")
+    if config.mtp_depth < 0 or (config.mtp_depth and config.mtp_weight <= 0):
+        raise ValueError(f"mtp_depth must be >= 0 and mtp_weight > 0 with it, got {config.mtp_depth} and "
+                         f"{config.mtp_weight}")
+    if not 0 <= config.first_k_dense_replace <= config.n_layer:
+        raise ValueError(f"first_k_dense_replace must be between 0 and n_layer ({config.n_layer}), "
+                         f"got {config.first_k_dense_replace}")
+    if config.n_experts:
+        if config.moe_ffn_hidden < 1 or config.n_shared_experts < 0:
+            raise ValueError(f"DeepSeekMoE needs moe_ffn_hidden >= 1 and n_shared_experts >= 0, got "
+                             f"{config.moe_ffn_hidden} and {config.n_shared_experts}")
+        if config.moe_aux_coef:
+            raise ValueError("deepseek_v3 balances its experts with the expert bias (--moe-bias-rate) and the "
+                             "sequence-wise loss (--moe-seq-aux-coef), not the Switch loss: moe_aux_coef must be 0")
+        check_groups(config.n_experts, config.moe_top_k, config.n_group, config.topk_group)
+
+
+def query_head_dim(config: Any) -> int:
+    """d_qk = d_n + d_r: the query and key head width."""
+    return config.qk_nope_head_dim + config.qk_rope_head_dim
+
+
+def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape in checkpoint order (see the module docstring)."""
+    c = config.n_embd
+    shapes = {"transformer.wte.weight": (config.vocab_size, c)}
+    for i in range(config.n_layer):
+        block = f"transformer.h.{i}"
+        shapes[f"{block}.ln_1.weight"] = (c,)
+        shapes |= _attention_shapes(config, f"{block}.attn")
+        shapes[f"{block}.ln_2.weight"] = (c,)
+        shapes |= _feed_forward_shapes(config, i, f"{block}.mlp")
+    shapes["transformer.ln_f.weight"] = (c,)
+    if not config.tied:
+        shapes["lm_head.weight"] = (config.vocab_size, c)
+    for k in range(config.mtp_depth):
+        module = mtp_prefix(k)
+        shapes |= {f"{module}.enorm.weight": (c,), f"{module}.hnorm.weight": (c,),
+                   f"{module}.eh_proj.weight": (2 * c, c), f"{module}.ln_1.weight": (c,)}
+        shapes |= _attention_shapes(config, f"{module}.attn")
+        shapes[f"{module}.ln_2.weight"] = (c,)
+        shapes |= _feed_forward_shapes(config, config.n_layer, f"{module}.mlp")
+        shapes[f"{module}.shared_head.norm.weight"] = (c,)
+    return shapes
+
+
+def mtp_prefix(k: int) -> str:
+    """Our name prefix of multi-token-prediction module k (0-based: it predicts k + 2 tokens ahead)."""
+    return f"transformer.mtp.{k}"
+
+
+def _attention_shapes(config: Any, prefix: str) -> dict[str, tuple[int, ...]]:
+    c, heads, rank = config.n_embd, config.n_head, config.kv_lora_rank
+    queries = heads * query_head_dim(config)
+    if config.q_lora_rank is None:
+        shapes = {f"{prefix}.q_proj.weight": (c, queries)}
+    else:
+        shapes = {f"{prefix}.q_a_proj.weight": (c, config.q_lora_rank),
+                  f"{prefix}.q_a_layernorm.weight": (config.q_lora_rank,),
+                  f"{prefix}.q_b_proj.weight": (config.q_lora_rank, queries)}
+    return shapes | {
+        f"{prefix}.kv_a_proj_with_mqa.weight": (c, rank + config.qk_rope_head_dim),
+        f"{prefix}.kv_a_layernorm.weight": (rank,),
+        f"{prefix}.kv_b_proj.weight": (rank, heads * (config.qk_nope_head_dim + config.v_head_dim)),
+        f"{prefix}.o_proj.weight": (heads * config.v_head_dim, c),
+    }
+
+
+def _swiglu_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (c, width), f"{prefix}.up_proj.weight": (c, width),
+            f"{prefix}.down_proj.weight": (width, c)}
+
+
+def _feed_forward_shapes(config: Any, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    c = config.n_embd
+    if not config.is_moe_layer(layer):
+        return _swiglu_shapes(prefix, c, config.ffn_width)
+    shapes = {f"{prefix}.router.weight": (c, config.n_experts)}
+    for e in range(config.n_experts):
+        shapes |= _swiglu_shapes(f"{prefix}.experts.{e}", c, config.moe_ffn_hidden)
+    if config.n_shared_experts:
+        shapes |= _swiglu_shapes(f"{prefix}.shared_experts", c, config.n_shared_experts * config.moe_ffn_hidden)
+    return shapes
+
+
+def parameter_counts(config: Any, mtp_depth: int = 1) -> dict[str, int]:
+    """What a DeepSeek-V3 model holds and computes with, counted from `parameter_shapes`:
+
+    total      every parameter of the main model (embedding and untied head included; no MTP module)
+    activated  what one token's forward multiplies by: everything but the routed experts, plus top_k routed
+               experts per MoE block (the embedding row and the head counted whole, as DeepSeek counts)
+    mtp        `mtp_depth` multi-token-prediction modules as DeepSeek's checkpoint stores them: per module one MoE
+               block, eh_proj [2h, h], enorm, hnorm and shared_head.norm, and its own copies of the embedding and
+               the head (layer num_hidden_layers of the published checkpoint)
+
+    DeepSeek-V3's published config gives 671.0 B total, 37.6 B activated (the report's "37B"), and 13.5 B of MTP:
+    684.5 B in the checkpoint (Hugging Face's "685B")."""
+    shapes = parameter_shapes(config)
+    total = sum(math.prod(shape) for shape in shapes.values())
+    routed = sum(math.prod(shape) for name, shape in shapes.items() if ".mlp.experts." in name)
+    moe_blocks = [i for i in range(config.n_layer) if config.is_moe_layer(i)]
+    per_expert = routed // (len(moe_blocks) * config.n_experts) if moe_blocks else 0
+    activated = total - routed + len(moe_blocks) * config.moe_top_k * per_expert
+    last = f"transformer.h.{moe_blocks[-1] if moe_blocks else config.n_layer - 1}."
+    block = sum(math.prod(shape) for name, shape in shapes.items() if name.startswith(last))
+    h, table = config.n_embd, config.vocab_size * config.n_embd
+    mtp = mtp_depth * (block + 2 * h * h + 3 * h + 2 * table)
+    return {"total": total, "activated": activated, "mtp": mtp}
+
+
+class DeepSeekV3Blocks:
+    """The DeepSeek-V3 block, built with the model's layer factories (`models.transformer.Transformer` and its
+    tensor-parallel subclass): `_narrowed`, `_norm`, `_row_parallel`, `_mlp`, `_expert`, `_local_heads`,
+    `_local_experts`, and `_enter_attention` (identity in the serial model; the tensor-parallel model enters its
+    group there once for the whole attention, whose up-projections hold this rank's heads and whose o_proj is
+    row-parallel)."""
+
+    def _deepseek_block(self, i: int, prefix: str | None = None) -> Block:
+        """Block i (`prefix` names its parameters: transformer.h.{i} by default, an MTP module's otherwise; the
+        MTP modules' MoE chooses with no selection bias and adds no balance loss)."""
+        config, main = self.config, prefix is None
+        prefix = prefix or f"transformer.h.{i}"
+        attention = self._enter_attention(self._latent_attention(f"{prefix}.attn"))
+        if config.is_moe_layer(i):
+            block, mlp = MoEBlock, self._deepseek_moe(i, f"{prefix}.mlp", balanced=main)
+        else:
+            block, mlp = Block, self._mlp(f"{prefix}.mlp")
+        return block(self._norm(f"{prefix}.ln_1"), attention, self._norm(f"{prefix}.ln_2"), mlp,
+                     recompute_full=self.recompute == "full")
+
+    def _output_head(self) -> Any:
+        """The head unit: the final norm, the head and its cross-entropy, and the MTP modules when mtp_depth > 0."""
+        head = LMHead(self._norm("transformer.ln_f"), self._cross_entropy())
+        config = self.config
+        if not config.is_deepseek or not config.mtp_depth:
+            return head
+        modules = [PredictionModule(self._norm(f"{mtp_prefix(k)}.enorm"), self._norm(f"{mtp_prefix(k)}.hnorm"),
+                                    self._plain_linear(f"{mtp_prefix(k)}.eh_proj"),
+                                    self._deepseek_block(config.n_layer, mtp_prefix(k)),
+                                    self._norm(f"{mtp_prefix(k)}.shared_head.norm"), self._cross_entropy())
+                   for k in range(config.mtp_depth)]
+        return MultiTokenPrediction(head, modules, self._embedding(), config.mtp_weight)
+
+    def _enter_attention(self, attention: Any) -> Any:
+        return attention
+
+    def _latent_attention(self, prefix: str) -> LatentAttention:
+        config = self.config
+        if config.q_lora_rank is None:
+            query = self._plain_linear(f"{prefix}.q_proj")
+        else:
+            query = LowRankProjection(self._plain_linear(f"{prefix}.q_a_proj"),
+                                      self._latent_norm(f"{prefix}.q_a_layernorm"),
+                                      self._plain_linear(f"{prefix}.q_b_proj"))
+        scale = softmax_scale_correction(config.rope_scaling) / query_head_dim(config) ** 0.5
+        layers = (query, self._plain_linear(f"{prefix}.kv_a_proj_with_mqa"),
+                  self._latent_norm(f"{prefix}.kv_a_layernorm"), self._plain_linear(f"{prefix}.kv_b_proj"),
+                  self._row_parallel(f"{prefix}.o_proj"), self._local_heads(), config.qk_nope_head_dim,
+                  config.qk_rope_head_dim, config.v_head_dim, self.rope, config.rope_interleave)
+        settings = {"softmax_scale": scale, "query_block": self.query_block,
+                    "keep_probabilities": self.recompute != "selective"}
+        if self.context is None:
+            return LatentAttention(*layers, **settings)
+        variant = {"ring": RingLatentAttention, "all-gather": GatheredLatentAttention,
+                   "ulysses": UlyssesLatentAttention}[self.context.variant]
+        return variant(*layers, comm=self.context.comm, **settings)
+
+    def _latent_norm(self, prefix: str) -> Any:
+        """The RMSNorm of a compressed query or KV latent (eps `LATENT_NORM_EPS`; statistics kept wide)."""
+        return self._narrowed(RMSNorm(self.params[f"{prefix}.weight"], LATENT_NORM_EPS), statistics=("rstd",))
+
+    def _plain_linear(self, prefix: str) -> Any:
+        """A bias-free linear of this rank's weight as it is held (whole, or its heads' columns under TP)."""
+        return self._narrowed(Linear(self.params[f"{prefix}.weight"]))
+
+    def _deepseek_moe(self, i: int, prefix: str, balanced: bool = True) -> DeepSeekMoE:
+        config = self.config
+        router = SigmoidRouter(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.n_group,
+                               config.topk_group, config.moe_renormalize, config.routed_scaling_factor,
+                               config.moe_capacity_factor, config.moe_seq_aux_coef if balanced else 0.0,
+                               aux_weight=1.0 / self.moe_token_sets,
+                               expert_bias=self.expert_biases[expert_bias_name(i)] if balanced else None)
+        routed = MixtureOfExperts(router, [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()],
+                                  self.ep_comm)
+        shared = self._expert(f"{prefix}.shared_experts") if config.n_shared_experts else None
+        return DeepSeekMoE(routed, shared)
+
