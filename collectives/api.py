@@ -72,24 +72,25 @@ ALGORITHMS: dict[str, dict[str, Callable[..., Steps] | None]] = {
 }
 """Valid `algo` names per collective ("auto" is valid everywhere)."""
 
-EXTRA_ARGUMENTS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("all_reduce", "ring"): ("segment_bytes",),
-    ("all_reduce", "rabenseifner"): ("segment_bytes",),
-    ("all_reduce", "hierarchical"): ("layout", "segment_bytes"),
-    ("all_reduce", "pairwise"): ("average_over", "segment_bytes"),
-    ("reduce_scatter", "ring"): ("segment_bytes",),
-    ("reduce_scatter", "recursive_halving"): ("segment_bytes",),
-    ("reduce_scatter", "hierarchical"): ("layout", "segment_bytes"),
-    ("reduce_scatter", "pairwise"): ("average_over", "segment_bytes"),
-    ("all_gather", "ring"): ("segment_bytes",),
-    ("all_gather", "recursive_doubling"): ("segment_bytes",),
-    ("all_gather", "hierarchical"): ("layout", "segment_bytes"),
-    ("broadcast", "scatter_allgather"): ("segment_bytes",),
-    ("reduce", "rabenseifner"): ("segment_bytes",),
+EXTRA_ARGUMENTS: dict[Callable[..., Steps], tuple[str, ...]] = {
+    ring_all_reduce: ("segment_bytes",),
+    rabenseifner_all_reduce: ("segment_bytes",),
+    hierarchical_all_reduce: ("layout", "segment_bytes"),
+    pairwise_all_reduce: ("average_over", "segment_bytes"),
+    ring_reduce_scatter: ("segment_bytes",),
+    recursive_halving_reduce_scatter: ("segment_bytes",),
+    hierarchical_reduce_scatter: ("layout", "segment_bytes"),
+    pairwise_reduce_scatter: ("average_over", "segment_bytes"),
+    ring_all_gather: ("segment_bytes",),
+    recursive_doubling_all_gather: ("segment_bytes",),
+    hierarchical_all_gather: ("layout", "segment_bytes"),
+    scatter_allgather_broadcast: ("segment_bytes",),
+    rabenseifner_reduce: ("segment_bytes",),
 }
 """What a hand-written algorithm takes after (x, out, rank, size[, root][, reduce]), in this order: `average_over`
 (it divides before its one rounding, pairwise, instead of after), `layout` (where the ranks live: the hierarchical
-algorithms), `segment_bytes` (the pipelining segment of the algorithms that cut their blocks); none for the rest."""
+algorithms), `segment_bytes` (the pipelining segment of the algorithms that cut their blocks). Any other function
+(the rest, or one put in `ALGORITHMS` in their place) takes none."""
 
 
 class CollectiveMismatchError(ValueError):
@@ -255,7 +256,7 @@ class _Plan:
         else:
             self.algorithm = ALGORITHMS[name][algo]
             self.arguments = (comm.rank, comm.size, *rooted, *(() if op is None else (reducer(op, x),)))
-            extra = EXTRA_ARGUMENTS.get((name, algo), ())
+            extra = EXTRA_ARGUMENTS.get(self.algorithm, ())
             if "average_over" in extra:  # it divides before its one rounding (pairwise), not after
                 self.arguments += (self.average_over,)
                 self.average_over = 0
