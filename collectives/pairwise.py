@@ -34,7 +34,7 @@ Error of a bfloat16 sum (u = 2^-8, bfloat16's unit roundoff; u32 = 2^-24; s = Σ
 (the float32 sum of n terms, then one rounding to bfloat16; against a rounding of each of n−1 partial sums,
 Higham's bound for recursive summation; the trees and recursive halving round as often).
 Both assume no overflow and no underflow below bfloat16's smallest normal, 2^-126. Measured on gradient-like
-data (`mpiexec -n N python tests/workers/precision_checks.py`: 2^18 elements per rank in 8 groups of
+data (`mpiexec -n N python tests/support/workers/precision_checks.py`: 2^18 elements per rank in 8 groups of
 magnitudes 1e-6 … 1e1, each rank's values a shared normal component plus its own; |error| / A, max and mean;
 float32 is the float32 ring on the same draws rounded to float32 instead of bfloat16):
 

@@ -1,12 +1,25 @@
-"""Settings every test shares."""
+"""Settings every test shares, and where the tests are.
+
+The tests are grouped by the floor they check: `collectives/` (the communicator, the algorithms, the backend and
+its CuPy double, NCCL), `models/` (layers and their backward, the families against transformers, kernels, FP8,
+the tensor- and context-parallel layers), `runtime/` (mesh, data, DP/PP engines, schedules, training,
+checkpoints, planner, traces, clusters) and `cli/` (the command line, its help examples, the docs' commands,
+the scripts). What they share is the `support/` folder, on the path of every test and every rank it starts:
+`mpi_harness` (run code on N ranks with a timeout), `mpi_worker`, `workers/` (the rank-side checks),
+`fake_cupy` / `fake_nccl` (the GPU doubles), `real_cupy`, `gradient_checks`, `commands`, `interop`, `optional`.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from mpiparallel.data.prepare import CACHE_VARIABLE
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from mpiparallel.data.prepare import CACHE_VARIABLE  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,231 @@
+"""How a job ends when a rank fails: quickly, non-zero, and with one message that names the rank.
+
+- A rank SIGKILLed in the middle of training (no chance to say anything): mpiexec ends the others, and the
+  self-launching parent names the lost rank instead of hydra's banner with a bare PID.
+- An exception on one rank of `train`, `bench` or `verify`: that rank's message, once, and MPI_Abort for the rest.
+  The exception is planted by a `sitecustomize` module that replaces `Communicator.run` and `start` (every
+  hand-written collective goes through one of them) in the ranks with versions that raise on rank 1 at its
+  fifth collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mpi_harness import mpiexec_path, run_with_timeout
+
+from mpiparallel.commands import launch
+
+TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4", "--threads", "1"]
+ENDS_WITHIN = 10.0
+"""Seconds from the failure to the end of the whole job."""
+
+KILLS_UNDER_LOAD = int(os.environ.get("MPIPARALLEL_TEST_KILLS_UNDER_LOAD", "5"))
+"""How many times the kill is repeated with the CPU busy (more to hunt a race)."""
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            pid = _parent_of(pid)
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+def rank_pid(job: int, rank: int) -> int:
+    """The PID of `rank` among the processes `job` started (its launcher variable PMI_RANK, read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environment = (entry / "environ").read_bytes().split(b"\0")
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in environment and b"mpiparallel" in command and \
+                _descends_from(int(entry.name), job):
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} under process {job}")
+
+
+def kill_rank_1_mid_training(log: Path) -> tuple[int, str]:
+    """Start `train` on 3 ranks, SIGKILL rank 1 once training is under way, and check that the job ends within
+    ENDS_WITHIN seconds, non-zero, with one line that names rank 1 and no other rank. Returns rank 1's PID and
+    the job's output."""
+    command = ["train", "-n", "3", *TINY, "--batch-size", "6", "--steps", "100000", "--log-json", str(log)]
+    job = subprocess.Popen([sys.executable, "-m", "mpiparallel", *command], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # bounded: a 120 s deadline to start, communicate(timeout=ENDS_WITHIN) after the kill, killpg in `finally`
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):  # training is under way
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+        victim = rank_pid(job.pid, 1)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        out, err = job.communicate(timeout=ENDS_WITHIN)
+        seconds = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    assert job.returncode != 0 and seconds < ENDS_WITHIN
+    lost = [line for line in (out + err).splitlines() if " was lost: " in line]
+    assert len(lost) == 1 and lost[0].startswith(f"mpiparallel: rank 1 (pid {victim}) was lost: "), (victim, out + err)
+    assert lost[0].count(" was lost: ") == 1, lost  # no rank that mpiexec killed afterwards
+    assert "BAD TERMINATION" not in out + err and "Traceback" not in out + err
+    return victim, out + err
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's PID in Linux's /proc")
+def test_a_rank_killed_mid_training_ends_the_job_within_10_s_naming_it(tmp_path):
+    kill_rank_1_mid_training(tmp_path / "log.jsonl")
+    assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])["step"] >= 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's PID in Linux's /proc")
+def test_the_rank_killed_first_is_named_with_the_cpu_busy(tmp_path):
+    """The same kill, again and again, with every core busy: mpiexec's own SIGKILL of the survivors must never be
+    taken for the first death (seen once on a loaded machine, when the order of the processes' ends was used)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    # bounded: the spinners are killed in `finally`; each job below has its own timeout
+    try:
+        for attempt in range(KILLS_UNDER_LOAD):
+            kill_rank_1_mid_training(tmp_path / f"log-{attempt}.jsonl")
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+FAKE_RANK = textwrap.dedent("""
+    # registers with the watcher as a rank does; when told, closes its files' connection and lingers as a dying
+    # process does while its last thread exits
+    import os, sys, time
+    from mpiparallel.commands import launch
+
+    launch._register_pid()
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    launch._connection_to_parent[0].close()
+    time.sleep(3)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watcher needs Linux pidfds")
+def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zombie(tmp_path):
+    """Rank 1's files close (the moment hydra learns of a death and kills the others) while its process lingers;
+    rank 0 is killed after that and ends at once. Rank 1 died first, though rank 0 was the first to end."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    watcher = launch.Endings(pids, ranks=2)
+    watcher.start()
+    ranks = [subprocess.Popen([sys.executable, "-c", FAKE_RANK, str(tmp_path / f"go-{rank}")],
+                              env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": str(rank)})
+             for rank in (0, 1)]  # bounded: every wait below has a deadline or timeout, killed in `finally`
+    try:
+        registered_by = time.monotonic() + 60
+        while len(launch._registered(pids)) < 2:
+            assert time.monotonic() < registered_by, "the fake ranks never connected"
+            time.sleep(0.01)
+        time.sleep(0.2)  # both connected
+        (tmp_path / "go-1").touch()
+        noticed_by = time.monotonic() + 1.5  # well before rank 1's process ends
+        while not watcher.order and time.monotonic() < noticed_by:
+            time.sleep(0.01)
+        ranks[0].kill()
+        ranks[0].wait()
+        watcher.join(timeout=10)
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+    assert watcher.order == [[(1, ranks[1].pid)], [(0, ranks[0].pid)]]
+    message = launch.lost_rank_message("", launch._registered(pids), watcher.order, watcher.how)
+    assert message is not None and message.startswith(f"mpiparallel: rank 1 (pid {ranks[1].pid}) was lost: ")
+
+
+PLANTED_FAILURE = textwrap.dedent("""
+    # sitecustomize: imported at the start of every Python process; only the ranks plant the failure
+    import os
+
+    if "PMI_RANK" in os.environ:
+        from collectives.communicator import Communicator
+
+        calls = 0
+
+        def failing(original):
+            def replacement(self, *args, **kwargs):
+                global calls
+                calls += 1
+                if os.environ["PMI_RANK"] == "1" and calls == 5:
+                    raise RuntimeError("planted failure on rank 1")
+                return original(self, *args, **kwargs)
+            return replacement
+
+        Communicator.run = failing(Communicator.run)
+        Communicator.start = failing(Communicator.start)
+""")
+
+
+@pytest.mark.parametrize("command, self_launched", [
+    (["train", *TINY, "--steps", "20", "--tp", "2"], False),
+    (["train", *TINY, "--steps", "20", "--pp", "2"], False),
+    (["bench", "all_reduce", "-b", "1K", "-e", "64K", "--iters", "2", "-w", "1"], False),
+    (["verify", "--max-count", "100", "--collective", "all_reduce"], False),
+    (["train", *TINY, "--steps", "20", "--tp", "2"], True),
+    (["bench", "all_reduce", "-b", "1K", "-e", "64K", "--iters", "2", "-w", "1"], True),
+], ids=["train-tp", "train-pp", "bench", "verify", "train-tp-self-launched", "bench-self-launched"])
+def test_an_exception_on_one_rank_ends_the_job_with_that_ranks_message(tmp_path, command, self_launched):
+    (tmp_path / "sitecustomize.py").write_text(PLANTED_FAILURE)
+    # the checkout under test goes on the path too: sitecustomize runs before Python adds the working directory,
+    # so without it the import below would find whatever copy of the project pip installed last (or none)
+    checkout = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, [str(tmp_path), checkout, os.environ.get("PYTHONPATH")]))
+    launch = [sys.executable, "-m", "mpiparallel", *command, "-n", "2"] if self_launched else \
+        [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpiparallel", *command]
+    start = time.monotonic()
+    finished = run_with_timeout(launch, 60, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+    output = finished.stdout + finished.stderr
+    assert finished.returncode != 0 and time.monotonic() - start < ENDS_WITHIN + 5, output
+    assert output.count("mpiparallel: rank 1 failed: RuntimeError: planted failure on rank 1") == 1, output
+    assert output.count("failed:") == 1 and "was lost" not in output and "Traceback" not in output, output
+
+
+def test_an_mpi_error_on_a_survivor_says_that_another_rank_probably_died(tmp_path):
+    script = tmp_path / "mpi_error.py"
+    script.write_text(textwrap.dedent("""
+        from mpi4py import MPI
+        from mpiparallel.commands.launch import run_guarded
+
+        def body():
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                raise MPI.Exception(MPI.ERR_IN_STATUS)  # what a receive from a vanished peer raises
+            MPI.COMM_WORLD.Barrier()
+
+        run_guarded(body)
+    """))
+    finished = run_with_timeout([mpiexec_path(), "-n", "2", sys.executable, str(script)], 30,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output = finished.stdout + finished.stderr
+    assert finished.returncode != 0
+    assert output.count("rank 0 failed: MPI error: See the MPI_ERROR field in MPI_Status") == 1, output
+    assert "another rank has most likely died" in output and "Traceback" not in output
