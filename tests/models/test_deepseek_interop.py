@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from commands import mpiparallel
-from interop import hugging_face
+from interop import float64_rms_norm, hugging_face, train_side_by_side
 
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import optim
@@ -77,18 +77,11 @@ def widen_upcasts(torch, hf_model, config: GPTConfig) -> None:
     for module in hf_model.modules():
         kind = type(module).__name__
         if kind.endswith("RMSNorm"):
-            module.forward = _rms_norm_forward(torch, module)
+            module.forward = float64_rms_norm(torch, module)
         elif kind.endswith("RotaryEmbedding"):
             module.forward = _rotary_forward(torch, inv_freq, module.attention_scaling)
         elif kind.endswith("TopkRouter"):
             module.forward = _router_forward(torch, module)
-
-
-def _rms_norm_forward(torch, module):
-    def forward(hidden):
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        return module.weight * (hidden * torch.rsqrt(variance + module.variance_epsilon))
-    return forward
 
 
 def _rotary_forward(torch, inv_freq, attention_scaling):
@@ -156,27 +149,7 @@ def test_training_equals_transformers_step_by_step(tmp_path, case):
         np.testing.assert_array_equal(hf_model.model.layers[-1].mlp.gate.e_score_correction_bias.numpy(),
                                       model.expert_biases[f"transformer.h.{config.n_layer - 1}.mlp.router.expert_bias"])
 
-    lr, decay, steps = 3e-3, 0.1, 3
-    ours = optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
-    matrices = [p for p in hf_model.parameters() if p.ndim >= 2]
-    vectors = [p for p in hf_model.parameters() if p.ndim < 2]
-    theirs = torch.optim.AdamW([{"params": matrices, "weight_decay": decay}, {"params": vectors, "weight_decay": 0.0}],
-                               lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    rng = np.random.default_rng(2)
-    for _ in range(steps):
-        window = rng.integers(0, config.vocab_size, size=(2, 17))
-        inputs, targets = window[:, :-1], window[:, 1:]
-        model.zero_grad()
-        loss, saved = model.forward(inputs, targets)
-        model.backward(saved)
-        ours.step()
-        theirs.zero_grad()
-        logits = hf_model(torch.from_numpy(inputs)).logits
-        hf_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size),
-                                                    torch.from_numpy(targets).reshape(-1))
-        hf_loss.backward()
-        theirs.step()
-        assert loss == pytest.approx(hf_loss.item(), rel=1e-9, abs=0)
+    train_side_by_side(torch, model, hf_model, config.vocab_size)
 
     resaved = tmp_path / "theirs"
     hf_model.save_pretrained(str(resaved))

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from gradient_checks import check_layer, param, parameters_of
+from gradient_checks import check_layer, check_split_backward, param, parameters_of
 
 from models.latent_attention import LatentAttention, LowRankProjection
 from models.layers import KVCache, Linear, RMSNorm
@@ -112,23 +112,11 @@ def test_yarn_scales_the_softmax_and_turns_slow_pairs_slower():
 
 @pytest.mark.parametrize("keep", [True, False], ids=["probabilities-kept", "selective-recompute"])
 def test_input_and_weight_passes_apart_equal_the_joint_backward(keep):
-    layer, x = latent_attention(keep=keep), RNG.standard_normal((B, T, C))
-    out, saved = layer.forward(x)
-    dout = RNG.standard_normal(out.shape)
-    params = parameters_of(layer)
-    dx_together = layer.backward(saved, dout.copy())
-    together = [p.grad.copy() for p in params]
-    for p in params:
-        p.zero_grad()
-    saved = layer.forward(x)[1]
-    dx_apart = layer.backward_input(saved, dout.copy())
-    assert set(vars(saved)) == {"query", "kv_down", "kv_norm", "kv_up", "projection", "positions",
-                                 "query_positions", "spans"}
-    layer.backward_weights(saved)
-    assert not vars(saved)
-    np.testing.assert_array_equal(dx_apart, dx_together)
-    for p, grad in zip(params, together, strict=True):
-        np.testing.assert_array_equal(p.grad, grad)
+    def kept_for_the_weight_pass(saved) -> None:
+        assert set(vars(saved)) == {"query", "kv_down", "kv_norm", "kv_up", "projection", "positions",
+                                     "query_positions", "spans"}
+
+    check_split_backward(latent_attention(keep=keep), RNG.standard_normal((B, T, C)), kept_for_the_weight_pass)
 
 
 def test_selective_recomputation_keeps_no_probabilities_and_computes_the_same():

@@ -6,7 +6,15 @@ import math
 
 import numpy as np
 import pytest
-from gradient_checks import assert_close, check_layer, check_model_gradients, numeric_gradient, param, parameters_of
+from gradient_checks import (
+    assert_close,
+    check_layer,
+    check_model_gradients,
+    check_split_backward,
+    numeric_gradient,
+    param,
+    parameters_of,
+)
 
 from models.layers import (
     GELU,
@@ -54,20 +62,7 @@ def test_backward_matches_finite_differences(make):
                                   lambda: MLP(linear("c_fc", C, 4 * C), linear("c_proj", 4 * C, C))],
                          ids=["linear", "attention", "block", "mlp"])
 def test_input_and_weight_gradients_can_be_computed_separately(make):
-    layer, x = make(), RNG.standard_normal((B, T, C))
-    out, saved = layer.forward(x)
-    dout = RNG.standard_normal(out.shape)
-    params = parameters_of(layer)
-    dx_together = layer.backward(saved, dout.copy())
-    together = [p.grad.copy() for p in params]
-    for p in params:
-        p.zero_grad()
-    saved = layer.forward(x)[1]
-    dx_apart = layer.backward_input(saved, dout.copy())
-    layer.backward_weights(saved)
-    np.testing.assert_array_equal(dx_apart, dx_together)
-    for p, grad in zip(params, together, strict=True):
-        np.testing.assert_array_equal(p.grad, grad)
+    check_split_backward(make(), RNG.standard_normal((B, T, C)))
 
 
 def test_attention_is_causal():

@@ -12,10 +12,9 @@ import math
 
 import numpy as np
 import pytest
-from interop import hugging_face
+from interop import float64_rms_norm, hugging_face, train_side_by_side
 
 from models.transformer import GPTConfig, Transformer
-from mpiparallel import optim
 from mpiparallel.checkpoint import load_pretrained, save_pretrained
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -46,18 +45,11 @@ def widen_upcasts(torch, transformers, hf_model, config: GPTConfig) -> None:
     for module in hf_model.modules():
         kind = type(module).__name__
         if kind.endswith("RMSNorm"):
-            module.forward = _rms_norm_forward(torch, module)
+            module.forward = float64_rms_norm(torch, module)
         elif kind.endswith("RotaryEmbedding"):
             module.forward = _rotary_forward(torch, reference_inverse_frequencies(torch, config))
         elif kind.endswith("TopKRouter"):
             module.forward = _router_forward(torch, module)
-
-
-def _rms_norm_forward(torch, module):
-    def forward(hidden):
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        return module.weight * (hidden * torch.rsqrt(variance + module.variance_epsilon))
-    return forward
 
 
 def _rotary_forward(torch, inv_freq):
@@ -123,27 +115,7 @@ def test_training_equals_transformers_step_by_step(tmp_path, case):
     if config.tied:
         assert hf_model.lm_head.weight is hf_model.model.embed_tokens.weight
 
-    lr, decay, steps = 3e-3, 0.1, 3
-    ours = optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
-    matrices = [p for p in hf_model.parameters() if p.ndim >= 2]
-    vectors = [p for p in hf_model.parameters() if p.ndim < 2]
-    theirs = torch.optim.AdamW([{"params": matrices, "weight_decay": decay}, {"params": vectors, "weight_decay": 0.0}],
-                               lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    rng = np.random.default_rng(2)
-    for _ in range(steps):
-        window = rng.integers(0, config.vocab_size, size=(2, 17))
-        inputs, targets = window[:, :-1], window[:, 1:]
-        model.zero_grad()
-        loss, saved = model.forward(inputs, targets)
-        model.backward(saved)
-        ours.step()
-        theirs.zero_grad()
-        logits = hf_model(torch.from_numpy(inputs)).logits
-        hf_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size),
-                                                    torch.from_numpy(targets).reshape(-1))
-        hf_loss.backward()
-        theirs.step()
-        assert loss == pytest.approx(hf_loss.item(), rel=1e-9, abs=0)
+    train_side_by_side(torch, model, hf_model, config.vocab_size)
 
     trained = {name: value.detach().numpy() for name, value in hf_model.state_dict().items()}
     resaved = tmp_path / "theirs"

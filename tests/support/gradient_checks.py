@@ -75,3 +75,23 @@ def check_model_gradients(model: Transformer) -> None:
     for p in model.parameters():
         picks, numeric = numeric_gradient(lambda: model.forward(tokens, targets)[0], p.data, samples=6)
         assert_close(p.grad.reshape(-1)[picks], numeric, p.name)
+
+
+def check_split_backward(layer, x: np.ndarray, inspect_saved=None) -> None:
+    """backward_input then backward_weights give exactly the joint backward's d(input) and weight gradients (what
+    zero-bubble schedules rely on); `inspect_saved(saved)` sees what the input pass left for the weight pass."""
+    out, saved = layer.forward(x)
+    dout = RNG.standard_normal(out.shape)
+    params = parameters_of(layer)
+    dx_together = layer.backward(saved, dout.copy())
+    together = [p.grad.copy() for p in params]
+    for p in params:
+        p.zero_grad()
+    saved = layer.forward(x)[1]
+    dx_apart = layer.backward_input(saved, dout.copy())
+    if inspect_saved is not None:
+        inspect_saved(saved)
+    layer.backward_weights(saved)
+    np.testing.assert_array_equal(dx_apart, dx_together)
+    for p, grad in zip(params, together, strict=True):
+        np.testing.assert_array_equal(p.grad, grad)
