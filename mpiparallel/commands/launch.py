@@ -223,8 +223,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     """Run mpiexec, passing its output on, and return how it ended. If the job failed because a rank ended
     without reporting anything, say which (hydra's banner about it is replaced by that line); on a `cluster`, if
     a whole host was lost, say which host and ranks instead (hydra's and the survivors' error lines are then
-    dropped). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGTERM to this
-    process is passed on to it."""
+    dropped). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGINT, SIGTERM or
+    SIGUSR1 to this process alone is passed on (`_pass_signal_on`); a job so ended lost no rank."""
     unreachable: list[multi_host.LostHost] = []
     monitor = None
     if cluster is not None:
@@ -238,15 +238,14 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
     process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
-    stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no host, whatever died with it
+    stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no rank, whatever died with it
 
     def stop(number: int, frame: object) -> None:
         stopped.append(number)
-        if number == signal.SIGTERM:
-            process.send_signal(number)
+        _pass_signal_on(number, process, pids, first=stopped.count(number) == 1)
 
-    signal.signal(signal.SIGINT, stop)  # mpiexec gets Ctrl-C too (it is in our process group), and ends the job
-    signal.signal(signal.SIGTERM, stop)
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, stop)
     watcher = Endings(pids, ranks)
     watcher.start()
     if monitor is not None:
@@ -270,6 +269,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
                                   if status != 0 and not stopped else ())
     if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
         print("\n".join(host.message() for host in lost), file=sys.stderr, flush=True)
+    elif status != 0 and stopped:  # ended on purpose: the ranks' own lines say how; no rank was lost
+        sys.stderr.buffer.write(b"".join(line for line in held or [] if not _FAILURE_DETAIL.match(line)))
     elif status != 0:
         text = b"".join(banner)
         message = lost_rank_message(text.decode(errors="replace"), _registered(pids), watcher.order, watcher.how)
@@ -283,6 +284,22 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         sys.stderr.buffer.write(b"".join(held or []))
     status = status if status >= 0 else 128 - status
     return JobOutcome(status or (1 if lost else 0), lost)
+
+
+def _pass_signal_on(number: int, process: subprocess.Popen, pids: Path, first: bool) -> None:
+    """A signal to the self-launching parent, passed on. SIGTERM and SIGUSR1 (preemption) go to every rank, which
+    finish the step, save and exit (`train.preemption`); a second one, or one before any rank started, to
+    mpiexec, which ends the job now. SIGINT goes to mpiexec, which ends the job as Ctrl-C does (from a terminal
+    it got one already: it is in our process group)."""
+    ranks = [pid for pid, (_, ending) in _registered(pids).items() if not ending]
+    if number == signal.SIGINT or not first or not ranks:
+        process.send_signal(signal.SIGTERM if number == signal.SIGUSR1 else number)
+        return
+    for pid in ranks:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
 
 
 def _end_job(process: subprocess.Popen, pids: Path) -> None:

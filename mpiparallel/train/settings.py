@@ -100,8 +100,10 @@ class OutputSettings:
     save: str | None = None
     save_dtype: str | None = None  # None: the master weights' dtype (--dtype)
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # 0 with a checkpoint_dir: one checkpoint, after the last step
+    keep_checkpoints: int = 0  # 0: keep every checkpoint (the log says the disk they use)
     resume: bool = False
+    resume_from: str | None = None  # a step of checkpoint_dir, or a checkpoint folder (implies resume)
     log_json: str | None = None
     tensorboard: str | None = None  # a folder for TensorBoard's event files (needs tensorboardX)
     trace: str | None = None
