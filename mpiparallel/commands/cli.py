@@ -365,6 +365,14 @@ def threads_option(command: Callable) -> Callable:
 @click.option("--resume-from", default=default("resume_from"), metavar="STEP|DIR",
               help="Continue from the checkpoint of this step in --checkpoint-dir, or from this checkpoint folder "
                    "(a step folder, or a checkpoint directory's newest). Implies --resume.")
+@click.option("--elastic", is_flag=True, default=default("elastic"),
+              help="When a rank or host is lost, relaunch on the survivors: the same tp·cp·pp·ep, a smaller dp that "
+                   "divides the global batch (kept: more rows per DP rank), resumed and resharded from the newest "
+                   "complete checkpoint. Needs --checkpoint-dir and --checkpoint-every, and -n (not under mpiexec).")
+@click.option("--min-ranks", type=click.IntRange(min=1), default=default("min_ranks"),
+              help="--elastic: give up (non-zero exit) rather than continue on fewer ranks.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=default("max_restarts"),
+              help="--elastic: give up after this many relaunches.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=default("eval_every"),
               help="Steps between validation losses on held-out data (0: none).")
 @click.option("--eval-batches", type=click.IntRange(min=1), default=default("eval_batches"),
@@ -472,6 +480,11 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
     if options["experts"] and options["top_k"] > options["experts"]:
         raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
                                  f"--experts {options['experts']}", param_hint="'--top-k'")
+    if options["elastic"] and not launch.launched_by_mpi():
+        from .elastic import check_elastic, run_elastic
+
+        check_elastic(options, ranks, ctx.meta.get(HOSTFILE))
+        run_elastic(ranks, _argv(ctx), options, {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep})
     launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()

@@ -113,6 +113,16 @@ class OutputSettings:
 
 
 @dataclass(frozen=True)
+class ElasticSettings:
+    """`--elastic`: the self-launching parent relaunches the run on the survivors of a lost rank or host (at
+    least `min_ranks` of them, at most `max_restarts` times), resumed from the newest complete checkpoint."""
+
+    elastic: bool = False
+    min_ranks: int = 1
+    max_restarts: int = 3
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """Every `mpiparallel train` option, after parsing, in groups (see the command's --help for their meaning)."""
 
@@ -121,6 +131,7 @@ class TrainSettings:
     optimizer: OptimizerSettings = OptimizerSettings()
     data: DataSettings = DataSettings()
     output: OutputSettings = OutputSettings()
+    elastic: ElasticSettings = ElasticSettings()
 
     @classmethod
     def from_options(cls, **options: Any) -> TrainSettings:
