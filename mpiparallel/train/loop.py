@@ -66,9 +66,11 @@ def run(settings: TrainSettings) -> int:
         if settings.output.checkpoint_dir and (stop or _checkpoint_due(step, settings)):
             reporter.say(state.save_and_describe(trainer, step + 1, train_batches, identity))
         if stop:
+            preemption.close()
             reporter.say(_how_to_resume(settings, stop, step + 1))
             reporter.finish()
             return Preemption.exit_status(stop)
+    preemption.close()
     reporter.finish()
     _report_traffic(reporter, trainer, record)
     if settings.output.trace:
