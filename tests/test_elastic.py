@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mpi_harness import run_with_timeout, train_error
+from test_cluster import assert_no_processes_on, cluster  # noqa: F401 (a fixture)
 from test_failures import rank_pid
 from test_preemption import ended, wait_for_steps
 
+from mpiparallel import cluster as namespace_cluster
 from mpiparallel.commands.elastic import survivor_dp
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
@@ -113,3 +115,31 @@ def test_the_survivors_mesh_keeps_the_model_axes_and_a_dp_that_divides_the_batch
     assert survivor_dp(4, axes | {"ep": 2}, batch_size=12, microbatches=1) == 4
     assert survivor_dp(3, axes | {"ep": 2}, batch_size=12, microbatches=1) == 2  # 3 is no multiple of ep 2
     assert survivor_dp(1, axes | {"tp": 2}, batch_size=4, microbatches=1) is None
+
+
+def test_a_host_lost_from_a_2_host_cluster_leaves_dp1_tp2_on_the_other_equal_to_the_uninterrupted_run(
+        cluster, tmp_path, tokens):  # noqa: F811 (the fixture of test_cluster)
+    """dp 2 × tp 2 across 2 hosts of 2 slots; `cluster kill` of the second host between checkpoints: the run
+    finishes on the first host's 2 ranks (dp 1 × tp 2), equal to the uninterrupted run (float64, ≤ 1e-9)."""
+    made = cluster(nodes=2, ranks_per_node=2)
+    log = tmp_path / "log.jsonl"
+    mesh = ["--hostfile", str(made.hostfile), "--dp", "2", "--tp", "2"]
+    job = subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *mesh, *TINY, "--data", tokens,
+                            "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5",
+                            "--elastic", "--log-json", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    wait_for_steps(log, 7, job)
+    namespace_cluster.kill(made.name, made.hosts[1])
+    status, stdout, stderr = ended(job, timeout=300)
+    assert status == 0, (stdout, stderr)
+    restart = next(record for record in records(log) if record.get("event") == "restart")
+    assert restart["lost"] == [{"host": made.hosts[1], "ranks": [2, 3]}], restart
+    assert restart["mesh"]["world_size"] == 2 and restart["mesh"]["dp"] == 1 and restart["mesh"]["tp"] == 2
+    assert f"lost host {made.hosts[1]} (ranks 2, 3) after step {restart['step']}" in stderr
+    final = last_loss_per_step(records(log))
+    straight = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", "--tp", "2", *TINY,
+                                 "--data", tokens, "--steps", str(STEPS), "--log-json",
+                                 str(tmp_path / "straight.jsonl")], timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    assert worst(final, last_loss_per_step(records(tmp_path / "straight.jsonl"))) <= 1e-9
+    assert_no_processes_on(made)

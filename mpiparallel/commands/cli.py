@@ -484,7 +484,8 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
         from .elastic import check_elastic, run_elastic
 
         check_elastic(options, ranks, ctx.meta.get(HOSTFILE))
-        run_elastic(ranks, _argv(ctx), options, {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep})
+        run_elastic(ranks, _argv(ctx), options, {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep},
+                    ctx.meta.get(HOSTFILE))
     launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()

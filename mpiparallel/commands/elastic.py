@@ -17,7 +17,9 @@ It gives up, with one line and a non-zero exit, when fewer than --min-ranks woul
 ends the run with its status: those are not losses.
 
 On one machine the relaunch starts ranks in the same slots (the lost rank's slot is given up). On a cluster of
-`mpiparallel cluster`, a relaunch onto the hosts left is not implemented yet: --elastic with --hostfile is refused.
+`mpiparallel cluster` (`--hostfile` of `cluster up`), the relaunch starts on the hosts left: a hostfile without
+the lost hosts, written in the parent's own folder, in place of the cluster's. Other hostfiles are refused (no
+heartbeat tells which host was lost).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from typing import Any, NoReturn
 import click
 
 from ..checkpoint_upkeep import mesh_words
+from ..cluster import cluster_of_hostfile
 from ..train.reports import PROGRESS
 from ..training_checkpoint import TrainingCheckpoint, latest_training_checkpoint
+from . import hosts as multi_host
 from . import launch
 
 
@@ -41,8 +45,9 @@ def check_elastic(options: dict[str, Any], ranks: int | None, hostfile: Path | N
     if not options["checkpoint_dir"] or not options["checkpoint_every"]:
         raise click.UsageError("--elastic needs --checkpoint-dir and --checkpoint-every (it resumes the survivors "
                                "from the newest checkpoint)")
-    if hostfile is not None:
-        raise click.UsageError("--elastic with --hostfile is not implemented yet: use it on one machine (-n N)")
+    if hostfile is not None and cluster_of_hostfile(hostfile) is None:
+        raise click.UsageError("--elastic with --hostfile needs a hostfile of `mpiparallel cluster up` (whose lost "
+                               "hosts the heartbeats name), or one machine (-n N)")
     if ranks is None:
         raise click.UsageError("--elastic needs -n N: the parent that relaunches the ranks is the one -n starts")
     if ranks < options["min_ranks"]:
@@ -59,16 +64,20 @@ def survivor_dp(survivors: int, axes: dict[str, int], batch_size: int, microbatc
     return None
 
 
-def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict[str, Any]) -> NoReturn:
+def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict[str, Any],
+                hostfile: Path | None = None) -> NoReturn:
     """Run the job, relaunching it on the survivors after each loss; exit with the final job's status."""
     model = axes["tp"] * axes["cp"] * axes["pp"]
     axes = {**axes, "dp": axes["dp"] or ranks // model}
     restarts = redone = 0
     extra: list[str] = []
+    cluster = cluster_of_hostfile(hostfile) if hostfile is not None else None
+    hosts = multi_host.read_hostfile(hostfile) if cluster is not None else []
+    placement = cluster.mpiexec_options() if cluster is not None else []
     with tempfile.TemporaryDirectory(prefix="mpiparallel-elastic-") as folder:
         progress = Path(folder) / "progress"
         while True:
-            outcome = launch.run_job(ranks, [*argv, *extra], environ={PROGRESS: str(progress)})
+            outcome = launch.run_job(ranks, [*argv, *extra], placement, cluster, environ={PROGRESS: str(progress)})
             lost = len(outcome.lost_ranks) + sum(len(host.ranks) for host in outcome.lost)
             if outcome.status == 0 or lost == 0:
                 if outcome.status == 0 and restarts:
@@ -98,6 +107,16 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
             _log_restart(options["log_json"], reached, outcome, mesh)
             extra = ["-n", str(ranks), "--dp", str(dp), *(["--resume-from", str(latest)] if latest else [])]
             progress.unlink(missing_ok=True)
+            if cluster is not None:
+                hosts = [host for host in hosts if host.name not in {lost.host for lost in outcome.lost}]
+                placement = _without_lost_hosts(placement, hosts, Path(folder) / f"hostfile-{restarts}")
+
+
+def _without_lost_hosts(placement: list[str], hosts: list[multi_host.Host], path: Path) -> list[str]:
+    """The cluster's mpiexec options with its hostfile replaced by one of `hosts` (the hosts left)."""
+    path.write_text("".join(f"{host.name}:{host.slots}\n" for host in hosts))
+    at = placement.index("-f")
+    return [*placement[:at + 1], str(path), *placement[at + 2:]]
 
 
 def _what_was_lost(outcome: launch.JobOutcome, reached: int) -> str:
