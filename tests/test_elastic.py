@@ -92,6 +92,28 @@ def test_a_lost_rank_is_replaced_by_a_smaller_dp_and_the_run_equals_the_uninterr
     assert worst(after, last_loss_per_step(records(tmp_path / "reference.jsonl"))) <= 1e-9
 
 
+def test_a_rank_lost_again_after_the_restart_is_replaced_again(tmp_path, tokens):
+    log = tmp_path / "log.jsonl"
+    job = subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens,
+                            "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5",
+                            "--elastic", "--log-json", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    wait_for_steps(log, 7, job)
+    os.kill(rank_pid(job.pid, 2), signal.SIGKILL)
+    before = len(log.read_text().splitlines())
+    wait_for_steps(log, before + 4, job)  # the restart event, then steps of the relaunched job
+    os.kill(rank_pid(job.pid, 1), signal.SIGKILL)
+    status, stdout, stderr = ended(job, timeout=300)
+    assert status == 0, (stdout, stderr)
+    restarts = [record for record in records(log) if record.get("event") == "restart"]
+    assert [record["mesh"]["dp"] for record in restarts] == [2, 1], restarts
+    assert "restart 2/3 on 1 rank: serial" in stderr and "finished after 2 restarts" in stderr, stderr
+    straight = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens,
+                                 "--steps", str(STEPS), "--log-json", str(tmp_path / "straight.jsonl")], timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    assert worst(last_loss_per_step(records(log)), last_loss_per_step(records(tmp_path / "straight.jsonl"))) <= 1e-9
+
+
 @pytest.mark.parametrize(("option", "message"), [(["--min-ranks", "3"], "--min-ranks is 3"),
                                                   (["--max-restarts", "0"], "--max-restarts 0 used up")])
 def test_too_few_ranks_left_or_no_restarts_left_ends_the_run_with_one_message(tmp_path, tokens, option, message):
