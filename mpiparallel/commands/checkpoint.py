@@ -29,7 +29,7 @@ def info(directory: Path, verify: bool) -> None:
     \b
     Example:
       mpiparallel checkpoint info checkpoints/
-      mpiparallel checkpoint info --verify checkpoints/step-00000100
+      mpiparallel checkpoint info checkpoints/step-00000001 --verify
     """
     from .. import checkpoint_upkeep, training_checkpoint
 
