@@ -4,8 +4,8 @@ A checkpoint is a folder DIR/step-{k:08d}/ (k: completed optimizer steps, so a r
 
     rank-{r:05d}.safetensors   the boxes of logical tensors that world rank r wrote (one safetensors entry per box)
     manifest.json              written last: step, data position, settings, the mesh it was saved from, the
-                               optimizer's scalars, and for every logical tensor its dtype, global shape and
-                               shards (file, key, offset and size per dimension)
+                               optimizer's scalars, every shard file's bytes and SHA-256, and for every logical
+                               tensor its dtype, global shape and shards (file, key, offset and size per dimension)
 
 Logical tensors are the parameters (Hugging Face names), the AdamW moments (`exp_avg/NAME`, `exp_avg_sq/NAME`)
 and the MoE expert biases — the serial model's tensors, whatever mesh saved them. No pickle anywhere.
@@ -38,6 +38,7 @@ load, without communication. Reading back on the mesh that saved it gives the sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -237,10 +238,13 @@ def save(directory: str | Path, step: int, held: Sequence[tuple[Piece, Array, bo
     folder = step_folder(directory, step)
     on_every_rank(comm, lambda: _ready_folder(folder) if comm.rank == 0 else None)
     shards = write_rank_file(folder, comm.rank, [(piece, array) for piece, array, writes in held if writes])
-    every_rank = comm.comm.gather(shards, root=0)  # also tells rank 0 that every file is in place
+    checksum = {shards[0]["file"]: file_checksum(folder / shards[0]["file"])} if shards else {}
+    every_rank = comm.comm.gather((shards, checksum), root=0)  # also tells rank 0 that every file is in place
     if comm.rank == 0:
         _sync_folder(folder)
-        publish_manifest(folder, build_manifest(folder, step, description, every_rank, expected))
+        checksums = {name: digest for _, sums in every_rank for name, digest in sums.items()}
+        publish_manifest(folder, build_manifest(folder, step, description, [shards for shards, _ in every_rank],
+                                                expected, checksums))
     comm.barrier()
     return folder
 
@@ -282,6 +286,15 @@ def write_rank_file(folder: Path, rank: int, held: Sequence[tuple[Piece, Array]]
     return shards
 
 
+def file_checksum(path: Path) -> str:
+    """The SHA-256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -289,10 +302,11 @@ def _umask() -> int:
 
 
 def build_manifest(folder: Path, step: int, description: Mapping[str, Any], every_rank: Iterable[list[dict]],
-                   expected: Sequence[str] = ()) -> dict[str, Any]:
+                   expected: Sequence[str] = (), checksums: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The manifest of the shards every rank wrote. Each `expected` tensor must be there, and each tensor's
     shards must add up to its element count: a replica written twice, or a piece nobody wrote, is a bug in who
-    writes what, caught here before it becomes a checkpoint."""
+    writes what, caught here before it becomes a checkpoint. Each file is listed with its bytes and (given
+    `checksums`) its SHA-256, which `checkpoint info --verify` checks."""
     tensors: dict[str, dict[str, Any]] = {}
     for shard in (shard for shards in every_rank for shard in shards):
         entry = tensors.setdefault(shard["tensor"], {"dtype": shard["dtype"], "shape": shard["shape"], "shards": []})
@@ -311,7 +325,8 @@ def build_manifest(folder: Path, step: int, description: Mapping[str, Any], ever
     rank = {name: i for i, name in enumerate(expected)}
     files = sorted({shard["file"] for entry in tensors.values() for shard in entry["shards"]})
     return {"format": FORMAT, "version": VERSION, "step": step, **description,
-            "files": [{"file": name, "bytes": (folder / name).stat().st_size} for name in files],
+            "files": [{"file": name, "bytes": (folder / name).stat().st_size,
+                       **({"sha256": checksums[name]} if checksums and name in checksums else {})} for name in files],
             "tensors": dict(sorted(tensors.items(), key=lambda item: (rank.get(item[0], len(rank)), item[0])))}
 
 

@@ -1,5 +1,6 @@
-"""`mpiparallel checkpoint info DIR`: what a training checkpoint holds and how its tensors are sharded. No MPI
-ranks: it reads manifest.json only."""
+"""`mpiparallel checkpoint info DIR [--verify]`: what a training checkpoint holds and how its tensors are
+sharded, and whether its files are whole; `mpiparallel checkpoint export DIR --out HF_DIR`: the model as a
+Hugging Face folder. No MPI ranks."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ def checkpoint() -> None:
 
 @checkpoint.command()
 @click.argument("directory", type=click.Path(path_type=Path))
-def info(directory: Path) -> None:
+@click.option("--verify", is_flag=True, help="Read every shard file: its bytes and SHA-256 against the manifest's, "
+                                             "and every tensor entry in it. Exit status 1 if any differs.")
+def info(directory: Path, verify: bool) -> None:
     """Print a checkpoint's step, the mesh it was saved from, and every tensor with its dtype, global shape and
-    shards (offsets and sizes), with the total bytes.
+    shards (offsets and sizes), with the total bytes. The shard files' sizes are checked against the manifest;
+    --verify also reads every byte (SHA-256) and every tensor entry.
 
     DIRECTORY is a step folder (DIR/step-00000100) or a checkpoint directory, whose newest complete checkpoint
     is shown.
@@ -25,8 +29,41 @@ def info(directory: Path) -> None:
     \b
     Example:
       mpiparallel checkpoint info checkpoints/
+      mpiparallel checkpoint info checkpoints/step-00000001 --verify
     """
-    from .. import training_checkpoint
+    from .. import checkpoint_upkeep, training_checkpoint
 
     saved = training_checkpoint.TrainingCheckpoint(training_checkpoint.find_checkpoint(directory))
     click.echo(training_checkpoint.describe(saved))
+    problems, notes = checkpoint_upkeep.verify(saved) if verify else (checkpoint_upkeep.size_problems(saved), [])
+    for note in notes:
+        click.echo(f"note: {note}")
+    if problems:
+        click.echo(f"Error: checkpoint {saved.folder} is damaged:\n  " + "\n  ".join(problems), err=True)
+        raise SystemExit(1)
+    if verify:
+        click.echo(f"verified: every shard file and tensor entry of {saved.folder} matches the manifest")
+
+
+@checkpoint.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The Hugging Face folder to write (config.json, model.safetensors).")
+def export(directory: Path, out: Path) -> None:
+    """Write a training checkpoint's model (its master weights, gathered from the shards of whatever mesh saved
+    it) as a Hugging Face folder, as `train --save` does; `generate --init` and transformers read it.
+
+    DIRECTORY is a step folder or a checkpoint directory (its newest complete checkpoint).
+
+    \b
+    Example:
+      mpiparallel checkpoint export checkpoints/ --out model/
+    """
+    from .. import checkpoint_upkeep, training_checkpoint
+    from ..checkpoint import save_pretrained
+
+    saved = training_checkpoint.TrainingCheckpoint(training_checkpoint.find_checkpoint(directory))
+    config, tensors = checkpoint_upkeep.whole_model(saved)
+    save_pretrained(out, config, tensors)
+    click.echo(f"exported step {saved.step} of {saved.folder} to {out} (no tokenizer: copy the data's "
+               f"tokenizer.json beside it to decode text)")

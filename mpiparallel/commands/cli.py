@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -392,11 +393,26 @@ def deepseek_options(command: Callable) -> Callable:
               default=default("save_dtype"),
               help="The dtype --save writes the weights in. [default: --dtype]")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=default("checkpoint_dir"),
-              help="Where training checkpoints go (model + optimizer state).")
+              help="Where training checkpoints go (model + optimizer state). Alone: one checkpoint, after the last "
+                   "step; with --checkpoint-every: also every that many steps.")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=default("checkpoint_every"),
-              help="Steps between checkpoints.")
+              help="Steps between checkpoints (needs --checkpoint-dir; 0: only after the last step).")
+@click.option("--keep-checkpoints", type=click.IntRange(min=0), default=default("keep_checkpoints"),
+              help="Keep only the newest N checkpoints in --checkpoint-dir (0: keep all; each save logs the disk "
+                   "they use).")
 @click.option("--resume", is_flag=True, default=default("resume"),
-              help="Continue from the newest checkpoint in --checkpoint-dir.")
+              help="Continue from the newest complete checkpoint in --checkpoint-dir (an error if there is none).")
+@click.option("--resume-from", default=default("resume_from"), metavar="STEP|DIR",
+              help="Continue from the checkpoint of this step in --checkpoint-dir, or from this checkpoint folder "
+                   "(a step folder, or a checkpoint directory's newest). Implies --resume.")
+@click.option("--elastic", is_flag=True, default=default("elastic"),
+              help="When a rank or host is lost, relaunch on the survivors: the same tp·cp·pp·ep, a smaller dp that "
+                   "divides the global batch (kept: more rows per DP rank), resumed and resharded from the newest "
+                   "complete checkpoint. Needs --checkpoint-dir and --checkpoint-every, and -n (not under mpiexec).")
+@click.option("--min-ranks", type=click.IntRange(min=1), default=default("min_ranks"),
+              help="--elastic: give up (non-zero exit) rather than continue on fewer ranks.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=default("max_restarts"),
+              help="--elastic: give up after this many relaunches.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=default("eval_every"),
               help="Steps between validation losses on held-out data (0: none).")
 @click.option("--eval-batches", type=click.IntRange(min=1), default=default("eval_batches"),
@@ -499,12 +515,20 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train --arch deepseek_v3 --experts 8 --top-k 2 --n-group 4 --topk-group 2 --first-k-dense 1
     """
     _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
+    _check_checkpoint_options(options)
+    _check_writable({"--save": options["save"], "--checkpoint-dir": options["checkpoint_dir"]})
     if options["tensorboard"] is not None and importlib.util.find_spec("tensorboardX") is None:
         raise click.BadParameter("writing TensorBoard files needs tensorboardX: pip install 'mpiparallel[tensorboard]'"
                                  " (or pip install tensorboardX)", param_hint="'--tensorboard'")
     if options["experts"] and options["top_k"] > options["experts"]:
         raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
                                  f"--experts {options['experts']}", param_hint="'--top-k'")
+    if options["elastic"] and not launch.launched_by_mpi():
+        from .elastic import check_elastic, run_elastic
+
+        check_elastic(options, ranks, ctx.meta.get(HOSTFILE))
+        run_elastic(ranks, _argv(ctx), options, {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep},
+                    ctx.meta.get(HOSTFILE))
     launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()
@@ -512,6 +536,43 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
 
     settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     ctx.exit(training.run(settings))
+
+
+def _check_checkpoint_options(options: dict[str, Any]) -> None:
+    """Checkpoint options that would do nothing without another: one clear error each, before any rank starts."""
+    folder, resume_from = options["checkpoint_dir"], options["resume_from"]
+    if options["checkpoint_every"] and not folder:
+        raise click.UsageError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
+    if options["keep_checkpoints"] and not folder:
+        raise click.UsageError("--keep-checkpoints needs --checkpoint-dir (whose newest checkpoints it keeps)")
+    if options["resume"] and not folder and resume_from is None:
+        raise click.UsageError("--resume needs --checkpoint-dir (where the training checkpoints are), or give "
+                               "--resume-from DIR")
+    if resume_from is not None and resume_from.isdigit() and not folder:
+        raise click.UsageError(f"--resume-from {resume_from}: a step of which checkpoint folder? Give "
+                               f"--checkpoint-dir, or a checkpoint folder")
+    if resume_from is not None:
+        options["resume"] = True
+
+
+def _check_writable(folders: dict[str, str | None]) -> None:
+    """Folders written during or after training: writable now (they or the nearest folder above them that
+    exists), so that a run cannot lose its work at the end to a folder it may not write."""
+    for option, folder in folders.items():
+        if folder is None:
+            continue
+        path = Path(folder).resolve()
+        if path.exists() and not path.is_dir():
+            raise click.BadParameter(f"{folder} is a file, not a folder", param_hint=f"'{option}'")
+        existing = next(parent for parent in (path, *path.parents) if parent.exists())
+        if not existing.is_dir():
+            raise click.BadParameter(f"cannot write to {folder}: {existing} is a file", param_hint=f"'{option}'")
+        try:  # access() alone passes a read-only file system, and everything for root
+            with tempfile.TemporaryFile(dir=existing, prefix=".mpiparallel-probe-"):
+                pass
+        except OSError as error:
+            raise click.BadParameter(f"cannot write to {folder}: {error.strerror} ({existing})",
+                                     param_hint=f"'{option}'") from None
 
 
 def _check_output_folders(files: dict[str, str | None]) -> None:

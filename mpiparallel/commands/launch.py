@@ -138,6 +138,13 @@ def ensure_world_size(ranks: int | None, argv: Sequence[str], hostfile: Path | N
 
 def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None
               ) -> NoReturn:
+    raise SystemExit(run_job(ranks, argv, placement, cluster).status)
+
+
+def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None,
+            environ: Mapping[str, str] | None = None) -> JobOutcome:
+    """Start `ranks` copies of this program with `argv` under mpiexec (`placement`: where), supervise them
+    (`supervise`) and return how the job ended; `environ` adds variables for the ranks."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
@@ -146,10 +153,9 @@ def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cl
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
         terminal = {TERMINAL: "1"} if sys.stdout.isatty() else {}
-        status = supervise(relaunch_command(mpiexec, ranks, argv, placement),
-                           {**os.environ, RELAUNCHED: "1", RANK_PIDS: pids, **terminal}, Path(pids), ranks,
-                           cluster).status
-    raise SystemExit(status)
+        return supervise(relaunch_command(mpiexec, ranks, argv, placement),
+                         {**os.environ, **(environ or {}), RELAUNCHED: "1", RANK_PIDS: pids, **terminal}, Path(pids),
+                         ranks, cluster)
 
 
 def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path) -> NoReturn:
@@ -212,10 +218,12 @@ def _connect_to_parent(path: Path) -> None:
 
 @dataclass(frozen=True)
 class JobOutcome:
-    """How a self-launched job ended: mpiexec's exit status (or ours, when we ended it), and the hosts it lost."""
+    """How a self-launched job ended: mpiexec's exit status (or ours, when we ended it), and the hosts or ranks it
+    lost."""
 
     status: int
     lost: tuple[multi_host.LostHost, ...] = ()
+    lost_ranks: tuple[int, ...] = ()  # on one machine: the ranks lost without a word (hosts lost: see `lost`)
 
 
 def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ranks: int,
@@ -223,8 +231,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     """Run mpiexec, passing its output on, and return how it ended. If the job failed because a rank ended
     without reporting anything, say which (hydra's banner about it is replaced by that line); on a `cluster`, if
     a whole host was lost, say which host and ranks instead (hydra's and the survivors' error lines are then
-    dropped). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGTERM to this
-    process is passed on to it."""
+    dropped). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGINT, SIGTERM or
+    SIGUSR1 to this process alone is passed on (`_pass_signal_on`); a job so ended lost no rank."""
     unreachable: list[multi_host.LostHost] = []
     monitor = None
     if cluster is not None:
@@ -238,15 +246,14 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
     process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
-    stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no host, whatever died with it
+    stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no rank, whatever died with it
 
     def stop(number: int, frame: object) -> None:
         stopped.append(number)
-        if number == signal.SIGTERM:
-            process.send_signal(number)
+        _pass_signal_on(number, process, pids, first=stopped.count(number) == 1)
 
-    signal.signal(signal.SIGINT, stop)  # mpiexec gets Ctrl-C too (it is in our process group), and ends the job
-    signal.signal(signal.SIGTERM, stop)
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, stop)
     watcher = Endings(pids, ranks)
     watcher.start()
     if monitor is not None:
@@ -259,6 +266,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         relay.start()
     status = process.wait()
     ended_by_us: set[str] = set()
+    lost_ranks: tuple[int, ...] = ()
     if cluster is not None:  # ranks that mpiexec left behind (a host it lost took its way to end them)
         ended_by_us = _end_leftovers(pids, multi_host.ENDING_GRACE_S)
     for relay in relays:
@@ -270,9 +278,13 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
                                   if status != 0 and not stopped else ())
     if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
         print("\n".join(host.message() for host in lost), file=sys.stderr, flush=True)
+    elif status != 0 and stopped:  # ended on purpose: the ranks' own lines say how; no rank was lost
+        sys.stderr.buffer.write(b"".join(line for line in held or [] if not _FAILURE_DETAIL.match(line)))
     elif status != 0:
         text = b"".join(banner)
         message = lost_rank_message(text.decode(errors="replace"), _registered(pids), watcher.order, watcher.how)
+        lost_ranks = tuple(rank for rank, _ in ranks_lost(text.decode(errors="replace"), _registered(pids),
+                                                          watcher.order) if rank is not None)
         if message is None:  # nothing explains the failure: show all that was said about it
             sys.stderr.buffer.write(b"".join(held or []))
             sys.stdout.buffer.write(text)
@@ -282,7 +294,23 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     else:
         sys.stderr.buffer.write(b"".join(held or []))
     status = status if status >= 0 else 128 - status
-    return JobOutcome(status or (1 if lost else 0), lost)
+    return JobOutcome(status or (1 if lost else 0), lost, lost_ranks)
+
+
+def _pass_signal_on(number: int, process: subprocess.Popen, pids: Path, first: bool) -> None:
+    """A signal to the self-launching parent, passed on. SIGTERM and SIGUSR1 (preemption) go to every rank, which
+    finish the step, save and exit (`train.preemption`); a second one, or one before any rank started, to
+    mpiexec, which ends the job now. SIGINT goes to mpiexec, which ends the job as Ctrl-C does (from a terminal
+    it got one already: it is in our process group)."""
+    ranks = [pid for pid, (_, ending) in _registered(pids).items() if not ending]
+    if number == signal.SIGINT or not first or not ranks:
+        process.send_signal(signal.SIGTERM if number == signal.SIGUSR1 else number)
+        return
+    for pid in ranks:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
 
 
 def _end_job(process: subprocess.Popen, pids: Path) -> None:
@@ -475,6 +503,20 @@ def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None
             target.flush()
 
 
+def ranks_lost(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequence[Sequence[tuple[int, int]]]
+               ) -> list[tuple[int | None, int]]:
+    """The (rank, pid) pairs lost without a word (see `lost_rank_message`); none when a rank reported its own
+    exception."""
+    if any(ending == ABORTED for _, ending in ranks.values()):
+        return []
+    unreported = ([(rank, pid) for rank, pid in group if not ranks.get(pid, (rank, ""))[1]] for group in order)
+    lost = next((group for group in unreported if group), [])
+    named = re.search(r"PID (\d+)", banner)
+    if not lost and named is not None:
+        lost = [(ranks.get(int(named.group(1)), (None, ""))[0], int(named.group(1)))]
+    return lost
+
+
 def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequence[Sequence[tuple[int, int]]],
                       how: Mapping[int, str]) -> str | None:
     """The line naming the rank(s) lost without a word: of the ranks that did not end through `run_guarded`
@@ -482,15 +524,10 @@ def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: 
     wake-up); without that, the one hydra's banner names. How it ended from `how` (PID -> text), else from the
     banner when it is about that process. None when nothing says which rank, or when a rank reported its own
     exception (then mpiexec's MPI_Abort ended the others: none was lost)."""
-    if any(ending == ABORTED for _, ending in ranks.values()):
-        return None
-    unreported = ([(rank, pid) for rank, pid in group if not ranks.get(pid, (rank, ""))[1]] for group in order)
-    lost = next((group for group in unreported if group), [])
-    named = re.search(r"PID (\d+)", banner)
-    if not lost and named is not None:
-        lost = [(ranks.get(int(named.group(1)), (None, ""))[0], int(named.group(1)))]
+    lost = ranks_lost(banner, ranks, order)
     if not lost:
         return None
+    named = re.search(r"PID (\d+)", banner)
     exit_string = re.search(r"EXIT STRING: (.+)", banner)
     endings = []
     for rank, pid in lost:

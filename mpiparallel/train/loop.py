@@ -21,6 +21,7 @@ from . import inputs, state
 from .generate import sample_text
 from .metering import NO_TRACER, memory_report, peak_flops, traffic_by_axis
 from .parallelize import build_mesh, microbatch_rows, parallelize
+from .preemption import Preemption
 from .reports import Reporter
 from .settings import TrainSettings
 from .step import Trainer
@@ -50,6 +51,9 @@ def run(settings: TrainSettings) -> int:
     reporter = Reporter(settings, config, mesh.world.rank == 0, peak_flops=peak, first_step=resume.first_step)
     if settings.model.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
+    if resume.story():
+        reporter.say(resume.story())
+    preemption = Preemption(mesh.world)
     record: dict[str, Any] = {}
     for step in range(resume.first_step, settings.data.steps):
         record = trainer.step(train_batches, step)
@@ -58,8 +62,15 @@ def run(settings: TrainSettings) -> int:
         reporter.step(record)
         if settings.output.memory_report and step == resume.first_step:
             reporter.say_from_every_rank(memory_report(trainer), mesh.world)
-        if _due(step, settings.output.checkpoint_every, settings.data.steps) and settings.output.checkpoint_dir:
-            state.save_training_checkpoint(trainer, step + 1, train_batches, identity)
+        stop = preemption.agreed()
+        if settings.output.checkpoint_dir and (stop or _checkpoint_due(step, settings)):
+            reporter.say(state.save_and_describe(trainer, step + 1, train_batches, identity))
+        if stop:
+            preemption.close()
+            reporter.say(_how_to_resume(settings, stop, step + 1))
+            reporter.finish()
+            return Preemption.exit_status(stop)
+    preemption.close()
     reporter.finish()
     _report_traffic(reporter, trainer, record)
     if settings.output.trace:
@@ -120,6 +131,20 @@ def _array_library(settings: TrainSettings, mesh: Mesh) -> Any:
         raise ConfigError(f"--device gpu: {reason}")
     backend.bind_device(mesh.world.comm)
     return backend.gpu_array_module()
+
+
+def _checkpoint_due(step: int, settings: TrainSettings) -> bool:
+    """--checkpoint-every N: after every N-th step and the last; --checkpoint-dir alone: after the last."""
+    every, steps = settings.output.checkpoint_every, settings.data.steps
+    return _due(step, every, steps) or step + 1 == steps
+
+
+def _how_to_resume(settings: TrainSettings, number: int, steps_done: int) -> str:
+    stopped = f"stopped by {Preemption.name(number)} after step {steps_done}/{settings.data.steps}"
+    if not settings.output.checkpoint_dir:
+        return f"{stopped}; nothing saved (no --checkpoint-dir): a new run starts from step 0"
+    return (f"{stopped}; to continue, run the same command with --resume (it reads "
+            f"{settings.output.checkpoint_dir})")
 
 
 def _due(step: int, every: int, steps: int) -> bool:

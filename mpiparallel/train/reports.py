@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, TextIO
 
 from models.moe import expert_index
@@ -30,6 +31,9 @@ TERMINAL = "MPIPARALLEL_TERMINAL"
 """Set to 1 by the self-launching parent (`mpiparallel.commands.launch.TERMINAL`) when its own output is a
 terminal: rank 0's output then reaches one through mpiexec's pipes, and the progress line may rewrite itself.
 Under a launcher of one's own, set it by hand: `mpiexec -n 4 env MPIPARALLEL_TERMINAL=1 mpiparallel train`."""
+
+PROGRESS = "MPIPARALLEL_PROGRESS"
+"""Set by the `--elastic` parent (`mpiparallel.commands.elastic`): a file where rank 0 writes the steps done."""
 
 MOVING_STEPS = 10
 """Steps in the moving means of tokens/s and ms/step."""
@@ -132,6 +136,8 @@ class Reporter:
         if self.log is not None:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
+        if os.environ.get(PROGRESS):  # for the --elastic parent: how far the run got before a loss
+            Path(os.environ[PROGRESS]).write_text(f"{record['step'] + 1}\n")
         self.tensorboard.add(record)
         step, steps = record["step"], self.settings.data.steps
         self.recent_losses.append(record["loss"])

@@ -114,14 +114,26 @@ class OutputSettings:
     save: str | None = None
     save_dtype: str | None = None  # None: the master weights' dtype (--dtype)
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # 0 with a checkpoint_dir: one checkpoint, after the last step
+    keep_checkpoints: int = 0  # 0: keep every checkpoint (the log says the disk they use)
     resume: bool = False
+    resume_from: str | None = None  # a step of checkpoint_dir, or a checkpoint folder (implies resume)
     log_json: str | None = None
     tensorboard: str | None = None  # a folder for TensorBoard's event files (needs tensorboardX)
     trace: str | None = None
     sample_tokens: int = 0
     show_mesh: bool = False
     memory_report: bool = False
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """`--elastic`: the self-launching parent relaunches the run on the survivors of a lost rank or host (at
+    least `min_ranks` of them, at most `max_restarts` times), resumed from the newest complete checkpoint."""
+
+    elastic: bool = False
+    min_ranks: int = 1
+    max_restarts: int = 3
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,7 @@ class TrainSettings:
     optimizer: OptimizerSettings = OptimizerSettings()
     data: DataSettings = DataSettings()
     output: OutputSettings = OutputSettings()
+    elastic: ElasticSettings = ElasticSettings()
 
     @classmethod
     def from_options(cls, **options: Any) -> TrainSettings:

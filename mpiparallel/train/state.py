@@ -8,6 +8,7 @@ engines take them over (`parallelize`), the optimizer's moments into the optimiz
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ from models import parameter
 from models.precision import dtype_named
 from models.transformer import GPTConfig, Transformer, expert_bias_shapes, parameter_shapes
 
-from .. import checkpoint, data, training_checkpoint
+from .. import checkpoint, checkpoint_upkeep, data, training_checkpoint
 from ..errors import ConfigError
 from ..mesh import Mesh
+from ..text import plural
 from ..training_checkpoint import MOMENT_KEYS, TrainingCheckpoint, load_pieces, on_every_rank
 from .parallelize import virtual_stages
 from .settings import TrainSettings
@@ -52,7 +54,7 @@ def save_model(settings: TrainSettings, config: GPTConfig, full: dict[str, Any],
 
 
 def save_training_checkpoint(trainer: Any, steps_done: int, batches: data.TokenBatches,
-                             data_identity: dict[str, Any]) -> None:
+                             data_identity: dict[str, Any]) -> Path:
     """Every rank writes the parameters, AdamW moments and expert biases it holds (replicas once), rank 0 the
     manifest (`training_checkpoint`); `batches` (the training data's order) places the data position."""
     model, mesh = trainer.model, trainer.mesh
@@ -66,9 +68,27 @@ def save_training_checkpoint(trainer: Any, steps_done: int, batches: data.TokenB
     marked = [(piece, array, training_checkpoint.writes_copy(piece.placement, mesh)) for piece, array in held]
     names = list(parameter_shapes(model.config))
     moments = [f"{key}/{name}" for key in MOMENT_KEYS if key in state for name in names]
-    training_checkpoint.save(trainer.settings.output.checkpoint_dir, steps_done, marked, mesh.world,
+    return training_checkpoint.save(trainer.settings.output.checkpoint_dir, steps_done, marked, mesh.world,
                              _description(trainer, steps_done, batches, data_identity),
                              names + list(expert_bias_shapes(model.config)) + moments)
+
+
+def save_and_describe(trainer: Any, steps_done: int, batches: data.TokenBatches, data_identity: dict[str, Any]
+                      ) -> str:
+    """Save a training checkpoint, drop those beyond --keep-checkpoints; the log line that says what it did."""
+    started = time.perf_counter()
+    folder = save_training_checkpoint(trainer, steps_done, batches, data_identity)
+    seconds = time.perf_counter() - started
+    if trainer.mesh.world.rank != 0:
+        return ""
+    output = trainer.settings.output
+    removed = checkpoint_upkeep.prune(output.checkpoint_dir, output.keep_checkpoints)
+    kept = checkpoint_upkeep.complete_steps(output.checkpoint_dir)
+    disk = sum(checkpoint_upkeep.folder_bytes(path) for path in kept)
+    dropped = f", removed {plural(len(removed), 'older one')}" if removed else ""
+    return (f"saved checkpoint step {steps_done} ({checkpoint_upkeep.folder_bytes(folder) / 1e6:.1f} MB, "
+            f"{seconds:.2f} s) to {folder}{dropped}; {plural(len(kept), 'checkpoint')} kept, {disk / 1e6:.1f} MB "
+            f"on disk" + ("" if output.keep_checkpoints else " (--keep-checkpoints N keeps the newest N)"))
 
 
 def _description(trainer: Any, steps_done: int, batches: data.TokenBatches,
@@ -92,17 +112,46 @@ def _description(trainer: Any, steps_done: int, batches: data.TokenBatches,
     }
 
 
-def newest_checkpoint(settings: TrainSettings, mesh: Mesh) -> str | None:
-    """The training checkpoint --resume continues from (None: start fresh, as a restarted job would want), the
-    same on every rank: rank 0 chooses, so that the folder may change meanwhile."""
-    if not settings.output.resume:
+def checkpoint_to_resume(settings: TrainSettings, mesh: Mesh) -> str | None:
+    """The training checkpoint --resume / --resume-from continues from (None without them), the same on every
+    rank: rank 0 chooses, so that the folder may change meanwhile. One clear error when there is none, or when it
+    is at --steps already."""
+    output = settings.output
+    if not output.resume and output.resume_from is None:
         return None
-    if not settings.output.checkpoint_dir:
+
+    def choose() -> str | None:
+        if mesh.world.rank != 0:
+            return None
+        path = _resume_path(output.checkpoint_dir, output.resume_from)
+        step = TrainingCheckpoint(path).step
+        if step >= settings.data.steps:
+            raise ConfigError(f"the checkpoint {path} is at step {step} already, and --steps {settings.data.steps} "
+                              f"counts from the start of training: give --steps above {step} to train on")
+        return str(path)
+
+    return mesh.world.comm.bcast(on_every_rank(mesh.world, choose), root=0)
+
+
+def _resume_path(directory: str | None, resume_from: str | None) -> Path:
+    """--resume: the newest complete checkpoint of `directory`; --resume-from STEP: that step's; --resume-from
+    DIR: a step folder, or a checkpoint directory's newest."""
+    if resume_from is not None and not resume_from.isdigit():
+        return training_checkpoint.find_checkpoint(resume_from)
+    if not directory:
         raise ConfigError("--resume needs --checkpoint-dir (where the training checkpoints are)")
-    directory = settings.output.checkpoint_dir
-    latest = on_every_rank(mesh.world, lambda: training_checkpoint.latest_training_checkpoint(directory)
-                           if mesh.world.rank == 0 else None)
-    return mesh.world.comm.bcast(latest, root=0)
+    if resume_from is not None:
+        folder = training_checkpoint.step_folder(directory, int(resume_from))
+        if not (folder / training_checkpoint.MANIFEST).is_file():
+            steps = [int(path.name.split("-")[1]) for path in checkpoint_upkeep.complete_steps(directory)]
+            raise ConfigError(f"--resume-from {resume_from}: {folder} is not a complete checkpoint; complete ones: "
+                              f"{', '.join(f'step {step}' for step in steps) or 'none'}")
+        return folder
+    latest = training_checkpoint.latest_training_checkpoint(directory)
+    if latest is None:
+        raise ConfigError(f"--resume: {directory} holds no complete training checkpoint (no step-*/manifest.json); "
+                          f"leave out --resume to start a new run")
+    return latest
 
 
 def load_model_state(path: str, model: Transformer, mesh: Mesh, data_identity: dict[str, Any]) -> TrainingCheckpoint:
@@ -144,8 +193,9 @@ class Resume:
     the optimizer's state (after); without --resume, or with no checkpoint yet, both do nothing."""
 
     def __init__(self, settings: TrainSettings, mesh: Mesh, data_identity: dict[str, Any]) -> None:
-        self.path, self.mesh, self.data_identity = newest_checkpoint(settings, mesh), mesh, data_identity
+        self.path, self.mesh, self.data_identity = checkpoint_to_resume(settings, mesh), mesh, data_identity
         self.saved: TrainingCheckpoint | None = None
+        self.zero = settings.mesh.zero
 
     @property
     def first_step(self) -> int:
@@ -158,3 +208,12 @@ class Resume:
     def load_optimizer(self, trainer: Any) -> None:
         if self.saved is not None:
             load_optimizer_state(trainer, self.saved)
+
+    def story(self) -> str | None:
+        """The log line of a resumed run: from which step and folder, saved on which mesh, run on which now."""
+        if self.saved is None:
+            return None
+        now = {"world_size": self.mesh.world.size, **asdict(self.mesh.shape), "zero": self.zero}
+        saved_on = checkpoint_upkeep.mesh_words(self.saved.manifest.get("mesh", {}))
+        return (f"resumed from step {self.saved.step} of {self.saved.folder} (saved on mesh {saved_on}; now "
+                f"{checkpoint_upkeep.mesh_words(now)})")

@@ -121,7 +121,7 @@ def prepare_for(example: str, folder: Path) -> None:
         (folder / "gpt2-model-folder").mkdir(exist_ok=True)
         (folder / "gpt2-model-folder" / "tokenizer.json").write_bytes(
             (folder / "data" / "books" / "tokenizer.json").read_bytes())
-    if example.startswith("mpiparallel checkpoint info checkpoints/"):
+    if example.startswith(("mpiparallel checkpoint info checkpoints/", "mpiparallel checkpoint export checkpoints/")):
         made = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "--steps", "1", "--checkpoint-dir",
                                  "checkpoints", "--checkpoint-every", "1"], timeout=580, cwd=folder)
         assert made.returncode == 0, made.stderr
