@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from mpi_harness import mpiexec_path, run_with_timeout
+from processes import rank_pid
 
 from mpiparallel.commands import launch
 
@@ -30,37 +31,6 @@ ENDS_WITHIN = 10.0
 
 KILLS_UNDER_LOAD = int(os.environ.get("MPIPARALLEL_TEST_KILLS_UNDER_LOAD", "5"))
 """How many times the kill is repeated with the CPU busy (more to hunt a race)."""
-
-
-def _parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        try:
-            pid = _parent_of(pid)
-        except (OSError, IndexError, ValueError):
-            return False
-        if pid == ancestor:
-            return True
-    return False
-
-
-def rank_pid(job: int, rank: int) -> int:
-    """The PID of `rank` among the processes `job` started (its launcher variable PMI_RANK, read from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environment = (entry / "environ").read_bytes().split(b"\0")
-            command = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"PMI_RANK={rank}".encode() in environment and b"mpiparallel" in command and \
-                _descends_from(int(entry.name), job):
-            return int(entry.name)
-    raise AssertionError(f"no rank {rank} under process {job}")
 
 
 def kill_rank_1_mid_training(log: Path) -> tuple[int, str]:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from clusters import assert_no_processes_on
 from mpi_harness import run_with_timeout, train_error
-from test_cluster import assert_no_processes_on, cluster  # noqa: F401 (a fixture)
-from test_failures import rank_pid
-from test_preemption import ended, wait_for_steps
+from processes import ended, rank_pid, wait_for_steps
 
 from mpiparallel import cluster as namespace_cluster
 from mpiparallel.commands.elastic import survivor_dp

@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi_harness import run_with_timeout
-from test_failures import rank_pid
+from processes import ended, rank_pid, wait_for_steps
 
 from mpiparallel.training_checkpoint import MANIFEST, latest_training_checkpoint
 
@@ -39,23 +38,6 @@ def losses(path: Path) -> list[float]:
 def start(*arguments: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY, *arguments],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def wait_for_steps(log: Path, steps: int, job: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not (log.exists() and len(log.read_text().splitlines()) >= steps):
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-        time.sleep(0.1)
-
-
-def ended(job: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
-    try:
-        stdout, stderr = job.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        stdout, stderr = job.communicate()
-        raise AssertionError(f"the job did not end within {timeout} s:\n{stdout[-2000:]}\n{stderr[-2000:]}") from None
-    return job.returncode, stdout, stderr
 
 
 def test_sigterm_to_the_launcher_saves_and_resume_continues_exactly(tmp_path, tokens):
