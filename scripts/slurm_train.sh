@@ -4,14 +4,14 @@
 #   sbatch scripts/slurm_train.sh                       # 2 nodes × 4 GPUs: dp 2 × tp 4 (tp inside a node)
 #   sbatch --nodes 4 scripts/slurm_train.sh --pp 2      # extra flags go to `mpiparallel train`
 #
-# Prerequisites, once, in the environment the job activates (see README "On a cluster"): mpi4py built against the
-# site MPI (env MPICC=$(which mpicc) pip install --no-binary=mpi4py mpi4py), then pip install -e ".[gpu]" — not
-# the `mpich` wheel, which knows neither the interconnect nor Slurm.
+# Prerequisites, once, in the environment the job activates (docs/clusters.md, "On a real cluster"): mpi4py built
+# against the site MPI (env MPICC=$(which mpicc) pip install --no-binary=mpi4py mpi4py), then pip install -e
+# ".[gpu]" — not the `mpich` wheel, which knows neither the interconnect nor Slurm.
 #
 # Layout: ranks are laid out innermost tp, cp, dp, pp (rank = ((pp·dp + dp_i)·cp + cp_i)·tp + tp_i), and srun
 # numbers ranks node by node, so keep tp × cp ≤ GPUs per node: the chattiest axes then stay on NVLink.
 #
-# What to look for in mpiparallel-<job>.out (README "On a cluster"):
+# What to look for in mpiparallel-<job>.out (docs/clusters.md, "On a real cluster"):
 #   - the --show-mesh table: a node column (MPI's shared-memory nodes) and "inside a node: tp; across nodes: dp"
 #     (no "warning: tensor-parallel groups ... span nodes" line);
 #   - at the end, each rank's bytes per axis beside the formula, then "rank r across nodes: tp 0.000 MB ... |

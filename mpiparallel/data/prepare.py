@@ -41,7 +41,7 @@ DEFAULT_VAL_TOKENS = 12_800
 """The default corpus's tokenizer and held-out tokens: a 2,048-token byte-level BPE trained on the corpus itself
 (3.7 bytes per token on Python's documentation; ~10 % of its 129 K tokens held out). Chosen by measurement: in
 the Quick start's two minutes it reaches a lower loss per byte and writes words where bytes write fragments
-(README, Quick start: "Why a BPE and not bytes, measured")."""
+(docs/data.md: "Why a BPE and not bytes, measured")."""
 CACHE_VARIABLE = "MPIPARALLEL_CACHE"
 
 PIECE_CHARS = 1 << 18
