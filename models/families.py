@@ -145,17 +145,8 @@ def hugging_face_config(config: Any, dtype: np.dtype) -> dict[str, Any]:
         "num_attention_heads": config.n_head,
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.n_positions,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None if not config.rope_scaling else dict(config.rope_scaling),
-        "rope_parameters": {"rope_theta": config.rope_theta, **rope},
-        "tie_word_embeddings": config.tied,
-        "attention_bias": False,
+        **_rotary_family_keys(config, rope),
         "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": np.dtype(dtype).name,
     }
@@ -337,16 +328,7 @@ def _deepseek_config(config: Any, dtype: np.dtype) -> dict[str, Any]:
         "qk_rope_head_dim": config.qk_rope_head_dim,
         "v_head_dim": config.v_head_dim,
         "rope_interleave": config.rope_interleave,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.n_positions,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None if not config.rope_scaling else dict(config.rope_scaling),
-        "rope_parameters": {"rope_theta": config.rope_theta, **rope},
-        "tie_word_embeddings": config.tied,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
+        **_rotary_family_keys(config, rope),
         "num_nextn_predict_layers": config.mtp_depth,
         "use_cache": True,
         "torch_dtype": np.dtype(dtype).name,
@@ -388,3 +370,13 @@ def _deepseek_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
                    "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
                    "moe_renormalize": bool(raw.get("norm_topk_prob", True))}
     return fields | {key: raw[key] for key in DEEPSEEK_KEYS if key in raw}
+
+
+def _rotary_family_keys(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """The config.json keys the llama and deepseek_v3 families write alike: SiLU, positions, RMSNorm's eps, RoPE
+    (both the old `rope_scaling` and transformers 5's `rope_parameters`), the head's tying, no biases or dropout."""
+    return {"hidden_act": "silu", "max_position_embeddings": config.n_positions, "rms_norm_eps": config.rms_norm_eps,
+            "rope_theta": config.rope_theta,
+            "rope_scaling": None if not config.rope_scaling else dict(config.rope_scaling),
+            "rope_parameters": {"rope_theta": config.rope_theta, **rope}, "tie_word_embeddings": config.tied,
+            "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02}
