@@ -89,6 +89,11 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
             resumed_at = TrainingCheckpoint(latest).step if latest is not None else 0
             survivors = ranks - lost
             what = _what_was_lost(outcome, reached)
+            if resumed_at >= options["steps"]:  # lost after the last step's checkpoint: nothing is left to train
+                say(f"elastic: {what}, after the checkpoint of the last step ({resumed_at}): the training is complete"
+                    + (f"; --save did not run on every rank: `mpiparallel checkpoint export {latest} --out "
+                       f"{options['save']}` writes it" if options.get("save") else ""))
+                raise SystemExit(0 if not options.get("save") else 1)
             if restarts >= options["max_restarts"]:
                 give_up(f"{what}; --max-restarts {options['max_restarts']} used up")
             dp = survivor_dp(survivors, axes, options["batch_size"], options["microbatches"] or axes["pp"])

@@ -199,7 +199,7 @@ def test_hierarchical_collectives_on_device_arrays_across_emulated_nodes(cuda_aw
 
 
 def test_the_topology_benchmark_prints_predictions_beside_measurements_and_auto_s_pick(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_topology.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_topology.py")
     out = tmp_path / "topology.json"
     result = run_with_timeout([sys.executable, script, "--ranks", "4", "--ranks-per-node", "2", "--latency", "1e-4",
                                "--sizes", "64,64K", "--rounds", "1", "--json", str(out)], 600)
