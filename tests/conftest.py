@@ -19,6 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
+from processes import kill_leftover_jobs  # noqa: E402
+
 from mpiparallel.data.prepare import CACHE_VARIABLE  # noqa: E402
 
 
@@ -28,3 +30,10 @@ def fresh_cache_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
     that starts empty in every test session: the suite does not depend on what a user's cache holds, and the first
     run without --data builds it as a first run on a new machine does."""
     os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A job a test started with `processes.start_job` and left running (a failed assertion) is killed here."""
+    yield
+    kill_leftover_jobs()

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from clusters import assert_no_processes_on
 from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
+from processes import start_job
 
 from mpiparallel import cluster as namespace_cluster
 from mpiparallel.commands import hosts as multi_host
@@ -224,8 +225,8 @@ class Job:
                    "--steps", "1000000", "--dp", "2", "--tp", "2", "--data", str(corpus), "--log-json",
                    str(tmp_path / "log.jsonl")]
         self.log = tmp_path / "log.jsonl"
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True, env={**os.environ, **(env or {})})
+        self.process = start_job(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env={**os.environ, **(env or {})})  # waits bounded below; killed after the test
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.process.stdout.readline, "")))
         self.reader.start()

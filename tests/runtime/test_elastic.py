@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from clusters import assert_no_processes_on
 from mpi_harness import run_with_timeout, train_error
-from processes import ended, rank_pid, wait_for_steps
+from processes import ended, rank_pid, start_job, wait_for_steps
 
 from mpiparallel import cluster as namespace_cluster
 from mpiparallel.commands.elastic import survivor_dp
@@ -47,13 +48,20 @@ def worst(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[step] - b[step]) / abs(b[step]) for step in a)
 
 
+def start_elastic(tmp_path: Path, tokens: str, steps: int, *extra: str) -> subprocess.Popen:
+    """`train -n 4 --elastic` with a checkpoint every 5 steps, logging to tmp_path/log.jsonl (every wait on it is
+    bounded: wait_for_steps, ended; a job left running is killed after the test)."""
+    return start_job([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens, "--steps",
+                      str(steps), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5", "--elastic",
+                      "--log-json", str(tmp_path / "log.jsonl"), *extra], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+
+
 def elastic_run(tmp_path: Path, tokens: str, *extra: str) -> tuple[int, str, str, Path, int]:
-    """A 4-rank dp run with a checkpoint every 5 steps whose rank 2 is SIGKILLed after step 7."""
+    """A 4-rank dp run of LONGER steps with a checkpoint every 5 whose rank 2 is SIGKILLed after step 7 (LONGER: the
+    loss must come mid-run on a quiet machine too)."""
     log = tmp_path / "log.jsonl"
-    job = subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens,
-                            "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5",
-                            "--elastic", "--log-json", str(log), *extra], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = start_elastic(tmp_path, tokens, LONGER, *extra)
     wait_for_steps(log, 7, job)
     os.kill(rank_pid(job.pid, 2), signal.SIGKILL)
     status, stdout, stderr = ended(job, timeout=300)
@@ -67,24 +75,29 @@ def test_a_lost_rank_is_replaced_by_a_smaller_dp_and_the_run_equals_the_uninterr
     restarts = [record for record in log_records if record.get("event") == "restart"]
     assert len(restarts) == 1, log_records
     restart = restarts[0]
-    assert restart["lost"] == [{"rank": 2}] and restart["mesh"]["world_size"] == 2 and restart["mesh"]["dp"] == 2
-    lost_at, resumed_at = restart["step"], 5 * (restart["step"] // 5)
-    assert 7 <= lost_at < STEPS
-    assert (f"elastic: lost rank 2 after step {lost_at}; restart 1/3 on 2 ranks: dp 2 (global batch 4 kept), from "
-            f"the checkpoint of step {resumed_at}: {lost_at - resumed_at} steps redone") in stderr
+    # one rank named lost: rank 2, or (a race of the launcher's first-death detection on a quiet machine, seen
+    # once in 7 runs) a rank that died of rank 2's loss a moment later
+    [lost] = restart["lost"]
+    assert set(lost) == {"rank"} and restart["mesh"]["world_size"] == 2 and restart["mesh"]["dp"] == 2
+    lost_at = restart["step"]
+    # the newest complete checkpoint: the one at a multiple of 5 may still have been saving when the rank died
+    resumed_at = int(re.search(r"from the checkpoint of step (\d+)", stderr).group(1))
+    assert 7 <= lost_at < LONGER and resumed_at % 5 == 0 and lost_at - 5 <= resumed_at <= lost_at
+    assert (f"elastic: lost rank {lost['rank']} after step {lost_at}; restart 1/3 on 2 ranks: dp 2 (global batch 4 "
+            f"kept), from the checkpoint of step {resumed_at}: {lost_at - resumed_at} steps redone") in stderr
     assert f"finished after 1 restart, {lost_at - resumed_at} steps redone" in stderr
     assert f"resumed from step {resumed_at} of" in stdout and "now 2 ranks: dp 2" in stdout
     final = last_loss_per_step(log_records)
-    assert sorted(final) == list(range(STEPS))
+    assert sorted(final) == list(range(LONGER))
 
     straight = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens,
-                                 "--steps", str(STEPS), "--log-json", str(tmp_path / "straight.jsonl")], timeout=300)
+                                 "--steps", str(LONGER), "--log-json", str(tmp_path / "straight.jsonl")], timeout=300)
     assert straight.returncode == 0, straight.stderr
     assert worst(final, last_loss_per_step(records(tmp_path / "straight.jsonl"))) <= 1e-9
 
     folder = tmp_path / "ck" / f"step-{resumed_at:08d}"
     reference = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY, "--data", tokens,
-                                  "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "reference"),
+                                  "--steps", str(LONGER), "--checkpoint-dir", str(tmp_path / "reference"),
                                   "--resume-from", str(folder), "--log-json", str(tmp_path / "reference.jsonl")],
                                  timeout=300)
     assert reference.returncode == 0, reference.stderr
@@ -96,10 +109,7 @@ def test_a_rank_lost_again_after_the_restart_is_replaced_again(tmp_path, tokens)
     """LONGER steps: the second loss must come while the relaunched job still trains (a quiet machine runs
     this model's steps in milliseconds)."""
     log = tmp_path / "log.jsonl"
-    job = subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens,
-                            "--steps", str(LONGER), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5",
-                            "--elastic", "--log-json", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+    job = start_elastic(tmp_path, tokens, LONGER)
     wait_for_steps(log, 7, job)
     os.kill(rank_pid(job.pid, 2), signal.SIGKILL)
     before = len(log.read_text().splitlines())
@@ -123,7 +133,7 @@ def test_too_few_ranks_left_or_no_restarts_left_ends_the_run_with_one_message(tm
     status, stdout, stderr, _, _ = elastic_run(tmp_path, tokens, *option)
     assert status == 1, (stdout, stderr)
     endings = [line for line in stderr.splitlines() if "giving up" in line]
-    assert len(endings) == 1 and message in endings[0] and "lost rank 2" in endings[0], stderr
+    assert len(endings) == 1 and message in endings[0] and re.search(r"lost rank \d", endings[0]), stderr
 
 
 def test_elastic_needs_checkpoints(tokens):
@@ -149,10 +159,7 @@ def test_a_host_lost_from_a_2_host_cluster_leaves_dp1_tp2_on_the_other_equal_to_
     made = cluster(nodes=2, ranks_per_node=2)
     log = tmp_path / "log.jsonl"
     mesh = ["--hostfile", str(made.hostfile), "--dp", "2", "--tp", "2"]
-    job = subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *mesh, *TINY, "--data", tokens,
-                            "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5",
-                            "--elastic", "--log-json", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+    job = start_elastic(tmp_path, tokens, STEPS, *mesh)
     wait_for_steps(log, 7, job)
     namespace_cluster.kill(made.name, made.hosts[1])
     status, stdout, stderr = ended(job, timeout=300)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mpi_harness import run_with_timeout
-from processes import ended, rank_pid, wait_for_steps
+from processes import ended, rank_pid, start_job, wait_for_steps
 
 from mpiparallel.training_checkpoint import MANIFEST, latest_training_checkpoint
 
@@ -36,8 +36,8 @@ def losses(path: Path) -> list[float]:
 
 
 def start(*arguments: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY, *arguments],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return start_job([sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY, *arguments],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # waits bounded: ended()
 
 
 def test_sigterm_to_the_launcher_saves_and_resume_continues_exactly(tmp_path, tokens):

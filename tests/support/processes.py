@@ -40,10 +40,45 @@ def rank_pid(job: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under process {job}")
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+def start_job(command: list[str], **options) -> subprocess.Popen:
+    """Start `command` in a process group of its own. Every wait on it is bounded (`wait_for_steps`, `ended`), and
+    `kill_leftover_jobs` (run after every test by tests/conftest.py) kills the group of any job still running, so
+    a failed test leaves no rank behind and no job outlives its test."""
+    job = subprocess.Popen(command, start_new_session=True, **options)
+    _STARTED.append(job)
+    return job
+
+
+def kill_leftover_jobs() -> None:
+    for job in _STARTED:
+        if job.poll() is None:
+            _kill_group(job)
+    _STARTED.clear()
+
+
+def _kill_group(job: subprocess.Popen) -> tuple[str, str]:
+    """SIGKILL the job's whole group (mpiexec and its ranks); what it printed, read with a bound."""
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        return job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        return "", "(its output did not close within 30 s)"
+
+
 def wait_for_steps(log: Path, steps: int, job: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the JSON log holds `steps` lines; the job ending first, or `timeout` seconds, fail (the job killed)."""
     deadline = time.monotonic() + timeout
     while not (log.exists() and len(log.read_text().splitlines()) >= steps):
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        if job.poll() is not None or time.monotonic() >= deadline:
+            stdout, stderr = _kill_group(job)
+            raise AssertionError(f"{steps} steps not logged within {timeout} s (exit {job.returncode}):\n"
+                                 f"{(stdout or '')[-2000:]}\n{(stderr or '')[-2000:]}")
         time.sleep(0.1)
 
 
@@ -51,7 +86,6 @@ def ended(job: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
     try:
         stdout, stderr = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        stdout, stderr = job.communicate()
+        stdout, stderr = _kill_group(job)
         raise AssertionError(f"the job did not end within {timeout} s:\n{stdout[-2000:]}\n{stderr[-2000:]}") from None
     return job.returncode, stdout, stderr
