@@ -211,7 +211,20 @@ def _connect_to_parent(path: Path) -> None:
     except OSError:
         connection.close()
         return
-    _connection_to_parent.append(connection)
+    _connection_to_parent.append(_as_first_descriptor(connection))
+
+
+def _as_first_descriptor(connection: socket.socket) -> socket.socket:
+    """The connection moved onto descriptor 0, in place of standard input (which no rank reads; `sys.stdin`
+    then reads /dev/null). Why: a dying process closes its descriptors in ascending order and may be rescheduled
+    between two of them, while hydra learns of the death from the lower-numbered stdout pipes and PMI socket and
+    kills the other ranks at once; on a loaded machine a killed rank's connection, opened late and so numbered
+    high, could close after those of the ranks hydra killed (seen: a killed rank was named in place of the one
+    lost). Descriptor 0 closes first. Not inherited by the rank's own subprocesses, which would hold it open."""
+    os.dup2(connection.fileno(), 0, inheritable=False)
+    connection.close()
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - held for the life of the process, as stdin is
+    return socket.socket(fileno=0)
 
 
 # -- the self-launching parent --------------------------------------------------------------------------------
@@ -245,7 +258,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
 
         monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
-    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
+    # no standard input: the ranks' descriptor 0 holds their connection to us (`_as_first_descriptor`)
+    process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=dict(environ))
     stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no rank, whatever died with it
 
     def stop(number: int, frame: object) -> None:

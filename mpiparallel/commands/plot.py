@@ -36,7 +36,7 @@ def draw(records: list[dict[str, Any]]) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [record["step"] + 1 for record in records]
+    steps = [record["step"] for record in records]
     figure, (loss, speed, traffic) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     loss.plot(steps, [record["loss"] for record in records], label="train")
     validated = [(step, record["val_loss"]) for step, record in zip(steps, records, strict=True)

@@ -3,8 +3,8 @@ gathered from every rank in rank order.
 
 The progress line rewrites itself in place where the output is a terminal — also under `-n N`, where the
 self-launching parent, not rank 0, holds the terminal and says so (`TERMINAL`); every `every`-th line stays.
-Its figures: the step counted from 1 out of --steps (the JSON log's "step" is the same step counted from 0, as
-checkpoints' `next_step` counts), the loss and its mean since the last kept line, the
+Its figures: the step counted from 1 out of --steps (as the JSON log's "step", checkpoints' folders and the
+resume and save lines count it), the loss and its mean since the last kept line, the
 learning rate, tokens/s and ms/step as moving means over the last `MOVING_STEPS` steps (one step's own time
 swings with the machine's load), MFU — model FLOPs per second (`model_flops_per_token`) over the peak of the
 ranks (`metering.peak_flops`, what the planner assumes) — and the steps done, the time elapsed and the ETA.
@@ -49,7 +49,7 @@ class TensorBoardLog:
         self.writer = SummaryWriter(folder)
 
     def add(self, record: dict) -> None:
-        step = record["step"] + 1
+        step = record["step"]
         scalars = {"loss/train": record["loss"], "learning_rate": record["lr"],
                    "throughput/tokens_per_second": record["tokens"] / record["time_s"]}
         optional = {"loss/validation": "val_loss", "loss/aux": "aux_loss", "grad_norm": "grad_norm"}
@@ -137,12 +137,12 @@ class Reporter:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
         if os.environ.get(PROGRESS):  # for the --elastic parent: how far the run got before a loss
-            Path(os.environ[PROGRESS]).write_text(f"{record['step'] + 1}\n")
+            Path(os.environ[PROGRESS]).write_text(f"{record['step']}\n")
         self.tensorboard.add(record)
         step, steps = record["step"], self.settings.data.steps
         self.recent_losses.append(record["loss"])
         self.recent_steps.append((record["tokens"], record["time_s"]))
-        kept = (step + 1) % self.every == 0 or step == self.first_step or "val_loss" in record or step + 1 == steps
+        kept = step % self.every == 0 or step == self.first_step + 1 or "val_loss" in record or step == steps
         line = self.line(record)
         if self.interactive:  # the cursor goes back to the line's start: the next line overwrites it
             self.stream.write(f"{line}\033[K{chr(10) if kept else chr(13)}")
@@ -152,8 +152,7 @@ class Reporter:
         if kept:
             self.recent_losses.clear()
         if not math.isfinite(record["loss"]):
-            raise FloatingPointError(f"the loss became {record['loss']} at step {step + 1}/{steps} (the JSON log's "
-                                     f"\"step\": {step}); try a smaller --lr")
+            raise FloatingPointError(f"the loss became {record['loss']} at step {step}/{steps}; try a smaller --lr")
 
     def line(self, record: dict) -> str:
         step, steps = record["step"], self.settings.data.steps
@@ -161,7 +160,7 @@ class Reporter:
         tokens, seconds = (sum(column) for column in zip(*self.recent_steps, strict=True))
         tokens_per_second = tokens / seconds if seconds > 0 else 0.0
         milliseconds = 1000 * seconds / len(self.recent_steps)
-        line = (f"step {step + 1:>5}/{steps} | loss {record['loss']:.4f}, mean of {len(self.recent_losses):>3} "
+        line = (f"step {step:>5}/{steps} | loss {record['loss']:.4f}, mean of {len(self.recent_losses):>3} "
                 f"{mean:.4f} | lr {record['lr']:.2e} | {tokens_per_second:,.0f} tok/s, {milliseconds:,.0f} ms/step")
         if self.peak_flops > 0:
             line += f", MFU {tokens_per_second * self.flops_per_token / self.peak_flops:.2%}"
@@ -170,7 +169,7 @@ class Reporter:
                      f"dropped {record['router']['dropped_tokens']}")
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
-        elapsed, remaining = time.perf_counter() - self.started, (steps - step - 1) * seconds / len(self.recent_steps)
+        elapsed, remaining = time.perf_counter() - self.started, (steps - step) * seconds / len(self.recent_steps)
         return line + f" | {_duration(elapsed)} elapsed, ETA {_duration(remaining)}"
 
     def say_from_every_rank(self, text: str, world: Any) -> None:

@@ -61,8 +61,9 @@ class Trainer:
         self.forced_overflows = forced_overflows(self.mesh.world.rank)
 
     def step(self, batches: data.TokenBatches | np.ndarray, step: int) -> dict:
-        """One optimizer step on the step's batch (`step` counts from 0); returns its log record, whose loss is
-        the batch's before the update."""
+        """One optimizer step on the step's batch (`step` indexes the data and the schedule from 0); returns its
+        log record, whose "step" counts from 1 as the console and the checkpoints do (record k: the k-th step, after
+        which checkpoint step-k is saved) and whose loss is the batch's before the update."""
         clock, scale = self.meter.start(), self.scaler.scale
         self.model.set_loss_scale(scale)
         pieces = data.microbatches(*self.rows_here(batches, step), self.microbatches)
@@ -78,7 +79,8 @@ class Trainer:
         if not skipped:
             self.optimizer.step(lr)
             self.engine.after_update()
-        record = {"step": step, "loss": self.passes.sum_losses(loss) / scale, "lr": lr, "tokens": self.global_tokens}
+        record = {"step": step + 1, "loss": self.passes.sum_losses(loss) / scale, "lr": lr,
+                  "tokens": self.global_tokens}
         record |= self.scaler.record(scale, skipped) | tally.finish()
         return record | self.meter.finish(clock, step) | {"grad_norm": grad_norm}
 

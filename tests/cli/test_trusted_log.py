@@ -50,7 +50,7 @@ def record(step: int, seconds: float, loss: float = 3.0) -> dict:
 def test_tokens_per_second_is_a_moving_mean_beside_ms_per_step_mfu_elapsed_and_eta():
     """Steps of 1 s then one of 3 s: the line after the slow step shows 1000·3 / (1 + 1 + 3) = 600 tok/s and
     1,667 ms/step, not the last step's 333 tok/s; MFU = 600 tok/s · FLOPs per token / 1e9."""
-    lines, _ = reported([record(0, 1.0), record(1, 1.0), record(2, 3.0)], steps=3)
+    lines, _ = reported([record(1, 1.0), record(2, 1.0), record(3, 3.0)], steps=3)
     last = lines[-1]
     assert "| 600 tok/s, 1,667 ms/step" in last, last
     assert "elapsed" in last and "ETA 0:00" in last
@@ -60,9 +60,9 @@ def test_tokens_per_second_is_a_moving_mean_beside_ms_per_step_mfu_elapsed_and_e
 
 
 def test_the_nan_error_names_the_step_as_the_progress_line_does():
-    lines, error = reported([record(0, 1.0), record(1, 1.0, loss=float("nan"))], steps=2)
+    lines, error = reported([record(1, 1.0), record(2, 1.0, loss=float("nan"))], steps=2)
     assert lines[-1].startswith("step     2/2 |")
-    assert "at step 2/2" in error and '"step": 1' in error
+    assert "at step 2/2;" in error
 
 
 def test_mfu_counts_six_flops_per_weight_and_the_causal_attention():
@@ -210,10 +210,10 @@ def test_tensorboard_gets_each_steps_loss_throughput_and_bytes_per_axis(tmp_path
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in log.read_text().splitlines()]
     scalars = tensorboard_scalars(board)
-    assert scalars["loss/train"] == pytest.approx({r["step"] + 1: r["loss"] for r in records}, rel=1e-6)
-    assert scalars["bytes_sent/dp"] == {r["step"] + 1: r["comm_bytes"]["dp"] for r in records}
+    assert scalars["loss/train"] == pytest.approx({r["step"]: r["loss"] for r in records}, rel=1e-6)
+    assert scalars["bytes_sent/dp"] == {r["step"]: r["comm_bytes"]["dp"] for r in records}
     assert scalars["bytes_sent/dp"][1] > 0
-    speeds = {r["step"] + 1: r["tokens"] / r["time_s"] for r in records}
+    speeds = {r["step"]: r["tokens"] / r["time_s"] for r in records}
     assert scalars["throughput/tokens_per_second"] == pytest.approx(speeds, rel=1e-6)
 
 
@@ -222,7 +222,7 @@ def test_plot_draws_the_logs_loss_tokens_per_second_and_bytes_per_axis(tmp_path)
     from mpiparallel.commands.plot import draw, read_log
 
     log = tmp_path / "log.jsonl"
-    records = [{"step": s, "loss": 5.0 - s, "lr": 1e-3, "tokens": 100, "time_s": 0.5 + s,
+    records = [{"step": s + 1, "loss": 5.0 - s, "lr": 1e-3, "tokens": 100, "time_s": 0.5 + s,
                 "comm_bytes": {"dp": 1000 * (s + 1), "tp": 7}} for s in range(4)]
     records[3]["val_loss"] = 2.5
     log.write_text("".join(json.dumps(r) + "\n" for r in [*records, {"event": "restart", "step": 2}]))
@@ -235,3 +235,21 @@ def test_plot_draws_the_logs_loss_tokens_per_second_and_bytes_per_axis(tmp_path)
     result = mpiparallel("plot", str(log), "-o", str(tmp_path / "run.png"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_step_numbering_in_the_console_the_json_log_the_checkpoints_and_the_resume_line(tmp_path):
+    """Step k is the k-th step everywhere: the console's "step k/N", the JSON log's "step": k, the checkpoint
+    folder step-k saved after it, and "resumed from step k" before step k + 1."""
+    log, checkpoints = tmp_path / "log.jsonl", tmp_path / "checkpoints"
+    first = mpiparallel("train", *TINY, "--steps", "3", "--log-json", str(log),
+                        "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3")
+    assert first.returncode == 0, first.stderr
+    console = [int(line.split()[1].split("/")[0]) for line in first.stdout.splitlines() if line.startswith("step ")]
+    assert console == [r["step"] for r in map(json.loads, log.read_text().splitlines())] == [1, 2, 3], first.stdout
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step-00000003"]
+    resumed = mpiparallel("train", *TINY, "--steps", "4", "--log-json", str(log), "--checkpoint-dir",
+                          str(checkpoints), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from step 3" in resumed.stdout + resumed.stderr
+    assert [r["step"] for r in map(json.loads, log.read_text().splitlines())] == [1, 2, 3, 4]  # appended
+    assert "step     4/4 |" in resumed.stdout

@@ -128,6 +128,6 @@ def test_resuming_on_another_mesh_continues_exactly(tmp_path):
         return {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
 
     after = losses("b.jsonl")
-    assert sorted(after) == [2, 3]
+    assert sorted(after) == [3, 4]
     for step, loss in after.items():
         assert loss == pytest.approx(losses("a.jsonl")[step], rel=1e-9, abs=0)

@@ -245,7 +245,7 @@ def test_the_scalers_state_is_part_of_training_checkpoints(tmp_path):
     train("--steps", "6", "--resume", "--log-json", str(resumed), *precision, *checkpoints, env=forced)
     first = [json.loads(line) for line in whole.read_text().splitlines()]
     second = [json.loads(line) for line in resumed.read_text().splitlines()]
-    assert [r["step"] for r in second] == [2, 3, 4, 5]
+    assert [r["step"] for r in second] == [3, 4, 5, 6]
     for a, b in zip(first[2:], second, strict=True):
         assert (a["loss_scale"], a["skipped"], a["lr"]) == (b["loss_scale"], b["skipped"], b["lr"])
     assert first[2]["loss_scale"] == 2.0**15  # two overflows before the checkpoint: halved, and kept on resume

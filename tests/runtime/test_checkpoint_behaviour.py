@@ -87,7 +87,7 @@ def test_resume_from_a_folder_on_another_mesh_is_logged_and_continues_the_run(sa
     assert f"resumed from step 2 of {step_folder(root / 'ck', 2)} (saved on mesh 1 rank: serial; now 2 ranks: " \
            f"dp 2)" in result.stdout
     original, resumed = losses(root / "log.jsonl"), losses(log)
-    assert sorted(resumed) == [2, 3, 4, 5]
+    assert sorted(resumed) == [3, 4, 5, 6]
     assert max(abs(resumed[step] - original[step]) / abs(original[step]) for step in resumed) <= 1e-9
 
 
@@ -96,7 +96,7 @@ def test_resume_from_a_step_number_of_the_checkpoint_folder(saved_run, tokens, t
     log = tmp_path / "log.jsonl"
     train("--data", tokens, "--steps", "5", "--checkpoint-dir", str(root / "ck"), "--resume-from", "4", "--log-json",
           str(log), "--checkpoint-every", "100")
-    assert losses(log) == {4: losses(root / "log.jsonl")[4]}  # same mesh: bit for bit
+    assert losses(log) == {5: losses(root / "log.jsonl")[5]}  # same mesh: bit for bit
     output = train_error(*TINY, "--data", tokens, "--steps", "9", "--checkpoint-dir", str(root / "ck"),
                          "--resume-from", "3")
     assert "step-00000003 is not a complete checkpoint" in output and "step 2, step 4" in output

@@ -144,7 +144,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path
     assert sorted(path.name for path in interrupted.iterdir()) == ["rank-00000.safetensors", "rank-00001.safetensors"]
     assert latest_training_checkpoint(checkpoints) == step_folder(checkpoints, 2)
     crashed_log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in crashed_log] == [0, 1, 2, 3]
+    assert [record["step"] for record in crashed_log] == [1, 2, 3, 4]
 
     arguments = [f"--{key.replace('_', '-')}={value}" for key, value in options.items() if key != "tp"]
     resumed = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "2", "--tp", "2", *arguments,
@@ -152,7 +152,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path
                                 str(tmp_path / "resumed.jsonl")], timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     log = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in log] == [2, 3, 4, 5]
+    assert [record["step"] for record in log] == [3, 4, 5, 6]
     assert [record["loss"] for record in log[:2]] == [record["loss"] for record in crashed_log[2:]]
     assert (interrupted / MANIFEST).is_file()  # saved again, completely, by the resumed run
     assert latest_training_checkpoint(checkpoints) == step_folder(checkpoints, 6)

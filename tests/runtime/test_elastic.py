@@ -75,10 +75,8 @@ def test_a_lost_rank_is_replaced_by_a_smaller_dp_and_the_run_equals_the_uninterr
     restarts = [record for record in log_records if record.get("event") == "restart"]
     assert len(restarts) == 1, log_records
     restart = restarts[0]
-    # one rank named lost: rank 2, or (a race of the launcher's first-death detection on a quiet machine, seen
-    # once in 7 runs) a rank that died of rank 2's loss a moment later
-    [lost] = restart["lost"]
-    assert set(lost) == {"rank"} and restart["mesh"]["world_size"] == 2 and restart["mesh"]["dp"] == 2
+    [lost] = restart["lost"]  # rank 2 alone, not a rank that mpiexec ended because of it
+    assert lost == {"rank": 2} and restart["mesh"]["world_size"] == 2 and restart["mesh"]["dp"] == 2
     lost_at = restart["step"]
     # the newest complete checkpoint: the one at a multiple of 5 may still have been saving when the rank died
     resumed_at = int(re.search(r"from the checkpoint of step (\d+)", stderr).group(1))
@@ -88,7 +86,7 @@ def test_a_lost_rank_is_replaced_by_a_smaller_dp_and_the_run_equals_the_uninterr
     assert f"finished after 1 restart, {lost_at - resumed_at} steps redone" in stderr
     assert f"resumed from step {resumed_at} of" in stdout and "now 2 ranks: dp 2" in stdout
     final = last_loss_per_step(log_records)
-    assert sorted(final) == list(range(LONGER))
+    assert sorted(final) == list(range(1, LONGER + 1))
 
     straight = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens,
                                  "--steps", str(LONGER), "--log-json", str(tmp_path / "straight.jsonl")], timeout=300)
@@ -101,7 +99,7 @@ def test_a_lost_rank_is_replaced_by_a_smaller_dp_and_the_run_equals_the_uninterr
                                   "--resume-from", str(folder), "--log-json", str(tmp_path / "reference.jsonl")],
                                  timeout=300)
     assert reference.returncode == 0, reference.stderr
-    after = {step: loss for step, loss in final.items() if step >= resumed_at}
+    after = {step: loss for step, loss in final.items() if step > resumed_at}
     assert worst(after, last_loss_per_step(records(tmp_path / "reference.jsonl"))) <= 1e-9
 
 

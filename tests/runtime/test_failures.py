@@ -133,6 +133,33 @@ def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zomb
     assert message is not None and message.startswith(f"mpiparallel: rank 1 (pid {ranks[1].pid}) was lost: ")
 
 
+REGISTERING_RANK = textwrap.dedent("""
+    # registers as a rank does and reports where its connection to the parent is held
+    import os, sys
+    from mpiparallel.commands import launch
+
+    launch._register_pid()
+    connection = launch._connection_to_parent[0]
+    print(connection.fileno(), os.get_inheritable(0), repr(sys.stdin.read()), connection.getpeername())
+""")
+
+
+def test_a_rank_holds_its_connection_to_the_parent_as_descriptor_0(tmp_path):
+    """A dying process closes its descriptors in ascending order, and hydra kills the other ranks as soon as the
+    lower-numbered stdout pipes or PMI socket close; the connection the watcher orders the deaths by must close
+    before those, so it is descriptor 0 (stdin: the rank then reads /dev/null), and no child inherits it."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    watcher = launch.Endings(pids, ranks=1)
+    watcher.start()
+    result = run_with_timeout([sys.executable, "-c", REGISTERING_RANK], timeout=60,
+                              env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": "0"})
+    watcher.join(timeout=10)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "False", "''", str(pids / launch.WATCH_SOCKET)]
+    assert [[rank for rank, _ in group] for group in watcher.order] == [[0]]
+
+
 PLANTED_FAILURE = textwrap.dedent("""
     # sitecustomize: imported at the start of every Python process; only the ranks plant the failure
     import os

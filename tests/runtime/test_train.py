@@ -29,7 +29,7 @@ def test_training_on_the_default_corpus_lowers_the_loss_and_logs_every_step(tmp_
                          "--sample-tokens", "40")
     assert result.returncode == 0, result.stderr
     records = read_log(log)
-    assert [r["step"] for r in records] == list(range(40))
+    assert [r["step"] for r in records] == list(range(1, 41))
     for record in records:
         assert {"step", "loss", "lr", "tokens", "time_s", "comm_bytes"} <= set(record)
         assert record["tokens"] == 4 * 32
@@ -86,7 +86,7 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(tmp_path):
     resumed = mpiparallel("train", *common, "--checkpoint-dir", str(checkpoints), "--resume",
                           "--log-json", str(tmp_path / "resumed.jsonl"), "--save", str(tmp_path / "resumed"))
     assert resumed.returncode == 0, resumed.stderr
-    assert [r["step"] for r in read_log(tmp_path / "resumed.jsonl")] == [3, 4, 5]
+    assert [r["step"] for r in read_log(tmp_path / "resumed.jsonl")] == [4, 5, 6]
     straight_losses = [r["loss"] for r in read_log(tmp_path / "straight.jsonl")][3:]
     assert [r["loss"] for r in read_log(tmp_path / "resumed.jsonl")] == straight_losses
     from mpiparallel import checkpoint
@@ -120,7 +120,7 @@ def test_resume_on_a_parallel_mesh_is_bitwise(tmp_path, mesh):
     resumed = mpiparallel("train", *common, "--checkpoint-dir", str(checkpoints), "--resume",
                           "--log-json", str(tmp_path / "resumed.jsonl"), "--save", str(tmp_path / "resumed"))
     assert resumed.returncode == 0, resumed.stderr
-    assert [r["step"] for r in read_log(tmp_path / "resumed.jsonl")] == [2, 3]
+    assert [r["step"] for r in read_log(tmp_path / "resumed.jsonl")] == [3, 4]
     straight_losses = [r["loss"] for r in read_log(tmp_path / "straight.jsonl")][2:]
     assert [r["loss"] for r in read_log(tmp_path / "resumed.jsonl")] == straight_losses
     from mpiparallel import checkpoint
