@@ -24,11 +24,17 @@ def test_every_collective_and_algorithm_matches_native_mpi(ranks):
     _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_against_native", sizes=[0, 1, 7, 1000]))
 
 
+LARGE_DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+
+
 @pytest.mark.parametrize("ranks", RANK_COUNTS)
 def test_every_collective_matches_native_mpi_on_a_million_and_three_elements(ranks):
-    """As above on one large size; on one rank, each algorithm returns a copy of its input and sends nothing."""
+    """As above on one large size; on one rank, each algorithm returns a copy of its input and sends nothing.
+    Eight ranks on two cores take a minute over all five dtypes: there the narrowest and the widest element
+    stand for them (every dtype is checked on eight ranks at the small sizes above, and at this size on 1–5)."""
+    dtypes = ["float16", "int64"] if ranks == 8 else LARGE_DTYPES
     _assert_no_failures(run_on_ranks(ranks, f"{CHECKS}:check_against_native", timeout=400, sizes=[1_000_003],
-                                     dtypes=["float16", "float32", "float64", "int32", "int64"]))
+                                     dtypes=dtypes))
 
 
 @pytest.mark.parametrize("ranks", [3, 4, 5])
