@@ -2,10 +2,10 @@
 
 Two rejections a GPU run could meet before any result: CuPy's type resolution refusing a call (one dtype per
 placeholder `T`), and NVRTC failing to compile a kernel for a dtype. The first is checked on every call the
-trainer really makes — every precision mode, both families, TP and DP meshes, recorded on the CuPy double — the
-second on every kernel at every dtype for the two architectures the GPU machines have (A100 sm_80, H100 sm_90).
-How CuPy is reached without a device, and which of its internals that uses: tests/support/real_cupy.py. With CI=true
-these tests may not skip: .ci/run installs the `gpu-check` extra (cupy-cuda13x and its NVRTC).
+trainer really makes — every precision mode (FP8 too), every family, TP and DP meshes, recorded on the CuPy
+double — the second on every kernel at every dtype for the two architectures the GPU machines have (A100 sm_80,
+H100 sm_90). How CuPy is reached without a device, and which of its internals that uses: tests/support/real_cupy.py.
+With CI=true these tests may not skip: .ci/run installs the `gpu-check` extra (cupy-cuda13x and its NVRTC).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def real_cupy():
 @pytest.fixture(scope="module")
 def training_calls() -> list[dict]:
     return run_on_ranks(2, "workers.device_checks:kernel_calls_in_training", timeout=600,
-                        families=["gpt2", "llama"], meshes=[{"dp": 2, "zero": 1}, {"tp": 2, "sp": True}])[0]
+                        families=["gpt2", "llama", "deepseek_v3"],
+                        meshes=[{"dp": 2, "zero": 1}, {"tp": 2, "sp": True}])[0]
 
 
 def test_every_kernel_call_the_trainer_makes_passes_real_cupys_type_resolution(training_calls):
@@ -50,6 +51,8 @@ FAMILY_KERNELS = {
              "softmax_backward", "adamw"},
     "llama": {"rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward", "softmax_exp",
               "softmax_backward", "adamw"},
+    "deepseek_v3": {"rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward", "softmax_exp",
+                    "softmax_backward", "adamw"},
 }
 
 
@@ -64,7 +67,7 @@ def test_the_recorded_calls_cover_every_kernel_of_each_family_in_every_mode(trai
         for run in call["modes"]:
             kernels_by_run.setdefault(run, set()).add(call["kernel"])
             dtypes_by_run.setdefault(run, set()).update(call["inputs"] + call["outputs"])
-    assert len(kernels_by_run) == 2 * 2 * 5  # families × meshes × precision modes
+    assert len(kernels_by_run) == 3 * 2 * 6  # families × meshes × precision modes
     for run, called in kernels_by_run.items():
         assert called == FAMILY_KERNELS[run.split()[0]], run
         assert dtypes_by_run[run] - {None} == {"float64" if "float64" in run else "float32"}, run

@@ -124,6 +124,8 @@ PRECISION_MODES = {
     "float16 compute": {"dtype": "float32", "compute_dtype": "float16"},
     "bfloat16 compute, bfloat16 gradients": {"dtype": "float32", "compute_dtype": "bfloat16",
                                              "grad_dtype": "bfloat16"},
+    "fp8 blockwise, bfloat16 moments": {"dtype": "float32", "compute_dtype": "bfloat16", "fp8": "blockwise",
+                                        "exp_avg_dtype": "bfloat16"},
 }
 """Every precision mode the trainer runs (DESIGN.md, Precision)."""
 
