@@ -117,7 +117,9 @@ def _why_not_kept(survivors: int, mesh: Mesh, dp: int | None, options: dict[str,
         return (f"no dp of at most {survivors // model} beside tp·cp·pp {model} divides the global batch "
                 f"{options['batch_size']} into {mesh.microbatches or mesh.axes['pp']} microbatch(es) per DP "
                 f"rank{multiple}")
-    return f"tp·cp·pp {model} with dp {dp} runs on {dp * model} ranks, and --min-ranks is {options['min_ranks']}"
+    beside = f" beside {shape}" if shape else ""
+    return (f"dp {dp} (the largest{beside} that divides the global batch {options['batch_size']}) runs on "
+            f"{plural(dp * model, 'rank')}, and --min-ranks is {options['min_ranks']}")
 
 
 def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict[str, Any],
