@@ -65,7 +65,7 @@ def check_elastic(options: dict[str, Any], ranks: int | None, hostfile: Path | N
 
 
 @dataclass(frozen=True)
-class Mesh:
+class JobMesh:
     """The mesh a job runs on: its ranks, axis sizes (`AXES`), microbatches per DP rank (None: train's default,
     pp) and, when the planner chose it, what it predicted and why the model axes could not be kept."""
 
@@ -95,19 +95,19 @@ def survivor_dp(survivors: int, axes: dict[str, int], batch_size: int, microbatc
     return None
 
 
-def survivors_mesh(survivors: int, mesh: Mesh, options: dict[str, Any], checkpoint: Path | None,
-                   ranks_per_host: int) -> Mesh | str:
+def survivors_mesh(survivors: int, mesh: JobMesh, options: dict[str, Any], checkpoint: Path | None,
+                   ranks_per_host: int) -> JobMesh | str:
     """The mesh for `survivors` ranks: `mesh`'s model axes with a smaller dp, else the planner's; a str says why
     there is none."""
     if survivors < options["min_ranks"]:
         return f"{plural(survivors, 'rank')} left, and --min-ranks is {options['min_ranks']}"
     dp = survivor_dp(survivors, mesh.axes, options["batch_size"], mesh.microbatches or mesh.axes["pp"])
     if dp is not None and dp * mesh.model_parallel >= options["min_ranks"]:
-        return Mesh(dp * mesh.model_parallel, {**mesh.axes, "dp": dp}, mesh.microbatches)
+        return JobMesh(dp * mesh.model_parallel, {**mesh.axes, "dp": dp}, mesh.microbatches)
     return planned_mesh(survivors, options, checkpoint, ranks_per_host, _why_not_kept(survivors, mesh, dp, options))
 
 
-def _why_not_kept(survivors: int, mesh: Mesh, dp: int | None, options: dict[str, Any]) -> str:
+def _why_not_kept(survivors: int, mesh: JobMesh, dp: int | None, options: dict[str, Any]) -> str:
     model = mesh.model_parallel
     shape = " × ".join(f"{axis} {mesh.axes[axis]}" for axis in ("tp", "cp", "pp") if mesh.axes[axis] > 1)
     if model > survivors:
@@ -125,7 +125,7 @@ def _why_not_kept(survivors: int, mesh: Mesh, dp: int | None, options: dict[str,
 def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict[str, Any],
                 hostfile: Path | None = None) -> NoReturn:
     """Run the job, relaunching it on the survivors after each loss; exit with the final job's status."""
-    mesh = Mesh(ranks, {**axes, "dp": axes["dp"] or ranks // (axes["tp"] * axes["cp"] * axes["pp"])},
+    mesh = JobMesh(ranks, {**axes, "dp": axes["dp"] or ranks // (axes["tp"] * axes["cp"] * axes["pp"])},
                 options["microbatches"])
     restarts = redone = 0
     extra: list[str] = []
@@ -172,7 +172,7 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
                 placement = _without_lost_hosts(placement, hosts, Path(folder) / f"hostfile-{restarts}")
 
 
-def _planner_words(mesh: Mesh) -> str:
+def _planner_words(mesh: JobMesh) -> str:
     if mesh.planner is None:
         return ""
     chosen = mesh.planner
@@ -182,7 +182,7 @@ def _planner_words(mesh: Mesh) -> str:
             f"{plural(chosen['considered'], 'layout')} considered); ")
 
 
-def _microbatch_words(mesh: Mesh) -> str:
+def _microbatch_words(mesh: JobMesh) -> str:
     count = mesh.microbatches
     return f", {count} microbatch{'es' if count > 1 else ''} per DP rank" if count else ""
 
@@ -201,7 +201,7 @@ def _megabytes(count: float) -> str:
 # -- the planner's mesh ----------------------------------------------------------------------------------------
 
 def planned_mesh(survivors: int, options: dict[str, Any], checkpoint: Path | None, ranks_per_host: int,
-                 why: str) -> Mesh | str:
+                 why: str) -> JobMesh | str:
     """The planner's fastest layout that fits in memory and that train runs with the run's other choices, on
     the most ranks from `survivors` down to --min-ranks that have one; a str says why there is none."""
     from .. import planner
@@ -222,7 +222,7 @@ def planned_mesh(survivors: int, options: dict[str, Any], checkpoint: Path | Non
         runnable = [plan for plan in plans if _train_runs(plan.layout, options)]
         if runnable:
             best = runnable[0]
-            return Mesh(world, {axis: getattr(best.layout, axis) for axis in AXES}, best.layout.microbatches,
+            return JobMesh(world, {axis: getattr(best.layout, axis) for axis in AXES}, best.layout.microbatches,
                         {"why": why, "step_s": best.step_s, "memory_bytes": best.max_memory,
                          "memory_per_rank": cluster.gpu_memory, "considered": considered, "cost_model": cost_model})
     worlds = plural(survivors, "rank") if survivors == options["min_ranks"] else \

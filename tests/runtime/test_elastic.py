@@ -18,16 +18,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_cupy
 import numpy as np
 import pytest
 from clusters import assert_no_processes_on
 from mpi_harness import run_with_timeout, train_error
 from processes import ended, rank_pid, start_job, wait_for_steps
 
+from collectives import backend
 from mpiparallel import cluster as namespace_cluster
 from mpiparallel import planner
 from mpiparallel.commands import elastic
-from mpiparallel.commands.elastic import Mesh, survivor_dp, survivors_mesh
+from mpiparallel.commands.elastic import JobMesh, survivor_dp, survivors_mesh
 from mpiparallel.train.settings import TrainSettings
 
 PLANTED = Path(__file__).resolve().parents[1] / "support" / "planted_loss"
@@ -271,9 +273,9 @@ def options_of(**changes) -> dict:
 def test_the_planner_chooses_where_the_model_axes_cannot_be_kept_and_only_a_layout_that_fits_in_memory():
     options = options_of(n_layer=2, n_head=4, n_embd=32, seq_len=8, batch_size=4, vocab_size=257, dtype="float64")
     axes = {"dp": 1, "tp": 2, "pp": 2, "cp": 1, "ep": 1}
-    kept = survivors_mesh(3, Mesh(4, {**axes, "pp": 1, "dp": 2}), options, None, 3)  # tp 2 fits on 3 ranks
-    assert kept == Mesh(2, {**axes, "pp": 1, "dp": 1}) and kept.planner is None
-    chosen = survivors_mesh(3, Mesh(4, axes), options, None, 3)  # tp 2 × pp 2 does not; dp 3 divides no batch 4
+    kept = survivors_mesh(3, JobMesh(4, {**axes, "pp": 1, "dp": 2}), options, None, 3)  # tp 2 fits on 3 ranks
+    assert kept == JobMesh(2, {**axes, "pp": 1, "dp": 1}) and kept.planner is None
+    chosen = survivors_mesh(3, JobMesh(4, axes), options, None, 3)  # tp 2 × pp 2 does not; dp 3 divides no batch 4
     assert chosen.planner["why"] == "tp 2 × pp 2 needs 4 ranks, 3 are left" and chosen.ranks == 2, chosen
     assert options["batch_size"] % (chosen.axes["dp"] * chosen.microbatches) == 0
 
@@ -296,10 +298,21 @@ def test_the_planner_chooses_where_the_model_axes_cannot_be_kept_and_only_a_layo
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(elastic, "rank_cluster", ranks_of((least[True] + least[False]) / 2))  # only a split model fits
-        fitting = survivors_mesh(3, Mesh(4, axes), options, None, 3)
+        fitting = survivors_mesh(3, JobMesh(4, axes), options, None, 3)
         assert fitting.ranks == 2 and fitting.axes["dp"] == 1, fitting
         assert fitting.planner["memory_bytes"] <= fitting.planner["memory_per_rank"] < least[False]
         patch.setattr(elastic, "rank_cluster", ranks_of(least[True] / 2))  # nothing fits
-        assert survivors_mesh(3, Mesh(4, axes), options, None, 3) == (
+        assert survivors_mesh(3, JobMesh(4, axes), options, None, 3) == (
             f"tp 2 × pp 2 needs 4 ranks, 3 are left, and none of the planner's {layouts} layouts of 1 to 3 ranks "
             f"fits in memory")
+
+
+def test_the_planners_ranks_have_the_memory_of_the_machine_or_of_the_gpus_they_share(monkeypatch):
+    cpu, where = elastic.rank_cluster(4, 4, "cpu")
+    assert cpu.gpus == 4 and cpu.gpu_memory == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4, where
+    monkeypatch.setattr(backend, "_cupy", fake_cupy.FAKE)  # one GPU of 80 GB that no preset names
+    gpu, where = elastic.rank_cluster(3, 3, "gpu")
+    assert gpu.gpus == 3 and gpu.gpu_memory == 80e9 / 3 and where == "the planner's default GPU"
+    monkeypatch.setattr(elastic, "_gpu", lambda: ("NVIDIA H100 80GB HBM3", 80e9, 2))  # 2 H100s: 2 ranks on one
+    gpu, where = elastic.rank_cluster(3, 3, "gpu")
+    assert gpu.gpu_memory == 40e9 and gpu.gpu == planner.GPUS["h100-sxm"] and where == "h100-sxm", where
