@@ -223,8 +223,8 @@ def planned_mesh(survivors: int, options: dict[str, Any], checkpoint: Path | Non
         if runnable:
             best = runnable[0]
             return JobMesh(world, {axis: getattr(best.layout, axis) for axis in AXES}, best.layout.microbatches,
-                        {"why": why, "step_s": best.step_s, "memory_bytes": best.max_memory,
-                         "memory_per_rank": cluster.gpu_memory, "considered": considered, "cost_model": cost_model})
+                           {"why": why, "step_s": best.step_s, "memory_bytes": best.max_memory,
+                            "memory_per_rank": cluster.gpu_memory, "considered": considered, "cost_model": cost_model})
     worlds = plural(survivors, "rank") if survivors == options["min_ranks"] else \
         f"{options['min_ranks']} to {survivors} ranks"
     if considered == 0:
