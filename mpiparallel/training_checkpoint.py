@@ -366,6 +366,17 @@ def latest_training_checkpoint(directory: str | Path) -> Path | None:
     return max(complete)[1] if complete else None
 
 
+def incomplete_steps(directory: str | Path, after: int = 0) -> list[int]:
+    """The steps after `after` whose folder in `directory` has no manifest: saves that never finished (a rank
+    lost while writing), which resume ignores."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(int(match.group(1)) for entry in path.iterdir()
+                  if (match := _STEP_FOLDER.match(entry.name)) and int(match.group(1)) > after
+                  and not (entry / MANIFEST).is_file())
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """A step folder, or the newest complete one in a checkpoint directory; one clear error otherwise."""
     path = Path(path)

@@ -407,8 +407,9 @@ def deepseek_options(command: Callable) -> Callable:
                    "(a step folder, or a checkpoint directory's newest). Implies --resume.")
 @click.option("--elastic", is_flag=True, default=default("elastic"),
               help="When a rank or host is lost, relaunch on the survivors: the same tp·cp·pp·ep, a smaller dp that "
-                   "divides the global batch (kept: more rows per DP rank), resumed and resharded from the newest "
-                   "complete checkpoint. Needs --checkpoint-dir and --checkpoint-every, and -n (not under mpiexec).")
+                   "divides the global batch (kept: more rows per DP rank), or where those no longer fit the "
+                   "planner's fastest layout that fits in memory; resumed and resharded from the newest complete "
+                   "checkpoint. Needs --checkpoint-dir and --checkpoint-every, and -n (not under mpiexec).")
 @click.option("--min-ranks", type=click.IntRange(min=1), default=default("min_ranks"),
               help="--elastic: give up (non-zero exit) rather than continue on fewer ranks.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=default("max_restarts"),

@@ -35,6 +35,10 @@ Under a launcher of one's own, set it by hand: `mpiexec -n 4 env MPIPARALLEL_TER
 PROGRESS = "MPIPARALLEL_PROGRESS"
 """Set by the `--elastic` parent (`mpiparallel.commands.elastic`): a file where rank 0 writes the steps done."""
 
+CONTINUE_LOG = "MPIPARALLEL_CONTINUE_LOG"
+"""Set to 1 by the `--elastic` parent on a relaunch: rank 0 appends to --log-json even when the relaunched job
+starts from step 0 (lost before the first checkpoint), so the lost job's steps and the restart event stay."""
+
 MOVING_STEPS = 10
 """Steps in the moving means of tokens/s and ms/step."""
 
@@ -113,7 +117,8 @@ class Reporter:
         self.settings, self.is_root, self.stream = settings, is_root, stream
         self.interactive = is_root and (stream.isatty() or os.environ.get(TERMINAL) == "1")
         output = settings.output
-        self.log = open(output.log_json, "a" if output.resume else "w") if is_root and output.log_json else None
+        continues = output.resume or os.environ.get(CONTINUE_LOG) == "1"
+        self.log = open(output.log_json, "a" if continues else "w") if is_root and output.log_json else None
         self.tensorboard = TensorBoardLog(output.tensorboard) if is_root and output.tensorboard else NoTensorBoard()
         self.every = max(1, settings.data.steps // 20)
         self.recent_losses: list[float] = []  # since the last kept line: one batch's loss is noisy

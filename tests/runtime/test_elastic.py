@@ -1,10 +1,16 @@
 """`train --elastic` on one machine: a rank killed between checkpoints → the run finishes on the survivors (dp
 shrunk to one that divides the global batch), equal to the uninterrupted run and to `--resume-from` the same
-checkpoint on the new mesh (float64, ≤ 1e-9); too few ranks left or restarts used up → one message, non-zero."""
+checkpoint on the new mesh (float64, ≤ 1e-9); where the model axes no longer fit, the planner's mesh, equally
+exact; a rank lost while a checkpoint is written → the previous one is used; lost before the first checkpoint →
+the run starts again and its JSON log goes on; too few ranks left or restarts used up → one message, non-zero.
+
+Most losses are planted (tests/support/planted_loss/sitecustomize.py: a rank SIGKILLs itself at a named
+collective or inside a save), so they land where the test needs them on a quiet machine and a loaded one alike."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -12,14 +18,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_cupy
 import numpy as np
 import pytest
 from clusters import assert_no_processes_on
 from mpi_harness import run_with_timeout, train_error
 from processes import ended, rank_pid, start_job, wait_for_steps
 
+from collectives import backend
 from mpiparallel import cluster as namespace_cluster
-from mpiparallel.commands.elastic import survivor_dp
+from mpiparallel import planner
+from mpiparallel.commands import elastic
+from mpiparallel.commands.elastic import JobMesh, survivor_dp, survivors_mesh
+from mpiparallel.train.settings import TrainSettings
+
+PLANTED = Path(__file__).resolve().parents[1] / "support" / "planted_loss"
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
         "float64", "--vocab-size", "257", "--threads", "1"]
@@ -173,3 +187,132 @@ def test_a_host_lost_from_a_2_host_cluster_leaves_dp1_tp2_on_the_other_equal_to_
     assert straight.returncode == 0, straight.stderr
     assert worst(final, last_loss_per_step(records(tmp_path / "straight.jsonl"))) <= 1e-9
     assert_no_processes_on(made)
+
+
+# -- losses planted where the test needs them ----------------------------------------------------------------------
+
+def planted_elastic_run(tmp_path: Path, tokens: str, loss: str, *extra: str) -> tuple[str, list[dict]]:
+    """`train -n 4 --elastic` of STEPS steps, a checkpoint every 5, whose rank dies where `loss` says
+    (planted_loss's PLANTED_LOSS); it must finish. Its stderr and JSON log."""
+    path = os.pathsep.join(filter(None, [str(PLANTED), str(CHECKOUT), os.environ.get("PYTHONPATH")]))
+    environ = {**os.environ, "PYTHONPATH": path, "PLANTED_LOSS": loss, "PLANTED_LOSS_DONE": str(tmp_path / "died")}
+    finished = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--data", tokens,
+                                 "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
+                                 "5", "--elastic", "--log-json", str(tmp_path / "log.jsonl"), *extra], timeout=300,
+                                env=environ)
+    assert finished.returncode == 0 and (tmp_path / "died").exists(), (finished.stdout, finished.stderr)
+    return finished.stderr, records(tmp_path / "log.jsonl")
+
+
+def uninterrupted(tmp_path: Path, tokens: str, name: str, *options: str) -> dict[int, float]:
+    """The losses of a plain run (a reference) of STEPS steps with `options`."""
+    log = tmp_path / f"{name}.jsonl"
+    finished = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", *TINY, "--data", tokens, "--steps",
+                                 str(STEPS), "--log-json", str(log), *options], timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    return last_loss_per_step(records(log))
+
+
+def test_model_axes_that_no_longer_fit_give_way_to_the_planners_mesh_equal_to_the_resumed_run(tmp_path, tokens):
+    """tp 4 on 4 ranks (4 heads, batch 6) loses rank 3 after the checkpoint of step 5: tp 4 cannot run on 3
+    ranks, so the planner's layout does; the run equals the uninterrupted tp 4 run and `--resume-from` step 5 on
+    the planner's mesh (float64, ≤ 1e-9)."""
+    shape = ["--tp", "4", "--n-head", "4", "--batch-size", "6"]
+    stderr, log = planted_elastic_run(tmp_path, tokens, "3 after 5 30", *shape)
+    [restart] = [record for record in log if record.get("event") == "restart"]
+    mesh, chosen = restart["mesh"], restart["planner"]
+    assert restart["lost"] == [{"rank": 3}] and 5 < restart["step"] < 10, restart
+    assert chosen["why"] == "tp 4 needs 4 ranks, 3 are left" and chosen["memory_bytes"] <= chosen["memory_per_rank"]
+    assert mesh["world_size"] <= 3 and mesh["tp"] < 4 and mesh["world_size"] == math.prod(
+        mesh[axis] for axis in ("dp", "tp", "pp", "cp")), mesh
+    assert f"lost rank 3 after step {restart['step']}; tp 4 needs 4 ranks, 3 are left, so the planner chose" in stderr
+    assert f"from the checkpoint of step 5: {restart['step'] - 5} steps redone" in stderr, stderr
+    final = last_loss_per_step(log)
+    assert worst(final, uninterrupted(tmp_path, tokens, "straight", "-n", "4", *shape)) <= 1e-9
+    on_mesh = [word for axis in ("dp", "tp", "pp", "cp", "ep") for word in (f"--{axis}", str(mesh[axis]))]
+    resumed = uninterrupted(tmp_path, tokens, "resumed", *shape, "-n", str(mesh["world_size"]), *on_mesh,
+                            "--microbatches", str(mesh["microbatches"]), "--resume-from",
+                            str(tmp_path / "ck" / "step-00000005"), "--checkpoint-dir", str(tmp_path / "reference"))
+    assert worst({step: loss for step, loss in final.items() if step > 5}, resumed) <= 1e-9
+
+
+def test_a_rank_lost_while_a_checkpoint_is_written_leaves_the_previous_one_in_use(tmp_path, tokens):
+    """Rank 2 dies having written its shard of step 10's checkpoint, before the manifest: that checkpoint is
+    incomplete, so the run resumes from step 5 (the line says why) and equals the uninterrupted run."""
+    stderr, log = planted_elastic_run(tmp_path, tokens, "2 save 10")
+    [restart] = [record for record in log if record.get("event") == "restart"]
+    assert restart["lost"] == [{"rank": 2}] and restart["step"] == 10 and restart["mesh"]["dp"] == 2, restart
+    assert ("from the checkpoint of step 5 (the checkpoint of step 10 is incomplete, lost while saving: ignored): "
+            "5 steps redone") in stderr, stderr
+    assert (tmp_path / "ck" / "step-00000010" / "manifest.json").is_file()  # saved again by the relaunched job
+    assert worst(last_loss_per_step(log), uninterrupted(tmp_path, tokens, "straight", "-n", "4")) <= 1e-9
+
+
+def test_a_rank_lost_before_the_first_checkpoint_starts_again_and_the_log_goes_on(tmp_path, tokens):
+    """Rank 1 dies in step 3 or so, before any checkpoint: the relaunched job starts from step 0 and appends to
+    the JSON log — the lost job's steps, the restart event, then every step again — equal to the uninterrupted
+    run (both jobs' steps, float64 ≤ 1e-9)."""
+    stderr, log = planted_elastic_run(tmp_path, tokens, "1 after 0 3")
+    at = next(i for i, record in enumerate(log) if record.get("event") == "restart")
+    first, restart, second = log[:at], log[at], log[at + 1:]
+    assert 1 <= restart["step"] < 5 and [record["step"] for record in first] == list(range(1, restart["step"] + 1))
+    assert [record["step"] for record in second] == list(range(1, STEPS + 1)), log
+    assert f"from step 0 (no checkpoint yet): {restart['step']} steps redone" in stderr, stderr
+    straight = uninterrupted(tmp_path, tokens, "straight", "-n", "4")
+    assert worst(last_loss_per_step(second), straight) <= 1e-9
+    assert worst(last_loss_per_step(first), {step: straight[step] for step in range(1, restart["step"] + 1)}) <= 1e-9
+
+
+def options_of(**changes) -> dict:
+    """The command line's options of `train` (the mesh axes apart) with `changes`."""
+    settings = TrainSettings.from_options(**changes)
+    flat = {option: value for group in vars(settings).values() for option, value in vars(group).items()}
+    return {name: value for name, value in flat.items() if name not in ("dp", "tp", "pp", "cp", "ep")}
+
+
+def test_the_planner_chooses_where_the_model_axes_cannot_be_kept_and_only_a_layout_that_fits_in_memory():
+    options = options_of(n_layer=2, n_head=4, n_embd=32, seq_len=8, batch_size=4, vocab_size=257, dtype="float64")
+    axes = {"dp": 1, "tp": 2, "pp": 2, "cp": 1, "ep": 1}
+    kept = survivors_mesh(3, JobMesh(4, {**axes, "pp": 1, "dp": 2}), options, None, 3)  # tp 2 fits on 3 ranks
+    assert kept == JobMesh(2, {**axes, "pp": 1, "dp": 1}) and kept.planner is None
+    chosen = survivors_mesh(3, JobMesh(4, axes), options, None, 3)  # tp 2 × pp 2 does not; dp 3 divides no batch 4
+    assert chosen.planner["why"] == "tp 2 × pp 2 needs 4 ranks, 3 are left" and chosen.ranks == 2, chosen
+    assert options["batch_size"] % (chosen.axes["dp"] * chosen.microbatches) == 0
+
+    model = elastic.planner_model(options, None)
+    precision = elastic.run_precision(options)
+    choices = planner.Choices(4, zero=0, recompute="none", sp=False, schedule="1f1b", cp_attention="ring")
+    least = {True: math.inf, False: math.inf}  # the least memory per rank of a layout that splits the model or not
+    layouts = 0
+    for world in (1, 2, 3):
+        for layout in planner.candidate_layouts(model, planner.Cluster(gpus=world), choices):
+            layouts += 1
+            split = layout.tp * layout.pp * layout.cp > 1
+            memory = planner.evaluate(model, planner.Cluster(gpus=world), precision, layout, 4).max_memory
+            least[split] = min(least[split], memory)
+    assert least[True] < least[False]
+
+    def ranks_of(memory: float):  # the machine's ranks, each with `memory` bytes
+        return lambda world, per_host, device: (planner.Cluster(gpus=world, gpu_memory=memory, gpus_per_node=per_host),
+                                                "a test's cluster")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(elastic, "rank_cluster", ranks_of((least[True] + least[False]) / 2))  # only a split model fits
+        fitting = survivors_mesh(3, JobMesh(4, axes), options, None, 3)
+        assert fitting.ranks == 2 and fitting.axes["dp"] == 1, fitting
+        assert fitting.planner["memory_bytes"] <= fitting.planner["memory_per_rank"] < least[False]
+        patch.setattr(elastic, "rank_cluster", ranks_of(least[True] / 2))  # nothing fits
+        assert survivors_mesh(3, JobMesh(4, axes), options, None, 3) == (
+            f"tp 2 × pp 2 needs 4 ranks, 3 are left, and none of the planner's {layouts} layouts of 1 to 3 ranks "
+            f"fits in memory")
+
+
+def test_the_planners_ranks_have_the_memory_of_the_machine_or_of_the_gpus_they_share(monkeypatch):
+    cpu, where = elastic.rank_cluster(4, 4, "cpu")
+    assert cpu.gpus == 4 and cpu.gpu_memory == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4, where
+    monkeypatch.setattr(backend, "_cupy", fake_cupy.FAKE)  # one GPU of 80 GB that no preset names
+    gpu, where = elastic.rank_cluster(3, 3, "gpu")
+    assert gpu.gpus == 3 and gpu.gpu_memory == 80e9 / 3 and where == "the planner's default GPU"
+    monkeypatch.setattr(elastic, "_gpu", lambda: ("NVIDIA H100 80GB HBM3", 80e9, 2))  # 2 H100s: 2 ranks on one
+    gpu, where = elastic.rank_cluster(3, 3, "gpu")
+    assert gpu.gpu_memory == 40e9 and gpu.gpu == planner.GPUS["h100-sxm"] and where == "h100-sxm", where

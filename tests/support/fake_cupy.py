@@ -23,7 +23,8 @@ What it imitates, so the GPU code paths run (and can fail) on a CPU:
   CuPy's, reuses a block as soon as its last host array is gone — so code that lets a pinned buffer go while a
   copy from it is queued reads the next owner's bytes, as on a GPU.
 - Only CuPy's names (`cupy_names.txt`, CuPy 14.2's public names): a NumPy function CuPy lacks is an
-  AttributeError, as it would be on the GPU. `runtime.getDeviceCount()` (one GPU), `Device(i).use()` and
+  AttributeError, as it would be on the GPU. `runtime.getDeviceCount()` (one GPU of 80 GB, its properties' name and
+  totalGlobalMem), `Device(i).use()` and
   `.pci_bus_id`, the current stream's `.ptr`, `x.data.ptr`.
 
 `install()` puts it behind `collectives.backend`, as if CuPy had imported and found a GPU.
@@ -429,7 +430,8 @@ def _module() -> types.ModuleType:
     module.fuse = lambda *a, **k: (lambda f: f)
 
     module.__version__ = "0 (test double)"
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"Fake GPU"})
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
+                                    getDeviceProperties=lambda i: {"name": b"Fake GPU", "totalGlobalMem": 80 * 10**9})
     module.cuda = types.SimpleNamespace(
         runtime=runtime,
         get_current_stream=lambda: _STREAM,
