@@ -18,7 +18,8 @@ socket in that folder), which the kernel closes with the rank's other files. Hyd
 it saw the first one's files close, so their connections close strictly later. The processes' own ends (pidfds)
 are no such order: a dying process closes its files before it becomes a zombie (its last thread must exit
 first), so on a loaded machine a rank that hydra killed can become a zombie first (seen once: that rank was
-named). Two ends seen in one wake-up of the watcher are both named.
+named). The watcher may wake late on a loaded machine and find several connections closed at once; epoll hands
+them over in the order they closed (its ready list is first in, first out), and that order is kept.
 
 Hosts. With `--hostfile FILE` the ranks start on the hosts the file names (`hosts.py`): through the launcher of
 a cluster of `mpiparallel cluster` when FILE is one of its hostfiles, else through `mpiexec -f FILE`. On a cluster
@@ -364,11 +365,12 @@ def _alive(pid: int) -> bool:
 
 
 class Endings(threading.Thread):
-    """Watches the ranks and notes the order they end in: `order` holds, per wake-up, the (rank, pid) pairs seen
-    ending then; `how` how each ended, where its exit status could still be read (from /proc, before its parent
-    reaped it). A rank has ended when its connection to the watch socket closed (its files closed: the moment
-    hydra sees it die too) or, without one, when its process ended (a Linux pidfd, opened as the ranks
-    register); a pidfd that fires later only tells how it ended."""
+    """Watches the ranks and notes the order they end in: `order` holds groups of (rank, pid) pairs in the order they
+    ended — one pair each, except the ranks already gone when they registered (one group); `how` how each ended,
+    where its exit status could still be read (from /proc, before its parent reaped it). A rank has ended when its
+    connection to the watch socket closed (its files closed: the moment hydra sees it die too) or, without one, when
+    its process ended (a Linux pidfd, opened as the ranks register); a pidfd that fires later only tells how it
+    ended."""
 
     def __init__(self, pids: Path, ranks: int) -> None:
         super().__init__(daemon=True)  # it may wait forever on a job that never started a rank
@@ -388,22 +390,27 @@ class Endings(threading.Thread):
     def run(self) -> None:
         if not hasattr(os, "pidfd_open"):
             return
-        self.poller = select.poll()
+        self.poller = select.epoll()
         if self.listener is not None:
-            self.poller.register(self.listener, select.POLLIN)
+            self.poller.register(self.listener.fileno(), select.EPOLLIN)
         self.pidfds: dict[int, int] = {}            # descriptor -> pid, until the process has ended
         self.connections: dict[int, tuple[socket.socket, int | None]] = {}  # descriptor -> (socket, its pid)
         self.seen: set[int] = set()                 # pids watched so far
         self.ended: set[int] = set()
-        while len(self.ended) < self.ranks or self.pidfds:  # the pidfds of the ended still say how they ended
-            ended = self._watch_new_ranks()
-            for descriptor, _ in self.poller.poll(None if len(self.seen) == self.ranks and not ended else 50):
-                ended += self._wake_up(descriptor)
-            ranks = _registered(self.pids)
-            fresh = sorted({(ranks.get(pid, (-1, ""))[0], pid) for pid in ended if pid not in self.ended})
-            self.ended |= {pid for _, pid in fresh}
-            if fresh:
-                self.order.append(fresh)
+        try:
+            while len(self.ended) < self.ranks or self.pidfds:  # the pidfds of the ended still say how they ended
+                self._note(self._watch_new_ranks())  # already gone when they registered: one group, unordered
+                for descriptor, _ in self.poller.poll(-1 if len(self.seen) == self.ranks else 0.05):
+                    self._note(self._wake_up(descriptor))  # in the order the ends happened (epoll's ready list)
+        finally:
+            self.poller.close()
+
+    def _note(self, ended: list[int]) -> None:
+        ranks = _registered(self.pids)
+        fresh = sorted({(ranks.get(pid, (-1, ""))[0], pid) for pid in ended if pid not in self.ended})
+        self.ended |= {pid for _, pid in fresh}
+        if fresh:
+            self.order.append(fresh)
 
     def _watch_new_ranks(self) -> list[int]:
         """Open a pidfd for every rank registered since the last look; the PIDs of those already gone."""
@@ -418,7 +425,7 @@ class Endings(threading.Thread):
                 gone.append(pid)
                 continue
             self.pidfds[descriptor] = pid
-            self.poller.register(descriptor, select.POLLIN)
+            self.poller.register(descriptor, select.EPOLLIN)
         return gone
 
     def _wake_up(self, descriptor: int) -> list[int]:
@@ -426,7 +433,7 @@ class Endings(threading.Thread):
         if self.listener is not None and descriptor == self.listener.fileno():
             connection, _ = self.listener.accept()
             self.connections[connection.fileno()] = (connection, None)
-            self.poller.register(connection, select.POLLIN)
+            self.poller.register(connection.fileno(), select.EPOLLIN)
             return []
         if descriptor in self.pidfds:  # the process has ended (its connection, if any, closed before)
             pid = self.pidfds.pop(descriptor)
@@ -442,7 +449,7 @@ class Endings(threading.Thread):
             return []
         if data:
             return []
-        self.poller.unregister(connection)
+        self.poller.unregister(descriptor)
         del self.connections[descriptor]
         connection.close()
         return [] if pid is None else [pid]
@@ -534,11 +541,11 @@ def ranks_lost(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequenc
 
 def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequence[Sequence[tuple[int, int]]],
                       how: Mapping[int, str]) -> str | None:
-    """The line naming the rank(s) lost without a word: of the ranks that did not end through `run_guarded`
-    (`ranks`: PID -> (rank, how it ended through it)), those seen ending first (`order`: (rank, pid) pairs per
-    wake-up); without that, the one hydra's banner names. How it ended from `how` (PID -> text), else from the
-    banner when it is about that process. None when nothing says which rank, or when a rank reported its own
-    exception (then mpiexec's MPI_Abort ended the others: none was lost)."""
+    """The line naming the rank(s) lost without a word: of the ranks that did not end through `run_guarded` (`ranks`:
+    PID -> (rank, how it ended through it)), the first group seen ending (`order`: groups of (rank, pid) pairs in
+    the order they ended); without that, the one hydra's banner names. How it ended from `how` (PID -> text), else
+    from the banner when it is about that process. None when nothing says which rank, or when a rank reported its
+    own exception (then mpiexec's MPI_Abort ended the others: none was lost)."""
     lost = ranks_lost(banner, ranks, order)
     if not lost:
         return None

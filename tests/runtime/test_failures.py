@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -131,6 +132,70 @@ def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zomb
     assert watcher.order == [[(1, ranks[1].pid)], [(0, ranks[0].pid)]]
     message = launch.lost_rank_message("", launch._registered(pids), watcher.order, watcher.how)
     assert message is not None and message.startswith(f"mpiparallel: rank 1 (pid {ranks[1].pid}) was lost: ")
+
+
+CLOSING_RANK = textwrap.dedent("""
+    # registers as a rank does; when told, closes its connection, says so, and exits
+    import os, sys, time
+    from mpiparallel.commands import launch
+
+    launch._register_pid()
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    launch._connection_to_parent[0].close()
+    open(sys.argv[1] + ".closed", "w").close()
+""")
+
+
+class LateWatcher(launch.Endings):
+    """The watcher of a loaded machine: once both ranks are connected, it does not look again until `late` is
+    set — by then both connections have closed."""
+
+    def __init__(self, pids: Path) -> None:
+        super().__init__(pids, ranks=2)
+        self.late = threading.Event()
+
+    def _watch_new_ranks(self) -> list[int]:
+        gone = super()._watch_new_ranks()
+        if len(self.connections) == 2 and all(pid is not None for _, pid in self.connections.values()):
+            self.late.wait(60)
+        return gone
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watcher needs Linux pidfds")
+def test_a_watcher_that_wakes_late_still_names_only_the_rank_that_ended_first(tmp_path):
+    """Rank 1 closes its connection, then rank 0 (which connected first, so holds the lower descriptor), both
+    before the watcher looks: it still sees rank 1 end first and names rank 1 alone."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    watcher = LateWatcher(pids)
+    watcher.start()
+    ranks = []
+    try:  # bounded: every wait below has a deadline or timeout, the processes killed in `finally`
+        for rank in (0, 1):
+            ranks.append(subprocess.Popen([sys.executable, "-c", CLOSING_RANK, str(tmp_path / f"go-{rank}")],
+                                          env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": str(rank)}))
+            connected_by = time.monotonic() + 60
+            while len(watcher.connections) <= rank or None in [pid for _, pid in watcher.connections.values()]:
+                assert time.monotonic() < connected_by, "the fake rank never connected"
+                time.sleep(0.01)
+        for rank in (1, 0):
+            (tmp_path / f"go-{rank}").touch()
+            closed_by = time.monotonic() + 60
+            while not (tmp_path / f"go-{rank}.closed").exists():
+                assert time.monotonic() < closed_by, "the fake rank never closed its connection"
+                time.sleep(0.01)
+        watcher.late.set()
+        watcher.join(timeout=20)
+    finally:
+        watcher.late.set()
+        for process in ranks:
+            process.kill()
+            process.wait()
+    assert watcher.order == [[(1, ranks[1].pid)], [(0, ranks[0].pid)]]
+    message = launch.lost_rank_message("", launch._registered(pids), watcher.order, watcher.how)
+    assert message is not None and message.startswith(f"mpiparallel: rank 1 (pid {ranks[1].pid}) was lost: ")
+    assert "rank 0" not in message
 
 
 REGISTERING_RANK = textwrap.dedent("""
