@@ -29,15 +29,16 @@ the sequence as the main model does:
   cross-entropy all-gathers the slices as the main head does. The replicated weights' gradients are then partial
   sums over tp (placement `Partial`), summed once per step with the LayerNorms'.
 - Context parallelism (zigzag: each CP rank holds chunks r and 2·cp − 1 − r of every sequence): a chunk's last
-  positions embed and predict tokens of the next chunk, held by another CP rank. The trainer hands every caller's
-  model only its chunks' targets (the model's contract, kept by the pipeline executor, evaluation and the tests
-  alike), so the head all-gathers the targets of the CP group once per microbatch and reassembles the whole
-  sequences: (cp − 1)/cp·b·s token ids sent per rank (8 bytes a token, against (r + d_r)·e bytes a token — 1,152
-  in DeepSeek-V3 at bfloat16 — that each MLA block's context parallelism gathers), whatever D and the chunk
-  length. Each module then cuts its shifted ids and targets to this rank's chunks; the mask covers the last k
-  positions of the whole sequence (on the rank holding the last chunk), not of each chunk. Taking the next tokens
-  from the batch instead would send nothing but would give the model a second layout of `targets` under CP for
-  every caller to build — for a message a block's latent gather dwarfs. The shared embedding's gradient from a
+  positions embed and predict tokens of the next chunk, held by another CP rank. A context-parallel model is
+  handed only its chunks' targets (its contract, which the trainer, the pipeline executor, evaluation and the
+  tests all keep), so the head all-gathers the CP group's targets once per microbatch and puts the whole
+  sequences back together: (cp − 1)/cp·b·s token ids sent per rank, 8 bytes a token — against the (r + d_r)·e
+  bytes a token (1,152 in DeepSeek-V3 at bfloat16) that each MLA block's context parallelism gathers — whatever
+  D and the chunk length. Each module then cuts its shifted ids and targets to this rank's chunks; the mask
+  covers the last k positions of the whole sequence (on the rank holding the last chunk), not of each chunk.
+  Taking the next tokens from the batch, which every rank reads whole, would send nothing, but every caller
+  would then have to build a second layout of `targets` under CP (the chunks plus the D tokens after each) —
+  to save a message that one block's latent gather outweighs 144 times. The shared embedding's gradient from a
   shifted token lands in that token's row on the rank that embedded it; wte is replicated over cp (and dp) and
   its gradient summed over them with every other parameter's, so each row gets the sum over all positions.
 
