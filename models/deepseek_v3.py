@@ -195,7 +195,8 @@ class DeepSeekV3Blocks:
                                     self._deepseek_block(config.n_layer, mtp_prefix(k)),
                                     self._norm(f"{mtp_prefix(k)}.shared_head.norm"), self._cross_entropy())
                    for k in range(config.mtp_depth)]
-        return MultiTokenPrediction(head, modules, self._embedding(), config.mtp_weight)
+        return MultiTokenPrediction(head, modules, self._embedding(), config.mtp_weight,
+                                    None if self.context is None else self.context.comm)
 
     def _enter_attention(self, attention: Any) -> Any:
         return attention

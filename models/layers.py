@@ -55,6 +55,9 @@ from .precision import narrow, narrow_saved, widen, widen_saved
 RECOMPUTE_MODES = ("none", "selective", "full")
 QUERY_BLOCK = 64
 """Attention's default query block: rows of q per causal block (larger: fewer, bigger matrix products)."""
+IGNORED = -1
+"""A target that predicts nothing (multi-token prediction's positions whose token lies past the sequence's end):
+the cross-entropies add no loss and no gradient for it."""
 
 
 class Saved(SimpleNamespace):
@@ -795,7 +798,8 @@ class HeadCrossEntropy(Layer):
     normalization. The logits never leave this layer: forward turns them, in place, straight into
     d(logits) = (softmax − onehot(target)) / normalizer, which is all backward needs (one pass over the
     B·T × vocab logits fewer than normalizing the probabilities and scaling them again later). The loss is the
-    root of backward: `backward_input` takes no output gradient (pass None).
+    root of backward: `backward_input` takes no output gradient (pass None). A target `IGNORED` adds no loss and
+    a zero row of d(logits).
     """
 
     def __init__(self, token: Parameter) -> None:
@@ -804,7 +808,8 @@ class HeadCrossEntropy(Layer):
     def forward(self, x: Array, targets: Array, normalizer: float) -> tuple[float, Saved]:
         xp = get_array_module(x)
         x2d = x.reshape(-1, x.shape[-1])
-        targets = targets.reshape(-1)
+        ignored = targets.reshape(-1) < 0  # IGNORED
+        targets = xp.where(ignored, 0, targets.reshape(-1))
         rows = xp.arange(len(targets))
         logits = x2d @ self.token.data.T
         if is_device_array(logits):
@@ -816,7 +821,9 @@ class HeadCrossEntropy(Layer):
         sums = row_sums(logits)
         logits /= sums * normalizer  # softmax / normalizer
         logits[rows, targets] -= 1.0 / normalizer
-        loss = float((xp.log(sums[:, 0]) - target_logits).sum()) / normalizer
+        token_losses = xp.log(sums[:, 0]) - target_logits
+        logits[ignored], token_losses[ignored] = 0.0, 0.0
+        loss = float(token_losses.sum()) / normalizer
         return loss, Saved(x2d=x2d, x_shape=x.shape, dlogits=logits)
 
     def logits(self, x: Array) -> Array:

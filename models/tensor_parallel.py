@@ -313,6 +313,7 @@ class VocabParallelCrossEntropy(Layer):
     local too, and d(input) is a partial sum over the vocabulary that `into_column_parallel_backward` reduces.
 
     Padded vocabulary rows (the last rank's, when n does not divide V) get logit −∞: probability 0, gradient 0.
+    A target `IGNORED` (negative: on no rank's slice) adds no loss and a zero row of d(logits).
     """
 
     def __init__(self, token: Parameter, group: TensorParallelGroup, vocab_start: int, vocab_size: int) -> None:
@@ -332,9 +333,12 @@ class VocabParallelCrossEntropy(Layer):
         xp.exp(logits, out=logits)
         sums, target_logits = self.group.all_reduce(xp.stack([logits.sum(axis=-1), target_logits]))
         logits /= sums[:, None]
+        ignored = targets.reshape(-1) < 0  # IGNORED
         saved = Saved(x_shape=x.shape, x2d=x2d, probs=logits, dlogits=None, normalizer=normalizer, dtype=x.dtype,
-                      target_rows=target_rows, target_columns=target_columns)
-        return float((xp.log(sums) - target_logits).sum()) / normalizer, saved
+                      target_rows=target_rows, target_columns=target_columns, ignored=ignored)
+        token_losses = xp.log(sums) - target_logits
+        token_losses[ignored] = 0.0
+        return float(token_losses.sum()) / normalizer, saved
 
     def _locate_targets(self, targets: Array) -> tuple[Array, Array]:
         """The tokens whose target is in this rank's vocabulary slice, and that target's column here."""
@@ -350,6 +354,7 @@ class VocabParallelCrossEntropy(Layer):
             dlogits = saved.probs
             dlogits[saved.target_rows, saved.target_columns] -= 1.0
             dlogits /= saved.normalizer
+            dlogits[saved.ignored] = 0.0
             saved.dlogits, saved.probs = dlogits, None
         return saved.dlogits
 
@@ -385,6 +390,8 @@ _KEY_VALUE = ("attn.k_proj.weight", "attn.v_proj.weight")
 _LATENT = ("attn.q_a_proj.weight", "attn.q_a_layernorm.weight", "attn.kv_a_proj_with_mqa.weight",
            "attn.kv_a_layernorm.weight")
 """DeepSeek-V3's down-projections and their norms: replicated, each rank's gradient only its heads' share."""
+_MTP_REPLICATED = (".enorm.", ".hnorm.", ".eh_proj.", ".shared_head.norm.")
+"""DeepSeek-V3's MTP modules' norms and 2h → h projection: replicated, run on the sequence slice under SP."""
 
 
 def key_value_replicas(n_kv_head: int, tp: int) -> int:
@@ -412,8 +419,8 @@ def tensor_parallel_placement(name: str, sequence_parallel: bool = False,
         if name.endswith(suffix):
             return {TP_AXIS: sharded}
     if sequence_parallel and any(part in name for part in (".ln_", ".mlp.router.", ".mlp.experts.",
-                                                           ".mlp.shared_experts.")):
-        return {TP_AXIS: PARTIAL}  # LayerNorms, and MoE routers and experts (replicated), see this rank's slice
+                                                           ".mlp.shared_experts.", *_MTP_REPLICATED)):
+        return {TP_AXIS: PARTIAL}  # replicated, run on this rank's slice: norms, MoE, MTP's eh_proj
     return {}
 
 

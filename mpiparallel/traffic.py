@@ -14,8 +14,9 @@ gradient buckets an engine reduces:
           attention's 2, the experts being replicated over TP), one more forward's worth with --recompute full;
           AR(S) for the embedding and for the head's input; the vocab-parallel cross-entropy's AR of b·s and
           2·b·s values; SP: once per step an AR of the gradients that are partial sums over tp (the LayerNorms'
-          (4L + 2)·h; with MoE also the router and experts); on the head's rank each MTP module k (DeepSeek-V3) on
-          its s − k positions: an embedding, a block and a head exchange, the cross-entropy's (`models.multi_token`)
+          (4L + 2)·h; with MoE also the router and experts; MTP's norms and eh_proj); on the head's rank each MTP
+          module (DeepSeek-V3) over all s positions: an embedding, a block and a head exchange, the
+          cross-entropy's (`models.multi_token`)
     pp    per microbatch and stage boundary to another rank: S forward, S backward; the tied embedding's
           gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
     cp    per block and microbatch (MLA: all-gather of its compressed [latent | RoPE key], (c−1)/c·bs·(r + d_r)
@@ -25,7 +26,9 @@ gradient buckets an engine reduces:
           ring 2(c−1)/c·bs·h_kv forward and
           2(2c−1)/c·bs·h_kv backward, all-gather 2(c−1)/c and 4(c−1)/c, with h_kv = n_kv·d channels of this TP
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
-          each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`models.context_parallel`)
+          each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`models.context_parallel`);
+          on the head's rank the MTP modules' blocks too, and per microbatch the all-gather of the targets,
+          (c−1)/c·b·s int64 ids (`models.multi_token`)
     tp    (llama, tp > n_kv) per block and microbatch besides: the K/V weight gradients summed over the tp/n_kv
           ranks holding each KV head, 2·AR(h·d)
 
@@ -188,11 +191,9 @@ def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_
         per_microbatch += exchange
     if shape.has_head:
         per_microbatch += exchange + _cross_entropy_bytes(shape, shape.positions, comm)
-        # each MTP module on its T − k positions: the embedding, one block (MoE: attention only), the head
-        for k in range(1, shape.mtp_depth + 1):
-            module = _exchange_bytes(shape, s * (shape.positions - k) / shape.positions, comm)
-            per_microbatch += module * (2 + (1 if shape.moe else 2) * (forwards + 1)) \
-                + _cross_entropy_bytes(shape, shape.positions - k, comm)
+        # each MTP module over every position: the embedding, one block (MoE: attention only), the head
+        per_microbatch += shape.mtp_depth * (exchange * (2 + (1 if shape.moe else 2) * (forwards + 1))
+                                             + _cross_entropy_bytes(shape, shape.positions, comm))
     total = shape.microbatches * per_microbatch
     # KV heads replicated on tp/n_kv ranks: each microbatch's K and V weight gradients summed over the copies
     if key_value_comm is not None:
@@ -266,7 +267,10 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
         forward, backward = each_way, each_way
     else:
         forward, backward = (factor * tokens * kv_heads * head_dim for factor in CP_ELEMENTS[shape.cp_attention](cp))
-    return shape.microbatches * shape.blocks * (forwards * forward + backward)
+    blocks = shape.blocks + (shape.mtp_depth if shape.has_head else 0)  # MTP modules' blocks on the head's rank
+    # MTP: the whole sequences' targets (int64) all-gathered once per microbatch (`models.multi_token`)
+    targets = (cp - 1) / cp * shape.rows * shape.seq_len * 8 if shape.mtp_depth and shape.has_head else 0.0
+    return shape.microbatches * (blocks * (forwards * forward + backward) + targets)
 
 
 def context_parallel_inter_node_bytes(shape: RunShape, cp_comm: Any) -> float | None:

@@ -188,14 +188,15 @@ def check_experts(config: GPTConfig, mesh: Mesh) -> None:
 
 
 def check_sequence_balance(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:
-    """DeepSeek-V3's sequence-wise balance loss and its multi-token prediction need whole sequences on every
-    rank."""
+    """DeepSeek-V3's sequence-wise balance loss needs whole sequences on every rank; its multi-token prediction
+    needs a token left to predict (it runs under --cp and --sp: `models.multi_token`)."""
     split = mesh.shape.cp > 1 or (settings.mesh.sp and mesh.shape.tp > 1)
     if config.moe_seq_aux_coef and split:
         raise ConfigError("--moe-seq-aux-coef balances each sequence's routing: it needs whole sequences on every "
                           "rank (no --cp, no --sp)")
-    if config.mtp_depth and split:
-        raise ConfigError("--mtp-depth shifts whole sequences by a token per module: it runs without --cp and --sp")
+    if config.mtp_depth >= settings.data.seq_len:
+        raise ConfigError(f"--mtp-depth {config.mtp_depth}: module k predicts the token k + 1 ahead, so --seq-len "
+                          f"({settings.data.seq_len}) must exceed the depth")
 
 
 # -- the update ----------------------------------------------------------------------------------------------

@@ -103,6 +103,32 @@ def test_deepseek_v3s_published_config_has_671b_parameters_37b_activated_and_a_1
     assert round((counts["total"] + counts["mtp"]) / 1e9, 1) == 684.5  # the checkpoint's 684.5 B, called 685B
 
 
+def test_multi_token_prediction_equals_its_modules_run_on_the_first_t_minus_k_positions():
+    """The modules run over all T positions with the last k masked (what lets SP and CP cut them as the main
+    model): the loss equals the modules run on T − k positions, written out here (the gradients follow: they
+    match finite differences of that loss, above)."""
+    model = Transformer(config(mtp_depth=2, mtp_weight=0.5), seed=3, dtype=np.float64)
+    tokens, targets = np.random.default_rng(4).integers(0, 13, (2, 3, 8))
+    loss = model.forward(tokens, targets)[0]
+    hidden = model.forward(tokens, units=range(model.unit_count - 1))[0]
+    mtp, (rows, length) = model.head, targets.shape
+    expected = mtp.head.forward(hidden, targets, targets.size)[0]
+    for k, module in enumerate(mtp.modules, start=1):
+        n = length - k
+        embedded = module.enorm.forward(mtp.embedding.forward(targets[:, k - 1:k - 1 + n])[0])[0]
+        z = module.projection.forward(np.concatenate((embedded, module.hnorm.forward(hidden[:, :n])[0]), axis=-1))[0]
+        hidden = module.block.forward(z)[0]
+        module_loss = module.cross_entropy.forward(module.norm.forward(hidden)[0], targets[:, k:], rows * n)[0]
+        expected += 0.5 / 2 * module_loss
+    assert loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_multi_token_prediction_deeper_than_the_sequence_is_one_clear_error():
+    message = train_error("--arch", "deepseek_v3", "--mtp-depth", "4", "--n-layer", "1", "--n-embd", "16",
+                          "--seq-len", "4", "--batch-size", "2", "--steps", "1")
+    assert "--mtp-depth 4: module k predicts the token k + 1 ahead, so --seq-len (4) must exceed" in message
+
+
 def test_split_sequences_with_the_sequence_balance_loss_are_one_clear_error():
     message = train_error("--arch", "deepseek_v3", "-n", "2", "--cp", "2", "--cp-attention", "all-gather",
                           "--experts", "4", "--moe-seq-aux-coef", "0.1", "--n-layer", "1", "--n-embd", "16",

@@ -22,6 +22,7 @@ from gradient_checks import (
 
 from models.layers import (
     GELU,
+    IGNORED,
     MLP,
     Block,
     CausalSelfAttention,
@@ -136,6 +137,23 @@ def test_cross_entropy_matches_finite_differences_and_log_softmax():
     assert_close(dx.reshape(-1)[picks], numeric, "cross-entropy input")
     picks, numeric = numeric_gradient(lambda: head.forward(x, targets, B * T)[0], head.token.data)
     assert_close(head.token.grad.reshape(-1)[picks], numeric, "cross-entropy wte")
+
+
+def test_an_ignored_target_adds_no_loss_and_no_gradient():
+    vocab = 11
+    head = HeadCrossEntropy(param("wte", vocab, C))
+    x, targets = RNG.standard_normal((B, T, C)), RNG.integers(0, vocab, (B, T))
+    ignored = targets.copy()
+    ignored[:, -2:] = IGNORED  # multi-token prediction's positions past the sequence's end
+    loss, saved = head.forward(x, ignored, normalizer=7.0)
+    dx, grad = head.backward(saved, None), head.token.grad.copy()
+    head.token.zero_grad()
+    kept_loss, kept = head.forward(x[:, :-2], targets[:, :-2], normalizer=7.0)
+    kept_dx = head.backward(kept, None)
+    assert loss == pytest.approx(kept_loss, rel=1e-14)
+    np.testing.assert_array_equal(dx[:, -2:], 0.0)
+    np.testing.assert_allclose(dx[:, :-2], kept_dx, rtol=1e-14)
+    np.testing.assert_allclose(grad, head.token.grad, rtol=1e-13, atol=1e-16)
 
 
 def test_loss_at_initialization_is_about_ln_vocab():

@@ -50,10 +50,13 @@ DEEPSEEK_BIAS = {**{key: value for key, value in DEEPSEEK.items() if key != "q_l
                  "n_group": 1, "topk_group": 1, "moe_bias_rate": 0.01}
 # two multi-token-prediction modules, and the sequence-wise balance loss (equal to serial where sequences stay whole)
 DEEPSEEK_MTP = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3, "moe_seq_aux_coef": 0.05}
+# the two modules where the sequence is split (SP, CP: the balance loss, which needs whole sequences, is off)
+DEEPSEEK_MTP_SPLIT = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3}
 MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "llama-mqa": LLAMA_MQA,
-          "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS, "deepseek-mtp": DEEPSEEK_MTP}
+          "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS, "deepseek-mtp": DEEPSEEK_MTP,
+          "deepseek-mtp-split": DEEPSEEK_MTP_SPLIT}
 LLAMA_FAMILY = ("llama", "llama-mqa", "mixtral")
-DEEPSEEK_FAMILY = ("deepseek", "deepseek-bias", "deepseek-mtp")
+DEEPSEEK_FAMILY = ("deepseek", "deepseek-bias", "deepseek-mtp", "deepseek-mtp-split")
 TOLERANCE = 1e-9
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -186,6 +189,14 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "deepseek-mtp", {"dp": 2, "ep": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero": 1}),
     (4, "deepseek-mtp", {"pp": 2, "dp": 2, "schedule": "gpipe", "microbatches": 4}),
     (4, "deepseek-mtp", {"pp": 2, "dp": 2, "schedule": "zbv"}),
+    # MTP on split sequences: its modules on SP's slices, and on CP's zigzag chunks in every variant (the next
+    # tokens of a chunk's last positions held by another CP rank; the last positions of the whole sequence masked)
+    (2, "deepseek-mtp-split", {"tp": 2, "sp": True, "recompute": "selective"}),
+    (2, "deepseek-mtp-split", {"cp": 2, "cp_attention": "ring"}),
+    (2, "deepseek-mtp-split", {"cp": 2, "cp_attention": "all-gather", "zero": 1}),
+    (2, "deepseek-mtp-split", {"cp": 2, "cp_attention": "ulysses", "recompute": "full"}),
+    (4, "deepseek-mtp-split", {"tp": 2, "cp": 2, "cp_attention": "ulysses", "sp": True}),
+    (4, "deepseek-mtp-split", {"pp": 2, "cp": 2, "cp_attention": "ring", "schedule": "1f1b"}),
 ]
 # pipelines on device arrays: the CuPy double (tests/support/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)

@@ -40,6 +40,8 @@ MESHES = [
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --first-k-dense 1 --tp 2 --sp"),
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 2 --tp 2 --recompute full"),  # MTP on the head rank
     (2, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 1 --pp 2"),  # wte's gradient between the end stages
+    # MTP on SP's slices and CP's chunks: its blocks, its replicated norms' partial gradients, the targets' gather
+    (4, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 2 --tp 2 --sp --cp 2 --cp-attention ring"),
     (4, "--arch deepseek_v3 --experts 4 --top-k 2 --tp 2 --cp 2 --cp-attention ulysses --recompute full"),
     (4, "--arch deepseek_v3 --cp 4 --cp-attention ring"),
 ]
