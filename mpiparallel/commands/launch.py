@@ -195,7 +195,10 @@ def _register_pid(ending: str = "") -> None:
     word). The first time, also start the heartbeat if the parent asked for one."""
     folder = os.environ.get(RANK_PIDS)
     if folder and Path(folder).is_dir():
-        (Path(folder) / str(os.getpid())).write_text(f"{launcher_rank()} {ending}")
+        # written whole or not at all (a rank killed mid-write must not leave an empty file: an unknown rank)
+        staged = Path(folder) / f".{os.getpid()}.new"
+        staged.write_text(f"{launcher_rank()} {ending}")
+        staged.replace(Path(folder) / str(os.getpid()))
         if not _connection_to_parent:
             multi_host.note_rank_host(Path(folder))
             _connect_to_parent(Path(folder) / WATCH_SOCKET)
@@ -287,7 +290,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         ended_by_us = _end_leftovers(pids, multi_host.ENDING_GRACE_S)
     for relay in relays:
         relay.join()
-    watcher.join(timeout=1.0)
+    watcher.settle(set(_registered(pids)), ENDINGS_SETTLE_S)
     if monitor is not None:
         monitor.stop()
     lost = tuple(unreachable) or (tuple(multi_host.killed_hosts(pids, _registered(pids), ended_by_us))
@@ -404,6 +407,13 @@ class Endings(threading.Thread):
                     self._note(self._wake_up(descriptor))  # in the order the ends happened (epoll's ready list)
         finally:
             self.poller.close()
+
+    def settle(self, ranks: set[int], timeout: float) -> None:
+        """Wait until the ends of `ranks` (PIDs; all ended by now) are noted, or `timeout` seconds: the watcher
+        may lag mpiexec's exit on a loaded machine."""
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and not ranks <= self.ended and time.monotonic() < deadline:
+            self.join(timeout=0.05)
 
     def _note(self, ended: list[int]) -> None:
         ranks = _registered(self.pids)
@@ -558,6 +568,9 @@ def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: 
         endings.append(f"{'a rank' if rank is None else f'rank {rank}'} (pid {pid}) was lost: {ending}")
     return f"mpiparallel: {'; '.join(endings)}; mpiexec ended the other ranks"
 
+
+ENDINGS_SETTLE_S = 10.0
+"""How long the parent waits, after mpiexec ended, for its watcher to note how the ranks ended."""
 
 PEER_DEATH_GRACE_S = 1.0
 """How long a rank that got an MPI error waits before MPI_Abort (mpiexec usually ends it sooner)."""
