@@ -419,8 +419,9 @@ def unit_parameters(model: Model, tp: int, ep: int) -> list[int]:
     final_norm = h if model.is_llama else 2 * h
     if model.is_deepseek:  # the MTP modules beside the head, reading their own copy of the embedding
         config = model.config
-        blocks = [deepseek.latent_attention_parameters(config, tp)
-                  + deepseek.feed_forward_parameters(config, tp, ep, model.is_moe_block(i)) for i in range(model.n_layer)]
+        attention = deepseek.latent_attention_parameters(config, tp)
+        blocks = [attention + deepseek.feed_forward_parameters(config, tp, ep, model.is_moe_block(i))
+                  for i in range(model.n_layer)]
         head = final_norm + vocab_rows + tied_parameters(model, tp) + deepseek.mtp_own_parameters(config, tp, ep)
         return [vocab_rows] + blocks + [head]
     block = attention_parameters(model, tp) + mlp_parameters(model, tp, ep)
@@ -1331,7 +1332,7 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
             fill_and_drain = max(fill_and_drain, comm_s["pp"])
         if overlapped:  # sent beside the paired chunks' compute
             fill_and_drain = 0.0
-        pipeline = setting.shape.makespan_units / 3 * max(chunk_seconds) + fill_and_drain
+        pipeline = _pipeline_seconds(setting, chunk_seconds) + fill_and_drain
         bubble = setting.shape.bubble
         exposed += fill_and_drain
     count = held_parameters(setting.units_of(busiest), per_unit, tied)
@@ -1347,6 +1348,16 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
     step = pipeline + dp_exposed + _optimizer_seconds(setting, count)
     return Plan(layout, memory_per_rank, memory_per_stage, compute, comm_s, comm_bytes, exposed, bubble, step,
                 ep_inter_node_bytes=ep_across)
+
+
+def _pipeline_seconds(setting: _Setting, chunk_seconds: list[float]) -> float:
+    """The schedule's time: its steady state as long as the busiest rank's chunks (m times their F + B: every
+    microbatch passes each of that rank's stages), its fill and drain — the simulated bubble, in chunk times —
+    as long as the average chunk (they pass every stage once). Equal chunks give makespan/3 × one chunk."""
+    layout, shape = setting.layout, setting.shape
+    busiest = max(sum(chunk_seconds[s] for s in setting.stages_of(rank)) for rank in range(layout.pp))
+    idle_chunks = shape.makespan_units / 3 - layout.microbatches * layout.chunks
+    return layout.microbatches * busiest + idle_chunks * sum(chunk_seconds) / len(chunk_seconds)
 
 
 def _waited(seconds: dict[str, float], compute: float, overlapped: bool) -> float:

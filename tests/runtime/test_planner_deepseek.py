@@ -1,0 +1,96 @@
+"""`plan --arch deepseek_v3`: DeepSeek-V3's published config (671 B total, 37 B activated, the 14 B MTP module),
+its FLOPs per token, KV cache, and the EP dispatch's bytes across nodes (flat against node-limited two-hop); each
+against numbers written out here from the published config.json."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mpiparallel.commands.plan import plan as plan_command
+from mpiparallel.planner import deepseek
+
+H, LAYERS, HEADS, VOCAB = 7168, 61, 128, 129280  # hidden_size, num_hidden_layers, num_attention_heads, vocab_size
+Q_RANK, KV_RANK, NOPE, ROPE, V = 1536, 512, 128, 64, 128  # q_lora_rank, kv_lora_rank, qk_nope/rope, v_head_dim
+DENSE, EXPERT, EXPERTS, TOP_K, SHARED, FIRST_DENSE = 18432, 2048, 256, 8, 1, 3
+ATTENTION = 2 * H + H * Q_RANK + Q_RANK + Q_RANK * HEADS * (NOPE + ROPE) + H * (KV_RANK + ROPE) + KV_RANK \
+    + KV_RANK * HEADS * (NOPE + V) + HEADS * V * H
+ROUTED = 3 * H * EXPERT  # one routed expert's gate, up and down
+MOE = EXPERTS * ROUTED + SHARED * ROUTED + H * EXPERTS  # routed, shared, router
+TOTAL = LAYERS * ATTENTION + FIRST_DENSE * 3 * H * DENSE + (LAYERS - FIRST_DENSE) * MOE + 2 * VOCAB * H + H
+ACTIVATED = TOTAL - (LAYERS - FIRST_DENSE) * (EXPERTS - TOP_K) * ROUTED
+MTP_OWN = 3 * H + 2 * H * H + ATTENTION + MOE  # enorm, hnorm, shared_head.norm, eh_proj, one MoE block
+
+
+def plan_json(*arguments):
+    result = CliRunner().invoke(plan_command, ["--arch", "deepseek_v3", *arguments, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def published_layout(*extra):
+    return ("--gpu", "h800", "--software", "hai-llm", "--precision", "fp8", "--gpus", "2048", "--tp", "1", "--pp",
+            "16", "--dp", "128", "--ep", "64", "--zero", "1", "--microbatches", "120", "--schedule", "dualpipev",
+            "--recompute", "full", "--batch-size", "15360", "--gpu-memory", "400GB", *extra)
+
+
+def test_the_published_config_has_671b_parameters_37b_activated_and_a_14b_mtp_module_beside_them():
+    counts = plan_json("--weights-only")["deepseek_v3"]
+    assert counts["total_parameters"] == TOTAL and round(TOTAL / 1e9, 1) == 671.0  # the report's 671B
+    assert counts["activated_parameters"] == ACTIVATED and int(ACTIVATED / 1e9) == 37  # "37B activated"
+    assert counts["mtp_own_parameters"] == MTP_OWN
+    assert counts["mtp_parameters"] == MTP_OWN + 2 * VOCAB * H and round(counts["mtp_parameters"] / 1e9) == 13
+
+
+def test_the_plan_says_which_count_is_which_and_the_kv_cache_per_token():
+    result = CliRunner().invoke(plan_command, ["--arch", "deepseek_v3", "--weights-only"])
+    assert result.exit_code == 0, result.output
+    assert "671.0 B total (every routed expert once" in result.output
+    assert "37.6 B activated per token" in result.output and "MTP 13.5 B beside them" in result.output
+    assert f"{LAYERS * (KV_RANK + ROPE) * 2:,} bytes over 61 blocks" in result.output
+
+
+def test_mla_caches_576_values_per_token_and_block_against_40960_for_its_expanded_heads():
+    kv = plan_json("--weights-only")["deepseek_v3"]["kv_cache"]
+    assert kv["latent_values_per_block"] == KV_RANK + ROPE == 576
+    assert kv["expanded_values_per_block"] == HEADS * (NOPE + ROPE + V) == 40960  # 2·H·d with d_qk ≠ d_v
+    assert kv["latent_bytes"] == LAYERS * 576 * 2 and kv["expanded_bytes"] == LAYERS * 40960 * 2
+
+
+def test_flops_per_token_count_mla_with_d_qk_192_and_d_v_128_and_the_mtp_module():
+    per_token = plan_json("--weights-only")["deepseek_v3"]["flops_per_token"]
+    weights = ACTIVATED - VOCAB * H + (MTP_OWN - (EXPERTS - TOP_K) * ROUTED) + VOCAB * H  # MTP: its head again
+    attention = 6 * (LAYERS + 1) * 4096 * HEADS * (NOPE + ROPE + V)
+    assert per_token == pytest.approx(6 * weights + attention, rel=1e-12)
+
+
+def test_the_two_hop_dispatch_sends_m_over_k_of_the_flat_dispatchs_bytes_across_nodes():
+    flat = plan_json(*published_layout("--ep-dispatch", "flat"))["layouts"][0]
+    two_hop = plan_json(*published_layout("--ep-dispatch", "hierarchical"))["layouts"][0]
+    # per MoE block and microbatch: dispatch (FP8 + a scale per 128) and combine (BF16), forward, backward and
+    # the recomputed forward; each token's copies leaving its node: K·(N − 1)/N flat, M·(N − 1)/N two-hop
+    tokens, nodes, m = 4096, 8, 120
+    per_token = 3 * (H * (1 + 4 / 128) + H * 2)
+    moe_blocks_on_rank_0 = 2  # dualpipev's rank 0: stages 0 (embedding, dense blocks 0–1) and 31 (block 60, head
+    # with the MTP module's MoE block), train's even split of the 63 units
+    assert flat["ep_inter_node_bytes"] == pytest.approx(
+        m * moe_blocks_on_rank_0 * tokens * TOP_K * (nodes - 1) / nodes * per_token, rel=1e-9)
+    assert two_hop["ep_inter_node_bytes"] == pytest.approx(flat["ep_inter_node_bytes"] * 4 / TOP_K, rel=1e-9)
+    assert two_hop["comm_s"]["ep"] < flat["comm_s"]["ep"]
+
+
+def test_init_reads_a_config_json_and_deepseek_choices_need_the_family(tmp_path):
+    (tmp_path / "config.json").write_text(deepseek.PUBLISHED_CONFIG.read_text())
+    result = CliRunner().invoke(plan_command, ["--init", str(tmp_path), "--weights-only", "--json"])
+    assert json.loads(result.output)["deepseek_v3"]["total_parameters"] == TOTAL
+    result = CliRunner().invoke(plan_command, ["--kv-lora-rank", "64", "--weights-only"])
+    assert result.exit_code != 0 and "add --arch deepseek_v3" in str(result.exception)
+
+
+def test_a_small_deepseek_shape_takes_trains_defaults_and_searches_both_dispatches():
+    document = plan_json("--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--experts", "8", "--top-k", "2",
+                         "--n-group", "2", "--topk-group", "1", "--first-k-dense", "1", "--gpus", "16",
+                         "--gpus-per-node", "4", "--tp", "1", "--pp", "1", "--ep", "8", "--batch-size", "16",
+                         "--top", "0")
+    dispatches = {layout["ep_dispatch"] for layout in document["layouts"]}
+    assert document["model"]["deepseek"]["kv_lora_rank"] == 16 and dispatches == {"flat", "hierarchical"}
