@@ -473,8 +473,10 @@ def report(document: dict[str, Any]) -> str:
     if "layouts" in document:
         shown = f"; the fastest {len(document['layouts'])}:" if document["layouts"] else ""
         lines.append(f"{document['feasible']} of {document['considered']} layouts fit{shown}")
+        count = "6·N activated + the MTP module + 6·l·s·H·(d_qk + d_v) per token" if "deepseek_v3" in document \
+            else "6·N + 12·l·h·s per token"
         for index, layout in enumerate(document["layouts"], 1):
-            lines += ["", *_layout_lines(index, layout)]
+            lines += ["", *_layout_lines(index, layout, count)]
     return "\n".join(lines)
 
 
@@ -499,7 +501,7 @@ def _llama_shape(model: dict[str, Any]) -> str:
             f"{'tied' if model['tied'] else 'untied'} head)")
 
 
-def _layout_lines(index: int, layout: dict[str, Any]) -> list[str]:
+def _layout_lines(index: int, layout: dict[str, Any], count: str = "6·N + 12·l·h·s per token") -> list[str]:
     comm = ", ".join(f"{axis} {_seconds(seconds)} ({_bytes(layout['comm_bytes'][axis])}"
                      + (f", {_bytes(layout['ep_inter_node_bytes'])} across nodes"
                         if axis == "ep" and layout["ep_inter_node_bytes"] else "") + ")"
@@ -510,7 +512,7 @@ def _layout_lines(index: int, layout: dict[str, Any]) -> list[str]:
              f"     throughput: {layout['tokens_per_s']:,.0f} tokens/s; {layout['megatron_tflops_per_gpu']:.1f} "
              f"TFLOP/s per GPU in Megatron's count (96·B·s·l·h²·(1 + s/6h + V/16lh): GEMMs with full "
              f"recomputation); {layout['model_tflops_per_gpu']:.1f} TFLOP/s per GPU in MFU's count "
-             f"(6·N + 12·l·h·s per token)" + (f" = MFU {layout['mfu']:.1%}" if layout["mfu"] else ""),
+             f"({count})" + (f" = MFU {layout['mfu']:.1%}" if layout["mfu"] else ""),
              f"     comm per rank: {comm or 'none'}",
              "     pp rank   parameters    gradients    optimizer  activations        total"]
     for rank in layout["memory_per_rank"]:

@@ -228,7 +228,10 @@ class Software:
       backward chunk and wait only for what that compute does not cover (DeepSeek-V3's DualPipe, §3.2.1: "both
       all-to-all and PP communication can be fully hidden");
     - communication_sms: SMs the communication kernels hold, taken from the matrix products (DeepSeek-V3 §3.5.1:
-      "we allocate 20 out of the 132 SMs available in the H800 GPU for this purpose")."""
+      "we allocate 20 out of the 132 SMs available in the H800 GPU for this purpose");
+    - recompute_latent: MLA's RMSNorms and up-projections (q_b_proj, kv_b_proj) recomputed in backward whatever
+      the recomputation (DeepSeek-V3 §3.2.3: "we recompute all RMSNorm operations and MLA up-projections during
+      back-propagation")."""
 
     name: str = "mpiparallel"
     attention: str = "blocked"
@@ -238,6 +241,7 @@ class Software:
     blocking_pipeline_sends: bool = False
     chunk_overlap: bool = False
     communication_sms: int = 0
+    recompute_latent: bool = False
 
 
 SOFTWARE = {
@@ -245,7 +249,8 @@ SOFTWARE = {
     "megatron-2021": Software("megatron-2021", attention="dense", pipeline_scatter_gather=True, dp_overlap="never",
                               attention_dropout=True, blocking_pipeline_sends=True),
     "flash-fsdp": Software("flash-fsdp", attention="flash", pipeline_scatter_gather=False, dp_overlap="always"),
-    "hai-llm": Software("hai-llm", attention="flash", dp_overlap="never", chunk_overlap=True, communication_sms=20),
+    "hai-llm": Software("hai-llm", attention="flash", dp_overlap="never", chunk_overlap=True, communication_sms=20,
+                        recompute_latent=True),
 }
 """The code bases `plan --software` knows: this project, Megatron-LM as Narayanan et al. 2021 ran it, a
 FlashAttention + FSDP code base as Llama 3 (Dubey et al. 2024, §3.3.2) describes, and DeepSeek's HAI-LLM as the
@@ -719,31 +724,41 @@ def _latent_block_cost(model: Model, layout: Layout, rows: int, precision: Preci
     probability_passes = 5 + (2 + 1 / item if software.attention_dropout else 0)
     elementwise_forward = 12 * s / seq_shard + attention_elements + _deepseek_ffn_elements(model, layout, tokens, moe) \
         + probability_passes * probabilities
-    recompute_flops = {"none": 0.0, "selective": sum(g.flops for g in scores), "full": flops_forward}[layout.recompute]
+    recomputed = {"none": (), "selective": scores, "full": gemms}[layout.recompute]
     recompute_elements = {"none": 0.0, "selective": probability_passes * probabilities,
                           "full": elementwise_forward}[layout.recompute]
+    if software.recompute_latent and layout.recompute != "full":  # the norms' passes and the up-projections again
+        recomputed += _latent_up_projections(model, layout, tokens)
+        recompute_elements += 12 * s / seq_shard + 4 * tokens * latent
     forward, backward = block_collectives(model, layout, tokens, item, moe, precision.dispatch)
     return UnitCost(saved=_latent_saved_elements(model, layout, rows, item, moe),
-                    flops_forward=flops_forward, flops_backward=2 * flops_forward + recompute_flops,
+                    flops_forward=flops_forward, flops_backward=2 * flops_forward + sum(g.flops for g in recomputed),
                     elementwise_forward=elementwise_forward,
                     elementwise_backward=2 * elementwise_forward + recompute_elements,
                     collectives_forward=forward, collectives_backward=backward, gemms_forward=gemms,
-                    gemms_recomputed={"none": (), "selective": scores, "full": gemms}[layout.recompute])
+                    gemms_recomputed=recomputed)
 
 
 def _latent_projection_gemms(model: Model, layout: Layout, tokens: int) -> tuple[Gemm, ...]:
-    """MLA's projections on one TP rank: q_a and kv_a (replicated), q_b and kv_b (this rank's heads), o_proj."""
-    config, heads = model.config, model.n_head // layout.tp
-    h, rank = model.n_embd, config.kv_lora_rank
-    queries = heads * model.query_key_dim
+    """MLA's projections on one TP rank: q_a and kv_a (replicated), q_b and kv_b (this rank's heads), o_proj (or
+    q_proj for q_a and q_b without q_lora_rank)."""
+    config, heads, h = model.config, model.n_head // layout.tp, model.n_embd
+    down = [Gemm(tokens, config.kv_lora_rank + config.qk_rope_head_dim, h, linear=True)]
     if config.q_lora_rank is None:
-        query = (Gemm(tokens, queries, h, linear=True),)
+        down.append(Gemm(tokens, heads * model.query_key_dim, h, linear=True))
     else:
-        query = (Gemm(tokens, config.q_lora_rank, h, linear=True), Gemm(tokens, queries, config.q_lora_rank,
-                                                                         linear=True))
-    return query + (Gemm(tokens, rank + config.qk_rope_head_dim, h, linear=True),
-                    Gemm(tokens, heads * (config.qk_nope_head_dim + model.value_dim), rank, linear=True),
-                    Gemm(tokens, h, heads * model.value_dim, linear=True))
+        down.append(Gemm(tokens, config.q_lora_rank, h, linear=True))
+    return (*down, *_latent_up_projections(model, layout, tokens), Gemm(tokens, h, heads * model.value_dim,
+                                                                        linear=True))
+
+
+def _latent_up_projections(model: Model, layout: Layout, tokens: int) -> tuple[Gemm, ...]:
+    """kv_b_proj and q_b_proj (with q_lora_rank): the latents up to this rank's heads."""
+    config, heads = model.config, model.n_head // layout.tp
+    kv = Gemm(tokens, heads * (config.qk_nope_head_dim + model.value_dim), config.kv_lora_rank, linear=True)
+    if config.q_lora_rank is None:
+        return (kv,)
+    return kv, Gemm(tokens, heads * model.query_key_dim, config.q_lora_rank, linear=True)
 
 
 def _latent_score_gemms(model: Model, layout: Layout, rows: int, pairs: float, attention: str) -> tuple[Gemm, ...]:

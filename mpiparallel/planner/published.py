@@ -20,20 +20,24 @@ set by one rule per paper, never per row:
   Table 2; DualPipeV is its one-copy form), no recomputation beyond what §3.2.3 names (norms and MLA's
   up-projections: not modelled), train's even split of the units over the stages (the report prints none).
 
-`python -m mpiparallel.planner.published` prints the table of docs/published-runs.md.
+`python -m mpiparallel.planner.published` prints the table of docs/published-runs.md; with `--terms`, each row's
+ratio with one term of the model changed (`TERMS`).
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from models.transformer import GPTConfig
 
 from . import deepseek
-from .core import PRECISIONS, SOFTWARE, Cluster, Layout, Model, Plan, Software, evaluate
-from .gpus import gpu_named
+from .core import PRECISIONS, SOFTWARE, Cluster, Layout, Model, Plan, Precision, Software, evaluate
+from .gpus import GPU, gpu_named
 
 TABLE = Path(__file__).with_name("published_runs.csv")
 
@@ -115,13 +119,80 @@ RULES = {  # per paper: code base, precision, layouts
 }
 
 
-def predict(run: PublishedRun, software: Software | None = None) -> Plan:
-    """The planner's fastest plan of the run under its paper's rule (module docstring); `software` replaces the
-    paper's code base (to measure what one of its settings does)."""
+@dataclass(frozen=True)
+class Setup:
+    """What a row is predicted with: the chip, the code base, the precision, the layouts to choose from."""
+
+    gpu: GPU
+    software: Software
+    precision: Precision
+    layouts: tuple[Layout, ...]
+
+
+def setup_of(run: PublishedRun) -> Setup:
+    """The row's paper's rule (module docstring)."""
     code_base, precision, layouts = RULES[run.source]
-    cluster = Cluster.from_preset(gpu_named(run.gpu), run.gpus, software or SOFTWARE[code_base])
-    plans = [evaluate(model_of(run), cluster, PRECISIONS[precision], layout, run.batch) for layout in layouts(run)]
+    return Setup(gpu_named(run.gpu), SOFTWARE[code_base], PRECISIONS[precision], tuple(layouts(run)))
+
+
+def predict(run: PublishedRun, variant: Callable[[Setup], Setup] | None = None) -> Plan:
+    """The planner's fastest plan of the run under its paper's rule; `variant` changes the setup (to measure
+    what one term does: `term_effects`)."""
+    setup = setup_of(run) if variant is None else variant(setup_of(run))
+    cluster = Cluster.from_preset(setup.gpu, run.gpus, setup.software)
+    plans = [evaluate(model_of(run), cluster, setup.precision, layout, run.batch) for layout in setup.layouts]
     return min(plans, key=lambda plan: plan.step_s)
+
+
+def _software(**changes: Any) -> Callable[[Setup], Setup]:
+    return lambda setup: replace(setup, software=replace(setup.software, **changes))
+
+
+def _gpu(**scales: float) -> Callable[[Setup], Setup]:
+    def scaled(setup: Setup) -> Setup:
+        gpu = setup.gpu
+        changes = {name: getattr(gpu, name) and getattr(gpu, name) * factor for name, factor in scales.items()}
+        return replace(setup, gpu=replace(gpu, **changes))
+    return scaled
+
+
+def _layouts(**changes: Any) -> Callable[[Setup], Setup]:
+    return lambda setup: replace(setup, layouts=tuple(replace(layout, **changes) for layout in setup.layouts))
+
+
+TERMS: dict[str, tuple[Callable[[Setup], Setup], tuple[str, ...]]] = {
+    # sensitivities of terms the model holds or leaves out, each once per chip or code base (never per row)
+    "collectives at 80 % of the link rates": (_gpu(nvlink_bandwidth=0.8, network_bandwidth=0.8), ()),
+    "no message latency (α = 0)": (_gpu(nvlink_latency=0, network_latency=0), ()),
+    "half the memory bandwidth (elementwise passes ×2)": (_gpu(memory_bandwidth=0.5), ()),
+    "GEMMs at 90 % of the MAMF": (_gpu(mamf_flops=0.9, fp8_mamf_flops=0.9), ()),
+    "DP reduction after the schedule, not overlapped": (_software(dp_overlap="never"), ("llama3-405b",)),
+    "no DualPipe overlap (EP and PP waited for)": (_software(chunk_overlap=False), ("deepseek-v3",)),
+    "no SMs held by communication": (_software(communication_sms=0), ("deepseek-v3",)),
+    "no MLA norm/up-projection recomputation": (_software(recompute_latent=False), ("deepseek-v3",)),
+    "flat EP dispatch (a copy per expert across nodes)": (_layouts(ep_dispatch="flat"), ("deepseek-v3",)),
+    "BF16 GEMMs and dispatch": (lambda setup: replace(setup, precision=PRECISIONS["bfloat16"]), ("deepseek-v3",)),
+}
+"""`python -m mpiparallel.planner.published --terms`: each row's ratio with one term changed (docs/published-runs.md);
+the sources a term applies to (all when empty)."""
+
+
+def term_effects() -> str:
+    """The ratio predicted / published of every row, as the model has it and with each of `TERMS` changed."""
+    runs = published_runs()
+    lines = ["| term | " + " | ".join(_short(run) for run in runs) + " |", "|---|" + "---:|" * len(runs)]
+    rows = {"the model": None} | {name: variant for name, (variant, _) in TERMS.items()}
+    for name, variant in rows.items():
+        sources = TERMS[name][1] if name in TERMS else ()
+        cells = [f"{predicted(run, predict(run, variant)) / run.published:.2f}" if not sources or run.source in sources
+                 else "" for run in runs]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _short(run: PublishedRun) -> str:
+    name = {"megatron-2021": "M", "llama3-405b": "L", "deepseek-v3": "DS"}[run.source]
+    return f"{name} {run.params_b:g}B" if run.source == "megatron-2021" else f"{name} {run.gpus // 1024}K cp{run.cp}"
 
 
 def predicted(run: PublishedRun, plan: Plan) -> float:
@@ -154,4 +225,4 @@ def table() -> str:
 
 
 if __name__ == "__main__":
-    print(table())
+    print(term_effects() if sys.argv[1:] == ["--terms"] else table())
