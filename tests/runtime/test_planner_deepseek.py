@@ -35,7 +35,9 @@ def published_layout(*extra):
 
 
 def test_the_published_config_has_671b_parameters_37b_activated_and_a_14b_mtp_module_beside_them():
-    counts = plan_json("--weights-only")["deepseek_v3"]
+    document = plan_json("--weights-only")
+    assert (document["model"]["seq_len"], document["model"]["experts"], document["model"]["top_k"]) == (4096, 256, 8)
+    counts = document["deepseek_v3"]
     assert counts["total_parameters"] == TOTAL and round(TOTAL / 1e9, 1) == 671.0  # the report's 671B
     assert counts["activated_parameters"] == ACTIVATED and int(ACTIVATED / 1e9) == 37  # "37B activated"
     assert counts["mtp_own_parameters"] == MTP_OWN
@@ -94,3 +96,37 @@ def test_a_small_deepseek_shape_takes_trains_defaults_and_searches_both_dispatch
                          "--top", "0")
     dispatches = {layout["ep_dispatch"] for layout in document["layouts"]}
     assert document["model"]["deepseek"]["kv_lora_rank"] == 16 and dispatches == {"flat", "hierarchical"}
+
+
+def test_each_deepseek_term_moves_the_published_row_the_way_its_physics_says():
+    from mpiparallel.planner.published import TERMS, predict, predicted, published_runs
+
+    run = next(run for run in published_runs() if run.source == "deepseek-v3")
+    base = predicted(run, predict(run))
+    assert predicted(run, predict(run, TERMS["no DualPipe overlap (EP and PP waited for)"][0])) < base
+    assert predicted(run, predict(run, TERMS["no SMs held by communication"][0])) > base
+    assert predicted(run, predict(run, TERMS["BF16 GEMMs and dispatch"][0])) < base
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_one_ranks_memory_is_the_serial_models_parameters_and_about_its_saved_arrays(q_lora_rank, recompute):
+    """Parameters exactly (dense first block, MoE blocks, the MTP module); the activations within 1 %: the
+    planner's MLA and DeepSeekMoE formulas count the runtime's saved arrays by shape, with balanced routing."""
+    import numpy as np
+
+    from models.transformer import Transformer
+    from mpiparallel.planner.core import PRECISIONS, Cluster, Layout, Model, evaluate
+
+    shape = deepseek.DeepSeekShape(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=6, moe_ffn_hidden=24, n_shared_experts=1, first_k_dense_replace=1,
+                                   n_group=2, topk_group=1, mtp_depth=1)
+    model = Model(3, 32, 4, 16, 61, n_positions=16, experts=4, top_k=2, arch="deepseek_v3", deepseek=shape)
+    serial = Transformer(model.config, dtype=np.float32, recompute=recompute)
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, (3, model.seq_len))
+    _, saved = serial.forward(tokens, tokens)
+    plan = evaluate(model, Cluster(gpus=1, gpus_per_node=1), PRECISIONS["float32"], Layout(recompute=recompute),
+                    batch_size=3)
+    memory = plan.memory_per_rank[0]
+    assert memory["parameters"] == sum(param.data.nbytes for param in serial.parameters())
+    assert memory["activations"] == pytest.approx(saved.nbytes(), rel=0.01)
