@@ -1,8 +1,10 @@
-"""The planner: memory, time and communication of every layout of a GPT-2 or a llama (Mixtral) on a cluster,
-ranked. Pure Python, no MPI.
+"""The planner: memory, time and communication of every layout of a GPT-2, a llama (Mixtral) or a DeepSeek-V3 on
+a cluster, ranked. Pure Python, no MPI. DeepSeek-V3's blocks (multi-head latent attention, DeepSeekMoE with dense
+first blocks, the MTP module on the head's unit, the flat or node-limited EP dispatch): `planner.deepseek`'s
+formulas, in this module's "DeepSeek-V3" section.
 
-A layout is dp·tp·pp·cp (= the GPUs), ep (dividing dp), ZeRO stage, microbatches, pipeline schedule,
-recomputation, sequence parallelism and the CP attention (ring, all-gather, Ulysses). For each the planner
+A layout is dp·tp·pp·cp (= the GPUs), ep (dividing dp) and its dispatch, ZeRO stage, microbatches, pipeline
+schedule, recomputation, sequence parallelism and the CP attention (ring, all-gather, Ulysses). For each the planner
 predicts, per pipeline rank and per stage:
 
 - memory: parameters, gradients and optimizer state of the units the rank holds (embedding, blocks, head; TP
@@ -31,12 +33,14 @@ predicts, per pipeline rank and per stage:
   ranks holding each KV head; cp per block, with t = b·s/cp this rank's tokens: ring 2(c−1)·t·h_kv forward and
   2(2c−1)·t·h_kv backward, all-gather the whole sequence's K and V forward and backward plus their gradients'
   reduce-scatter, Ulysses all-to-alls of t·(h/tp + 2·max(n_kv', c)·d) and t·h/tp each way; ep four
-  all-to-alls of K·tokens·h per MoE block; pp one message of b·s·h per microbatch and stage boundary each way,
-  and the tied embedding's gradient between the end stages; dp the gradient all-reduce (ZeRO: reduce-scatter
-  + all-gather; ZeRO-3 all-gathers the parameters in forward and backward too);
-- the bubble: the schedule simulated with F = I = W = 1 (the step then lasts makespan/3 × the slowest chunk's
-  F + B); exposed communication: tp, cp and ep block the compute; pp exposes its pipeline fill and drain; dp
-  overlaps with backward (all but the last bucket) without a pipeline and is exposed after one.
+  all-to-alls of K·tokens·h per MoE block (across nodes: the flat dispatch's K·(N − 1)/N copies per token, the
+  node-limited two-hop dispatch's M·(N − 1)/N, then NVLink); pp one message of b·s·h per microbatch and stage
+  boundary each way, and the tied embedding's gradient between the end stages; dp the gradient all-reduce
+  (ZeRO: reduce-scatter + all-gather; ZeRO-3 all-gathers the parameters in forward and backward too);
+- the bubble: the schedule simulated with F = I = W = 1; the pipeline then lasts m × the busiest rank's chunks
+  (F + B) plus the bubble's chunks at the average chunk's time; exposed communication: tp, cp and ep block the
+  compute (ep only beyond the compute beside it with DualPipe's overlap); pp exposes its pipeline fill and
+  drain; dp overlaps with backward (all but the last bucket) without a pipeline and is exposed after one.
 
 Step time = pipeline (or microbatches one after another) + exposed dp + the optimizer. Layouts that do not
 fit in the GPU memory are dropped; the rest are ranked by step time.
