@@ -475,14 +475,28 @@ def tied_parameters(model: Model, tp: int) -> int:
     return padded_vocab(model.vocab_size, tp) // tp * model.n_embd if model.config.head_reads_embedding else 0
 
 
-def scaled_unit_parameters(model: Model, layout: Layout) -> tuple[list[float], float]:
-    """Per unit, this rank's parameters, and the tied shard; with `--params` and no shape, scaled so that the
-    whole model adds up to N."""
+def expert_unit_parameters(model: Model, ep: int) -> list[int]:
+    """Per unit, the routed experts' parameters one rank holds (E/ep per MoE block; DeepSeek-V3's MTP module's
+    too): each held by dp/ep ranks only, where ZeRO shards it and its gradient is reduced."""
+    if not model.experts:
+        return [0] * (model.n_layer + 2)
+    if model.is_deepseek:
+        per_block = model.experts // ep * 3 * model.n_embd * model.config.moe_ffn_hidden
+        head = model.config.mtp_depth * per_block
+    else:
+        per_block, head = model.experts // ep * expert_parameters(model), 0
+    return [0] + [per_block if model.is_moe_block(i) else 0 for i in range(model.n_layer)] + [head]
+
+
+def scaled_unit_parameters(model: Model, layout: Layout) -> tuple[list[float], float, list[float]]:
+    """Per unit, this rank's parameters, the tied shard, and per unit the routed experts' share; with `--params`
+    and no shape, scaled so that the whole model adds up to N."""
     units, tied = unit_parameters(model, layout.tp, layout.ep), tied_parameters(model, layout.tp)
+    experts = expert_unit_parameters(model, layout.ep)
     scale = 1.0
     if model.parameters is not None:
         scale = model.parameters / replace(model, parameters=None).total_parameters()
-    return [u * scale for u in units], tied * scale
+    return [u * scale for u in units], tied * scale, [e * scale for e in experts]
 
 
 def held_parameters(units: list[int], per_unit: list[float], tied: float) -> float:
@@ -1178,6 +1192,15 @@ class _Setting:
     """Sequences per microbatch on one rank."""
     kinds: tuple[int, ...]
     """Per unit, its cost's index in `costs` (`unit_kinds`)."""
+    experts: tuple[float, ...] = ()
+    """Per unit, the routed experts' parameters this rank holds (`expert_unit_parameters`)."""
+
+    def held_experts(self, rank: int) -> float:
+        return sum(self.experts[u] for u in self.units_of(rank)) if self.experts else 0.0
+
+    def zero_shards(self, expert: bool) -> int:
+        """Ranks one parameter's ZeRO state is sharded over: dp, or the dp/ep holding a routed expert."""
+        return self.layout.dp // self.layout.ep if expert else self.layout.dp
 
     def cost_of(self, unit: int) -> UnitCost:
         return self.costs[self.kinds[unit]]
@@ -1203,10 +1226,10 @@ def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layou
     shape = pipeline_shape(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages) \
         if layout.pp > 1 else None
     costs = unit_costs(model, layout, rows, precision, cluster.software)
+    per_unit, tied, experts = scaled_unit_parameters(model, layout)
     setting = _Setting(model, cluster, precision, layout, costs,
                        stage_units(model.n_layer, layout.pp * layout.chunks), shape.stage_ranks if shape else (0,),
-                       shape, rows, unit_kinds(model))
-    per_unit, tied = scaled_unit_parameters(model, layout)
+                       shape, rows, unit_kinds(model), tuple(experts))
     stage_saved = [0.0 if weights_only else sum(setting.cost_of(u).saved for u in units) * precision.activations
                    for units in setting.stages]
     peaks = shape.peak_per_stage if shape else (1,)
@@ -1274,10 +1297,16 @@ def _report_throughput(plan: Plan, model: Model, cluster: Cluster, precision: Pr
 def _rank_memory(setting: _Setting, rank: int, per_unit: list[float], tied: float,
                  stage_saved: list[float]) -> dict[str, float]:
     layout, precision = setting.layout, setting.precision
-    count = held_parameters(setting.units_of(rank), per_unit, tied)
-    weights = count * precision.weights / (layout.dp if layout.zero == 3 else 1)
-    gradients = count * precision.gradients / (layout.dp if layout.zero >= 2 else 1)
-    optimizer = count * precision.optimizer / (layout.dp if layout.zero >= 1 else 1)
+    experts = setting.held_experts(rank)
+    dense = held_parameters(setting.units_of(rank), per_unit, tied) - experts
+
+    def sharded(per_parameter: float, stage: int) -> float:  # ZeRO stage `stage` and up shard these bytes
+        if layout.zero < stage:
+            return (dense + experts) * per_parameter
+        return per_parameter * (dense / setting.zero_shards(False) + experts / setting.zero_shards(True))
+
+    weights, gradients = sharded(precision.weights, 3), sharded(precision.gradients, 2)
+    optimizer = sharded(precision.optimizer, 1)
     if setting.shape is None:
         activations = stage_saved[0]  # microbatches one after another: one in flight
     else:
@@ -1359,7 +1388,8 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
         bubble = setting.shape.bubble
         exposed += fill_and_drain
     count = held_parameters(setting.units_of(busiest), per_unit, tied)
-    dp_seconds, dp_bytes, last_bucket = _data_parallel(setting, count)
+    experts = setting.held_experts(busiest)
+    dp_seconds, dp_bytes, last_bucket = _data_parallel(setting, count - experts, experts)
     comm_s["dp"], comm_bytes["dp"] = dp_seconds, dp_bytes
     overlap = setting.cluster.software.dp_overlap
     if overlap == "always" or overlap == "without-pipeline" and setting.shape is None:
@@ -1368,7 +1398,7 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
     else:  # reduced after the backward (or after the pipeline's schedule)
         dp_exposed = dp_seconds
     exposed += dp_exposed
-    step = pipeline + dp_exposed + _optimizer_seconds(setting, count)
+    step = pipeline + dp_exposed + _optimizer_seconds(setting, count - experts, experts)
     return Plan(layout, memory_per_rank, memory_per_stage, compute, comm_s, comm_bytes, exposed, bubble, step,
                 ep_inter_node_bytes=ep_across)
 
@@ -1421,15 +1451,25 @@ def _tied_gradient_bytes(setting: _Setting, rank: int, tied: float) -> float:
     return tied * setting.precision.gradients
 
 
-def _data_parallel(setting: _Setting, count: float) -> tuple[float, float, float]:
-    """Seconds, bytes sent and the last bucket's seconds of the gradient reduction over dp×cp (the ranks that
-    hold the same parameters): all-reduce per bucket; ZeRO-1/2 reduce-scatter + all-gather of the updated
-    parameters; ZeRO-3 also all-gathers every parameter for forward and again for backward."""
+def _data_parallel(setting: _Setting, dense: float, experts: float = 0.0) -> tuple[float, float, float]:
+    """Seconds, bytes sent and the last bucket's seconds of the gradient reductions: the dense parameters' over
+    dp×cp, the routed experts' over the dp/ep×cp ranks holding the same experts (ep apart, train's expert_dp)."""
+    layout = setting.layout
+    seconds, sent, last_bucket = _reduction(setting, dense, layout.dp * layout.cp, layout.tp)
+    if experts:
+        more = _reduction(setting, experts, layout.dp // layout.ep * layout.cp, layout.tp * layout.cp * layout.ep)
+        seconds, sent, last_bucket = seconds + more[0], sent + more[1], max(last_bucket, more[2])
+    return seconds, sent, last_bucket
+
+
+def _reduction(setting: _Setting, count: float, ranks: int, stride: int) -> tuple[float, float, float]:
+    """One group's gradient reduction over `ranks` ranks `stride` apart (the ranks that hold the same
+    parameters): all-reduce per bucket; ZeRO-1/2 reduce-scatter + all-gather of the updated parameters; ZeRO-3
+    also all-gathers every parameter for forward and again for backward."""
     layout, precision = setting.layout, setting.precision
-    ranks = layout.dp * layout.cp
-    if ranks == 1 or precision.gradients == 0:
+    if ranks == 1 or precision.gradients == 0 or count <= 0:
         return 0.0, 0.0, 0.0
-    link, nodes = group_link(layout.tp, ranks, setting.cluster), group_nodes(layout.tp, ranks, setting.cluster)
+    link, nodes = group_link(stride, ranks, setting.cluster), group_nodes(stride, ranks, setting.cluster)
     grad_bytes = count * precision.gradients
     buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
     bucket = grad_bytes / buckets
@@ -1444,12 +1484,14 @@ def _data_parallel(setting: _Setting, count: float) -> tuple[float, float, float
     return seconds, sent, last_bucket
 
 
-def _optimizer_seconds(setting: _Setting, count: float) -> float:
-    """AdamW's elementwise passes over this rank's parameters (about 12: moments, square root, division, decay);
-    SGD's 2; plus zeroing the gradients."""
+def _optimizer_seconds(setting: _Setting, dense: float, experts: float = 0.0) -> float:
+    """AdamW's elementwise passes over this rank's parameters, its ZeRO shard of them (about 12: moments,
+    square root, division, decay); SGD's 2; plus zeroing the gradients."""
     layout, precision = setting.layout, setting.precision
     passes = 12 if precision.optimizer else 2
-    local = count / (layout.dp if layout.zero >= 1 else 1)
+    local = dense + experts
+    if layout.zero >= 1:
+        local = dense / setting.zero_shards(False) + experts / setting.zero_shards(True)
     return (passes + 1) * local * precision.weights / setting.cluster.elementwise_bytes
 
 

@@ -130,3 +130,19 @@ def test_one_ranks_memory_is_the_serial_models_parameters_and_about_its_saved_ar
     memory = plan.memory_per_rank[0]
     assert memory["parameters"] == sum(param.data.nbytes for param in serial.parameters())
     assert memory["activations"] == pytest.approx(saved.nbytes(), rel=0.01)
+
+
+def test_zero_shards_a_routed_expert_over_the_dp_over_ep_ranks_that_hold_it():
+    """DP 8 with EP 4: each routed expert lives on 2 ranks (train's expert_dp), so ZeRO-1 shards its AdamW state
+    over 2, the attention's and the shared expert's over 8."""
+    from mpiparallel.planner.core import PRECISIONS, Cluster, Layout, Model, evaluate
+
+    shape = deepseek.DeepSeekShape(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8, moe_ffn_hidden=24, n_shared_experts=1)
+    model = Model(2, 32, 4, 16, 64, n_positions=16, experts=8, top_k=2, arch="deepseek_v3", deepseek=shape)
+    plan = evaluate(model, Cluster(gpus=8, gpus_per_node=8), PRECISIONS["float32"], Layout(dp=8, ep=4, zero=1),
+                    batch_size=8)
+    experts = 2 * (8 // 4) * 3 * 32 * 24  # 2 blocks × 2 local experts × gate, up and down
+    dense = model.total_parameters() - 2 * 8 * 3 * 32 * 24
+    assert plan.memory_per_rank[0]["optimizer_state"] == pytest.approx(8 * (dense / 8 + experts / 2))
+    assert plan.memory_per_rank[0]["parameters"] == 4 * (dense + experts)
