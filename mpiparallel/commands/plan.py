@@ -407,7 +407,7 @@ def deepseek_counts(model: Any, precision: Any) -> dict[str, Any]:
     """DeepSeek-V3's parameter counts (what each counts: `planner.deepseek`), FLOPs per token and KV cache."""
     from ..planner import deepseek, flops_per_token
 
-    counts = deepseek.parameter_counts(model.config)
+    counts = model.deepseek_counts
     return {"total_parameters": counts["total"], "activated_parameters": counts["activated"],
             "mtp_parameters": counts["mtp"], "mtp_own_parameters": deepseek.mtp_own_parameters(model.config),
             "flops_per_token": flops_per_token(model),

@@ -185,8 +185,13 @@ class Model:
         if self.parameters is not None:
             return self.parameters
         if self.is_deepseek:
-            return deepseek.parameter_counts(self.config)["total"]
+            return self.deepseek_counts["total"]
         return self.trained_parameters()
+
+    @cached_property
+    def deepseek_counts(self) -> dict[str, int]:
+        """DeepSeek-V3's total, activated and MTP counts (`deepseek.parameter_counts`; counted once per model)."""
+        return deepseek.parameter_counts(self.config)
 
     def trained_parameters(self) -> int:
         """Every parameter training holds (DeepSeek-V3: with the MTP modules' own)."""
@@ -198,7 +203,7 @@ class Model:
         """Weights a token passes through: top_k of the experts (6·N·tokens counts these; DeepSeek-V3: its
         activated count, shared experts and dense blocks whole)."""
         if self.is_deepseek and self.parameters is None:
-            return deepseek.parameter_counts(self.config)["activated"]
+            return self.deepseek_counts["activated"]
         if not self.experts:
             return self.total_parameters()
         return self.total_parameters() - self.n_layer * (self.experts - self.top_k) * expert_parameters(self)
@@ -1254,7 +1259,7 @@ def flops_per_token(model: Model) -> float:
     (GPT-2's position table; the token table unless it is tied to the head, whose product it then is);
     DeepSeek-V3's: `deepseek.activated_flops_per_token` (its MTP modules and d_qk ≠ d_v counted)."""
     if model.is_deepseek and model.parameters is None:
-        return deepseek.activated_flops_per_token(model.config, model.seq_len)
+        return deepseek.activated_flops_per_token(model.config, model.seq_len, model.active_parameters())
     h = model.n_embd
     lookups = (0 if model.is_llama else model.n_positions * h) + (0 if model.tied else model.vocab_size * h)
     return model_flops_per_token(model.active_parameters() - lookups, model.n_layer, h, model.seq_len)

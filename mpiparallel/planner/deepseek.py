@@ -161,18 +161,19 @@ def node_limited(config: Any, ep_nodes: int) -> bool:
     return ep_nodes > 1 and config.n_group == ep_nodes and config.topk_group < ep_nodes
 
 
-def activated_flops_per_token(config: Any, seq_len: int) -> float:
+def activated_flops_per_token(config: Any, seq_len: int, activated: int | None = None) -> float:
     """MFU's count for DeepSeek-V3 (6·N + attention, `gpus.model_flops_per_token`'s rule): N the activated
-    parameters less the embedding lookup, plus the MTP modules' own activated weights and their pass through the
-    shared head; attention over the whole s×s square, (d_qk + d_v) channels per head, in the l + D blocks."""
-    counts = parameter_counts(config)
+    parameters (`activated`, else counted) less the embedding lookup, plus the MTP modules' own activated weights
+    and their pass through the shared head; attention over the whole s×s square, (d_qk + d_v) channels per head,
+    in the l + D blocks."""
+    activated = parameter_counts(config)["activated"] if activated is None else activated
     h = config.n_embd
     lookup = config.vocab_size * h
     mtp_block = latent_attention_parameters(config, 1) + _activated_feed_forward(config)
     mtp = config.mtp_depth * (3 * h + 2 * h * h + mtp_block + config.vocab_size * h)
     blocks = config.n_layer + config.mtp_depth
     attention = 6 * blocks * seq_len * config.n_head * (query_key_dim(config) + config.v_head_dim)
-    return 6 * (counts["activated"] - lookup + mtp) + attention
+    return 6 * (activated - lookup + mtp) + attention
 
 
 def _activated_feed_forward(config: Any) -> int:
