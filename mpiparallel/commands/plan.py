@@ -63,7 +63,8 @@ def _model_options(function: Any) -> Any:
                           "deepseek_v3 multi-head latent attention and DeepSeekMoE (without a shape: DeepSeek-V3's "
                           "published config, seq 4096)."),
         click.option("--init", "init_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
-                     default=None, help="The model of a folder's config.json (train's --init; any family)."),
+                     default=None, help="The model of a folder's config.json (train's --init: llama, Mixtral or "
+                                        "deepseek_v3)."),
         click.option("--params", type=click.FloatRange(min=1), default=None,
                      help="Parameter count (e.g. 70e9); the shape is inferred (h ≈ 128·layers, 128 channels per "
                           "head; llama n_head/4 KV heads) unless given."),
@@ -303,13 +304,10 @@ def _configured_model(options: dict[str, Any], explicit: set[str]) -> Any:
     """The model of --init's config.json, or of --arch deepseek_v3: DeepSeek-V3's published config without a
     shape (seq 4096, its pre-training length), train's deepseek_v3 defaults around a given shape; the
     deepseek_v3 options, --experts, --top-k and --seq-len given replace the configuration's."""
-    from types import SimpleNamespace
-
     from models.families import config_fields
     from models.transformer import GPTConfig
 
     from ..planner import Model, deepseek
-    from ..train.inputs import DEEPSEEK_DEFAULTS, deepseek_choices
 
     try:
         if options["init_dir"] is not None:
@@ -319,16 +317,7 @@ def _configured_model(options: dict[str, Any], explicit: set[str]) -> Any:
         elif options["n_layer"] is None and options["n_embd"] is None and options["n_head"] is None:
             fields_ = deepseek.config_json_fields(deepseek.published_config())
         else:
-            shape = {name: options[name] for name, _, _ in DEEPSEEK_SHAPE} | {
-                "arch": "deepseek_v3", "n_embd": options["n_embd"] or 128, "n_head": options["n_head"] or 4,
-                "ffn_hidden": options["ffn_hidden"] or None, "routed_scaling_factor": 1.0, "moe_seq_aux_coef": 0.0,
-                "mtp_weight": 0.3}
-            shape = {name: DEEPSEEK_DEFAULTS[name] if name in DEEPSEEK_DEFAULTS and value is None else value
-                     for name, value in (dict.fromkeys(DEEPSEEK_DEFAULTS) | shape).items()}
-            fields_ = {"arch": "deepseek_v3", "n_layer": options["n_layer"] or 4, "n_embd": shape["n_embd"],
-                       "n_head": shape["n_head"], "vocab_size": options["vocab_size"] or 256,
-                       "ffn_hidden": options["ffn_hidden"], "n_positions": options["n_positions"] or 1024,
-                       "moe_aux_coef": 0.0} | deepseek_choices(SimpleNamespace(**shape))
+            fields_ = _deepseek_shape_fields(options)
         renamed = {"shared_experts": "n_shared_experts", "first_k_dense": "first_k_dense_replace"}
         fields_ |= {renamed.get(name, name): options[name] for name, _, _ in DEEPSEEK_SHAPE
                     if options[name] is not None}
@@ -340,6 +329,23 @@ def _configured_model(options: dict[str, Any], explicit: set[str]) -> Any:
     except (OSError, ValueError, TypeError) as error:
         raise ConfigError(f"the model: {error}") from None
     return Model.from_config(config, seq)
+
+
+def _deepseek_shape_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig fields of --arch deepseek_v3 around --n-layer --n-embd --n-head: the deepseek options not given
+    take train's defaults (`train.inputs.deepseek_choices`)."""
+    from types import SimpleNamespace
+
+    from ..train.inputs import DEEPSEEK_DEFAULTS, DEEPSEEK_SIZES, deepseek_choices
+
+    n_embd, n_head = options["n_embd"] or 128, options["n_head"] or 4
+    choices = {name: default if options.get(name) is None else options[name]
+               for name, default in DEEPSEEK_DEFAULTS.items()}
+    shape = SimpleNamespace(arch="deepseek_v3", n_embd=n_embd, n_head=n_head, ffn_hidden=options["ffn_hidden"] or None,
+                            **{name: options[name] for name in DEEPSEEK_SIZES}, **choices)
+    return {"arch": "deepseek_v3", "n_layer": options["n_layer"] or 4, "n_embd": n_embd, "n_head": n_head,
+            "vocab_size": options["vocab_size"] or 256, "ffn_hidden": options["ffn_hidden"],
+            "n_positions": options["n_positions"] or 1024, "moe_aux_coef": 0.0} | deepseek_choices(shape)
 
 
 def _cluster(options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
