@@ -22,8 +22,22 @@ _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORE
 DEFAULT_MACHINE = Path.home() / ".cache" / "mpiparallel" / "machine.json"
 GPU_PRESETS = ("a100-80gb", "a100-40gb", "h100-sxm", "h800", "h200")
 """`planner.gpus.GPUS`'s names (spelled here so that the command line starts without importing the planner)."""
-SOFTWARE_NAMES = ("mpiparallel", "megatron-2021", "flash-fsdp")
+SOFTWARE_NAMES = ("mpiparallel", "megatron-2021", "flash-fsdp", "hai-llm")
 """`planner.core.SOFTWARE`'s names."""
+DEEPSEEK_SHAPE = (
+    ("q_lora_rank", 1, "deepseek_v3: query down-projection rank (train's default: none, one q_proj)."),
+    ("kv_lora_rank", 1, "deepseek_v3: compressed KV latent channels (cached: + the RoPE key's)."),
+    ("qk_nope_head_dim", 1, "deepseek_v3: query/key channels per head without RoPE."),
+    ("qk_rope_head_dim", 2, "deepseek_v3: RoPE channels per head, one key shared by all heads."),
+    ("v_head_dim", 1, "deepseek_v3: value channels per head."),
+    ("moe_ffn_hidden", 1, "deepseek_v3: SwiGLU width of each routed and shared expert."),
+    ("shared_experts", 0, "deepseek_v3: always-on shared experts."),
+    ("n_group", 1, "deepseek_v3: expert groups of group-limited routing (the nodes: node-limited dispatch)."),
+    ("topk_group", 1, "deepseek_v3: groups (nodes) each token may use, M."),
+    ("first_k_dense", 0, "deepseek_v3: the first blocks keep a dense MLP."),
+    ("mtp_depth", 0, "deepseek_v3: multi-token-prediction modules (on the last stage)."),
+)
+"""`plan`'s deepseek_v3 shape options: train's names (their defaults are train's, `train.inputs.deepseek_choices`)."""
 
 
 class MemorySize(click.ParamType):
@@ -44,8 +58,13 @@ class MemorySize(click.ParamType):
 
 def _model_options(function: Any) -> Any:
     options = [
-        click.option("--arch", type=click.Choice(["gpt2", "llama"]), default="gpt2",
-                     help="Model family (train's --arch): llama has RoPE, RMSNorm, GQA, SwiGLU and an untied head."),
+        click.option("--arch", type=click.Choice(["gpt2", "llama", "deepseek_v3"]), default="gpt2",
+                     help="Model family (train's --arch): llama has RoPE, RMSNorm, GQA, SwiGLU and an untied head; "
+                          "deepseek_v3 multi-head latent attention and DeepSeekMoE (without a shape: DeepSeek-V3's "
+                          "published config, seq 4096)."),
+        click.option("--init", "init_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+                     default=None, help="The model of a folder's config.json (train's --init: llama, Mixtral or "
+                                        "deepseek_v3)."),
         click.option("--params", type=click.FloatRange(min=1), default=None,
                      help="Parameter count (e.g. 70e9); the shape is inferred (h ≈ 128·layers, 128 channels per "
                           "head; llama n_head/4 KV heads) unless given."),
@@ -66,6 +85,8 @@ def _model_options(function: Any) -> Any:
                      help="llama: SwiGLU hidden units (0: 8/3·n_embd rounded up to a multiple of 64)."),
         click.option("--tie-embeddings/--no-tie-embeddings", default=None,
                      help="llama: tie the LM head to the token embedding. [default: untied; GPT-2 always ties]"),
+        *[click.option(f"--{name.replace('_', '-')}", type=click.IntRange(min=low), default=None, help=text)
+          for name, low, text in DEEPSEEK_SHAPE],
     ]
     for option in reversed(options):
         function = option(function)
@@ -123,6 +144,10 @@ def _choice_options(function: Any) -> Any:
         click.option("--sp/--no-sp", default=None, help="Fix sequence parallelism (with tp > 1)."),
         click.option("--cp-attention", type=click.Choice(["ring", "all-gather", "ulysses"]), default=None,
                      help="Fix the context-parallel attention (with cp > 1; searched otherwise)."),
+        click.option("--ep-dispatch", type=click.Choice(["flat", "hierarchical"]), default=None,
+                     help="Fix the EP all-to-all: flat (a copy per expert) or hierarchical (deepseek_v3 with "
+                          "node-limited routing: across nodes once per target node, then NVLink); searched "
+                          "otherwise."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -184,7 +209,8 @@ def plan(ctx: click.Context, **options: Any) -> None:
         return
     from .. import planner
 
-    model = _model(options)
+    model = _model(options, {name for name in ("experts", "top_k", "seq_len")
+                             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT})
     precision = planner.precision_with(options["precision"] or ("float32" if options["machine"] else "mixed"),
                                        options["optimizer"], options["bytes_per_param"], options["weights_only"])
     explicit = {name for name in ("gpu_memory", "gpus_per_node")
@@ -193,7 +219,7 @@ def plan(ctx: click.Context, **options: Any) -> None:
     batch = options["batch_size"] or (4 * options["gpus"] if options["params"] else 8)
     choices = planner.Choices(batch, **{name: options[name] for name in (
         "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention",
-        "virtual_stages")})
+        "virtual_stages", "ep_dispatch")})
     if options["html_path"] is not None:
         _write_page(options["html_path"], model, cluster, precision, batch)
         return
@@ -239,9 +265,14 @@ def why_nothing_fits(model: Any, cluster: Any, precision: Any, choices: Any) -> 
             f"{_bytes(cluster.gpu_memory)}: use more GPUs, more memory (--gpu-memory) or fix fewer choices")
 
 
-def _model(options: dict[str, Any]) -> Any:
+def _model(options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
     from ..planner import Model
 
+    given = [f"--{name.replace('_', '-')}" for name, _, _ in DEEPSEEK_SHAPE if options[name] is not None]
+    if options["init_dir"] is not None or options["arch"] == "deepseek_v3":
+        return _configured_model(options, explicit)
+    if given:
+        raise ConfigError(f"{', '.join(given)} set(s) a deepseek_v3 choice: add --arch deepseek_v3")
     shape = [options[name] for name in ("n_layer", "n_embd", "n_head")]
     family = {"arch": options["arch"], "tie_embeddings": options["tie_embeddings"]}
     family |= {name: options[name] for name in ("n_kv_head", "ffn_hidden") if options[name]}
@@ -267,6 +298,54 @@ def _model(options: dict[str, Any]) -> Any:
     except ValueError as error:
         raise ConfigError(f"the model: {error}") from None
     return model
+
+
+def _configured_model(options: dict[str, Any], explicit: set[str]) -> Any:
+    """The model of --init's config.json, or of --arch deepseek_v3: DeepSeek-V3's published config without a
+    shape (seq 4096, its pre-training length), train's deepseek_v3 defaults around a given shape; the
+    deepseek_v3 options, --experts, --top-k and --seq-len given replace the configuration's."""
+    from models.families import config_fields
+    from models.transformer import GPTConfig
+
+    from ..planner import Model, deepseek
+
+    try:
+        if options["init_dir"] is not None:
+            raw = json.loads((options["init_dir"] / "config.json").read_text())
+            fields_ = deepseek.config_json_fields(raw) if raw.get("model_type") == "deepseek_v3" else \
+                config_fields(raw)
+        elif options["n_layer"] is None and options["n_embd"] is None and options["n_head"] is None:
+            fields_ = deepseek.config_json_fields(deepseek.published_config())
+        else:
+            fields_ = _deepseek_shape_fields(options)
+        renamed = {"shared_experts": "n_shared_experts", "first_k_dense": "first_k_dense_replace"}
+        fields_ |= {renamed.get(name, name): options[name] for name, _, _ in DEEPSEEK_SHAPE
+                    if options[name] is not None}
+        fields_ |= {name: options[option] for name, option in (("n_experts", "experts"), ("moe_top_k", "top_k"))
+                    if option in explicit}
+        seq = options["seq_len"] or (deepseek.PUBLISHED_SEQ_LEN if fields_.get("arch") == "deepseek_v3" else 2048)
+        fields_["n_positions"] = max(fields_.get("n_positions", seq), seq)
+        config = GPTConfig(**fields_)
+    except (OSError, ValueError, TypeError) as error:
+        raise ConfigError(f"the model: {error}") from None
+    return Model.from_config(config, seq)
+
+
+def _deepseek_shape_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig fields of --arch deepseek_v3 around --n-layer --n-embd --n-head: the deepseek options not given
+    take train's defaults (`train.inputs.deepseek_choices`)."""
+    from types import SimpleNamespace
+
+    from ..train.inputs import DEEPSEEK_DEFAULTS, DEEPSEEK_SIZES, deepseek_choices
+
+    n_embd, n_head = options["n_embd"] or 128, options["n_head"] or 4
+    choices = {name: default if options.get(name) is None else options[name]
+               for name, default in DEEPSEEK_DEFAULTS.items()}
+    shape = SimpleNamespace(arch="deepseek_v3", n_embd=n_embd, n_head=n_head, ffn_hidden=options["ffn_hidden"] or None,
+                            **{name: options[name] for name in DEEPSEEK_SIZES}, **choices)
+    return {"arch": "deepseek_v3", "n_layer": options["n_layer"] or 4, "n_embd": n_embd, "n_head": n_head,
+            "vocab_size": options["vocab_size"] or 256, "ffn_hidden": options["ffn_hidden"],
+            "n_positions": options["n_positions"] or 1024, "moe_aux_coef": 0.0} | deepseek_choices(shape)
 
 
 def _cluster(options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
@@ -314,6 +393,8 @@ def _answers(model: Any, cluster: Any, precision: Any, choices: Any, options: di
         "precision": asdict(precision), "batch_size": choices.batch_size,
         "min_model_parallel": planner.min_model_parallel(model, precision, cluster.gpu_memory),
     }
+    if model.is_deepseek:
+        document["deepseek_v3"] = deepseek_counts(model, precision)
     dp = planner.data_parallel_degree(cluster.gpus, choices)
     if dp is not None:
         document["dp"] = dp
@@ -326,6 +407,17 @@ def _answers(model: Any, cluster: Any, precision: Any, choices: Any, options: di
         except ValueError as error:
             raise ConfigError(str(error)) from None
     return document
+
+
+def deepseek_counts(model: Any, precision: Any) -> dict[str, Any]:
+    """DeepSeek-V3's parameter counts (what each counts: `planner.deepseek`), FLOPs per token and KV cache."""
+    from ..planner import deepseek, flops_per_token
+
+    counts = model.deepseek_counts
+    return {"total_parameters": counts["total"], "activated_parameters": counts["activated"],
+            "mtp_parameters": counts["mtp"], "mtp_own_parameters": deepseek.mtp_own_parameters(model.config),
+            "flops_per_token": flops_per_token(model),
+            "kv_cache": deepseek.kv_cache_bytes_per_token(model.config, precision.activations)}
 
 
 def _write_page(path: Path, model: Any, cluster: Any, precision: Any, batch: int) -> None:
@@ -377,6 +469,8 @@ def report(document: dict[str, Any]) -> str:
              f"fewest GPUs that must share the model states ({document['precision']['weights']:g}+"
              f"{document['precision']['gradients']:g}+{document['precision']['optimizer']:g} bytes/parameter): "
              f"{document['min_model_parallel']}"]
+    if "deepseek_v3" in document:
+        lines += _deepseek_lines(document["deepseek_v3"], model["n_layer"])
     if "dp" in document:
         lines.append(f"data-parallel degree the fixed tp·pp·cp leave: {document['dp']}")
     if "min_microbatches" in document:
@@ -385,9 +479,24 @@ def report(document: dict[str, Any]) -> str:
     if "layouts" in document:
         shown = f"; the fastest {len(document['layouts'])}:" if document["layouts"] else ""
         lines.append(f"{document['feasible']} of {document['considered']} layouts fit{shown}")
+        count = "6·N activated + the MTP module + 6·l·s·H·(d_qk + d_v) per token" if "deepseek_v3" in document \
+            else "6·N + 12·l·h·s per token"
         for index, layout in enumerate(document["layouts"], 1):
-            lines += ["", *_layout_lines(index, layout)]
+            lines += ["", *_layout_lines(index, layout, count)]
     return "\n".join(lines)
+
+
+def _deepseek_lines(counts: dict[str, Any], layers: int) -> list[str]:
+    kv = counts["kv_cache"]
+    return [f"parameters: {counts['total_parameters'] / 1e9:.1f} B total (every routed expert once, embedding and "
+            f"head included, no MTP); {counts['activated_parameters'] / 1e9:.1f} B activated per token (attention, "
+            f"shared expert, dense blocks, top-k routed experts, embedding and head); MTP "
+            f"{counts['mtp_parameters'] / 1e9:.1f} B beside them as the checkpoint stores it "
+            f"({counts['mtp_own_parameters'] / 1e9:.1f} B of its own, sharing the embedding and head in training)",
+            f"FLOPs per token (MFU's count, MTP included): {counts['flops_per_token'] / 1e9:.1f} G",
+            f"KV cache per token: {kv['latent_values_per_block']} values per block (MLA's latent + RoPE key), "
+            f"{kv['latent_bytes']:,.0f} bytes over {layers} blocks; {kv['expanded_values_per_block']:,} per block "
+            f"({kv['expanded_bytes']:,.0f} bytes) if these heads' keys and values were cached"]
 
 
 def _llama_shape(model: dict[str, Any]) -> str:
@@ -398,8 +507,10 @@ def _llama_shape(model: dict[str, Any]) -> str:
             f"{'tied' if model['tied'] else 'untied'} head)")
 
 
-def _layout_lines(index: int, layout: dict[str, Any]) -> list[str]:
-    comm = ", ".join(f"{axis} {_seconds(seconds)} ({_bytes(layout['comm_bytes'][axis])})"
+def _layout_lines(index: int, layout: dict[str, Any], count: str = "6·N + 12·l·h·s per token") -> list[str]:
+    comm = ", ".join(f"{axis} {_seconds(seconds)} ({_bytes(layout['comm_bytes'][axis])}"
+                     + (f", {_bytes(layout['ep_inter_node_bytes'])} across nodes"
+                        if axis == "ep" and layout["ep_inter_node_bytes"] else "") + ")"
                      for axis, seconds in layout["comm_s"].items() if layout["comm_bytes"][axis] or seconds)
     lines = [f"{index:>3}. {layout['label']}: step {_seconds(layout['step_s'])}, compute "
              f"{_seconds(layout['compute_s'])}, bubble {layout['bubble']:.1%}, exposed comm "
@@ -407,7 +518,7 @@ def _layout_lines(index: int, layout: dict[str, Any]) -> list[str]:
              f"     throughput: {layout['tokens_per_s']:,.0f} tokens/s; {layout['megatron_tflops_per_gpu']:.1f} "
              f"TFLOP/s per GPU in Megatron's count (96·B·s·l·h²·(1 + s/6h + V/16lh): GEMMs with full "
              f"recomputation); {layout['model_tflops_per_gpu']:.1f} TFLOP/s per GPU in MFU's count "
-             f"(6·N + 12·l·h·s per token)" + (f" = MFU {layout['mfu']:.1%}" if layout["mfu"] else ""),
+             f"({count})" + (f" = MFU {layout['mfu']:.1%}" if layout["mfu"] else ""),
              f"     comm per rank: {comm or 'none'}",
              "     pp rank   parameters    gradients    optimizer  activations        total"]
     for rank in layout["memory_per_rank"]:

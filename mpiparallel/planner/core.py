@@ -1,8 +1,10 @@
-"""The planner: memory, time and communication of every layout of a GPT-2 or a llama (Mixtral) on a cluster,
-ranked. Pure Python, no MPI.
+"""The planner: memory, time and communication of every layout of a GPT-2, a llama (Mixtral) or a DeepSeek-V3 on
+a cluster, ranked. Pure Python, no MPI. DeepSeek-V3's blocks (multi-head latent attention, DeepSeekMoE with dense
+first blocks, the MTP module on the head's unit, the flat or node-limited EP dispatch): `planner.deepseek`'s
+formulas, in this module's "DeepSeek-V3" section.
 
-A layout is dp·tp·pp·cp (= the GPUs), ep (dividing dp), ZeRO stage, microbatches, pipeline schedule,
-recomputation, sequence parallelism and the CP attention (ring, all-gather, Ulysses). For each the planner
+A layout is dp·tp·pp·cp (= the GPUs), ep (dividing dp) and its dispatch, ZeRO stage, microbatches, pipeline
+schedule, recomputation, sequence parallelism and the CP attention (ring, all-gather, Ulysses). For each the planner
 predicts, per pipeline rank and per stage:
 
 - memory: parameters, gradients and optimizer state of the units the rank holds (embedding, blocks, head; TP
@@ -31,12 +33,14 @@ predicts, per pipeline rank and per stage:
   ranks holding each KV head; cp per block, with t = b·s/cp this rank's tokens: ring 2(c−1)·t·h_kv forward and
   2(2c−1)·t·h_kv backward, all-gather the whole sequence's K and V forward and backward plus their gradients'
   reduce-scatter, Ulysses all-to-alls of t·(h/tp + 2·max(n_kv', c)·d) and t·h/tp each way; ep four
-  all-to-alls of K·tokens·h per MoE block; pp one message of b·s·h per microbatch and stage boundary each way,
-  and the tied embedding's gradient between the end stages; dp the gradient all-reduce (ZeRO: reduce-scatter
-  + all-gather; ZeRO-3 all-gathers the parameters in forward and backward too);
-- the bubble: the schedule simulated with F = I = W = 1 (the step then lasts makespan/3 × the slowest chunk's
-  F + B); exposed communication: tp, cp and ep block the compute; pp exposes its pipeline fill and drain; dp
-  overlaps with backward (all but the last bucket) without a pipeline and is exposed after one.
+  all-to-alls of K·tokens·h per MoE block (across nodes: the flat dispatch's K·(N − 1)/N copies per token, the
+  node-limited two-hop dispatch's M·(N − 1)/N, then NVLink); pp one message of b·s·h per microbatch and stage
+  boundary each way, and the tied embedding's gradient between the end stages; dp the gradient all-reduce
+  (ZeRO: reduce-scatter + all-gather; ZeRO-3 all-gathers the parameters in forward and backward too);
+- the bubble: the schedule simulated with F = I = W = 1; the pipeline then lasts m × the busiest rank's chunks
+  (F + B) plus the bubble's chunks at the average chunk's time; exposed communication: tp, cp and ep block the
+  compute (ep only beyond the compute beside it with DualPipe's overlap); pp exposes its pipeline fill and
+  drain; dp overlaps with backward (all but the last bucket) without a pipeline and is exposed after one.
 
 Step time = pipeline (or microbatches one after another) + exposed dp + the optimizer. Layouts that do not
 fit in the GPU memory are dropped; the rest are ranked by step time.
@@ -65,6 +69,8 @@ from ..schedules import SCHEDULES, bubble_formula, build_schedule, simulate, sta
 from ..schedules.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from ..schedules.build import V_SHAPED, check_arguments
 from ..schedules.simulator import peak_activations
+from . import deepseek
+from .deepseek import DeepSeekShape
 from .gpus import GPU, gemm_seconds, megatron_flops_per_step, model_flops_per_token, peak_flops
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -96,6 +102,16 @@ class Model:
     n_kv_head: int = 0
     ffn_hidden: int = 0
     tie_embeddings: bool | None = None
+    deepseek: DeepSeekShape | None = None
+    """arch deepseek_v3's latent attention, DeepSeekMoE and MTP choices (`planner.deepseek`)."""
+
+    @classmethod
+    def from_config(cls, config: GPTConfig, seq_len: int) -> Model:
+        """The planner's model of train's configuration (`--init`'s config.json, or train's flags)."""
+        return cls(config.n_layer, config.n_embd, config.n_head, seq_len, config.vocab_size, config.n_positions,
+                   config.n_experts, config.moe_top_k, arch=config.arch, n_kv_head=config.n_kv_head,
+                   ffn_hidden=config.ffn_hidden, tie_embeddings=config.tie_embeddings,
+                   deepseek=DeepSeekShape.of(config) if config.is_deepseek else None)
 
     @classmethod
     def from_parameter_count(cls, parameters: float, seq_len: int = 2048, vocab_size: int = 50257,
@@ -118,11 +134,34 @@ class Model:
         return GPTConfig(vocab_size=self.vocab_size, n_positions=self.n_positions, n_embd=self.n_embd,
                          n_layer=self.n_layer, n_head=self.n_head, n_experts=self.experts, moe_top_k=self.top_k,
                          arch=self.arch, n_kv_head=self.n_kv_head, ffn_hidden=self.ffn_hidden,
-                         tie_embeddings=self.tie_embeddings)
+                         tie_embeddings=self.tie_embeddings, **self._deepseek_choices())
+
+    def _deepseek_choices(self) -> dict[str, Any]:
+        """GPTConfig's deepseek_v3 fields (no Switch loss: DeepSeek-V3 balances with the bias)."""
+        return asdict(self.deepseek) | {"moe_aux_coef": 0.0} if self.deepseek else {}
 
     @property
     def is_llama(self) -> bool:
-        return self.arch == "llama"
+        """The llama family's choices (RoPE, RMSNorm, SwiGLU, no biases): llama and deepseek_v3."""
+        return self.arch in ("llama", "deepseek_v3")
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.arch == "deepseek_v3"
+
+    def is_moe_block(self, layer: int) -> bool:
+        """Whether block `layer` has experts (all of an MoE model's, but DeepSeek-V3's first dense ones)."""
+        return self.config.is_moe_layer(layer)
+
+    @property
+    def query_key_dim(self) -> int:
+        """Channels per head of queries and keys (DeepSeek-V3: d_n + d_r = 192)."""
+        return deepseek.query_key_dim(self.config) if self.is_deepseek else self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Channels per head of values (DeepSeek-V3: 128)."""
+        return self.config.v_head_dim if self.is_deepseek else self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -142,12 +181,29 @@ class Model:
         return self.config.tied
 
     def total_parameters(self) -> int:
+        """Every parameter of the model (DeepSeek-V3: of the main model, without the MTP modules)."""
+        if self.parameters is not None:
+            return self.parameters
+        if self.is_deepseek:
+            return self.deepseek_counts["total"]
+        return self.trained_parameters()
+
+    @cached_property
+    def deepseek_counts(self) -> dict[str, int]:
+        """DeepSeek-V3's total, activated and MTP counts (`deepseek.parameter_counts`; counted once per model)."""
+        return deepseek.parameter_counts(self.config)
+
+    def trained_parameters(self) -> int:
+        """Every parameter training holds (DeepSeek-V3: with the MTP modules' own)."""
         if self.parameters is not None:
             return self.parameters
         return sum(unit_parameters(self, tp=1, ep=1)) - tied_parameters(self, tp=1)  # the tied copy counts once
 
     def active_parameters(self) -> int:
-        """Weights a token passes through: top_k of the experts (6·N·tokens counts these)."""
+        """Weights a token passes through: top_k of the experts (6·N·tokens counts these; DeepSeek-V3: its
+        activated count, shared experts and dense blocks whole)."""
+        if self.is_deepseek and self.parameters is None:
+            return self.deepseek_counts["activated"]
         if not self.experts:
             return self.total_parameters()
         return self.total_parameters() - self.n_layer * (self.experts - self.top_k) * expert_parameters(self)
@@ -176,7 +232,15 @@ class Software:
     - dp_overlap: when the data-parallel reduction overlaps the last microbatch's backward: "without-pipeline"
       (this project: its buckets reduce during backward, but a pipeline reduces after its schedule), "always"
       (Llama 3's FSDP prefetches and reduces asynchronously, §3.3.2) or "never" (Megatron-LM 2021 all-reduces
-      after the microbatches)."""
+      after the microbatches);
+    - chunk_overlap: the EP all-to-alls and the pipeline's sends run beside the compute of a paired forward and
+      backward chunk and wait only for what that compute does not cover (DeepSeek-V3's DualPipe, §3.2.1: "both
+      all-to-all and PP communication can be fully hidden");
+    - communication_sms: SMs the communication kernels hold, taken from the matrix products (DeepSeek-V3 §3.5.1:
+      "we allocate 20 out of the 132 SMs available in the H800 GPU for this purpose");
+    - recompute_latent: MLA's RMSNorms and up-projections (q_b_proj, kv_b_proj) recomputed in backward whatever
+      the recomputation (DeepSeek-V3 §3.2.3: "we recompute all RMSNorm operations and MLA up-projections during
+      back-propagation")."""
 
     name: str = "mpiparallel"
     attention: str = "blocked"
@@ -184,6 +248,9 @@ class Software:
     dp_overlap: str = "without-pipeline"
     attention_dropout: bool = False
     blocking_pipeline_sends: bool = False
+    chunk_overlap: bool = False
+    communication_sms: int = 0
+    recompute_latent: bool = False
 
 
 SOFTWARE = {
@@ -191,9 +258,12 @@ SOFTWARE = {
     "megatron-2021": Software("megatron-2021", attention="dense", pipeline_scatter_gather=True, dp_overlap="never",
                               attention_dropout=True, blocking_pipeline_sends=True),
     "flash-fsdp": Software("flash-fsdp", attention="flash", pipeline_scatter_gather=False, dp_overlap="always"),
+    "hai-llm": Software("hai-llm", attention="flash", dp_overlap="never", chunk_overlap=True, communication_sms=20,
+                        recompute_latent=True),
 }
-"""The code bases `plan --software` knows: this project, Megatron-LM as Narayanan et al. 2021 ran it, and a
-FlashAttention + FSDP code base as Llama 3 (Dubey et al. 2024, §3.3.2) describes."""
+"""The code bases `plan --software` knows: this project, Megatron-LM as Narayanan et al. 2021 ran it, a
+FlashAttention + FSDP code base as Llama 3 (Dubey et al. 2024, §3.3.2) describes, and DeepSeek's HAI-LLM as the
+DeepSeek-V3 report (§3.2) describes it (its DP reduction unprinted: after the schedule)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +290,10 @@ class Cluster:
         products by shape, elementwise passes at the memory bandwidth."""
         per_node = min(gpus_per_node or gpu.gpus_per_node, gpus)
         gamma = 1 / gpu.memory_bandwidth
+        if software.communication_sms:  # the matrix products run on the SMs communication leaves them
+            share = (gpu.sms - software.communication_sms) / gpu.sms
+            gpu = replace(gpu, sms=gpu.sms - software.communication_sms, mamf_flops=gpu.mamf_flops * share,
+                          fp8_mamf_flops=gpu.fp8_mamf_flops and gpu.fp8_mamf_flops * share)
         return cls(gpus=gpus, gpu_memory=gpu.memory, gpus_per_node=per_node,
                    intra=CostModel(gpu.nvlink_latency, 1 / gpu.nvlink_bandwidth, gamma),
                    inter=CostModel(gpu.network_latency, 1 / gpu.network_bandwidth, gamma),
@@ -235,6 +309,10 @@ class Precision:
     gradients: float
     optimizer: float
     activations: float
+    fp8_gemms: bool = False
+    """The layers' matrix products in FP8 (`--fp8 blockwise`)."""
+    dispatch: float | None = None
+    """Bytes per element of the EP dispatch (None: `activations`); DeepSeek-V3 dispatches FP8 (§3.3.3)."""
 
     @property
     def per_parameter(self) -> float:
@@ -254,8 +332,11 @@ PRECISIONS = {
     "mixed": precision_of("bfloat16", "float32", "bfloat16"),
     "bfloat16": precision_of("bfloat16", "float32", "float32"),  # --compute-dtype bfloat16: 2 + 4 + 12 = 18 bytes
     # DeepSeek-V3: --fp8 blockwise --compute-dtype bfloat16 --exp-avg-dtype bfloat16: 2 + 4 + (4 + 2·2) = 14 bytes
-    # (the E4M3 copies of the weights exist only inside the GEMMs)
-    "fp8": precision_of("bfloat16", "float32", "float32", moments="bfloat16"),
+    # (the E4M3 copies of the weights exist only inside the GEMMs, which run in FP8); the EP dispatch sends E4M3
+    # activations and one fp32 scale per 128 of them (§3.3.3: "quantize the activation before MoE up-projections
+    # into FP8 and then apply dispatch components"; the combine stays BF16)
+    "fp8": replace(precision_of("bfloat16", "float32", "float32", moments="bfloat16"), fp8_gemms=True,
+                   dispatch=1 + 4 / 128),
     "float32": precision_of("float32", "float32", "float32"),  # weights, grads, 2 moments: 4 + 4 + 8
     "float64": precision_of("float64", "float64", "float64"),
 }
@@ -292,6 +373,8 @@ class Layout:
     cp_attention: str = "ring"
     virtual_stages: int = 2
     """Stages per rank of the interleaved schedule (Megatron's v)."""
+    ep_dispatch: str = "flat"
+    """The EP all-to-all: "flat" (one copy per expert) or "hierarchical" (node-limited two-hop)."""
 
     @property
     def chunks(self) -> int:
@@ -308,7 +391,7 @@ class Layout:
         cp = f"cp{self.cp}" + (f"-{self.cp_attention}" if self.cp > 1 else "")
         parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sp else ''}", f"pp{self.pp}", cp]
         if self.ep > 1:
-            parts.append(f"ep{self.ep}")
+            parts.append(f"ep{self.ep}" + ("-hierarchical" if self.ep_dispatch == "hierarchical" else ""))
         schedule = f" {self.schedule}" if self.pp > 1 else ""
         if self.pp > 1 and self.schedule == "interleaved" and self.virtual_stages != 2:
             schedule += f" v{self.virtual_stages}"
@@ -332,6 +415,7 @@ class Choices:
     sp: bool | None = None
     cp_attention: str | None = None
     virtual_stages: int | None = None
+    ep_dispatch: str | None = None
 
 
 # -- parameters per unit ------------------------------------------------------------------------------------
@@ -347,6 +431,13 @@ def unit_parameters(model: Model, tp: int, ep: int) -> list[int]:
     vocab_rows = padded_vocab(model.vocab_size, tp) // tp * h
     positions = 0 if model.is_llama else model.n_positions * h  # llama's RoPE has no weights
     final_norm = h if model.is_llama else 2 * h
+    if model.is_deepseek:  # the MTP modules beside the head, reading their own copy of the embedding
+        config = model.config
+        attention = deepseek.latent_attention_parameters(config, tp)
+        blocks = [attention + deepseek.feed_forward_parameters(config, tp, ep, model.is_moe_block(i))
+                  for i in range(model.n_layer)]
+        head = final_norm + vocab_rows + tied_parameters(model, tp) + deepseek.mtp_own_parameters(config, tp, ep)
+        return [vocab_rows] + blocks + [head]
     block = attention_parameters(model, tp) + mlp_parameters(model, tp, ep)
     return [vocab_rows + positions] + [block] * model.n_layer + [final_norm + vocab_rows]
 
@@ -384,19 +475,33 @@ def local_kv_heads(model: Model, tp: int) -> int:
 
 
 def tied_parameters(model: Model, tp: int) -> int:
-    """The token embedding's vocabulary shard when the head is tied to it (held by both the embedding and the
-    head unit); 0 for llama's untied lm_head."""
-    return padded_vocab(model.vocab_size, tp) // tp * model.n_embd if model.tied else 0
+    """The token embedding's vocabulary shard when the head unit reads it too (held by both the embedding and the
+    head unit): a tied head, or DeepSeek-V3's MTP modules; 0 for llama's untied lm_head."""
+    return padded_vocab(model.vocab_size, tp) // tp * model.n_embd if model.config.head_reads_embedding else 0
 
 
-def scaled_unit_parameters(model: Model, layout: Layout) -> tuple[list[float], float]:
-    """Per unit, this rank's parameters, and the tied shard; with `--params` and no shape, scaled so that the
-    whole model adds up to N."""
+def expert_unit_parameters(model: Model, ep: int) -> list[int]:
+    """Per unit, the routed experts' parameters one rank holds (E/ep per MoE block; DeepSeek-V3's MTP module's
+    too): each held by dp/ep ranks only, where ZeRO shards it and its gradient is reduced."""
+    if not model.experts:
+        return [0] * (model.n_layer + 2)
+    if model.is_deepseek:
+        per_block = model.experts // ep * 3 * model.n_embd * model.config.moe_ffn_hidden
+        head = model.config.mtp_depth * per_block
+    else:
+        per_block, head = model.experts // ep * expert_parameters(model), 0
+    return [0] + [per_block if model.is_moe_block(i) else 0 for i in range(model.n_layer)] + [head]
+
+
+def scaled_unit_parameters(model: Model, layout: Layout) -> tuple[list[float], float, list[float]]:
+    """Per unit, this rank's parameters, the tied shard, and per unit the routed experts' share; with `--params`
+    and no shape, scaled so that the whole model adds up to N."""
     units, tied = unit_parameters(model, layout.tp, layout.ep), tied_parameters(model, layout.tp)
+    experts = expert_unit_parameters(model, layout.ep)
     scale = 1.0
     if model.parameters is not None:
         scale = model.parameters / replace(model, parameters=None).total_parameters()
-    return [u * scale for u in units], tied * scale
+    return [u * scale for u in units], tied * scale, [e * scale for e in experts]
 
 
 def held_parameters(units: list[int], per_unit: list[float], tied: float) -> float:
@@ -419,25 +524,34 @@ class Collective(NamedTuple):
 
 class Gemm(NamedTuple):
     """`count` matrix products [m, k] × [k, n]; `in_memory` False for a fused attention kernel whose scores stay
-    on chip (only its compute is timed)."""
+    on chip (only its compute is timed); `linear` for a layer's weight product (FP8 training runs those in FP8:
+    DeepSeek-V3 §3.3, attention, router and head stay in BF16)."""
 
     m: float
     n: float
     k: float
     count: float = 1
     in_memory: bool = True
+    linear: bool = False
 
-    def seconds(self, gpu: GPU, item: float) -> float:
+    @property
+    def flops(self) -> float:
+        return 2 * self.m * self.n * self.k * self.count
+
+    def seconds(self, gpu: GPU, item: float, fp8: bool = False) -> float:
+        """At the chip's FP8 ceiling (operands of one byte) for a linear under FP8 where the chip has one."""
+        in_fp8 = fp8 and self.linear and gpu.fp8_mamf_flops is not None
+        roof = gpu.fp8_mamf_flops if in_fp8 else gpu.mamf_flops
         if not self.in_memory:
-            return self.count * 2 * self.m * self.n * self.k / gpu.mamf_flops
-        return gemm_seconds(self.m, self.n, self.k, gpu, item, self.count)
+            return self.flops / roof
+        return gemm_seconds(self.m, self.n, self.k, gpu, 1.0 if in_fp8 else item, self.count, roof)
 
-    def backward_seconds(self, gpu: GPU, item: float) -> float:
+    def backward_seconds(self, gpu: GPU, item: float, fp8: bool = False) -> float:
         """The input's gradient [m, n] × [n, k] and the weight's [k, m] × [m, n]."""
         if not self.in_memory:
             return 2 * self.seconds(gpu, item)
-        return gemm_seconds(self.m, self.k, self.n, gpu, item, self.count) + \
-            gemm_seconds(self.k, self.n, self.m, gpu, item, self.count)
+        dgrad, wgrad = self._replace(n=self.k, k=self.n), self._replace(m=self.k, k=self.m)
+        return dgrad.seconds(gpu, item, fp8) + wgrad.seconds(gpu, item, fp8)
 
 
 @dataclass(frozen=True)
@@ -484,6 +598,7 @@ def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision,
     embedding = UnitCost(saved=tokens * 8 / item, flops_forward=0, flops_backward=0,  # the int64 token ids
                          elementwise_forward=2 * s / seq_shard, elementwise_backward=2 * s,
                          collectives_forward=exchange)
+    blocks = [block_cost(model, layout, rows, precision, software, moe) for moe in block_variants(model)]
     # the vocab-parallel cross-entropy: the row maxima, then the sums and target logits in one message
     head_collectives = (Collective("all_reduce", tokens * item, "tp"),
                         Collective("all_reduce", 2 * tokens * item, "tp")) if tp > 1 else ()
@@ -494,7 +609,47 @@ def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision,
                     elementwise_backward=10 * s / seq_shard,
                     collectives_forward=head_collectives, collectives_backward=exchange,
                     gemms_forward=(Gemm(tokens, vocab, h),))
-    return [embedding, block_cost(model, layout, rows, precision, software), head]
+    if model.is_deepseek and model.config.mtp_depth:
+        head = _with_prediction_modules(head, blocks[-1], model, rows, vocab, item)
+    return [embedding, *blocks, head]
+
+
+def block_variants(model: Model) -> tuple[bool, ...]:
+    """The distinct blocks, as whether they have experts: GPT-2's and llama's blocks are all alike; DeepSeek-V3 has
+    dense first blocks, then MoE ones."""
+    return tuple(sorted({model.is_moe_block(i) for i in range(model.n_layer)}))
+
+
+def unit_kinds(model: Model) -> tuple[int, ...]:
+    """Per unit (embedding, blocks…, head), its index in `unit_costs`' list."""
+    variants = block_variants(model)
+    blocks = [1 + variants.index(model.is_moe_block(i)) for i in range(model.n_layer)]
+    return (0, *blocks, 1 + len(variants))
+
+
+def _with_prediction_modules(head: UnitCost, block: UnitCost, model: Model, rows: int, vocab: int,
+                             item: float) -> UnitCost:
+    """The head unit with DeepSeek-V3's MTP modules (never under CP or SP): per module the two RMSNorms and
+    eh_proj [2h, h], one MoE block and the shared head's logits and cross-entropy again. Module k sees s − k
+    positions; its block is timed over all s. Saved per position: the embedding's token id, enorm's and
+    hnorm's inputs and 1/rms, eh_proj's input [2h], the final norm's and the cross-entropy's (6h + 3 + V)."""
+    depth, h, seq = model.config.mtp_depth, model.n_embd, model.seq_len
+    tokens = rows * seq
+    projection = Gemm(tokens, h, 2 * h, linear=True)
+    logits = Gemm(tokens, vocab, h)
+    gemms = (projection, logits) + block.gemms_forward
+    flops = projection.flops + logits.flops + block.flops_forward
+    elements = 8 * tokens * h + 6 * tokens * vocab + block.elementwise_forward
+    shares = [(seq - k) / seq for k in range(1, depth + 1)]
+    saved = sum(share * (tokens * (6 * h + 3 + vocab + 8 / item) + block.saved) for share in shares) / depth
+    return replace(head, saved=head.saved + depth * saved, flops_forward=head.flops_forward + depth * flops,
+                   flops_backward=head.flops_backward + depth * (flops + block.flops_backward),
+                   elementwise_forward=head.elementwise_forward + depth * elements,
+                   elementwise_backward=head.elementwise_backward + depth * (2 * elements),
+                   collectives_forward=head.collectives_forward + block.collectives_forward * depth,
+                   collectives_backward=head.collectives_backward + block.collectives_backward * depth,
+                   gemms_forward=head.gemms_forward + gemms * depth,
+                   gemms_recomputed=head.gemms_recomputed + block.gemms_recomputed * depth)
 
 
 def attention_pairs(model: Model, layout: Layout, attention: str) -> float:
@@ -533,8 +688,11 @@ def block_gemms(model: Model, layout: Layout, tokens: int, rows: int, attention:
 
 
 def block_cost(model: Model, layout: Layout, rows: int, precision: Precision,
-               software: Software = Software()) -> UnitCost:
-    """One transformer block of either family on one rank, one microbatch."""
+               software: Software = Software(), moe: bool | None = None) -> UnitCost:
+    """One transformer block of any family on one rank, one microbatch (`moe`: DeepSeek-V3's MoE or dense
+    blocks; the model's kind otherwise)."""
+    if model.is_deepseek:
+        return _latent_block_cost(model, layout, rows, precision, software, bool(moe))
     attention = software.attention
     h, tp = model.n_embd, layout.tp
     seq = model.seq_len // layout.cp
@@ -567,6 +725,150 @@ def block_cost(model: Model, layout: Layout, rows: int, precision: Precision,
                     elementwise_backward=2 * elementwise_forward + recompute_elements,
                     collectives_forward=forward, collectives_backward=backward,
                     gemms_forward=gemms, gemms_recomputed=recomputed)
+
+
+# -- DeepSeek-V3: multi-head latent attention and DeepSeekMoE (formulas: `planner.deepseek`'s docstring) ----------
+
+def _latent_block_cost(model: Model, layout: Layout, rows: int, precision: Precision, software: Software,
+                       moe: bool) -> UnitCost:
+    """One DeepSeek-V3 block (MLA, then a dense SwiGLU or DeepSeekMoE) on one rank, one microbatch."""
+    config, tp, item = model.config, layout.tp, precision.activations
+    seq = model.seq_len // layout.cp
+    tokens = rows * seq
+    s = tokens * model.n_embd
+    seq_shard = tp if layout.sp else 1
+    heads = model.n_head // tp
+    pairs = attention_pairs(model, layout, software.attention)
+    scores = _latent_score_gemms(model, layout, rows, pairs, software.attention)
+    gemms = _latent_projection_gemms(model, layout, tokens) + scores + _deepseek_ffn_gemms(model, layout, tokens, moe)
+    flops_forward = sum(g.flops for g in gemms)
+    probabilities = 0.0 if software.attention == "flash" else rows * heads * pairs
+    # the norms (two of h, the latents' r and r_q), RoPE on the queries' and the shared key's d_r channels, the
+    # head reshapes of q, k and v; the SwiGLU passes (or the router's and the experts')
+    latent = config.kv_lora_rank + (config.q_lora_rank or 0)
+    attention_elements = 4 * tokens * latent + 4 * tokens * (heads + 1) * config.qk_rope_head_dim \
+        + 2 * tokens * heads * (2 * model.query_key_dim + model.value_dim)
+    probability_passes = 5 + (2 + 1 / item if software.attention_dropout else 0)
+    elementwise_forward = 12 * s / seq_shard + attention_elements + _deepseek_ffn_elements(model, layout, tokens, moe) \
+        + probability_passes * probabilities
+    recomputed = {"none": (), "selective": scores, "full": gemms}[layout.recompute]
+    recompute_elements = {"none": 0.0, "selective": probability_passes * probabilities,
+                          "full": elementwise_forward}[layout.recompute]
+    if software.recompute_latent and layout.recompute != "full":  # the norms' passes and the up-projections again
+        recomputed += _latent_up_projections(model, layout, tokens)
+        recompute_elements += 12 * s / seq_shard + 4 * tokens * latent
+    forward, backward = block_collectives(model, layout, tokens, item, moe, precision.dispatch)
+    return UnitCost(saved=_latent_saved_elements(model, layout, rows, item, moe),
+                    flops_forward=flops_forward, flops_backward=2 * flops_forward + sum(g.flops for g in recomputed),
+                    elementwise_forward=elementwise_forward,
+                    elementwise_backward=2 * elementwise_forward + recompute_elements,
+                    collectives_forward=forward, collectives_backward=backward, gemms_forward=gemms,
+                    gemms_recomputed=recomputed)
+
+
+def _latent_projection_gemms(model: Model, layout: Layout, tokens: int) -> tuple[Gemm, ...]:
+    """MLA's projections on one TP rank: q_a and kv_a (replicated), q_b and kv_b (this rank's heads), o_proj (or
+    q_proj for q_a and q_b without q_lora_rank)."""
+    config, heads, h = model.config, model.n_head // layout.tp, model.n_embd
+    down = [Gemm(tokens, config.kv_lora_rank + config.qk_rope_head_dim, h, linear=True)]
+    if config.q_lora_rank is None:
+        down.append(Gemm(tokens, heads * model.query_key_dim, h, linear=True))
+    else:
+        down.append(Gemm(tokens, config.q_lora_rank, h, linear=True))
+    return (*down, *_latent_up_projections(model, layout, tokens), Gemm(tokens, h, heads * model.value_dim,
+                                                                        linear=True))
+
+
+def _latent_up_projections(model: Model, layout: Layout, tokens: int) -> tuple[Gemm, ...]:
+    """kv_b_proj and q_b_proj (with q_lora_rank): the latents up to this rank's heads."""
+    config, heads = model.config, model.n_head // layout.tp
+    kv = Gemm(tokens, heads * (config.qk_nope_head_dim + model.value_dim), config.kv_lora_rank, linear=True)
+    if config.q_lora_rank is None:
+        return (kv,)
+    return kv, Gemm(tokens, heads * model.query_key_dim, config.q_lora_rank, linear=True)
+
+
+def _latent_score_gemms(model: Model, layout: Layout, rows: int, pairs: float, attention: str) -> tuple[Gemm, ...]:
+    """Per sequence and head: the scores Q·Kᵀ over d_qk channels and their product with V of d_v channels."""
+    seq = model.seq_len // layout.cp
+    keys, heads, in_memory = pairs / seq, rows * model.n_head / layout.tp, attention != "flash"
+    return (Gemm(seq, keys, model.query_key_dim, heads, in_memory), Gemm(seq, model.value_dim, keys, heads, in_memory))
+
+
+def _deepseek_ffn_gemms(model: Model, layout: Layout, tokens: int, moe: bool) -> tuple[Gemm, ...]:
+    """A dense block's SwiGLU (split over tp), or DeepSeekMoE's router, shared expert and this rank's routed
+    experts (E/ep of them, K·tokens·ep/E rows each under balanced routing)."""
+    config, h = model.config, model.n_embd
+    if not moe:
+        width = model.ffn_width / layout.tp
+        return Gemm(tokens, 2 * width, h, linear=True), Gemm(tokens, h, width, linear=True)
+    routed, local, width = _moe_tokens(layout, tokens), model.experts / layout.ep, config.moe_ffn_hidden
+    rows_per_expert = routed * model.top_k / local
+    shared = config.n_shared_experts * width
+    gemms = (Gemm(routed, model.experts, h), Gemm(rows_per_expert, 2 * width, h, local, linear=True),
+             Gemm(rows_per_expert, h, width, local, linear=True))
+    return gemms + ((Gemm(routed, 2 * shared, h, linear=True), Gemm(routed, h, shared, linear=True)) if shared else ())
+
+
+def _deepseek_ffn_elements(model: Model, layout: Layout, tokens: int, moe: bool) -> float:
+    """SwiGLU's ~6 passes over its hidden units; the router's sigmoid, bias, group and top-k passes over E."""
+    config = model.config
+    if not moe:
+        return 6 * tokens * model.ffn_width / layout.tp
+    routed = _moe_tokens(layout, tokens)
+    hidden = routed * config.moe_ffn_hidden * (model.top_k + config.n_shared_experts)
+    return 6 * hidden + 6 * routed * model.experts
+
+
+def _latent_saved_elements(model: Model, layout: Layout, rows: int, item: float, moe: bool) -> float:
+    """Elements a DeepSeek-V3 block saves per microbatch on one rank: the llama block's norms and residual inputs,
+    MLA's (the compressed query and its norm, the latent and its norm, q, k_nope, the shared RoPE key, v and the
+    merged heads: t·(2r_q + 2r + d_r + 2 + H'·(d_qk + d_n + 2d_v)), H' = H/tp), the probabilities unless
+    recomputed or fused, the SwiGLU's 5 arrays of its width (MoE: per routed token the router's arrays and K
+    experts' rows, and the shared expert's)."""
+    config, tp, cp = model.config, layout.tp, layout.cp
+    seq = model.seq_len // cp
+    tokens, heads = rows * seq, model.n_head // tp
+    activation = tokens * model.n_embd
+    if layout.recompute == "full":
+        return activation / tp if layout.sp else activation
+    norms = 2 * (activation + tokens) / (tp if layout.sp else 1)
+    attention = tokens * (2 * (config.q_lora_rank or 0) + 2 * config.kv_lora_rank + config.qk_rope_head_dim + 2
+                          + heads * (model.query_key_dim + config.qk_nope_head_dim + 2 * model.value_dim))
+    probabilities = 0.0
+    if cp > 1 and layout.cp_attention != "ulysses":
+        probabilities = rows * heads * seq  # the online softmax's log-sum-exp per query row
+    elif layout.recompute == "none":  # Ulysses: n_head/cp heads over every position
+        probabilities = rows * heads // cp * _causal_pairs(model.seq_len)
+    if not moe:
+        mlp = 5 * tokens * model.ffn_width / tp
+    else:
+        routed, k = _moe_tokens(layout, tokens), model.top_k
+        router = model.experts * (1 + 8 / item) + 1 + k * (1 + 8 / item)
+        mlp = routed * (router + k * (2 * model.n_embd + 5 * config.moe_ffn_hidden)
+                        + 5 * config.n_shared_experts * config.moe_ffn_hidden)
+    return norms + 2 * activation + attention + mlp + probabilities
+
+
+def ep_exchange(setting: _Setting, nbytes: float) -> tuple[float, float, float]:
+    """Seconds, bytes sent and bytes sent across nodes of one dispatch (or combine) of `nbytes` of routed tokens
+    (one copy each) over ep: K copies per token. Inside a node the all-to-all's α-β price; across nodes the copies
+    of `deepseek.dispatch_copies` (flat, or node-limited two-hop), the network's and NVLink's shares running at
+    once (each α per peer)."""
+    layout, cluster, model = setting.layout, setting.cluster, setting.model
+    link, nodes = axis_link(layout, "ep", cluster), axis_nodes(layout, "ep", cluster)
+    per_node = layout.ep // nodes
+    topk_group = model.config.topk_group if model.is_deepseek else model.top_k
+    inter, intra = deepseek.dispatch_copies(model.top_k, topk_group, nodes, per_node, layout.ep_dispatch)
+    if nodes == 1:
+        volume = model.top_k * nbytes
+        return (collective_seconds("all_to_all", volume, layout.ep, link),
+                collective_bytes_sent("all_to_all", volume, layout.ep), 0.0)
+    across = link.across()
+    inter_peers = nodes - 1 if layout.ep_dispatch == "hierarchical" else layout.ep - per_node
+    seconds = max(inter_peers * across.alpha + inter * nbytes * across.beta,
+                  (per_node - 1) * link.alpha + intra * nbytes * link.beta)
+    return seconds, (inter + intra) * nbytes, inter * nbytes
 
 
 def _moe_tokens(layout: Layout, tokens: int) -> float:
@@ -622,18 +924,20 @@ def _moe_saved_change(model: Model, layout: Layout, tokens: int, item: float) ->
     return _moe_tokens(layout, tokens) * (router + k * (2 * h + hidden)) - tokens * hidden / layout.tp
 
 
-def block_collectives(model: Model, layout: Layout, tokens: int, item: float) -> tuple[tuple[Collective, ...],
-                                                                                     tuple[Collective, ...]]:
+def block_collectives(model: Model, layout: Layout, tokens: int, item: float, moe: bool | None = None,
+                      dispatch: float | None = None) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """(forward, backward) collectives of one block and microbatch, as `mpiparallel.traffic` counts them:
     tp two exchanges each way (one with MoE: the experts are replicated over TP), cp the K/V of the chosen
     attention, ep the dispatch and combine; backward also the KV weight gradients' all-reduces over the tp/n_kv
     ranks that hold each KV head (llama, tp > n_kv), and with --recompute full the forward's again."""
+    moe = bool(model.experts) if moe is None else moe
     s = tokens * model.n_embd * item
-    exchanges = tp_exchanges(s, layout, 1 if model.experts else 2)
+    exchanges = tp_exchanges(s, layout, 1 if moe else 2)
     cp_forward, cp_backward = context_parallel_collectives(model, layout, tokens, item)
     forward, backward = exchanges + cp_forward, exchanges + cp_backward
-    if model.experts and layout.ep > 1:  # dispatch and combine: K copies of every routed token
-        moved = (Collective("all_to_all", model.top_k * _moe_tokens(layout, tokens) * model.n_embd * item, "ep"),) * 2
+    if moe and layout.ep > 1:  # dispatch and combine of every routed token (`ep_exchange`: its K copies)
+        routed = _moe_tokens(layout, tokens) * model.n_embd
+        moved = (Collective("dispatch", routed * (dispatch or item), "ep"), Collective("combine", routed * item, "ep"))
         forward, backward = forward + moved, backward + moved
     copies = key_value_replicas(model.kv_heads, layout.tp) if model.is_llama else 1
     if copies > 1:
@@ -653,6 +957,8 @@ def context_parallel_collectives(model: Model, layout: Layout, tokens: int,
     c = layout.cp
     if c == 1:
         return (), ()
+    if model.is_deepseek:
+        return _latent_context_collectives(model, layout, tokens, item)
     heads, kv_heads, d = model.n_head // layout.tp, local_kv_heads(model, layout.tp), model.head_dim
     kv = tokens * kv_heads * d * item
     if layout.cp_attention == "ring":
@@ -665,6 +971,26 @@ def context_parallel_collectives(model: Model, layout: Layout, tokens: int,
     into_heads = Collective("all_to_all", tokens * (heads + 2 * max(kv_heads, c)) * d * item, "cp")
     into_sequence = Collective("all_to_all", tokens * heads * d * item, "cp")
     return (into_heads, into_sequence), (into_sequence, into_heads)
+
+
+def _latent_context_collectives(model: Model, layout: Layout, tokens: int,
+                                item: float) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """MLA's CP moves the compressed [latent | RoPE key] rows, r + d_r per token (`mpiparallel.traffic`): ring
+    passes them forward and them and their gradients backward; all-gather gathers them and reduce-scatters their
+    gradients; Ulysses does that too and all-to-alls the queries (d_qk per head) and outputs (d_v per head)."""
+    c, config = layout.cp, model.config
+    latent = tokens * (config.kv_lora_rank + config.qk_rope_head_dim) * item
+    if layout.cp_attention == "ring":
+        return ((Collective("ring_pass", (c - 1) * latent, "cp"),),
+                (Collective("ring_pass", (2 * c - 1) * latent, "cp"),))
+    gathered = (Collective("all_gather", c * latent, "cp"),)
+    scattered = (Collective("reduce_scatter", c * latent, "cp"),)
+    if layout.cp_attention == "all-gather":
+        return gathered, gathered + scattered
+    heads = model.n_head // layout.tp
+    queries = Collective("all_to_all", tokens * heads * model.query_key_dim * item, "cp")
+    outputs = Collective("all_to_all", tokens * heads * model.value_dim * item, "cp")
+    return gathered + (queries, outputs), gathered + scattered + (outputs, queries)
 
 
 # -- time of a collective on an axis ------------------------------------------------------------------------
@@ -833,6 +1159,8 @@ class Plan:
     """Model TFLOP/s per GPU in MFU's count (6·N + 12·l·h·s per token, no recomputation)."""
     mfu: float | None = None
     """model_tflops over the GPU's dense peak (None when the peak is unknown)."""
+    ep_inter_node_bytes: float = 0.0
+    """Of comm_bytes["ep"], what crosses nodes (the EP dispatch's and combine's copies to other nodes)."""
 
     @property
     def max_memory(self) -> float:
@@ -850,7 +1178,7 @@ class Plan:
                 "max_memory_bytes": self.max_memory, "memory_per_rank": self.memory_per_rank,
                 "memory_per_stage": self.memory_per_stage, "notes": self.notes, "tokens_per_s": self.tokens_per_s,
                 "megatron_tflops_per_gpu": self.megatron_tflops, "model_tflops_per_gpu": self.model_tflops,
-                "mfu": self.mfu}
+                "mfu": self.mfu, "ep_inter_node_bytes": self.ep_inter_node_bytes}
 
 
 @dataclass(frozen=True)
@@ -867,14 +1195,27 @@ class _Setting:
     shape: PipelineShape | None
     rows: int
     """Sequences per microbatch on one rank."""
+    kinds: tuple[int, ...]
+    """Per unit, its cost's index in `costs` (`unit_kinds`)."""
+    experts: tuple[float, ...] = ()
+    """Per unit, the routed experts' parameters this rank holds (`expert_unit_parameters`)."""
+
+    def held_experts(self, rank: int) -> float:
+        return sum(self.experts[u] for u in self.units_of(rank)) if self.experts else 0.0
+
+    def zero_shards(self, expert: bool) -> int:
+        """Ranks one parameter's ZeRO state is sharded over: dp, or the dp/ep holding a routed expert."""
+        return self.layout.dp // self.layout.ep if expert else self.layout.dp
 
     def cost_of(self, unit: int) -> UnitCost:
-        return self.costs[0 if unit == 0 else 2 if unit == self.model.n_layer + 1 else 1]
+        return self.costs[self.kinds[unit]]
 
-    def kind_counts(self, units: list[int] | range) -> tuple[int, int, int]:
-        """How many embeddings, blocks and heads are among `units` (every block costs the same)."""
-        ends = (0 in units, self.model.n_layer + 1 in units)
-        return int(ends[0]), len(units) - sum(ends), int(ends[1])
+    def kind_counts(self, units: list[int] | range) -> list[int]:
+        """How many units of each cost (embedding, each kind of block, head) are among `units`."""
+        counts = [0] * len(self.costs)
+        for unit in units:
+            counts[self.kinds[unit]] += 1
+        return counts
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, owner in enumerate(self.stage_ranks) if owner == rank]
@@ -890,10 +1231,10 @@ def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layou
     shape = pipeline_shape(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages) \
         if layout.pp > 1 else None
     costs = unit_costs(model, layout, rows, precision, cluster.software)
+    per_unit, tied, experts = scaled_unit_parameters(model, layout)
     setting = _Setting(model, cluster, precision, layout, costs,
                        stage_units(model.n_layer, layout.pp * layout.chunks), shape.stage_ranks if shape else (0,),
-                       shape, rows)
-    per_unit, tied = scaled_unit_parameters(model, layout)
+                       shape, rows, unit_kinds(model), tuple(experts))
     stage_saved = [0.0 if weights_only else sum(setting.cost_of(u).saved for u in units) * precision.activations
                    for units in setting.stages]
     peaks = shape.peak_per_stage if shape else (1,)
@@ -915,7 +1256,10 @@ def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layou
 
 def flops_per_token(model: Model) -> float:
     """MFU's count for this model (`gpus.model_flops_per_token`): N the active weights less the input lookups
-    (GPT-2's position table; the token table unless it is tied to the head, whose product it then is)."""
+    (GPT-2's position table; the token table unless it is tied to the head, whose product it then is);
+    DeepSeek-V3's: `deepseek.activated_flops_per_token` (its MTP modules and d_qk ≠ d_v counted)."""
+    if model.is_deepseek and model.parameters is None:
+        return deepseek.activated_flops_per_token(model.config, model.seq_len, model.active_parameters())
     h = model.n_embd
     lookups = (0 if model.is_llama else model.n_positions * h) + (0 if model.tied else model.vocab_size * h)
     return model_flops_per_token(model.active_parameters() - lookups, model.n_layer, h, model.seq_len)
@@ -930,10 +1274,7 @@ def training_mfu(config: GPTConfig, seq_len: int, tokens_per_s_per_rank: float, 
         peak = peak_flops(device_name, dtype)
     except ValueError:
         return None
-    model = Model(config.n_layer, config.n_embd, config.n_head, seq_len, config.vocab_size, config.n_positions,
-                  config.n_experts, config.moe_top_k, arch=config.arch, n_kv_head=config.n_kv_head,
-                  ffn_hidden=config.ffn_hidden, tie_embeddings=config.tie_embeddings)
-    return flops_per_token(model) * tokens_per_s_per_rank / peak
+    return flops_per_token(Model.from_config(config, seq_len)) * tokens_per_s_per_rank / peak
 
 
 def megatron_flops(model: Model, batch_size: int) -> float:
@@ -961,10 +1302,16 @@ def _report_throughput(plan: Plan, model: Model, cluster: Cluster, precision: Pr
 def _rank_memory(setting: _Setting, rank: int, per_unit: list[float], tied: float,
                  stage_saved: list[float]) -> dict[str, float]:
     layout, precision = setting.layout, setting.precision
-    count = held_parameters(setting.units_of(rank), per_unit, tied)
-    weights = count * precision.weights / (layout.dp if layout.zero == 3 else 1)
-    gradients = count * precision.gradients / (layout.dp if layout.zero >= 2 else 1)
-    optimizer = count * precision.optimizer / (layout.dp if layout.zero >= 1 else 1)
+    experts = setting.held_experts(rank)
+    dense = held_parameters(setting.units_of(rank), per_unit, tied) - experts
+
+    def sharded(per_parameter: float, stage: int) -> float:  # ZeRO stage `stage` and up shard these bytes
+        if layout.zero < stage:
+            return (dense + experts) * per_parameter
+        return per_parameter * (dense / setting.zero_shards(False) + experts / setting.zero_shards(True))
+
+    weights, gradients = sharded(precision.weights, 3), sharded(precision.gradients, 2)
+    optimizer = sharded(precision.optimizer, 1)
     if setting.shape is None:
         activations = stage_saved[0]  # microbatches one after another: one in flight
     else:
@@ -977,27 +1324,33 @@ def _rank_memory(setting: _Setting, rank: int, per_unit: list[float], tied: floa
 
 def _compute_seconds(setting: _Setting, cost: UnitCost, backward: bool) -> float:
     """The matrix products (at `matmul_flops`, or by shape on a GPU preset) and the elementwise passes."""
-    cluster, item = setting.cluster, setting.precision.activations
+    cluster, item, fp8 = setting.cluster, setting.precision.activations, setting.precision.fp8_gemms
     elements = cost.elementwise_backward if backward else cost.elementwise_forward
     memory = elements * item / cluster.elementwise_bytes
     if cluster.gpu is None:
         return (cost.flops_backward if backward else cost.flops_forward) / cluster.matmul_flops + memory
     if not backward:
-        return sum(g.seconds(cluster.gpu, item) for g in cost.gemms_forward) + memory
-    return sum(g.backward_seconds(cluster.gpu, item) for g in cost.gemms_forward) + \
-        sum(g.seconds(cluster.gpu, item) for g in cost.gemms_recomputed) + memory
+        return sum(g.seconds(cluster.gpu, item, fp8) for g in cost.gemms_forward) + memory
+    return sum(g.backward_seconds(cluster.gpu, item, fp8) for g in cost.gemms_forward) + \
+        sum(g.seconds(cluster.gpu, item, fp8) for g in cost.gemms_recomputed) + memory
 
 
-def _blocking(setting: _Setting, cost: UnitCost) -> tuple[dict[str, float], dict[str, float]]:
-    """Per axis, seconds and bytes sent of the collectives one microbatch of a unit waits for."""
+def _blocking(setting: _Setting, cost: UnitCost) -> tuple[dict[str, float], dict[str, float], float]:
+    """Per axis, seconds and bytes sent of the collectives one microbatch of a unit waits for, and the EP bytes
+    that cross nodes."""
     layout = setting.layout
-    seconds, bytes_sent = dict.fromkeys(AXES, 0.0), dict.fromkeys(AXES, 0.0)
+    seconds, bytes_sent, ep_across = dict.fromkeys(AXES, 0.0), dict.fromkeys(AXES, 0.0), 0.0
     for name, nbytes, axis, group in cost.collectives_forward + cost.collectives_backward:
+        if name in ("dispatch", "combine"):
+            time, sent, across = ep_exchange(setting, nbytes)
+            seconds[axis], bytes_sent[axis], ep_across = seconds[axis] + time, bytes_sent[axis] + sent, \
+                ep_across + across
+            continue
         ranks = group or axis_size(layout, axis)
         seconds[axis] += collective_seconds(name, nbytes, ranks, axis_link(layout, axis, setting.cluster),
                                             axis_nodes(layout, axis, setting.cluster))
         bytes_sent[axis] += collective_bytes_sent(name, nbytes, ranks)
-    return seconds, bytes_sent
+    return seconds, bytes_sent, ep_across
 
 
 def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_per_rank: list[dict[str, float]],
@@ -1009,17 +1362,19 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
     def weighted(units: list[int] | range, values: list[float]) -> float:
         return sum(n * v for n, v in zip(setting.kind_counts(units), values, strict=True))
 
-    waits_of = [sum(seconds.values()) for seconds, _ in blocking_of]
+    overlapped = setting.cluster.software.chunk_overlap
+    waits_of = [_waited(seconds, compute, overlapped) for (seconds, _, _), compute in zip(blocking_of, compute_of,
+                                                                                            strict=True)]
     chunk_seconds = [weighted(units, compute_of) + weighted(units, waits_of) for units in setting.stages]
-    per_rank = []  # (compute, comm seconds per axis, bytes per axis) of each pipeline rank's step
+    per_rank = []  # (compute, comm seconds per axis, bytes per axis, waited) of each pipeline rank's step
     for rank in range(layout.pp):
         units = setting.units_of(rank)
         seconds = {axis: m * weighted(units, [b[0][axis] for b in blocking_of]) for axis in AXES}
         sent = {axis: m * weighted(units, [b[1][axis] for b in blocking_of]) for axis in AXES}
-        per_rank.append((m * weighted(units, compute_of), seconds, sent))
-    busiest = max(range(layout.pp), key=lambda rank: per_rank[rank][0] + sum(per_rank[rank][1].values()))
-    compute, comm_s, comm_bytes = per_rank[busiest]
-    exposed = sum(comm_s.values())
+        per_rank.append((m * weighted(units, compute_of), seconds, sent, m * weighted(units, waits_of)))
+    busiest = max(range(layout.pp), key=lambda rank: per_rank[rank][0] + per_rank[rank][3])
+    compute, comm_s, comm_bytes, exposed = per_rank[busiest]
+    ep_across = m * weighted(setting.units_of(busiest), [b[2] for b in blocking_of])
     if setting.shape is None:
         pipeline, bubble = m * chunk_seconds[0], 0.0
     else:
@@ -1032,11 +1387,14 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
         fill_and_drain = 2 * (layout.pp * layout.chunks - 1) * boundary  # each boundary once each way, waited for
         if setting.cluster.software.blocking_pipeline_sends:  # the steady state's sends wait too
             fill_and_drain = max(fill_and_drain, comm_s["pp"])
-        pipeline = setting.shape.makespan_units / 3 * max(chunk_seconds) + fill_and_drain
+        if overlapped:  # sent beside the paired chunks' compute
+            fill_and_drain = 0.0
+        pipeline = _pipeline_seconds(setting, chunk_seconds) + fill_and_drain
         bubble = setting.shape.bubble
         exposed += fill_and_drain
     count = held_parameters(setting.units_of(busiest), per_unit, tied)
-    dp_seconds, dp_bytes, last_bucket = _data_parallel(setting, count)
+    experts = setting.held_experts(busiest)
+    dp_seconds, dp_bytes, last_bucket = _data_parallel(setting, count - experts, experts)
     comm_s["dp"], comm_bytes["dp"] = dp_seconds, dp_bytes
     overlap = setting.cluster.software.dp_overlap
     if overlap == "always" or overlap == "without-pipeline" and setting.shape is None:
@@ -1045,8 +1403,27 @@ def _timed_plan(setting: _Setting, per_unit: list[float], tied: float, memory_pe
     else:  # reduced after the backward (or after the pipeline's schedule)
         dp_exposed = dp_seconds
     exposed += dp_exposed
-    step = pipeline + dp_exposed + _optimizer_seconds(setting, count)
-    return Plan(layout, memory_per_rank, memory_per_stage, compute, comm_s, comm_bytes, exposed, bubble, step)
+    step = pipeline + dp_exposed + _optimizer_seconds(setting, count - experts, experts)
+    return Plan(layout, memory_per_rank, memory_per_stage, compute, comm_s, comm_bytes, exposed, bubble, step,
+                ep_inter_node_bytes=ep_across)
+
+
+def _pipeline_seconds(setting: _Setting, chunk_seconds: list[float]) -> float:
+    """The schedule's time: its steady state as long as the busiest rank's chunks (m times their F + B: every
+    microbatch passes each of that rank's stages), its fill and drain — the simulated bubble, in chunk times —
+    as long as the average chunk (they pass every stage once). Equal chunks give makespan/3 × one chunk."""
+    layout, shape = setting.layout, setting.shape
+    busiest = max(sum(chunk_seconds[s] for s in setting.stages_of(rank)) for rank in range(layout.pp))
+    idle_chunks = shape.makespan_units / 3 - layout.microbatches * layout.chunks
+    return layout.microbatches * busiest + idle_chunks * sum(chunk_seconds) / len(chunk_seconds)
+
+
+def _waited(seconds: dict[str, float], compute: float, overlapped: bool) -> float:
+    """What a unit's microbatch waits for its collectives: all of them, or with `Software.chunk_overlap` the EP
+    all-to-alls only beyond the compute they run beside."""
+    if not overlapped:
+        return sum(seconds.values())
+    return sum(value for axis, value in seconds.items() if axis != "ep") + max(0.0, seconds["ep"] - compute)
 
 
 def _stage_boundary(setting: _Setting) -> tuple[float, float]:
@@ -1079,15 +1456,25 @@ def _tied_gradient_bytes(setting: _Setting, rank: int, tied: float) -> float:
     return tied * setting.precision.gradients
 
 
-def _data_parallel(setting: _Setting, count: float) -> tuple[float, float, float]:
-    """Seconds, bytes sent and the last bucket's seconds of the gradient reduction over dp×cp (the ranks that
-    hold the same parameters): all-reduce per bucket; ZeRO-1/2 reduce-scatter + all-gather of the updated
-    parameters; ZeRO-3 also all-gathers every parameter for forward and again for backward."""
+def _data_parallel(setting: _Setting, dense: float, experts: float = 0.0) -> tuple[float, float, float]:
+    """Seconds, bytes sent and the last bucket's seconds of the gradient reductions: the dense parameters' over
+    dp×cp, the routed experts' over the dp/ep×cp ranks holding the same experts (ep apart, train's expert_dp)."""
+    layout = setting.layout
+    seconds, sent, last_bucket = _reduction(setting, dense, layout.dp * layout.cp, layout.tp)
+    if experts:
+        more = _reduction(setting, experts, layout.dp // layout.ep * layout.cp, layout.tp * layout.cp * layout.ep)
+        seconds, sent, last_bucket = seconds + more[0], sent + more[1], max(last_bucket, more[2])
+    return seconds, sent, last_bucket
+
+
+def _reduction(setting: _Setting, count: float, ranks: int, stride: int) -> tuple[float, float, float]:
+    """One group's gradient reduction over `ranks` ranks `stride` apart (the ranks that hold the same
+    parameters): all-reduce per bucket; ZeRO-1/2 reduce-scatter + all-gather of the updated parameters; ZeRO-3
+    also all-gathers every parameter for forward and again for backward."""
     layout, precision = setting.layout, setting.precision
-    ranks = layout.dp * layout.cp
-    if ranks == 1 or precision.gradients == 0:
+    if ranks == 1 or precision.gradients == 0 or count <= 0:
         return 0.0, 0.0, 0.0
-    link, nodes = group_link(layout.tp, ranks, setting.cluster), group_nodes(layout.tp, ranks, setting.cluster)
+    link, nodes = group_link(stride, ranks, setting.cluster), group_nodes(stride, ranks, setting.cluster)
     grad_bytes = count * precision.gradients
     buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
     bucket = grad_bytes / buckets
@@ -1102,12 +1489,14 @@ def _data_parallel(setting: _Setting, count: float) -> tuple[float, float, float
     return seconds, sent, last_bucket
 
 
-def _optimizer_seconds(setting: _Setting, count: float) -> float:
-    """AdamW's elementwise passes over this rank's parameters (about 12: moments, square root, division, decay);
-    SGD's 2; plus zeroing the gradients."""
+def _optimizer_seconds(setting: _Setting, dense: float, experts: float = 0.0) -> float:
+    """AdamW's elementwise passes over this rank's parameters, its ZeRO shard of them (about 12: moments,
+    square root, division, decay); SGD's 2; plus zeroing the gradients."""
     layout, precision = setting.layout, setting.precision
     passes = 12 if precision.optimizer else 2
-    local = count / (layout.dp if layout.zero >= 1 else 1)
+    local = dense + experts
+    if layout.zero >= 1:
+        local = dense / setting.zero_shards(False) + experts / setting.zero_shards(True)
     return (passes + 1) * local * precision.weights / setting.cluster.elementwise_bytes
 
 
@@ -1137,7 +1526,7 @@ def candidate_layouts(model: Model, cluster: Cluster, choices: Choices) -> Itera
         dp = cluster.gpus // (tp * pp * cp)
         if choices.dp is not None and choices.dp != dp or choices.batch_size % dp:
             continue
-        yield from _inner_choices(model, choices, dp, tp, pp, cp, pick)
+        yield from _inner_choices(model, choices, dp, tp, pp, cp, pick, cluster.gpus_per_node)
 
 
 def _splits(model: Model, tp: int) -> bool:
@@ -1159,7 +1548,16 @@ def _cp_attentions(model: Model, tp: int, cp: int, fixed: str | None) -> list[st
     return [a for a in ([fixed] if fixed else CP_ATTENTIONS) if a != "ulysses" or ulysses]
 
 
-def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp: int, pick: Any) -> Iterator[Layout]:
+def _dispatches(model: Model, tp: int, cp: int, ep: int, per_node: int, fixed: str | None) -> list[str]:
+    """The EP dispatches this ep can run: flat always, hierarchical when the routing is node-limited over the
+    nodes the EP group spans (`deepseek.node_limited`)."""
+    nodes = math.ceil(ep / max(1, min(ep, per_node // (tp * cp))))
+    hierarchical = model.is_deepseek and deepseek.node_limited(model.config, nodes)
+    return [d for d in ([fixed] if fixed else deepseek.DISPATCHES) if d == "flat" or hierarchical]
+
+
+def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp: int, pick: Any,
+                   per_node: int = 8) -> Iterator[Layout]:
     eps = pick("ep", [e for e in divisors(dp) if model.experts and model.experts % e == 0] or [1])
     zeros = pick("zero", [0, 1] if pp > 1 else [0, 1, 2, 3])
     schedules = pick("schedule", list(SCHEDULES)) if pp > 1 else ["1f1b"]
@@ -1170,8 +1568,9 @@ def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp
             eps, zeros, schedules, microbatch_counts, pick("recompute", list(RECOMPUTE)), sps, attentions):
         if (choices.batch_size // dp) % m or ep > 1 and dp % ep:
             continue
-        for virtual in pick("virtual_stages", [2]) if schedule == "interleaved" else [2]:
-            layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention, virtual)
+        for virtual, dispatch in itertools.product(pick("virtual_stages", [2]) if schedule == "interleaved" else [2],
+                                                   _dispatches(model, tp, cp, ep, per_node, choices.ep_dispatch)):
+            layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention, virtual, dispatch)
             if pp == 1 or _valid_schedule(layout, model.n_layer):
                 yield layout
 

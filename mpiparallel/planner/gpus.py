@@ -56,6 +56,8 @@ class GPU:
     network_latency: float
     mamf_flops: float
     """Maximum achievable bf16 matmul FLOP/s (measured; see the module docstring)."""
+    fp8_mamf_flops: float | None = None
+    """Maximum achievable FP8 matmul FLOP/s (None: no FP8 tensor cores)."""
     sms: int = 132
     """Streaming multiprocessors (A100 108, GH100 132: the A100 and H100 whitepapers)."""
     gpus_per_node: int = 8
@@ -84,6 +86,9 @@ _HOPPER = dict(  # NVIDIA H100 Tensor Core GPU datasheet, SXM5: bf16 1,979 and f
     network_bandwidth=50 * GB,  # one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100; Llama 3 §3.3.1: "400 Gbps")
     nvlink_latency=_NVLINK_LATENCY, network_latency=_NETWORK_LATENCY,
     mamf_flops=794.5 * TERA,  # MAMF table: H100 SXM 794.5 TFLOP/s (80.3 % of 989), torch 2.7.0+cu126
+    # DeepGEMM (deepseek-ai, README, 2025-04-18): "up to 1550 TFLOPS on H800" for its block-scaled FP8 GEMM
+    # (78 % of 1,979) — the H100 die; the MAMF table has no FP8 column
+    fp8_mamf_flops=1550 * TERA,
 )
 
 GPUS: dict[str, GPU] = {
@@ -149,11 +154,13 @@ Guide", tile and wave quantization: its A100 examples use 256×128 and 128×128)
 wastes least, each assumed to run at the MAMF."""
 
 
-def gemm_seconds(m: float, n: float, k: float, gpu: GPU, item: float = 2.0, count: float = 1) -> float:
+def gemm_seconds(m: float, n: float, k: float, gpu: GPU, item: float = 2.0, count: float = 1,
+                 roof: float | None = None) -> float:
     """`count` [m, k] × [k, n] products (a batch): the roofline with the measured compute roof (module
-    docstring), the compute rounded up to whole tiles (the least wasteful of `TILES`) and whole waves of tiles
-    over the SMs (a wave runs `gpu.sms` tiles at the MAMF; a last, partial wave takes as long as a full one)."""
-    compute = min(_quantized_flops(m, n, k, count, tile, gpu.sms) for tile in TILES) / gpu.mamf_flops
+    docstring; `roof`: another ceiling, the FP8 one), the compute rounded up to whole tiles (the least wasteful of
+    `TILES`) and whole waves of tiles over the SMs (a wave runs `gpu.sms` tiles at the MAMF; a last, partial wave
+    takes as long as a full one)."""
+    compute = min(_quantized_flops(m, n, k, count, tile, gpu.sms) for tile in TILES) / (roof or gpu.mamf_flops)
     traffic = count * item * (m * k + k * n + m * n) / gpu.memory_bandwidth
     return max(compute, traffic)
 

@@ -1,5 +1,6 @@
 """The planner against published runs: the rows of `published_runs.csv` (Megatron-LM 2021 Table 1, Llama 3 405B
-Table 4) predicted with one GPU preset per chip and one code-base description per paper (`core.SOFTWARE`).
+Table 4, DeepSeek-V3's 2,048 H800) predicted with one GPU preset per chip and one code-base description per paper
+(`core.SOFTWARE`).
 
 Each row fixes what the paper prints (model, GPUs, tp, pp, cp, dp, global batch). What a paper does not print is
 set by one rule per paper, never per row:
@@ -11,19 +12,32 @@ set by one rule per paper, never per row:
   with fp32 gradients (§3.3.2: "reduce-scatter gradients in FP32"), the all-gather CP attention (§3.3.2), the
   interleaved schedule with v = 4 (126 blocks plus an embedding-only and a head-only slot are 128 = 16 ranks × 4
   chunks × 2; the paper does not print V), no recomputation at 8K (§3.3.2: "without activation checkpointing")
-  and full recomputation at 128K (the planner's memory model fits nothing less).
+  and full recomputation at 128K (the planner's memory model fits nothing less);
+- DeepSeek-V3: its published config.json with one MTP module (`deepseek.PUBLISHED_CONFIG`), HAI-LLM as §3.2
+  describes it (`core.SOFTWARE["hai-llm"]`), FP8 GEMMs and dispatch (`PRECISIONS["fp8"]`), ZeRO-1 over the 128
+  DP ranks (EP64 inside them), the node-limited two-hop dispatch (M = 4 of the 8 nodes an EP group spans,
+  §3.2.2), one sequence per microbatch, DualPipe as `dualpipev` (the same bubble, (PP/2 − 1)(F&B + B − 3W),
+  Table 2; DualPipeV is its one-copy form), no recomputation beyond what §3.2.3 names (norms and MLA's
+  up-projections: not modelled), train's even split of the units over the stages (the report prints none).
 
-`python -m mpiparallel.planner.published` prints the table of docs/published-runs.md.
+`python -m mpiparallel.planner.published` prints the table of docs/published-runs.md; with `--terms`, each row's
+ratio with one term of the model changed (`TERMS`).
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from .core import PRECISIONS, SOFTWARE, Cluster, Layout, Model, Plan, evaluate
-from .gpus import gpu_named
+from models.transformer import GPTConfig
+
+from . import deepseek
+from .core import PRECISIONS, SOFTWARE, Cluster, Layout, Model, Plan, Precision, Software, evaluate
+from .gpus import GPU, gpu_named
 
 TABLE = Path(__file__).with_name("published_runs.csv")
 
@@ -45,9 +59,10 @@ class PublishedRun:
     cp: int
     dp: int
     batch: int
-    published_tflops: float
+    published: float
+    """TFLOP/s per GPU in `count`, or tokens/s per GPU when `count` is "tokens"."""
     count: str
-    """"megatron" (Narayanan et al. eq. 3) or "mfu" (6·N + 12·l·h·s per token)."""
+    """"megatron" (Narayanan et al. eq. 3), "mfu" (6·N + 12·l·h·s per token) or "tokens" (tokens/s per GPU)."""
     gpu: str
 
     def label(self) -> str:
@@ -63,10 +78,13 @@ def published_runs(path: Path = TABLE) -> list[PublishedRun]:
 def _convert(name: str, value: str) -> object:
     if name in ("source", "count", "gpu"):
         return value
-    return float(value) if name in ("params_b", "published_tflops") else int(value)
+    return float(value) if name in ("params_b", "published") else int(value)
 
 
 def model_of(run: PublishedRun) -> Model:
+    if run.source.startswith("deepseek"):
+        config = GPTConfig(**deepseek.config_json_fields(deepseek.published_config()))
+        return Model.from_config(config, run.seq)
     if run.source.startswith("llama"):
         return Model(run.layers, run.hidden, run.heads, run.seq, run.vocab, n_positions=run.seq, arch="llama",
                      n_kv_head=run.kv_heads, ffn_hidden=run.ffn)
@@ -89,19 +107,98 @@ def _llama_layouts(run: PublishedRun) -> list[Layout]:
                    recompute=recompute, sp=True, cp_attention="all-gather", virtual_stages=4)]
 
 
-def predict(run: PublishedRun) -> Plan:
-    """The planner's fastest plan of the run under its paper's rule (module docstring)."""
-    llama = run.source.startswith("llama")
-    software = SOFTWARE["flash-fsdp" if llama else "megatron-2021"]
-    cluster = Cluster.from_preset(gpu_named(run.gpu), run.gpus, software)
-    precision = PRECISIONS["bfloat16" if llama else "mixed"]
-    layouts = _llama_layouts(run) if llama else _megatron_layouts(run)
-    plans = [evaluate(model_of(run), cluster, precision, layout, run.batch) for layout in layouts]
+def _deepseek_layouts(run: PublishedRun) -> list[Layout]:
+    return [Layout(run.dp, run.tp, run.pp, run.cp, ep=64, zero=1, microbatches=run.batch // run.dp,
+                   schedule="dualpipev", recompute="none", ep_dispatch="hierarchical")]
+
+
+RULES = {  # per paper: code base, precision, layouts
+    "megatron-2021": ("megatron-2021", "mixed", _megatron_layouts),
+    "llama3-405b": ("flash-fsdp", "bfloat16", _llama_layouts),
+    "deepseek-v3": ("hai-llm", "fp8", _deepseek_layouts),
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a row is predicted with: the chip, the code base, the precision, the layouts to choose from."""
+
+    gpu: GPU
+    software: Software
+    precision: Precision
+    layouts: tuple[Layout, ...]
+
+
+def setup_of(run: PublishedRun) -> Setup:
+    """The row's paper's rule (module docstring)."""
+    code_base, precision, layouts = RULES[run.source]
+    return Setup(gpu_named(run.gpu), SOFTWARE[code_base], PRECISIONS[precision], tuple(layouts(run)))
+
+
+def predict(run: PublishedRun, variant: Callable[[Setup], Setup] | None = None) -> Plan:
+    """The planner's fastest plan of the run under its paper's rule; `variant` changes the setup (to measure
+    what one term does: `term_effects`)."""
+    setup = setup_of(run) if variant is None else variant(setup_of(run))
+    cluster = Cluster.from_preset(setup.gpu, run.gpus, setup.software)
+    plans = [evaluate(model_of(run), cluster, setup.precision, layout, run.batch) for layout in setup.layouts]
     return min(plans, key=lambda plan: plan.step_s)
 
 
-def predicted_tflops(run: PublishedRun, plan: Plan) -> float:
-    """The plan's model TFLOP/s per GPU in the count the paper printed."""
+def _software(**changes: Any) -> Callable[[Setup], Setup]:
+    return lambda setup: replace(setup, software=replace(setup.software, **changes))
+
+
+def _gpu(**scales: float) -> Callable[[Setup], Setup]:
+    def scaled(setup: Setup) -> Setup:
+        gpu = setup.gpu
+        changes = {name: getattr(gpu, name) and getattr(gpu, name) * factor for name, factor in scales.items()}
+        return replace(setup, gpu=replace(gpu, **changes))
+    return scaled
+
+
+def _layouts(**changes: Any) -> Callable[[Setup], Setup]:
+    return lambda setup: replace(setup, layouts=tuple(replace(layout, **changes) for layout in setup.layouts))
+
+
+TERMS: dict[str, tuple[Callable[[Setup], Setup], tuple[str, ...]]] = {
+    # sensitivities of terms the model holds or leaves out, each once per chip or code base (never per row)
+    "collectives at 80 % of the link rates": (_gpu(nvlink_bandwidth=0.8, network_bandwidth=0.8), ()),
+    "no message latency (α = 0)": (_gpu(nvlink_latency=0, network_latency=0), ()),
+    "half the memory bandwidth (elementwise passes ×2)": (_gpu(memory_bandwidth=0.5), ()),
+    "GEMMs at 90 % of the MAMF": (_gpu(mamf_flops=0.9, fp8_mamf_flops=0.9), ()),
+    "DP reduction after the schedule, not overlapped": (_software(dp_overlap="never"), ("llama3-405b",)),
+    "no DualPipe overlap (EP and PP waited for)": (_software(chunk_overlap=False), ("deepseek-v3",)),
+    "no SMs held by communication": (_software(communication_sms=0), ("deepseek-v3",)),
+    "no MLA norm/up-projection recomputation": (_software(recompute_latent=False), ("deepseek-v3",)),
+    "flat EP dispatch (a copy per expert across nodes)": (_layouts(ep_dispatch="flat"), ("deepseek-v3",)),
+    "BF16 GEMMs and dispatch": (lambda setup: replace(setup, precision=PRECISIONS["bfloat16"]), ("deepseek-v3",)),
+}
+"""`python -m mpiparallel.planner.published --terms`: each row's ratio with one term changed (docs/published-runs.md);
+the sources a term applies to (all when empty)."""
+
+
+def term_effects() -> str:
+    """The ratio predicted / published of every row, as the model has it and with each of `TERMS` changed."""
+    runs = published_runs()
+    lines = ["| term | " + " | ".join(_short(run) for run in runs) + " |", "|---|" + "---:|" * len(runs)]
+    rows = {"the model": None} | {name: variant for name, (variant, _) in TERMS.items()}
+    for name, variant in rows.items():
+        sources = TERMS[name][1] if name in TERMS else ()
+        cells = [f"{predicted(run, predict(run, variant)) / run.published:.2f}" if not sources or run.source in sources
+                 else "" for run in runs]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _short(run: PublishedRun) -> str:
+    name = {"megatron-2021": "M", "llama3-405b": "L", "deepseek-v3": "DS"}[run.source]
+    return f"{name} {run.params_b:g}B" if run.source == "megatron-2021" else f"{name} {run.gpus // 1024}K cp{run.cp}"
+
+
+def predicted(run: PublishedRun, plan: Plan) -> float:
+    """The plan's figure in the paper's count: model TFLOP/s per GPU, or tokens/s per GPU."""
+    if run.count == "tokens":
+        return plan.tokens_per_s / run.gpus
     return plan.megatron_tflops if run.count == "megatron" else plan.model_tflops
 
 
@@ -114,18 +211,18 @@ def dominant_term(plan: Plan) -> str:
 
 
 def table() -> str:
-    lines = ["| run | published TFLOP/s | predicted | ratio | layout | step s | compute | bubble | exposed comm "
+    lines = ["| run | published (count) | predicted | ratio | layout | step s | compute | bubble | exposed comm "
              "| MFU |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for run in published_runs():
         plan = predict(run)
-        predicted = predicted_tflops(run, plan)
-        lines.append(f"| {run.label()} | {run.published_tflops:g} ({run.count}) | {predicted:.0f} | "
-                     f"{predicted / run.published_tflops:.2f} | {plan.layout.label()} | {plan.step_s:.2f} | "
+        figure = predicted(run, plan)
+        lines.append(f"| {run.label()} | {run.published:g} ({run.count}) | {figure:.0f} | "
+                     f"{figure / run.published:.2f} | {plan.layout.label()} | {plan.step_s:.2f} | "
                      f"{plan.compute_s / plan.step_s:.0%} | {plan.bubble:.1%} | "
                      f"{plan.exposed_comm_s / plan.step_s:.0%} | {plan.mfu:.1%} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(table())
+    print(term_effects() if sys.argv[1:] == ["--terms"] else table())
