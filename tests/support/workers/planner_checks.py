@@ -1,6 +1,6 @@
 """Planner checks run on every rank of a TP group (see mpi_harness): what each rank of `TensorParallelTransformer`
 actually holds — its parameter shards and, after one forward, its saved activations — for the planner's
-prediction to be compared with in tests/runtime/test_planner_llama.py."""
+prediction to be compared with in tests/runtime/test_planner.py."""
 
 from __future__ import annotations
 
