@@ -340,6 +340,7 @@ class ExpertTraffic:
 
     def __init__(self, peers: int, dispatch: str = "flat") -> None:
         self.peers, self.dispatch = peers, dispatch
+        self.value_bytes = 0  # the gates' element size (the two-hop dispatch sends them; float32 under bfloat16)
         self.counts = self._empty()
 
     def _empty(self) -> dict[str, dict[str, Any]]:
@@ -352,7 +353,7 @@ class ExpertTraffic:
         for name, value in counts.items():
             totals[name] += np.asarray(value, np.int64)
 
-    def add_two_hop(self, direction: str, plan: TwoHopPlan) -> None:
+    def add_two_hop(self, direction: str, plan: TwoHopPlan, value_bytes: int) -> None:
         """A two-hop exchange: hop 1 with the lane peers (tokens, codes and values per node), hop 2 with the node's
         ranks (one row and value per assignment). The lane and the node share only this rank, which sends
         nothing to itself."""
@@ -364,12 +365,13 @@ class ExpertTraffic:
         for name, inside in (("rows_to", plan.forward_counts), ("rows_from", plan.arrived_counts),
                              ("values_to", plan.forward_counts), ("values_from", plan.arrived_counts)):
             counts[name][node] = inside
+        self.value_bytes = value_bytes
         self.add(direction, **counts)
 
     def take(self) -> dict[str, dict[str, Any]]:
         """The counts so far, and start again from zero."""
         counts, self.counts = self.counts, self._empty()
-        return counts
+        return counts | {"value_bytes": self.value_bytes}
 
 
 # -- the layer -------------------------------------------------------------------------------------------------
@@ -456,7 +458,7 @@ class MixtureOfExperts(Layer):
         rows of one node before they cross back. y = Dᵀ(gates ⊙ experts(D x)), D the two-hop dispatch."""
         plan = two_hop_plan(routing, self.router.top_k, len(self.experts), self.ep)
         if self.traffic is not None:
-            self.traffic.add_two_hop("forward", plan)
+            self.traffic.add_two_hop("forward", plan, routing.gates.itemsize)
         if self.fp8_dispatch:  # one quantization per token row: what the flat dispatch's copies of it would get
             packed = two_hop_dispatch(pack_rows(quantize_activation(x2d)), plan, self.ep)
             rows = unpack_rows(packed, x2d.shape[-1]).dequantize()
@@ -474,7 +476,7 @@ class MixtureOfExperts(Layer):
         their assignments (the values' combine), d(rows) through the experts, then d(x) = Dᵀ d(rows) (a combine)."""
         routing, plan, k = saved.router, saved.plan, self.router.top_k
         if self.traffic is not None:
-            self.traffic.add_two_hop("backward", plan)
+            self.traffic.add_two_hop("backward", plan, saved.gates.itemsize)
         dweighed = two_hop_dispatch(dy, plan, self.ep)
         dlocal_gates = row_sums(dweighed * saved.local_out)[:, 0].astype(saved.gates.dtype, copy=False)
         dlocal_out = (dweighed * saved.gates[:, None]).astype(dweighed.dtype, copy=False)
@@ -512,7 +514,8 @@ class MixtureOfExperts(Layer):
         dy_rows = dy[routing.order // k]
         dgates = get_array_module(dy).zeros(routing.gates.size, dy.dtype)
         dgates[routing.order] = row_sums(dy_rows * saved.out_rows)[:, 0]
-        dout_rows = dy_rows * routing.gates.reshape(-1)[routing.order, None]
+        # at the activations' dtype: the gates may be wider (float32 under bfloat16), the rows that travel are not
+        dout_rows = (dy_rows * routing.gates.reshape(-1)[routing.order, None]).astype(dy.dtype, copy=False)
         dlocal_out = self._combine_backward(dout_rows, saved.plan)
         dlocal_rows = self._experts_backward_input(saved.experts, dlocal_out, saved.expert_counts)
         drows = self._dispatch_backward(dlocal_rows, saved.plan)

@@ -195,7 +195,8 @@ def expert_parallel_formula(trainer: Any, across_nodes: bool) -> float | None:
     channels, itemsize = model.config.n_embd, model.compute_dtype.itemsize
     dispatch_row = channels + 4 * math.ceil(channels / 128) if model.fp8 != "none" else channels * itemsize
     return traffic.expert_parallel_bytes(counts, model.ep_dispatch, model.ep_comm, channels * itemsize, dispatch_row,
-                                         itemsize, model.config.n_experts // model.ep_comm.size, across_nodes)
+                                         counts["value_bytes"], model.config.n_experts // model.ep_comm.size,
+                                         across_nodes)
 
 
 # -- MFU's denominator -----------------------------------------------------------------------------------------
