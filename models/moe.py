@@ -58,6 +58,24 @@ each of the four all-to-allv calls its own (n−1) int64 counts. With FP8 (`fp8_
 forward dispatch sends E4M3 rows with their scales, s·(h + 4·⌈h/128⌉) bytes instead of s·h·2, and the combine
 and both backward exchanges stay at the compute dtype (DeepSeek-V3's choice). Expert parameters are held only
 by their EP rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
+
+Node-limited dispatch (`ep_dispatch="hierarchical"`, DeepSeek-V3; `collectives.two_hop`): when the EP group spans
+N nodes and the router keeps each token's experts on few of them, a token crosses to each of its nodes once (to
+the rank there with its own local rank), which forwards it to the ranks of the chosen experts. The gates travel
+with the token, the expert side weighs its output rows, and the relay sums a token's rows of one node before
+they cross back, so the combine crosses once per (token, node) too. With D the two-hop dispatch (a copy of each
+token row per kept assignment) and G the gates:
+
+    forward    y  = Dᵀ(G ⊙ experts(D x))                       D: `two_hop_dispatch`, Dᵀ: `two_hop_combine`
+    backward   d(G ⊙ out) = D dy;  d gates = Σ_h out ⊙ D dy, back to their assignments (`two_hop_combine_values`);
+               d out = G ⊙ D dy;  d x += Dᵀ experts'(d out)
+
+Per layer, rank and microbatch it sends across nodes, forward, the U_b tokens (at most one per token and other
+node) with their A_b gates and plan codes, and the rows it relayed back summed; backward the same rows again
+(see `collectives.two_hop` for the formula): per token at most M·h·b bytes each way for M other target nodes,
+against one h·b row per chosen expert on another node for the flat all-to-allv. The numbers are the flat
+dispatch's (only the order of additions differs). `ExpertTraffic` counts, per EP peer, the rows and values each
+exchange moves: `mpiparallel.traffic`'s ep formula is evaluated on them.
 """
 
 from __future__ import annotations
