@@ -27,3 +27,5 @@ def test_two_hop_all_to_all_delivers_every_assignment_and_sends_its_formulas_byt
     two_hop = sum(result["two_hop_inter_node"] for result in results)
     flat = sum(result["flat_inter_node"] for result in results)
     assert rows < two_hop < flat, (rows, two_hop, flat)  # the rows, with the plan and values, still fewer
+    # per token at most M rows of 64 float64 across nodes each way (M: the nodes of its experts)
+    assert rows <= 2 * ranks * 12 * nodes_per_token * 64 * 8

@@ -102,3 +102,50 @@ def _inter_node_formula(everyone: list, comm: Communicator, tokens: int, slots: 
         from_b = node[rank_of] == node[me]
         total += len(np.unique(token_of[from_b])) * row_bytes + from_b.sum() * 8  # summed rows, values back
     return total
+
+
+def layer_against_sets(n_experts: int, top_k: int, capacity_factor: float, fp8: bool = False) -> dict:
+    """The MoE layer with the two-hop dispatch (EP over the world, on emulated nodes), with capacity dropping
+    rows, against the serial layer run on each rank's token set: y, d(x), the router's and the held experts'
+    gradients; and against the flat EP layer's bytes across nodes."""
+    from moe_oracle import copy_experts, random_experts
+
+    from collectives import all_reduce
+    from models.moe import MixtureOfExperts, Router, local_experts
+    from models.parameter import Parameter
+
+    from .errors import relative_error
+
+    comm, h, tokens = Communicator(MPI.COMM_WORLD.Dup()), 8, 8
+    rng = np.random.default_rng([5, n_experts, top_k])
+    weight, experts = rng.standard_normal((h, n_experts)), random_experts(rng, h, n_experts)
+    x, dout = rng.standard_normal((2, comm.size, tokens, h))
+
+    def layer(held: list, ep_comm: Communicator | None = None, dispatch: str = "flat") -> MixtureOfExperts:
+        router = Router(Parameter("router.weight", weight.copy()), top_k, capacity_factor=capacity_factor)
+        return MixtureOfExperts(router, copy_experts(held), ep_comm, ep_dispatch=dispatch)
+
+    serial = layer(experts)
+    y, saved = serial.forward(x[comm.rank][None])
+    dropped = saved.stats.dropped_tokens
+    dx = serial.backward(saved, dout[comm.rank][None].copy())
+    held = local_experts(n_experts, comm.rank, comm.size)
+    # each rank ran the serial layer on its own token set: their gradients summed are the whole batch's
+    serial_router = all_reduce(serial.router.weight.grad, comm)
+    serial_experts = {(e, part): all_reduce(getattr(serial.experts[e], part).weight.grad, comm)
+                      for e in range(n_experts) for part in ("expand", "contract")}
+    errors, across = {}, {}
+    for dispatch in ("flat", "hierarchical"):
+        parallel = layer([experts[e] for e in held], comm, dispatch)
+        comm.ledger.reset()
+        y_ep, saved_ep = parallel.forward(x[comm.rank][None])
+        dx_ep = parallel.backward(saved_ep, dout[comm.rank][None].copy())
+        across[dispatch] = comm.ledger.inter_node_sent()
+        errors[f"{dispatch} y"] = relative_error(y_ep, y)
+        errors[f"{dispatch} dx"] = relative_error(dx_ep, dx)
+        errors[f"{dispatch} router"] = relative_error(all_reduce(parallel.router.weight.grad, comm), serial_router)
+        for mine, expert in zip(parallel.experts, held, strict=True):
+            for part in ("expand", "contract"):
+                errors[f"{dispatch} expert {expert} {part}"] = relative_error(getattr(mine, part).weight.grad,
+                                                                              serial_experts[expert, part])
+    return {"errors": errors, "dropped_tokens": int(dropped), "across": across}
