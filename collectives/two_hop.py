@@ -50,7 +50,6 @@ from .backend import Array, get_array_module, like, needs_words, scatter_add
 from .communicator import Communicator, in_words
 from .hierarchical import among
 from .pairwise import pairwise_all_to_all, pairwise_all_to_allv
-from .topology import NodeLayout
 
 PLAN = "two_hop_plan"
 ROWS = "two_hop_rows"
@@ -195,8 +194,3 @@ def two_hop_combine_values(values: Array, plan: TwoHopPlan, comm: Communicator) 
     out[like(values, plan.assignments)] = returned
     return out
 
-
-def spans_nodes(comm: Communicator) -> bool:
-    """Whether `comm`'s ranks live on several nodes of equal size: where the two hops apply."""
-    layout: NodeLayout = comm.topology
-    return layout.spans_nodes and layout.even

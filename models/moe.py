@@ -356,8 +356,8 @@ class ExpertTraffic:
 
     FIELDS = ("rows_to", "rows_from", "values_to", "values_from", "codes_to")
 
-    def __init__(self, peers: int, dispatch: str = "flat") -> None:
-        self.peers, self.dispatch = peers, dispatch
+    def __init__(self, peers: int) -> None:
+        self.peers = peers
         self.value_bytes = 0  # the gates' element size (the two-hop dispatch sends them; float32 under bfloat16)
         self.counts = self._empty()
 

@@ -354,8 +354,10 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
     Mixture of experts (config.n_experts > 0): `moe_token_sets` is how many local token sets (microbatches ×
     DP·CP ranks) one optimizer step averages the aux losses over — each set's aux loss enters the objective
     divided by it. `ep_comm` (an EP group of n ranks) makes this rank hold and run only its E/n experts
-    (`models.moe.local_experts`, placement `Held` on "ep"), the tokens moving to them by all-to-allv. The
-    expert biases are state in `expert_biases` (by checkpoint name), not parameters.
+    (`models.moe.local_experts`, placement `Held` on "ep"), the tokens moving to them by all-to-allv, or with
+    `ep_dispatch="hierarchical"` by DeepSeek-V3's node-limited two-hop dispatch (`collectives.two_hop`); the
+    layers count what they exchange in `expert_traffic` (`models.moe.ExpertTraffic`). The expert biases are
+    state in `expert_biases` (by checkpoint name), not parameters.
     """
 
     key_value_group: Communicator | None = None  # TP ranks holding the same KV heads (the TP model's)
@@ -371,7 +373,7 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
         self.ep_dispatch = ep_dispatch
-        self.expert_traffic = None if self.ep_comm is None else ExpertTraffic(self.ep_comm.size, ep_dispatch)
+        self.expert_traffic = None if self.ep_comm is None else ExpertTraffic(self.ep_comm.size)
         self.moe_token_sets = moe_token_sets
         self._set_precision(dtype, compute_dtype, grad_dtype, fp8)
         self._hold(units)
