@@ -197,14 +197,16 @@ DEVICE_MATRIX = [
     (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "all-gather", "sp": True, "recompute": "selective",
                      "device": "gpu"}),
 ]
-# expert parallelism across 2 emulated nodes of 2 ranks (MPIPARALLEL_RANKS_PER_NODE=2), n_group 2 = the nodes: the flat
-# all-to-allv and DeepSeek-V3's two-hop node-limited dispatch (with tp: EP groups of one rank per node)
+# expert parallelism across 2 emulated nodes of 2 ranks (MPIPARALLEL_RANKS_PER_NODE=2), n_group 2 = the nodes: the
+# flat all-to-allv and DeepSeek-V3's two-hop node-limited dispatch (with tp: EP groups of one rank per node; on device
+# arrays)
 NODES = {"MPIPARALLEL_RANKS_PER_NODE": "2"}
 NODES_MATRIX = [
     (4, "deepseek", {"dp": 4, "ep": 4, "ep_dispatch": "flat"}),
     (4, "deepseek", {"dp": 4, "ep": 4, "ep_dispatch": "hierarchical", "zero": 1}),
     (4, "deepseek", {"dp": 2, "tp": 2, "ep": 2, "ep_dispatch": "hierarchical"}),
     (4, "deepseek-mtp", {"dp": 4, "ep": 4, "ep_dispatch": "hierarchical", "recompute": "full"}),
+    (4, "deepseek", {"dp": 4, "ep": 4, "ep_dispatch": "hierarchical", "device": "gpu"}),  # device arrays, staged
 ]
 DEVICE_ARRAYS = ({"MPIPARALLEL_TEST_ARRAYS": "cupy"} if os.environ.get("MPIPARALLEL_TEST_ARRAYS") == "cupy"
                  else {"MPIPARALLEL_TEST_ARRAYS": "fake", "MPIPARALLEL_CUDA_AWARE": "0"})
@@ -315,8 +317,9 @@ def device_results(references) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def nodes_results(references) -> list[dict]:
-    return run_on_ranks(4, "workers.composition_checks:matches_serial", timeout=600, env=NODES, models=MODELS,
-                        runs=[(model, options) for _, model, options in NODES_MATRIX], references=references)[0]
+    return run_on_ranks(4, "workers.composition_checks:matches_serial", timeout=600, env={**NODES, **DEVICE_ARRAYS},
+                        models=MODELS, runs=[(model, options) for _, model, options in NODES_MATRIX],
+                        references=references)[0]
 
 
 def label(row: tuple) -> str:
