@@ -25,6 +25,7 @@ AXIS = re.compile(r"(\w+) ([\d.]+) MB \(formula ([\d.]+) MB, ratio (\S+)\)")
 def train(dispatch: str, tmp_path, env: dict | None = None, extra: tuple[str, ...] = ()) -> dict:
     """A 4-rank run (dp 4, ep 4): every rank's ep ratio (all bytes, across nodes), the losses, and the log's ep bytes
     summed over the steps (rank 0)."""
+    tmp_path.mkdir(exist_ok=True)
     log = tmp_path / f"{dispatch}.jsonl"
     command = [sys.executable, "-m", "mpiparallel", "train", "-n", "4", *MODEL, "--dp", "4", "--ep", "4",
                "--ep-dispatch", dispatch, "--log-json", str(log), *extra]
@@ -50,6 +51,16 @@ def check_against_flat(flat: dict, hierarchical: dict) -> None:
 
 def test_the_two_hop_dispatch_sends_its_formulas_bytes_and_fewer_across_emulated_nodes(tmp_path):
     check_against_flat(train("flat", tmp_path, NODES), train("hierarchical", tmp_path, NODES))
+
+
+def test_the_fp8_two_hop_dispatch_sends_e4m3_rows_and_their_scales_as_its_formula_says(tmp_path):
+    bfloat16 = ["--compute-dtype", "bfloat16", "--n-embd", "128"]  # one 128-wide tile per row
+    runs = {fp8: train("hierarchical", tmp_path / ("fp8" if fp8 else "bf16"), NODES,
+                       (*bfloat16, *(["--fp8", "blockwise"] if fp8 else [])))
+            for fp8 in (False, True)}
+    for run in runs.values():
+        assert run["ratios"]["all"] == ["1.0000"] * 4 and run["ratios"]["across"] == ["1.0000"] * 4, run
+    assert 0 < runs[True]["across"] < runs[False]["across"], runs  # 128 + 4 bytes a row forward instead of 256
 
 
 def test_the_two_hop_dispatch_across_two_namespace_hosts(cluster, tmp_path):
