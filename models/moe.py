@@ -75,8 +75,8 @@ node) with their A_b gates and plan codes, and the rows it relayed back summed; 
 (see `collectives.two_hop` for the formula): per token at most M·h·b bytes each way for M other target nodes,
 against one h·b row per chosen expert on another node for the flat all-to-allv. The numbers are the flat
 dispatch's up to the order of additions (the relay adds a token's rows of its node first). With `fp8_dispatch`
-the token rows travel as E4M3 with their scales over both hops. `ExpertTraffic` counts, per EP peer, the rows and values each
-exchange moves: `mpiparallel.traffic`'s ep formula is evaluated on them.
+the token rows travel as E4M3 with their scales over both hops. `ExpertTraffic` counts, per EP peer, the rows
+and values each exchange moves: `mpiparallel.traffic`'s ep formula is evaluated on them.
 """
 
 from __future__ import annotations
