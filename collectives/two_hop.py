@@ -15,8 +15,8 @@ to (token, expert) rows and combine is its transpose Dᵀ (a sum over each token
 dispatch is a combine of the gradients, and the backward of a combine a dispatch, both written here.
 
 A second, thin channel carries one value per (token, expert) assignment along the same route without merging:
-`dispatch_values` (the gates, so the expert side can weigh its rows before the relay sums them) and its
-transpose `combine_values` (their gradients, back to the assignments they came from).
+`two_hop_dispatch_values` (the gates, so the expert side can weigh its rows before the relay sums them) and its
+transpose `two_hop_combine_values` (their gradients, back to the assignments they came from).
 
 The plan (`plan_two_hop`) is built once per dispatch and reused by the combine and by backward: each source tells
 each lane peer how many tokens and assignments it sends, and one int64 code per assignment (the token's position
