@@ -238,7 +238,8 @@ class DeepSeekV3Blocks:
                                aux_weight=1.0 / self.moe_token_sets,
                                expert_bias=self.expert_biases[expert_bias_name(i)] if balanced else None)
         routed = MixtureOfExperts(router, [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()],
-                                  self.ep_comm)
+                                  self.ep_comm, fp8_dispatch=self.fp8 != "none", ep_dispatch=self.ep_dispatch,
+                                  traffic=self.expert_traffic)
         shared = self._expert(f"{prefix}.shared_experts") if config.n_shared_experts else None
         return DeepSeekMoE(routed, shared)
 

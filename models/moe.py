@@ -58,6 +58,25 @@ each of the four all-to-allv calls its own (n−1) int64 counts. With FP8 (`fp8_
 forward dispatch sends E4M3 rows with their scales, s·(h + 4·⌈h/128⌉) bytes instead of s·h·2, and the combine
 and both backward exchanges stay at the compute dtype (DeepSeek-V3's choice). Expert parameters are held only
 by their EP rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
+
+Node-limited dispatch (`ep_dispatch="hierarchical"`, DeepSeek-V3; `collectives.two_hop`): when the EP group spans
+N nodes and the router keeps each token's experts on few of them, a token crosses to each of its nodes once (to
+the rank there with its own local rank), which forwards it to the ranks of the chosen experts. The gates travel
+with the token, the expert side weighs its output rows, and the relay sums a token's rows of one node before
+they cross back, so the combine crosses once per (token, node) too. With D the two-hop dispatch (a copy of each
+token row per kept assignment) and G the gates:
+
+    forward    y  = Dᵀ(G ⊙ experts(D x))                       D: `two_hop_dispatch`, Dᵀ: `two_hop_combine`
+    backward   d(G ⊙ out) = D dy;  d gates = Σ_h out ⊙ D dy, back to their assignments (`two_hop_combine_values`);
+               d out = G ⊙ D dy;  d x += Dᵀ experts'(d out)
+
+Per layer, rank and microbatch it sends across nodes, forward, the U_b tokens (at most one per token and other
+node) with their A_b gates and plan codes, and the rows it relayed back summed; backward the same rows again
+(see `collectives.two_hop` for the formula): per token at most M·h·b bytes each way for M other target nodes,
+against one h·b row per chosen expert on another node for the flat all-to-allv. The numbers are the flat
+dispatch's up to the order of additions (the relay adds a token's rows of its node first). With `fp8_dispatch`
+the token rows travel as E4M3 with their scales over both hops. `ExpertTraffic` counts, per EP peer, the rows
+and values each exchange moves: `mpiparallel.traffic`'s ep formula is evaluated on them.
 """
 
 from __future__ import annotations
@@ -73,12 +92,21 @@ import numpy as np
 
 from collectives import Communicator, all_to_all, all_to_allv
 from collectives.backend import Array, get_array_module, like, to_host
+from collectives.two_hop import (
+    TwoHopPlan,
+    plan_two_hop,
+    two_hop_combine,
+    two_hop_combine_values,
+    two_hop_dispatch,
+    two_hop_dispatch_values,
+)
 
 from .fp8 import pack_rows, quantize_activation, unpack_rows
 from .layers import MLP, Block, Layer, Saved, column_sums, row_sums, softmax_backward
 from .parameter import HELD, Parameter, Placement
 
 EP_AXIS = "ep"
+EP_DISPATCHES = ("flat", "hierarchical")
 _EXPERT_NAME = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
@@ -312,6 +340,59 @@ def combine_from_experts_backward(drows: Array, plan: DispatchPlan, comm: Commun
     return dispatch_to_experts(drows, plan, comm, algo)
 
 
+def two_hop_plan(routing: Saved, top_k: int, experts_per_rank: int, comm: Communicator) -> TwoHopPlan:
+    """The two-hop plan of a routing: each kept assignment (sorted by expert) goes to slot e mod (E/n) of EP rank
+    e // (E/n)."""
+    experts = np.repeat(np.arange(len(routing.counts)), routing.counts)
+    return plan_two_hop(to_host(routing.order) // top_k, experts // experts_per_rank, experts % experts_per_rank,
+                        experts_per_rank, comm)
+
+
+class ExpertTraffic:
+    """What this rank's MoE layers exchanged with each EP peer since the last `take()`, forward and backward: the
+    counts `mpiparallel.traffic.expert_parallel_bytes` turns into the ep axis's bytes (routing decides them, so
+    the layers count them as they plan). Per peer p: `rows_to`/`rows_from` rows of h sent to / received from p
+    by the dispatch (the combine returns them), `values_to`/`values_from` the two-hop gates and their gradients,
+    `codes_to` the two-hop plan's codes; `calls` the exchanges planned (forward) or reversed (backward)."""
+
+    FIELDS = ("rows_to", "rows_from", "values_to", "values_from", "codes_to")
+
+    def __init__(self, peers: int) -> None:
+        self.peers = peers
+        self.value_bytes = 0  # the gates' element size (the two-hop dispatch sends them; float32 under bfloat16)
+        self.counts = self._empty()
+
+    def _empty(self) -> dict[str, dict[str, Any]]:
+        return {direction: {**{name: np.zeros(self.peers, np.int64) for name in self.FIELDS}, "calls": 0}
+                for direction in ("forward", "backward")}
+
+    def add(self, direction: str, **counts: Any) -> None:
+        totals = self.counts[direction]
+        totals["calls"] += 1
+        for name, value in counts.items():
+            totals[name] += np.asarray(value, np.int64)
+
+    def add_two_hop(self, direction: str, plan: TwoHopPlan, value_bytes: int) -> None:
+        """A two-hop exchange: hop 1 with the lane peers (tokens, codes and values per node), hop 2 with the node's
+        ranks (one row and value per assignment). The lane and the node share only this rank, which sends
+        nothing to itself."""
+        lane, node = list(plan.lane), list(plan.node)
+        counts = {name: np.zeros(self.peers, np.int64) for name in self.FIELDS}
+        counts["rows_to"][lane], counts["rows_from"][lane] = plan.token_counts, plan.relayed_tokens
+        counts["values_to"][lane], counts["values_from"][lane] = plan.assignment_counts, plan.relayed_assignments
+        counts["codes_to"][lane] = plan.assignment_counts
+        for name, inside in (("rows_to", plan.forward_counts), ("rows_from", plan.arrived_counts),
+                             ("values_to", plan.forward_counts), ("values_from", plan.arrived_counts)):
+            counts[name][node] = inside
+        self.value_bytes = value_bytes
+        self.add(direction, **counts)
+
+    def take(self) -> dict[str, dict[str, Any]]:
+        """The counts so far, and start again from zero."""
+        counts, self.counts = self.counts, self._empty()
+        return counts | {"value_bytes": self.value_bytes}
+
+
 # -- the layer -------------------------------------------------------------------------------------------------
 
 def _spans(counts: Sequence[int]) -> list[slice]:
@@ -330,17 +411,26 @@ class MixtureOfExperts(Layer):
     """
 
     def __init__(self, router: Router, experts: Sequence[MLP], ep_comm: Any = None, algo: str = "auto",
-                 fp8_dispatch: bool = False) -> None:
+                 fp8_dispatch: bool = False, ep_dispatch: str = "flat", traffic: ExpertTraffic | None = None) -> None:
         self.router, self.experts, self.algo, self.fp8_dispatch = router, list(experts), algo, fp8_dispatch
         self.ep = None if ep_comm is None or Communicator.of(ep_comm).size == 1 else Communicator.of(ep_comm)
         ep_size = 1 if self.ep is None else self.ep.size
         if len(self.experts) * ep_size != router.n_experts:
             raise ValueError(f"the router has {router.n_experts} experts, but {len(self.experts)} local experts on "
                              f"each of {ep_size} EP ranks make {len(self.experts) * ep_size}")
+        if ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"ep_dispatch must be one of {EP_DISPATCHES}, got {ep_dispatch!r}")
+        self.two_hop = ep_dispatch == "hierarchical" and self.ep is not None
+        if self.two_hop and not (self.ep.topology.spans_nodes and self.ep.topology.even):
+            raise ValueError("the hierarchical (two-hop) dispatch needs an EP group spanning nodes of equal size")
+        self.traffic = traffic
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         x2d = x.reshape(-1, x.shape[-1])
         routing = self.router.forward(x2d, sequences=x.shape[0] if x.ndim == 3 else 1)
+        if self.two_hop:
+            y, saved = self._forward_two_hop(x2d, routing)
+            return y.reshape(x.shape), saved
         rows = x2d[routing.order // self.router.top_k]
         local_rows, plan = self._dispatch(rows, routing.counts)
         expert_counts = routing.counts if plan is None else plan.expert_counts
@@ -355,8 +445,14 @@ class MixtureOfExperts(Layer):
             return self._dispatch_in_fp8(rows, counts)
         if self.ep is None:
             return rows, None
-        plan = plan_dispatch(counts, self.ep)
+        plan = self._plan(counts)
         return dispatch_to_experts(rows, plan, self.ep, self.algo), plan
+
+    def _plan(self, counts: list[int]) -> DispatchPlan:
+        plan = plan_dispatch(counts, self.ep)
+        if self.traffic is not None:
+            self.traffic.add("forward", rows_to=plan.send_counts, rows_from=plan.recv_counts)
+        return plan
 
     def _dispatch_in_fp8(self, rows: Array, counts: list[int]) -> tuple[Array, DispatchPlan | None]:
         """DeepSeek-V3's FP8 dispatch: the rows are quantized (1×128 tiles, a row's own) before they move, sent
@@ -368,12 +464,48 @@ class MixtureOfExperts(Layer):
         quantized = quantize_activation(rows)
         if self.ep is None:
             return quantized.dequantize(), None
-        plan = plan_dispatch(counts, self.ep)
+        plan = self._plan(counts)
         packed = dispatch_to_experts(pack_rows(quantized), plan, self.ep, self.algo)
         return unpack_rows(packed, rows.shape[-1]).dequantize(), plan
 
     def _combine(self, local_out: Array, plan: DispatchPlan | None) -> Array:
         return local_out if plan is None else combine_from_experts(local_out, plan, self.ep, self.algo)
+
+    def _forward_two_hop(self, x2d: Array, routing: Saved) -> tuple[Array, Saved]:
+        """DeepSeek-V3's node-limited dispatch (`collectives.two_hop`): each token crosses to each of its nodes
+        once; its gates travel with it, so that the expert side weighs its rows and the relay can sum a token's
+        rows of one node before they cross back. y = Dᵀ(gates ⊙ experts(D x)), D the two-hop dispatch."""
+        plan = two_hop_plan(routing, self.router.top_k, len(self.experts), self.ep)
+        if self.traffic is not None:
+            self.traffic.add_two_hop("forward", plan, routing.gates.itemsize)
+        if self.fp8_dispatch:  # one quantization per token row: what the flat dispatch's copies of it would get
+            packed = two_hop_dispatch(pack_rows(quantize_activation(x2d)), plan, self.ep)
+            rows = unpack_rows(packed, x2d.shape[-1]).dequantize()
+        else:
+            rows = two_hop_dispatch(x2d, plan, self.ep)
+        gates = two_hop_dispatch_values(routing.gates.reshape(-1)[routing.order], plan, self.ep)
+        local_out, experts = self._run_experts(rows, plan.slot_counts)
+        weighed = (local_out * gates[:, None]).astype(local_out.dtype, copy=False)
+        y = two_hop_combine(weighed, plan, self.ep, len(x2d))
+        return y, Saved(router=routing, plan=plan, expert_counts=plan.slot_counts, experts=experts,
+                        local_out=local_out, gates=gates, stats=routing.stats)
+
+    def _backward_two_hop(self, saved: Saved, dy: Array) -> Array:
+        """The transpose of each step of `_forward_two_hop`: d(weighed rows) = D dy (a dispatch), d(gates) back to
+        their assignments (the values' combine), d(rows) through the experts, then d(x) = Dᵀ d(rows) (a combine)."""
+        routing, plan, k = saved.router, saved.plan, self.router.top_k
+        if self.traffic is not None:
+            self.traffic.add_two_hop("backward", plan, saved.gates.itemsize)
+        dweighed = two_hop_dispatch(dy, plan, self.ep)
+        dlocal_gates = row_sums(dweighed * saved.local_out)[:, 0].astype(saved.gates.dtype, copy=False)
+        dlocal_out = (dweighed * saved.gates[:, None]).astype(dweighed.dtype, copy=False)
+        dgates = get_array_module(dy).zeros(routing.gates.size, saved.gates.dtype)
+        dgates[routing.order] = two_hop_combine_values(dlocal_gates, plan, self.ep)
+        dlocal_rows = self._experts_backward_input(saved.experts, dlocal_out, saved.expert_counts)
+        dx = self.router.backward_input(routing, dgates.reshape(-1, k))
+        dx += two_hop_combine(dlocal_rows, plan, self.ep, len(dy))
+        del saved.local_out, saved.gates, saved.plan, saved.expert_counts
+        return dx
 
     def _run_experts(self, rows: Array, counts: list[int]) -> tuple[Array, list[Saved]]:
         """Expert i on its contiguous slice of `rows`: one GEMM per linear per expert."""
@@ -396,10 +528,13 @@ class MixtureOfExperts(Layer):
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         routing, k = saved.router, self.router.top_k
         dy = dout.reshape(-1, dout.shape[-1])
+        if self.two_hop:
+            return self._backward_two_hop(saved, dy).reshape(dout.shape)
         dy_rows = dy[routing.order // k]
         dgates = get_array_module(dy).zeros(routing.gates.size, dy.dtype)
         dgates[routing.order] = row_sums(dy_rows * saved.out_rows)[:, 0]
-        dout_rows = dy_rows * routing.gates.reshape(-1)[routing.order, None]
+        # at the activations' dtype: the gates may be wider (float32 under bfloat16), the rows that travel are not
+        dout_rows = (dy_rows * routing.gates.reshape(-1)[routing.order, None]).astype(dy.dtype, copy=False)
         dlocal_out = self._combine_backward(dout_rows, saved.plan)
         dlocal_rows = self._experts_backward_input(saved.experts, dlocal_out, saved.expert_counts)
         drows = self._dispatch_backward(dlocal_rows, saved.plan)
@@ -409,7 +544,11 @@ class MixtureOfExperts(Layer):
         return dx.reshape(dout.shape)
 
     def _combine_backward(self, dout_rows: Array, plan: DispatchPlan | None) -> Array:
-        return dout_rows if plan is None else combine_from_experts_backward(dout_rows, plan, self.ep, self.algo)
+        if plan is None:
+            return dout_rows
+        if self.traffic is not None:
+            self.traffic.add("backward", rows_to=plan.send_counts, rows_from=plan.recv_counts)
+        return combine_from_experts_backward(dout_rows, plan, self.ep, self.algo)
 
     def _dispatch_backward(self, dlocal_rows: Array, plan: DispatchPlan | None) -> Array:
         return dlocal_rows if plan is None else dispatch_to_experts_backward(dlocal_rows, plan, self.ep, self.algo)

@@ -58,6 +58,7 @@ from .layers import (
     SwiGLU,
 )
 from .moe import (
+    ExpertTraffic,
     MixtureOfExperts,
     MoEBlock,
     Router,
@@ -353,8 +354,10 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
     Mixture of experts (config.n_experts > 0): `moe_token_sets` is how many local token sets (microbatches ×
     DP·CP ranks) one optimizer step averages the aux losses over — each set's aux loss enters the objective
     divided by it. `ep_comm` (an EP group of n ranks) makes this rank hold and run only its E/n experts
-    (`models.moe.local_experts`, placement `Held` on "ep"), the tokens moving to them by all-to-allv. The
-    expert biases are state in `expert_biases` (by checkpoint name), not parameters.
+    (`models.moe.local_experts`, placement `Held` on "ep"), the tokens moving to them by all-to-allv, or with
+    `ep_dispatch="hierarchical"` by DeepSeek-V3's node-limited two-hop dispatch (`collectives.two_hop`); the
+    layers count what they exchange in `expert_traffic` (`models.moe.ExpertTraffic`). The expert biases are
+    state in `expert_biases` (by checkpoint name), not parameters.
     """
 
     key_value_group: Communicator | None = None  # TP ranks holding the same KV heads (the TP model's)
@@ -363,11 +366,14 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
                  context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1,
-                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none") -> None:
+                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none",
+                 ep_dispatch: str = "flat") -> None:
         if moe_token_sets < 1:
             raise ValueError(f"moe_token_sets must be at least 1, got {moe_token_sets}")
         self.config, self.context = config, context
         self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
+        self.ep_dispatch = ep_dispatch
+        self.expert_traffic = None if self.ep_comm is None else ExpertTraffic(self.ep_comm.size)
         self.moe_token_sets = moe_token_sets
         self._set_precision(dtype, compute_dtype, grad_dtype, fp8)
         self._hold(units)
@@ -515,7 +521,8 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
                         config.moe_capacity_factor, config.moe_aux_coef, aux_weight=1.0 / self.moe_token_sets,
                         expert_bias=self.expert_biases[expert_bias_name(i)])
         experts = [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()]
-        return MixtureOfExperts(router, experts, self.ep_comm, fp8_dispatch=self.fp8 != "none")
+        return MixtureOfExperts(router, experts, self.ep_comm, fp8_dispatch=self.fp8 != "none",
+                                ep_dispatch=self.ep_dispatch, traffic=self.expert_traffic)
 
     def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter | None]:
         """A layer's weight and its bias (None where the family has none: llama)."""

@@ -132,9 +132,10 @@ class Mesh:
             c = coordinates_of(rank, s)
             lines.append(f"  {rank:>4}  {c.pp:>4}  {c.dp:>4}  {c.cp:>4}  {c.tp:>4}  {c.dp % s.ep:>4}  {nodes[rank]:>4}")
         spanning = axes_spanning_nodes(s, nodes)
-        inside = [axis for axis in ("tp", "cp", "dp", "pp") if getattr(s, axis) > 1 and axis not in spanning]
+        axes = ("tp", "cp", "dp", "pp", "ep")
+        inside = [axis for axis in axes if getattr(s, axis) > 1 and axis not in spanning]
         lines.append(f"inside a node: {', '.join(inside) or 'no axis'}; across nodes: "
-                     f"{', '.join(a for a in ('tp', 'cp', 'dp', 'pp') if a in spanning) or 'no axis'}")
+                     f"{', '.join(a for a in axes if a in spanning) or 'no axis'}")
         return "\n".join(lines)
 
     def topology_warning(self) -> str | None:
@@ -153,4 +154,6 @@ def axes_spanning_nodes(shape: MeshShape, nodes: tuple[int, ...]) -> set[str]:
         for axis in ("tp", "cp", "dp", "pp"):
             others = tuple(getattr(c, a) for a in ("pp", "dp", "cp", "tp") if a != axis)
             groups.setdefault((axis, others), set()).add(node)
+        if shape.ep > 1:  # ep groups: ep consecutive dp ranks
+            groups.setdefault(("ep", (c.pp, c.cp, c.tp, c.dp // shape.ep)), set()).add(node)
     return {axis for (axis, _), members in groups.items() if len(members) > 1}

@@ -32,8 +32,17 @@ gradient buckets an engine reduces:
     tp    (llama, tp > n_kv) per block and microbatch besides: the K/V weight gradients summed over the tp/n_kv
           ranks holding each KV head, 2·AR(h·d)
 
-Expert parallelism's dispatch and combine move as many rows as the router sends to other ranks, which depends
-on the data: no formula is printed for ep (its bytes are still counted).
+    ep    what the router sends decides it, so the MoE layers count per EP peer p, as they plan, the rows they
+          send (r→p) and receive (r←p) (`models.moe.ExpertTraffic`); with B = h·e bytes a row, B' the forward
+          dispatch's row (FP8: h + 4⌈h/128⌉), S experts per rank, each forward and backward exchange gives
+            flat          forward  r→p·B' + r←p·B + 8·S + 2·8      backward (r→p + r←p)·B + 2·8
+                          (rows there and back, the expert counts, each all-to-allv's own count)
+            hierarchical  forward  r→p·B' + r←p·B + v→p·g + 8·c→p + (16 | 8·S)      backward (r→p + r←p)·B + v←p·g
+                          (the two-hop dispatch of `collectives.two_hop`: p is a lane peer on another node, to
+                          which r→p is one row per token for p's node, or a rank of this node, to which r→p is one
+                          row per assignment; v the gates (g bytes) and their gradients, c the plan's codes,
+                          16 B of counts to a lane peer, 8·S to a node peer)
+          summed over the peers; across nodes, over the peers on other nodes only.
 
 Across nodes. The same formulas, with each collective's bytes replaced by the bytes of it that leave the node
 (`collectives.topology.inter_node_bytes`: the ring's 2(n−1)/n·S if the rank's ring neighbour is on another
@@ -47,6 +56,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from collectives import Communicator
 from collectives.cost_model import CostModel, auto_algorithm, predict
@@ -271,6 +282,29 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
     # MTP: the whole sequences' targets (int64) all-gathered once per microbatch (`models.multi_token`)
     targets = (cp - 1) / cp * shape.rows * shape.seq_len * 8 if shape.mtp_depth and shape.has_head else 0.0
     return shape.microbatches * (blocks * (forwards * forward + backward) + targets)
+
+
+def expert_parallel_bytes(counts: dict[str, dict[str, Any]], dispatch: str, comm: Any, row_bytes: float,
+                          dispatch_row_bytes: float, value_bytes: float, experts_per_rank: int,
+                          across_nodes: bool = False) -> float:
+    """The ep formula of the module docstring, from one step's `models.moe.ExpertTraffic` counts on the EP group
+    `comm` (a `Communicator`; `across_nodes`: only the peers on other nodes)."""
+    layout = comm.topology
+    peers = [p for p in range(comm.size) if p != comm.rank and (not across_nodes or layout.crosses(comm.rank, p))]
+    forward, backward = counts["forward"], counts["backward"]
+    if dispatch == "flat":
+        per_call = np.full(comm.size, 8.0 * experts_per_rank + 16)
+        backward_per_call = np.full(comm.size, 16.0)
+    else:
+        lane = np.isin(np.arange(comm.size), layout.lane(layout.local_rank[comm.rank]))
+        node = np.asarray(layout.node_index) == layout.node_index[comm.rank]
+        per_call = np.where(lane, 16.0, np.where(node, 8.0 * experts_per_rank, 0.0))
+        backward_per_call = np.zeros(comm.size)
+    total = (forward["rows_to"] * dispatch_row_bytes + forward["rows_from"] * row_bytes
+             + forward["values_to"] * value_bytes + forward["codes_to"] * 8.0 + forward["calls"] * per_call
+             + (backward["rows_to"] + backward["rows_from"]) * row_bytes + backward["values_from"] * value_bytes
+             + backward["calls"] * backward_per_call)
+    return float(total[peers].sum())
 
 
 def context_parallel_inter_node_bytes(shape: RunShape, cp_comm: Any) -> float | None:

@@ -472,6 +472,10 @@ def deepseek_options(command: Callable) -> Callable:
                    "all-gather gathers K/V once per layer; ulysses re-shards sequence to heads with all-to-alls.")
 @click.option("--ep", type=click.IntRange(min=1), default=default("ep"),
               help="Expert-parallel ranks, carved from dp: each holds E/ep experts, tokens reach them by all-to-all.")
+@click.option("--ep-dispatch", type=click.Choice(["flat", "hierarchical"]), default=default("ep_dispatch"),
+              help="How tokens reach experts on other nodes: flat sends one copy per chosen expert; hierarchical "
+                   "(DeepSeek-V3's node-limited dispatch, --arch deepseek_v3 with --n-group = nodes of the EP "
+                   "group) crosses to each target node once, then forwards inside the node.")
 @click.option("--zero", type=click.IntRange(0, 3), default=default("zero"),
               help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=default("microbatches"),

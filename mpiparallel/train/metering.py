@@ -167,7 +167,8 @@ def traffic_by_axis(trainer: Any, counted: dict[str, int], across_nodes: bool = 
     predicted: dict[str, float | None] = {
         "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial, key_value_group),
         "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp) if not across_nodes
-        else traffic.context_parallel_inter_node_bytes(shape, mesh.cp), "ep": None}
+        else traffic.context_parallel_inter_node_bytes(shape, mesh.cp),
+        "ep": expert_parallel_formula(trainer, across_nodes)}
     axis_of = {id(comm): axis for axis, comm in trainer.mesh.communicators().items()}
     for engine in trainer.engine.engines:
         axis = axis_of.get(id(engine.comm))
@@ -184,6 +185,18 @@ def traffic_by_axis(trainer: Any, counted: dict[str, int], across_nodes: bool = 
     if across_nodes:  # an axis kept inside nodes shows its 0
         return traffic.report(counted, predicted, keep={a for a, c in mesh.communicators().items() if c.size > 1})
     return traffic.report(counted, predicted)
+
+
+def expert_parallel_formula(trainer: Any, across_nodes: bool) -> float | None:
+    """`traffic.expert_parallel_bytes` on the last step's counts of this rank's MoE layers (None without EP)."""
+    model, counts = trainer.model, getattr(trainer.experts, "last_traffic", None)
+    if model.ep_comm is None or counts is None:
+        return None
+    channels, itemsize = model.config.n_embd, model.compute_dtype.itemsize
+    dispatch_row = channels + 4 * math.ceil(channels / 128) if model.fp8 != "none" else channels * itemsize
+    return traffic.expert_parallel_bytes(counts, model.ep_dispatch, model.ep_comm, channels * itemsize, dispatch_row,
+                                         counts["value_bytes"], model.config.n_experts // model.ep_comm.size,
+                                         across_nodes)
 
 
 # -- MFU's denominator -----------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..errors import ConfigError
 from ..mesh import Mesh, MeshShape
 from ..pipeline_parallel import check_tag_space, local_units, place_on_pipeline, stage_units
 from ..schedules import Schedule, build_schedule, default_microbatches, default_virtual_stages
+from ..training_checkpoint import on_every_rank
 from .settings import OptimizerSettings, TrainSettings, moment_dtype
 
 
@@ -132,6 +133,7 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
                           f"what is not FP8 is bfloat16), got --compute-dtype "
                           f"{settings.model.compute_dtype or settings.model.dtype}")
     check_experts(config, mesh)
+    on_every_rank(mesh.world, lambda: check_ep_dispatch(settings, mesh, config))
     check_sequence_balance(settings, mesh, config)
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     common = {"seed": settings.model.seed, "dtype": np.dtype(settings.model.dtype), "xp": xp,
@@ -141,7 +143,8 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
     if config.n_experts:  # the token sets one step averages the aux loss over, and this rank's EP group
         token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (
             tp if settings.mesh.sp else 1)
-        common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None}
+        common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None,
+                   "ep_dispatch": settings.mesh.ep_dispatch}
     if tp == 1:
         model = Transformer(config, **common)
     else:
@@ -185,6 +188,38 @@ def check_experts(config: GPTConfig, mesh: Mesh) -> None:
         raise ConfigError(f"--ep {ep} spreads experts over ranks: give --experts")
     if config.n_experts and config.n_experts % ep:
         raise ConfigError(f"--ep {ep} must divide --experts {config.n_experts} (each EP rank holds E/ep experts)")
+
+
+def check_ep_dispatch(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:
+    """--ep-dispatch hierarchical is DeepSeek-V3's node-limited dispatch: it needs the group-limited router and an EP
+    group over nodes of equal size whose node b holds exactly router group b's experts, so that each token's
+    experts lie on at most --topk-group nodes. Run on every rank (EP groups may lie differently)."""
+    if settings.mesh.ep_dispatch == "flat":
+        return
+    what = "--ep-dispatch hierarchical (DeepSeek-V3's node-limited two-hop dispatch)"
+    if not config.is_deepseek:
+        raise ConfigError(f"{what} needs --arch deepseek_v3: its group-limited router (--n-group, --topk-group) is "
+                          f"what keeps each token's experts on few nodes")
+    if mesh.shape.ep == 1:
+        raise ConfigError(f"{what} moves tokens between expert-parallel ranks: give --ep > 1")
+    layout, ep = mesh.ep.topology, mesh.shape.ep
+    sizes = [len(members) for members in layout.members]
+    if not layout.spans_nodes:
+        raise ConfigError(f"{what} crosses nodes once per target node, but each EP group of {ep} ranks lies on one "
+                          f"node: use --ep-dispatch flat, or an EP group spanning nodes (MPIPARALLEL_RANKS_PER_NODE "
+                          f"emulates nodes on one machine)")
+    if not layout.even:
+        raise ConfigError(f"{what} needs the EP group's nodes to hold equally many of its ranks, got {sizes}")
+    if config.n_group != layout.count:
+        raise ConfigError(f"{what} needs --n-group equal to the nodes of the EP group ({layout.count}: each router "
+                          f"group's experts on one node), got --n-group {config.n_group}")
+    per_rank, per_group = config.n_experts // ep, config.n_experts // config.n_group
+    for group in range(config.n_group):
+        nodes = {layout.node_index[expert // per_rank] for expert in range(group * per_group, (group + 1) * per_group)}
+        if len(nodes) > 1:
+            raise ConfigError(f"{what} needs each router group's experts on one node, but group {group}'s experts "
+                              f"(EP ranks {group * per_group // per_rank}…{((group + 1) * per_group - 1) // per_rank})"
+                              f" lie on nodes {sorted(nodes)}: the mesh must put consecutive EP ranks on one node")
 
 
 def check_sequence_balance(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:

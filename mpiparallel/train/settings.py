@@ -68,6 +68,7 @@ class MeshSettings:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    ep_dispatch: str = "flat"  # "hierarchical": DeepSeek-V3's two-hop node-limited dispatch (`collectives.two_hop`)
     sp: bool = False
     zero: int = 0
     microbatches: int | None = None

@@ -115,6 +115,9 @@ def test_mesh_axes_inside_and_across_nodes():
     assert axes_spanning_nodes(MeshShape(dp=2, tp=2, pp=2).resolve(8), nodes) == {"pp"}
     assert axes_spanning_nodes(MeshShape(dp=4, tp=2).resolve(8), (0, 0, 1, 1, 2, 2, 3, 3)) == {"dp"}
     assert axes_spanning_nodes(MeshShape(dp=1, tp=8).resolve(8), nodes) == {"tp"}
+    # ep: groups of ep consecutive dp ranks, inside a node at ep 4, across the two at ep 8
+    assert axes_spanning_nodes(MeshShape(dp=8, ep=4).resolve(8), nodes) == {"dp"}
+    assert axes_spanning_nodes(MeshShape(dp=8, ep=8).resolve(8), nodes) == {"dp", "ep"}
 
 
 # -- on ranks: results, and the ledger against the formulas -------------------------------------------------

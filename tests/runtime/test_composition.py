@@ -208,6 +208,17 @@ DEVICE_MATRIX = [
     (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "all-gather", "sp": True, "recompute": "selective",
                      "device": "gpu"}),
 ]
+# expert parallelism across 2 emulated nodes of 2 ranks (MPIPARALLEL_RANKS_PER_NODE=2), n_group 2 = the nodes: the
+# flat all-to-allv and DeepSeek-V3's two-hop node-limited dispatch (with tp: EP groups of one rank per node; on device
+# arrays)
+NODES = {"MPIPARALLEL_RANKS_PER_NODE": "2"}
+NODES_MATRIX = [
+    (4, "deepseek", {"dp": 4, "ep": 4, "ep_dispatch": "flat"}),
+    (4, "deepseek", {"dp": 4, "ep": 4, "ep_dispatch": "hierarchical", "zero": 1}),
+    (4, "deepseek", {"dp": 2, "tp": 2, "ep": 2, "ep_dispatch": "hierarchical"}),
+    (4, "deepseek-mtp", {"dp": 4, "ep": 4, "ep_dispatch": "hierarchical", "recompute": "full"}),
+    (4, "deepseek", {"dp": 4, "ep": 4, "ep_dispatch": "hierarchical", "device": "gpu"}),  # device arrays, staged
+]
 DEVICE_ARRAYS = ({"MPIPARALLEL_TEST_ARRAYS": "cupy"} if os.environ.get("MPIPARALLEL_TEST_ARRAYS") == "cupy"
                  else {"MPIPARALLEL_TEST_ARRAYS": "fake", "MPIPARALLEL_CUDA_AWARE": "0"})
 THREE_AXIS_LAYOUTS = [  # (ranks, model, axis sizes, what else must be on); MoE's ep is carved out of dp
@@ -315,6 +326,13 @@ def device_results(references) -> list[dict]:
                         references=references)[0]
 
 
+@pytest.fixture(scope="module")
+def nodes_results(references) -> list[dict]:
+    return run_on_ranks(4, "workers.composition_checks:matches_serial", timeout=600, env={**NODES, **DEVICE_ARRAYS},
+                        models=MODELS, runs=[(model, options) for _, model, options in NODES_MATRIX],
+                        references=references)[0]
+
+
 def label(row: tuple) -> str:
     ranks, model, options = row
     parts = [f"{key}{value}" if not isinstance(value, bool) else key for key, value in options.items()]
@@ -341,6 +359,11 @@ def test_every_composition_equals_serial(results, index):
 @pytest.mark.parametrize("index", range(len(DEVICE_MATRIX)), ids=[label(row) for row in DEVICE_MATRIX])
 def test_pipelines_on_device_arrays_equal_serial(device_results, index):
     assert_equals_serial(device_results[index], DEVICE_MATRIX[index][1])
+
+
+@pytest.mark.parametrize("index", range(len(NODES_MATRIX)), ids=[label(row) for row in NODES_MATRIX])
+def test_expert_parallelism_across_two_nodes_equals_serial_with_either_dispatch(nodes_results, index):
+    assert_equals_serial(nodes_results[index], NODES_MATRIX[index][1])
 
 
 TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "4", "--batch-size", "8", "--steps", "1"]
