@@ -629,10 +629,11 @@ def unit_kinds(model: Model) -> tuple[int, ...]:
 
 def _with_prediction_modules(head: UnitCost, block: UnitCost, model: Model, rows: int, vocab: int,
                              item: float) -> UnitCost:
-    """The head unit with DeepSeek-V3's MTP modules (never under CP or SP): per module the two RMSNorms and
-    eh_proj [2h, h], one MoE block and the shared head's logits and cross-entropy again. Module k sees s − k
-    positions; its block is timed over all s. Saved per position: the embedding's token id, enorm's and
-    hnorm's inputs and 1/rms, eh_proj's input [2h], the final norm's and the cross-entropy's (6h + 3 + V)."""
+    """The head unit with DeepSeek-V3's MTP modules (their positions priced whole, not cut over CP or SP): per module
+    the two RMSNorms and eh_proj [2h, h], one MoE block and the shared head's logits and cross-entropy again, each
+    over all s positions (the last k of module k masked, as models/multi_token.py runs them). Saved per position:
+    the embedding's token id, enorm's and hnorm's inputs and 1/rms, eh_proj's input [2h], the final norm's and the
+    cross-entropy's (6h + 3 + V)."""
     depth, h, seq = model.config.mtp_depth, model.n_embd, model.seq_len
     tokens = rows * seq
     projection = Gemm(tokens, h, 2 * h, linear=True)
@@ -640,8 +641,7 @@ def _with_prediction_modules(head: UnitCost, block: UnitCost, model: Model, rows
     gemms = (projection, logits) + block.gemms_forward
     flops = projection.flops + logits.flops + block.flops_forward
     elements = 8 * tokens * h + 6 * tokens * vocab + block.elementwise_forward
-    shares = [(seq - k) / seq for k in range(1, depth + 1)]
-    saved = sum(share * (tokens * (6 * h + 3 + vocab + 8 / item) + block.saved) for share in shares) / depth
+    saved = tokens * (6 * h + 3 + vocab + 8 / item) + block.saved
     return replace(head, saved=head.saved + depth * saved, flops_forward=head.flops_forward + depth * flops,
                    flops_backward=head.flops_backward + depth * (flops + block.flops_backward),
                    elementwise_forward=head.elementwise_forward + depth * elements,
