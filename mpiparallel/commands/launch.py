@@ -14,8 +14,9 @@ PID (every rank writes it to a folder the parent names in MPIPARALLEL_RANK_PIDS)
 ended first, and replaces the banner with one line naming that rank:
 `mpiparallel: rank 1 (pid 4242) was lost: Killed (signal 9); mpiexec ended the other ranks`.
 "Ended first" is read the way hydra learns of a death: each rank also holds a connection to the parent (a Unix
-socket in that folder), which the kernel closes with the rank's other files. Hydra kills the survivors only after
-it saw the first one's files close, so their connections close strictly later. The processes' own ends (pidfds)
+socket in that folder), which the kernel closes with the rank's other files — first of them, as it sits on the
+rank's highest descriptor (`_on_the_highest_descriptor`). Hydra kills the survivors only after it saw the first
+one's PMI socket or stdout close, so their connections close strictly later. The processes' own ends (pidfds)
 are no such order: a dying process closes its files before it becomes a zombie (its last thread must exit
 first), so on a loaded machine a rank that hydra killed can become a zombie first (seen once: that rank was
 named). The watcher may wake late on a loaded machine and find several connections closed at once; epoll hands
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import select
 import shutil
 import signal
@@ -181,6 +183,10 @@ ENDED, ABORTED, MPI_ERROR = "ended", "aborted", "mpi-error"
 its own exception, or an abort after an error of MPI itself (most likely a peer's death)."""
 
 
+HIGHEST_DESCRIPTOR = 4095
+"""The descriptor a rank holds its connection to the parent on (lower where the descriptor limit is lower): above
+whatever hydra and MPI open, and a small file table (a descriptor N makes the kernel size it for N + 1)."""
+
 WATCH_SOCKET = "watch.sock"
 """The Unix socket in the RANK_PIDS folder that every rank connects to and keeps open until it ends."""
 
@@ -215,20 +221,25 @@ def _connect_to_parent(path: Path) -> None:
     except OSError:
         connection.close()
         return
-    _connection_to_parent.append(_as_first_descriptor(connection))
+    _connection_to_parent.append(_on_the_highest_descriptor(connection))
 
 
-def _as_first_descriptor(connection: socket.socket) -> socket.socket:
-    """The connection moved onto descriptor 0, in place of standard input (which no rank reads; `sys.stdin`
-    then reads /dev/null). Why: a dying process closes its descriptors in ascending order and may be rescheduled
-    between two of them, while hydra learns of the death from the lower-numbered stdout pipes and PMI socket and
-    kills the other ranks at once; on a loaded machine a killed rank's connection, opened late and so numbered
-    high, could close after those of the ranks hydra killed (seen: a killed rank was named in place of the one
-    lost). Descriptor 0 closes first. Not inherited by the rank's own subprocesses, which would hold it open."""
-    os.dup2(connection.fileno(), 0, inheritable=False)
+def _on_the_highest_descriptor(connection: socket.socket) -> socket.socket:
+    """The connection moved to the highest descriptor this process may hold (at most HIGHEST_DESCRIPTOR), so
+    that it is the first file a dying rank releases. Why: a process that dies closes its descriptors in order,
+    but the kernel releases each file only at the end of the exit, last closed first (the final releases are
+    queued as task work, a last-in first-out list) — so the highest descriptor goes first, the inherited stdout
+    pipes and PMI socket (low numbers) last. Hydra learns of a death from those and kills the other ranks at once;
+    had our connection a lower number than the PMI socket, the ranks hydra killed could be released before it and
+    be named in place of the rank lost (seen in CI). Not inherited by the rank's own subprocesses, which would
+    hold it open."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = min(soft if soft != resource.RLIM_INFINITY else HIGHEST_DESCRIPTOR + 1, HIGHEST_DESCRIPTOR + 1) - 1
+    if highest <= connection.fileno():
+        return connection
+    os.dup2(connection.fileno(), highest, inheritable=False)
     connection.close()
-    sys.stdin = open(os.devnull)  # noqa: SIM115 - held for the life of the process, as stdin is
-    return socket.socket(fileno=0)
+    return socket.socket(fileno=highest)
 
 
 # -- the self-launching parent --------------------------------------------------------------------------------
@@ -262,9 +273,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
 
         monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
-    # no standard input: the ranks' descriptor 0 holds their connection to us (`_as_first_descriptor`)
-    process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=dict(environ))
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
     stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no rank, whatever died with it
 
     def stop(number: int, frame: object) -> None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -205,14 +208,12 @@ REGISTERING_RANK = textwrap.dedent("""
 
     launch._register_pid()
     connection = launch._connection_to_parent[0]
-    print(connection.fileno(), os.get_inheritable(0), repr(sys.stdin.read()), connection.getpeername())
+    descriptors = [int(name) for name in os.listdir("/proc/self/fd")]
+    print(connection.fileno(), max(descriptors), os.get_inheritable(connection.fileno()), connection.getpeername())
 """)
 
 
-def test_a_rank_holds_its_connection_to_the_parent_as_descriptor_0(tmp_path):
-    """A dying process closes its descriptors in ascending order, and hydra kills the other ranks as soon as the
-    lower-numbered stdout pipes or PMI socket close; the connection the watcher orders the deaths by must close
-    before those, so it is descriptor 0 (stdin: the rank then reads /dev/null), and no child inherits it."""
+def test_a_rank_holds_its_connection_to_the_parent_on_its_highest_descriptor(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     watcher = launch.Endings(pids, ranks=1)
@@ -221,8 +222,55 @@ def test_a_rank_holds_its_connection_to_the_parent_as_descriptor_0(tmp_path):
                               env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": "0"})
     watcher.join(timeout=10)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["0", "False", "''", str(pids / launch.WATCH_SOCKET)]
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    highest = min(soft, launch.HIGHEST_DESCRIPTOR + 1) - 1
+    assert result.stdout.split() == [str(highest), str(highest), "False", str(pids / launch.WATCH_SOCKET)]
     assert [[rank for rank, _ in group] for group in watcher.order] == [[0]]
+
+
+KILLED_RANK = textwrap.dedent("""
+    # holds a socket on descriptor 10 (as a rank holds hydra's PMI socket, inherited, low), registers, waits
+    import os, socket, sys, time
+    from mpiparallel.commands import launch
+
+    os.dup2(int(sys.argv[1]), 10)
+    os.close(int(sys.argv[1]))
+    launch._register_pid()
+    print("registered", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.skipif(not hasattr(select, "epoll"), reason="reads the kernel's order of the ends with epoll")
+def test_a_killed_rank_releases_its_connection_to_the_parent_before_the_socket_hydra_watches(tmp_path):
+    """What hydra sees (the PMI socket, descriptor 10 here) must close after what the watcher sees, or hydra may
+    kill the other ranks before the watcher learns which one died. SIGKILLed, the rank's files are released last
+    descriptor first; the test watches both ends in one epoll, which hands them over in the order they closed."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(pids / launch.WATCH_SOCKET))
+    listener.listen(1)
+    listener.settimeout(60)
+    pmi_ours, pmi_theirs = socket.socketpair()
+    rank = subprocess.Popen([sys.executable, "-c", KILLED_RANK, str(pmi_theirs.fileno())], stdout=subprocess.PIPE,
+                            pass_fds=[pmi_theirs.fileno()], env={**os.environ, launch.RANK_PIDS: str(pids),
+                                                                  "PMI_RANK": "0"})
+    pmi_theirs.close()
+    try:
+        watched, _ = listener.accept()
+        assert rank.stdout.readline() == b"registered\n"
+        watched.recv(64)  # the rank's PID, read first: a descriptor already ready would keep its place in epoll's list
+        poller = select.epoll()
+        poller.register(watched.fileno(), select.EPOLLIN)
+        poller.register(pmi_ours.fileno(), select.EPOLLIN)
+        rank.kill()
+        rank.wait(timeout=60)
+        order = [descriptor for descriptor, _ in poller.poll(10)]
+    finally:
+        rank.kill()
+        rank.wait()
+    assert order == [watched.fileno(), pmi_ours.fileno()]
 
 
 PLANTED_FAILURE = textwrap.dedent("""
