@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pty
+import select
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import click
 import pytest
 from mpi_harness import run_with_timeout
 from optional import optional_module
+from processes import start_job
 
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import checkpoint, data
@@ -78,11 +80,13 @@ def test_progress_line_rewrites_itself_under_mpiexec_when_the_launchers_output_i
     """`-n 2` with a terminal: rank 0's output reaches it through mpiexec's pipes; the self-launching parent says
     it is a terminal, and its relay passes each rewritten line (ending in a carriage return) on at once."""
     primary, secondary = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY, "--steps", "40"],
-                               stdout=secondary, stderr=subprocess.PIPE, start_new_session=True)
+    process = start_job([sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY, "--steps", "40"],
+                        stdout=secondary, stderr=subprocess.PIPE)
     os.close(secondary)
     output, deadline = b"", time.monotonic() + 300
     while time.monotonic() < deadline:
+        if not select.select([primary], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            break  # no output before the deadline: the assertions below fail, the job is killed
         try:
             chunk = os.read(primary, 1 << 16)
         except OSError:  # the terminal closed: every writer has ended

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from mpi_harness import mpiexec_path, run_with_timeout
-from processes import rank_pid
+from processes import rank_pid, start_job
 
 from mpiparallel.commands import launch
 
@@ -126,12 +126,12 @@ def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zomb
         while not watcher.order and time.monotonic() < noticed_by:
             time.sleep(0.01)
         ranks[0].kill()
-        ranks[0].wait()
+        ranks[0].wait(timeout=60)
         watcher.join(timeout=10)
     finally:
         for process in ranks:
             process.kill()
-            process.wait()
+            process.wait(timeout=60)
     assert watcher.order == [[(1, ranks[1].pid)], [(0, ranks[0].pid)]]
     message = launch.lost_rank_message("", launch._registered(pids), watcher.order, watcher.how)
     assert message is not None and message.startswith(f"mpiparallel: rank 1 (pid {ranks[1].pid}) was lost: ")
@@ -176,8 +176,8 @@ def test_a_watcher_that_wakes_late_still_names_only_the_rank_that_ended_first(tm
     ranks = []
     try:  # bounded: every wait below has a deadline or timeout, the processes killed in `finally`
         for rank in (0, 1):
-            ranks.append(subprocess.Popen([sys.executable, "-c", CLOSING_RANK, str(tmp_path / f"go-{rank}")],
-                                          env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": str(rank)}))
+            ranks.append(start_job([sys.executable, "-c", CLOSING_RANK, str(tmp_path / f"go-{rank}")],
+                                   env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": str(rank)}))
             connected_by = time.monotonic() + 60
             while len(watcher.connections) <= rank or None in [pid for _, pid in watcher.connections.values()]:
                 assert time.monotonic() < connected_by, "the fake rank never connected"
@@ -194,7 +194,7 @@ def test_a_watcher_that_wakes_late_still_names_only_the_rank_that_ended_first(tm
         watcher.late.set()
         for process in ranks:
             process.kill()
-            process.wait()
+            process.wait(timeout=60)
     assert watcher.order == [[(1, ranks[1].pid)], [(0, ranks[0].pid)]]
     message = launch.lost_rank_message("", launch._registered(pids), watcher.order, watcher.how)
     assert message is not None and message.startswith(f"mpiparallel: rank 1 (pid {ranks[1].pid}) was lost: ")
@@ -253,12 +253,12 @@ def test_a_killed_rank_releases_its_connection_to_the_parent_before_the_socket_h
     listener.listen(1)
     listener.settimeout(60)
     pmi_ours, pmi_theirs = socket.socketpair()
-    rank = subprocess.Popen([sys.executable, "-c", KILLED_RANK, str(pmi_theirs.fileno())], stdout=subprocess.PIPE,
-                            pass_fds=[pmi_theirs.fileno()], env={**os.environ, launch.RANK_PIDS: str(pids),
-                                                                  "PMI_RANK": "0"})
+    rank = start_job([sys.executable, "-c", KILLED_RANK, str(pmi_theirs.fileno())], stdout=subprocess.PIPE,
+                     pass_fds=[pmi_theirs.fileno()], env={**os.environ, launch.RANK_PIDS: str(pids), "PMI_RANK": "0"})
     pmi_theirs.close()
     try:
-        watched, _ = listener.accept()
+        watched, _ = listener.accept()  # within the listener's 60 s timeout
+        assert select.select([rank.stdout], [], [], 60)[0], "the fake rank never said it registered"
         assert rank.stdout.readline() == b"registered\n"
         watched.recv(64)  # the rank's PID, read first: a descriptor already ready would keep its place in epoll's list
         poller = select.epoll()
@@ -269,7 +269,7 @@ def test_a_killed_rank_releases_its_connection_to_the_parent_before_the_socket_h
         order = [descriptor for descriptor, _ in poller.poll(10)]
     finally:
         rank.kill()
-        rank.wait()
+        rank.wait(timeout=60)
     assert order == [watched.fileno(), pmi_ours.fileno()]
 
 
