@@ -179,10 +179,11 @@ class PipelineExecutor:
         return self.schedule.stage_ranks[0] == self.comm.rank
 
     def step(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float,
-             on_forward: Any = None) -> float:
+             on_forward: Any = None, on_action: Any = None) -> float:
         """Run the schedule on these microbatches (the same split on every pipeline rank); return the sum of their
         cross-entropies on the rank of the last stage (0 elsewhere). Gradients accumulate in the parameters;
-        `on_forward(saved)` sees every forward's saved state (MoE router statistics)."""
+        `on_forward(saved)` sees every forward's saved state (MoE router statistics), `on_action(action)` each
+        action before it starts (the progress reports)."""
         self._batches, self._normalizer, self._loss = microbatches, normalizer, 0.0
         self._on_forward = on_forward or (lambda saved: None)
         self._saved: dict[tuple[int, int], Any] = {}
@@ -192,6 +193,8 @@ class PipelineExecutor:
         start = time.perf_counter()
         self.timeline, self.peak_saved_bytes = Timeline(started=start), 0
         for action in self.actions:
+            if on_action is not None:
+                on_action(action)
             self._complete_receive_for(action)  # waiting on a neighbour is idle time, not the action's
             began = time.perf_counter() - start
             self._run(action)

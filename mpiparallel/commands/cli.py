@@ -27,6 +27,8 @@ from .data import data as data_command
 from .plan import plan as plan_command
 from .plot import plot as plot_command
 from .schedule import schedule as schedule_command
+from .stall import TIMEOUT_VARIABLE as STALL_TIMEOUT_VARIABLE
+from .stall import StallWatch
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
 REDUCTION_OPS = ("sum", "prod", "max", "min", "avg")
@@ -414,6 +416,11 @@ def deepseek_options(command: Callable) -> Callable:
               help="--elastic: give up (non-zero exit) rather than continue on fewer ranks.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=default("max_restarts"),
               help="--elastic: give up after this many relaunches.")
+@click.option("--stall-timeout", type=click.FloatRange(min=0), default=default("stall_timeout"), metavar="SECONDS",
+              envvar=STALL_TIMEOUT_VARIABLE, show_envvar=True, callback=lambda ctx, param, value: _finite(value, param),
+              help="With -n: when no rank has made progress for this long, end the job with one line naming the rank "
+                   "behind and where each rank is (a stopped, deadlocked or starved rank would otherwise hold the "
+                   "others in their next collective forever); --elastic relaunches without that rank. 0: never.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=default("eval_every"),
               help="Steps between validation losses on held-out data (0: none).")
 @click.option("--eval-batches", type=click.IntRange(min=1), default=default("eval_batches"),
@@ -534,7 +541,8 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
         check_elastic(options, ranks, ctx.meta.get(HOSTFILE))
         run_elastic(ranks, _argv(ctx), options, {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep},
                     ctx.meta.get(HOSTFILE))
-    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
+    launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE),
+                             StallWatch(options["stall_timeout"], options["log_json"]))
     launch.limit_blas_threads(threads)
     launch.keep_freed_memory()
     from .. import train as training
@@ -558,6 +566,13 @@ def _check_checkpoint_options(options: dict[str, Any]) -> None:
                                f"--checkpoint-dir, or a checkpoint folder")
     if resume_from is not None:
         options["resume"] = True
+
+
+def _finite(seconds: float, param: click.Parameter) -> float:
+    """A FloatRange lets "nan" and "inf" through; a timeout is neither."""
+    if seconds != seconds or seconds == float("inf"):
+        raise click.BadParameter(f"{seconds} is not a number of seconds (0 or more; 0: never)", param=param)
+    return seconds
 
 
 def _check_writable(folders: dict[str, str | None]) -> None:

@@ -1,7 +1,8 @@
 """`train --elastic`: a run that survives the loss of ranks or hosts, on whatever is left.
 
 The self-launching parent starts the job (`launch.run_job`) and, when it ends having lost ranks (one machine: the
-ranks that died without a word; a cluster: every rank of a lost host), relaunches it:
+ranks that died without a word; a cluster: every rank of a lost host; either: the ranks the stall watchdog found
+behind, which it killed with the rest — `stall.py`), relaunches it:
 
 1. the mesh for the survivors keeps the model axes tp·cp·pp (and ep, carved from dp) and shrinks dp to the
    largest size that fits, divides the global batch (which is kept: each DP rank takes more rows, so the loss
@@ -47,6 +48,7 @@ from ..train.reports import CONTINUE_LOG, PROGRESS
 from ..training_checkpoint import TrainingCheckpoint, incomplete_steps, latest_training_checkpoint
 from . import hosts as multi_host
 from . import launch
+from .stall import StallWatch
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -136,7 +138,8 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
         progress = Path(folder) / "progress"
         while True:
             environ = {PROGRESS: str(progress), **({CONTINUE_LOG: "1"} if restarts else {})}
-            outcome = launch.run_job(mesh.ranks, [*argv, *extra], placement, cluster, environ)
+            outcome = launch.run_job(mesh.ranks, [*argv, *extra], placement, cluster, environ,
+                                     StallWatch(options["stall_timeout"], options["log_json"]))
             lost = len(outcome.lost_ranks) + sum(len(host.ranks) for host in outcome.lost)
             if outcome.status == 0 or lost == 0:
                 if outcome.status == 0 and restarts:
@@ -324,7 +327,8 @@ def _without_lost_hosts(placement: list[str], hosts: list[multi_host.Host], path
 
 def _what_was_lost(outcome: launch.JobOutcome, reached: int) -> str:
     hosts = [f"host {host.host} (ranks {', '.join(map(str, host.ranks))})" for host in outcome.lost]
-    ranks = [f"rank {rank}" for rank in outcome.lost_ranks]
+    stalled = " (stalled)" if outcome.stall is not None else ""
+    ranks = [f"rank {rank}{stalled}" for rank in outcome.lost_ranks]
     return f"lost {' and '.join(hosts + ranks)} after step {reached}"
 
 
@@ -332,8 +336,9 @@ def _log_restart(log_json: str | None, step: int, outcome: launch.JobOutcome, me
                  planner: dict[str, Any] | None) -> None:
     if log_json is None:
         return
+    stalled = {"stalled": True} if outcome.stall is not None else {}
     lost = [*({"host": host.host, "ranks": list(host.ranks)} for host in outcome.lost),
-            *({"rank": rank} for rank in outcome.lost_ranks)]
+            *({"rank": rank, **stalled} for rank in outcome.lost_ranks)]
     event = {"event": "restart", "step": step, "lost": lost, "mesh": mesh, **({"planner": planner} if planner else {})}
     with open(log_json, "a", encoding="utf-8") as log:
         log.write(json.dumps(event) + "\n")

@@ -65,6 +65,7 @@ import click
 from ..errors import ConfigError
 from ..process import keep_freed_memory, limit_blas_threads  # noqa: F401 (the commands' and scripts' entry)
 from . import hosts as multi_host
+from .stall import Stall, StallWatch, StallWatchdog
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
@@ -115,23 +116,24 @@ def relaunch_command(mpiexec: str, ranks: int, argv: Sequence[str], placement: S
     return [mpiexec, *placement, "-n", str(ranks), sys.executable, "-m", "mpiparallel", *argv]
 
 
-def ensure_world_size(ranks: int | None, argv: Sequence[str], hostfile: Path | None = None) -> None:
+def ensure_world_size(ranks: int | None, argv: Sequence[str], hostfile: Path | None = None,
+                      stall: StallWatch | None = None) -> None:
     """Make this command run on `ranks` ranks: relaunch under mpiexec, or check the running job's size.
 
     `argv` is the command's arguments (without the program name), passed on unchanged to the new ranks.
     `hostfile`: start the ranks on its hosts (`ranks=None`: one per slot); ignored under MPI, where the ranks
-    already run where they were placed. Returns only when this process is one of the right number of ranks;
-    `ranks=None` accepts any job.
+    already run where they were placed. `stall`: the parent's stall watchdog (`stall.py`; none by default).
+    Returns only when this process is one of the right number of ranks; `ranks=None` accepts any job.
     """
     if launched_by_mpi():
         _register_pid()
     elif hostfile is not None:
-        _relaunch_on_hosts(ranks, argv, hostfile)
+        _relaunch_on_hosts(ranks, argv, hostfile, stall)
     if ranks is None:
         return
     if not launched_by_mpi():
         if ranks > 1:
-            _relaunch(ranks, argv)
+            _relaunch(ranks, argv, stall=stall)
         return
     size = world_size()
     if size != ranks:
@@ -139,15 +141,16 @@ def ensure_world_size(ranks: int | None, argv: Sequence[str], hostfile: Path | N
                           f"leave out -n under mpiexec/srun, or give the same number")
 
 
-def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None
-              ) -> NoReturn:
-    raise SystemExit(run_job(ranks, argv, placement, cluster).status)
+def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None,
+              stall: StallWatch | None = None) -> NoReturn:
+    raise SystemExit(run_job(ranks, argv, placement, cluster, stall=stall).status)
 
 
 def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None,
-            environ: Mapping[str, str] | None = None) -> JobOutcome:
+            environ: Mapping[str, str] | None = None, stall: StallWatch | None = None) -> JobOutcome:
     """Start `ranks` copies of this program with `argv` under mpiexec (`placement`: where), supervise them
-    (`supervise`) and return how the job ended; `environ` adds variables for the ranks."""
+    (`supervise`, with the stall watchdog `stall`) and return how the job ended; `environ` adds variables for the
+    ranks."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
@@ -158,10 +161,11 @@ def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), clus
         terminal = {TERMINAL: "1"} if sys.stdout.isatty() else {}
         return supervise(relaunch_command(mpiexec, ranks, argv, placement),
                          {**os.environ, **(environ or {}), RELAUNCHED: "1", RANK_PIDS: pids, **terminal}, Path(pids),
-                         ranks, cluster)
+                         ranks, cluster, stall)
 
 
-def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path) -> NoReturn:
+def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path, stall: StallWatch | None
+                       ) -> NoReturn:
     """Check the hostfile against `ranks` (one clear error before anything starts), then start the ranks on its
     hosts: through the cluster's launcher if `mpiparallel cluster up` wrote it, else `mpiexec -f`."""
     from ..cluster import cluster_of_hostfile, namespaces_of
@@ -173,9 +177,9 @@ def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path) -
         present = set(namespaces_of(cluster.name))
         multi_host.check_hosts(hostfile, hosts, ranks, present.__contains__,
                                f"cluster {cluster.name} has {', '.join(sorted(present)) or 'no host up'}")
-        _relaunch(ranks, argv, cluster.mpiexec_options(), cluster)
+        _relaunch(ranks, argv, cluster.mpiexec_options(), cluster, stall)
     multi_host.check_hosts(hostfile, hosts, ranks, multi_host.resolvable, "not known to the resolver")
-    _relaunch(ranks, argv, ["-f", str(hostfile)])
+    _relaunch(ranks, argv, ["-f", str(hostfile)], stall=stall)
 
 
 ENDED, ABORTED, MPI_ERROR = "ended", "aborted", "mpi-error"
@@ -247,32 +251,45 @@ def _on_the_highest_descriptor(connection: socket.socket) -> socket.socket:
 @dataclass(frozen=True)
 class JobOutcome:
     """How a self-launched job ended: mpiexec's exit status (or ours, when we ended it), and the hosts or ranks it
-    lost."""
+    lost; `stall` when the stall watchdog ended it (its ranks behind are then in `lost_ranks`)."""
 
     status: int
     lost: tuple[multi_host.LostHost, ...] = ()
     lost_ranks: tuple[int, ...] = ()  # on one machine: the ranks lost without a word (hosts lost: see `lost`)
+    stall: Stall | None = None
 
 
 def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ranks: int,
-              cluster: Cluster | None = None) -> JobOutcome:
+              cluster: Cluster | None = None, stall: StallWatch | None = None) -> JobOutcome:
     """Run mpiexec, passing its output on, and return how it ended. If the job failed because a rank ended
     without reporting anything, say which (hydra's banner about it is replaced by that line); on a `cluster`, if
     a whole host was lost, say which host and ranks instead (hydra's and the survivors' error lines are then
-    dropped). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGINT, SIGTERM or
+    dropped); if no rank made progress for `stall.timeout` seconds, end the job and say which rank is behind
+    (`stall.py`). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGINT, SIGTERM or
     SIGUSR1 to this process alone is passed on (`_pass_signal_on`); a job so ended lost no rank."""
     unreachable: list[multi_host.LostHost] = []
-    monitor = None
+    stalls: list[Stall] = []
+    ending = threading.Lock()  # held by the first of the heartbeats and the stall watchdog to end the job
+    monitor = watchdog = None
     if cluster is not None:
         def give_up(host: str, seconds: float) -> bool:
             if multi_host.ended_on_their_own(host, pids, _registered(pids)):
                 return False
-            unreachable.append(multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds))
-            _end_job(process, pids)
+            if ending.acquire(blocking=False):
+                unreachable.append(multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds))
+                _end_job(process, pids)
             return True
 
         monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
+    if stall is not None and stall.timeout > 0:
+        def end_stalled(found: Stall) -> None:
+            if ending.acquire(blocking=False):
+                stalls.append(found)
+                _end_job(process, pids)
+
+        watchdog = StallWatchdog(pids, ranks, stall.timeout, end_stalled)
+        environ = {**environ, **watchdog.environment()}
     process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
     stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no rank, whatever died with it
 
@@ -284,8 +301,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         signal.signal(number, stop)
     watcher = Endings(pids, ranks)
     watcher.start()
-    if monitor is not None:
-        monitor.start()
+    for thread in (monitor, watchdog):
+        if thread is not None:
+            thread.start()
     banner: list[bytes] = []
     held: list[bytes] | None = [] if cluster is not None else None
     relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner, held)),
@@ -300,8 +318,14 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     for relay in relays:
         relay.join()
     watcher.settle(set(_registered(pids)), ENDINGS_SETTLE_S)
-    if monitor is not None:
-        monitor.stop()
+    for thread in (monitor, watchdog):
+        if thread is not None:
+            thread.stop()
+    if stalls:  # one line, in place of all that mpiexec and the ranks said about their ends
+        print(stalls[0].message(), file=sys.stderr, flush=True)
+        if stall is not None:
+            stall.log(stalls[0])
+        return JobOutcome(1, lost_ranks=stalls[0].behind, stall=stalls[0])
     lost = tuple(unreachable) or (tuple(multi_host.killed_hosts(pids, _registered(pids), ended_by_us))
                                   if status != 0 and not stopped else ())
     if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
@@ -342,8 +366,9 @@ def _pass_signal_on(number: int, process: subprocess.Popen, pids: Path, first: b
 
 
 def _end_job(process: subprocess.Popen, pids: Path) -> None:
-    """End a job that cannot end by itself: every rank, every host's proxy (below its launcher shell), mpiexec."""
-    multi_host.end_processes([*_registered(pids), *_launcher_shells(pids)], f"{RANK_PIDS}={pids}")
+    """End a job that cannot end by itself: every rank, every host's proxy (below its launcher shell or mpiexec),
+    mpiexec."""
+    multi_host.end_processes([*_registered(pids), *_launcher_shells(pids), process.pid], f"{RANK_PIDS}={pids}")
     process.kill()
 
 

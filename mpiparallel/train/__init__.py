@@ -11,7 +11,8 @@ Read one training step in this order (from `mpiparallel train` in `commands/cli.
 
 The other parts: `settings` (every option and its default: the command line reads them from there), `inputs`
 (data, model shape, tokenizer), `state` (gather, save, resume), `metering` (time, bytes per axis, trace,
-memory, MFU's peak), `reports` (the progress line and JSON log), `experts` (router tallies and expert-bias
+memory, MFU's peak), `reports` (the progress line and JSON log), `progress` (where each rank is, told to the
+parent's stall watchdog), `experts` (router tallies and expert-bias
 balancing), `scaling` (float16's loss scaling), `generate` (sampling).
 
 Importing this package is cheap (the settings only, for the command line's option defaults); the parts that

@@ -22,6 +22,7 @@ from .generate import sample_text
 from .metering import NO_TRACER, memory_report, peak_flops, traffic_by_axis
 from .parallelize import build_mesh, microbatch_rows, parallelize
 from .preemption import Preemption
+from .progress import ProgressReports
 from .reports import Reporter
 from .settings import TrainSettings
 from .step import Trainer
@@ -31,6 +32,8 @@ def run(settings: TrainSettings) -> int:
     """Train as `settings` says; return the exit status."""
     from mpi4py import MPI
 
+    progress = ProgressReports.to_parent(MPI.COMM_WORLD.Get_rank())
+    progress.setup()
     mesh = build_mesh(settings, MPI.COMM_WORLD)
     xp = _array_library(settings, mesh)
     _announce_mesh(settings, mesh)
@@ -44,7 +47,7 @@ def run(settings: TrainSettings) -> int:
     parallel = parallelize(settings, mesh, config, xp, resume.load_model)
     tracer = Tracer.for_mesh(mesh, {"mesh": asdict(mesh.shape), "schedule": settings.mesh.schedule}) \
         if settings.output.trace else NO_TRACER
-    trainer = Trainer(parallel, settings, tracer)
+    trainer = Trainer(parallel, settings, tracer, progress)
     resume.load_optimizer(trainer)
     peak = peak_flops(settings.model.device, mesh, config.n_embd, microbatch_rows(settings, mesh) *
                       settings.data.seq_len, settings.model.compute_dtype or settings.model.dtype)
@@ -58,18 +61,23 @@ def run(settings: TrainSettings) -> int:
     for step in range(resume.first_step, settings.data.steps):
         record = trainer.step(train_batches, step)
         if _due(step, settings.data.eval_every, settings.data.steps):
+            progress.at(step + 1, "validation")
             record["val_loss"] = trainer.evaluate(validation_batches)
+        progress.at(step + 1, "end")
         reporter.step(record)
         if settings.output.memory_report and step == resume.first_step:
             reporter.say_from_every_rank(memory_report(trainer), mesh.world)
         stop = preemption.agreed()
         if settings.output.checkpoint_dir and (stop or _checkpoint_due(step, settings)):
+            progress.at(step + 1, "checkpoint")
             reporter.say(state.save_and_describe(trainer, step + 1, train_batches, identity))
         if stop:
+            progress.done()
             preemption.close()
             reporter.say(_how_to_resume(settings, stop, step + 1))
             reporter.finish()
             return Preemption.exit_status(stop)
+    progress.done()
     preemption.close()
     reporter.finish()
     _report_traffic(reporter, trainer, record)

@@ -129,12 +129,15 @@ class OutputSettings:
 
 @dataclass(frozen=True)
 class ElasticSettings:
-    """`--elastic`: the self-launching parent relaunches the run on the survivors of a lost rank or host (at
-    least `min_ranks` of them, at most `max_restarts` times), resumed from the newest complete checkpoint."""
+    """How the self-launching parent supervises the run. `--elastic`: it relaunches the run on the survivors of a
+    lost rank or host (at least `min_ranks` of them, at most `max_restarts` times), resumed from the newest complete
+    checkpoint. `stall_timeout`: it ends a job none of whose ranks made progress for that many seconds, naming the
+    rank behind (0: never; `commands/stall.py`)."""
 
     elastic: bool = False
     min_ranks: int = 1
     max_restarts: int = 3
+    stall_timeout: float = 600.0  # PyTorch's NCCL watchdog's default
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from ..training_checkpoint import on_every_rank
 from .experts import expert_tallies
 from .metering import NO_TRACER, StepMeter, sum_over
 from .parallelize import Parallel, activation_shape, microbatch_count, microbatch_rows
+from .progress import NO_PROGRESS_REPORTS
 from .scaling import forced_overflows, loss_scaler
 from .settings import TrainSettings
 from .state import gather_over_model_axes
@@ -48,13 +49,15 @@ from .state import gather_over_model_axes
 class Trainer:
     """One optimizer step over this rank's part of the run (`parallelize.Parallel`), and the validation loss."""
 
-    def __init__(self, parallel: Parallel, settings: TrainSettings, tracer: Any = NO_TRACER) -> None:
+    def __init__(self, parallel: Parallel, settings: TrainSettings, tracer: Any = NO_TRACER,
+                 progress: Any = NO_PROGRESS_REPORTS) -> None:
         self.mesh, self.model, self.engine = parallel.mesh, parallel.model, parallel.engine
         self.optimizer, self.schedule, self.settings = parallel.optimizer, parallel.schedule, settings
         self.microbatches = microbatch_count(settings, self.mesh)
         self.microbatch_rows = microbatch_rows(settings, self.mesh)
         self.global_tokens = settings.data.batch_size * settings.data.seq_len
-        self.passes = forward_backward_passes(parallel, settings, tracer)
+        self.passes = forward_backward_passes(parallel, settings, tracer, progress)
+        self.progress = progress
         self.scaler = loss_scaler(settings.model)
         self.experts = expert_tallies(self.model, self.mesh, settings.mesh.sp, self.passes.sum_losses)
         self.meter = StepMeter(self.mesh, self.model, tracer)
@@ -65,14 +68,17 @@ class Trainer:
         log record, whose "step" counts from 1 as the console and the checkpoints do (record k: the k-th step, after
         which checkpoint step-k is saved) and whose loss is the batch's before the update."""
         clock, scale = self.meter.start(), self.scaler.scale
+        self.progress.at(step + 1, "data")
         self.model.set_loss_scale(scale)
         pieces = data.microbatches(*self.rows_here(batches, step), self.microbatches)
         self.engine.zero_grad()
         tally = self.experts.new_step()
         loss = self.passes.forward_backward(pieces, self.global_tokens, tally.add, step)
+        self.progress.at(step + 1, "gradients")
         self.engine.finish_gradients()
         reduce_partial_gradients(self.engine.optimizer_parameters(), {"tp": self.mesh.tp})
         updates = step - self.scaler.skipped  # skipped steps hold the learning-rate schedule
+        self.progress.at(step + 1, "optimizer")
         skipped = self.scaler.skip_step(lambda: self._overflowed(step))
         grad_norm = None if skipped else self._clip_gradients(1.0 / scale)
         lr = self._learning_rate(updates)
@@ -151,14 +157,16 @@ class Trainer:
 Pieces = list[tuple[np.ndarray, np.ndarray]]
 
 
-def forward_backward_passes(parallel: Parallel, settings: TrainSettings, tracer: Any) -> Any:
-    """`PipelinePasses` with a pipeline schedule, else `MicrobatchesInTurn`."""
+def forward_backward_passes(parallel: Parallel, settings: TrainSettings, tracer: Any,
+                            progress: Any = NO_PROGRESS_REPORTS) -> Any:
+    """`PipelinePasses` with a pipeline schedule, else `MicrobatchesInTurn`; both tell `progress` where they are
+    (`train.progress`)."""
     if parallel.schedule is None:
-        return MicrobatchesInTurn(parallel)
+        return MicrobatchesInTurn(parallel, progress)
     executor = PipelineExecutor(parallel.model, parallel.schedule, parallel.mesh.pp,
                                 activation_shape(settings, parallel.mesh, parallel.model.config),
                                 parallel.model.compute_dtype)
-    return PipelinePasses(parallel, executor, tracer)
+    return PipelinePasses(parallel, executor, tracer, progress)
 
 
 class MicrobatchesInTurn:
@@ -167,8 +175,8 @@ class MicrobatchesInTurn:
 
     hooked = True  # the engine's hooks run during backward (the traffic formulas count its overlap)
 
-    def __init__(self, parallel: Parallel) -> None:
-        self.model, self.engine, self.mesh = parallel.model, parallel.engine, parallel.mesh
+    def __init__(self, parallel: Parallel, progress: Any = NO_PROGRESS_REPORTS) -> None:
+        self.model, self.engine, self.mesh, self.progress = parallel.model, parallel.engine, parallel.mesh, progress
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
 
@@ -176,12 +184,14 @@ class MicrobatchesInTurn:
         loss = 0.0
         for i, (x, y) in enumerate(pieces):
             with self.engine.microbatch(last=i == len(pieces) - 1):
+                self.progress.at(step + 1, "forward", i)
                 microbatch_loss, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine)
                 loss += microbatch_loss - saved.aux_loss  # the cross-entropy; the aux loss is logged apart
                 on_forward(saved)
                 if i == 0:
                     self.activation_bytes = saved.nbytes()
                     self.block_activation_bytes = saved.per_unit[1].nbytes() if self.model.blocks else 0
+                self.progress.at(step + 1, "backward", i)
                 self.model.backward(saved, hooks=self.engine)
         return loss
 
@@ -200,13 +210,15 @@ class PipelinePasses(MicrobatchesInTurn):
 
     hooked = False
 
-    def __init__(self, parallel: Parallel, executor: PipelineExecutor, tracer: Any) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: Parallel, executor: PipelineExecutor, tracer: Any,
+                 progress: Any = NO_PROGRESS_REPORTS) -> None:
+        super().__init__(parallel, progress)
         self.executor, self.schedule, self.tracer = executor, executor.schedule, tracer
 
     def forward_backward(self, pieces: Pieces, normalizer: int, on_forward: Callable[[Any], None], step: int) -> float:
         with self.engine.unhooked():
-            loss = self.executor.step(pieces, normalizer, on_forward)
+            loss = self.executor.step(pieces, normalizer, on_forward,
+                                      lambda action: self.progress.at(step + 1, "pipeline", action))
         self.tracer.pipeline_actions(self.executor.timeline, self.schedule.stage_ranks, step)
         self.activation_bytes = self.executor.peak_saved_bytes
         self.block_activation_bytes = self.executor.block_saved_bytes
