@@ -130,7 +130,8 @@ class Stall:
         parts = [self._behind_words(by_rank)]
         others = [progress for progress in self.ranks if progress.rank not in self.behind]
         waiting = [progress for progress in others if progress.running]
-        parts += [f"{_ranks_words(ranks)} wait in {where}" for where, ranks in _grouped(waiting)]
+        parts += [f"{_ranks_words(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in {where}"
+                  for where, ranks in _grouped(waiting)]
         finished = [progress.rank for progress in others if progress.phase == DONE and not progress.ended]
         ended = [progress.rank for progress in others if progress.ended]
         if finished:

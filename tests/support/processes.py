@@ -40,6 +40,33 @@ def rank_pid(job: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under process {job}")
 
 
+def processes_under(job: int) -> list[int]:
+    """The PIDs of every process below `job` now (mpiexec, hydra's proxy, the ranks, …)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _descends_from(int(entry.name), job):
+            found.append(int(entry.name))
+    return found
+
+
+def still_running(pids: list[int], within_s: float = 10) -> list[int]:
+    """Those of `pids` still running (not ended, not a zombie) after up to `within_s` seconds: [] when all ended."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [pid for pid in pids if _running(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 _STARTED: list[subprocess.Popen] = []
 
 
