@@ -43,7 +43,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,9 +126,9 @@ class Stall:
     at: float  # when it was seen (monotonic)
 
     def message(self) -> str:
-        by_rank = {progress.rank: progress for progress in self.ranks}
-        parts = [self._behind_words(by_rank)]
-        others = [progress for progress in self.ranks if progress.rank not in self.behind]
+        behind = set(self.behind) or {progress.rank for progress in self.ranks if progress.running}
+        parts = [self._behind_words([progress for progress in self.ranks if progress.rank in behind])]
+        others = [progress for progress in self.ranks if progress.rank not in behind]
         waiting = [progress for progress in others if progress.running]
         parts += [f"{_ranks_words(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in {where}"
                   for where, ranks in _grouped(waiting)]
@@ -141,13 +141,14 @@ class Stall:
         return (f"mpiparallel: stalled: {'; '.join(part for part in parts if part)}; no rank made progress for "
                 f"{self.silent_s:.0f} s (--stall-timeout {self.timeout:g}): ended every rank")
 
-    def _behind_words(self, by_rank: Mapping[int, RankProgress]) -> str:
-        named = [by_rank[rank] for rank in self.behind] or [progress for progress in self.ranks if progress.running]
+    def _behind_words(self, named: list[RankProgress]) -> str:
+        """Where the ranks named as behind are (every rank still running, when none is behind the others)."""
+        since = {progress.rank: progress.since for progress in named}
         words = []
         for where, ranks in _grouped(named):
             stopped = [rank for rank in ranks if rank in self.stopped]
             how = f" ({'all ' if len(stopped) > 1 else ''}stopped: SIGSTOP or a debugger)" if stopped else ""
-            age = max(self.at - by_rank[rank].since for rank in ranks)
+            age = max(self.at - since[rank] for rank in ranks)
             verb = "has" if len(ranks) == 1 else "have"
             words.append(f"{_ranks_words(ranks)}{how} {verb} not finished {where} for {age:.0f} s")
         if not self.behind:

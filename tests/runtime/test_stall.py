@@ -57,6 +57,13 @@ def stall_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if "stalled" in line]
 
 
+def waiting_ranks(line: str) -> list[int]:
+    """The ranks a stall line says wait (`rank 0 waits in …; ranks 2, 3 wait in …`: where they stopped may differ)."""
+    clauses = [clause.split(" wait")[0] for clause in line.split("; ")
+               if " wait in " in clause or " waits in " in clause]
+    return sorted(int(rank) for clause in clauses for rank in clause.split(" ", 1)[1].split(", "))
+
+
 def test_a_stopped_rank_ends_the_job_within_the_timeout_with_one_line_naming_it(tmp_path, tokens):
     job = start_training(tmp_path, tokens, 3, "--batch-size", "6", "--steps", "1000000", "--stall-timeout",
                          str(TIMEOUT_S))
@@ -67,10 +74,10 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_with_one_line_naming_it(
     status, stdout, stderr = ended(job, timeout=ENDS_WITHIN)
     seconds = time.monotonic() - stopped
     output = stdout + stderr
-    assert status != 0 and TIMEOUT_S - 0.5 <= seconds < ENDS_WITHIN, (status, seconds, output)
+    assert status != 0 and seconds < ENDS_WITHIN, (status, seconds, output)
     [line] = stall_lines(output)
     assert line.startswith("mpiparallel: stalled: rank 1 (stopped: SIGSTOP or a debugger) has not finished step "), line
-    assert "ranks 0, 2 wait in step " in line and line.endswith(f"(--stall-timeout {TIMEOUT_S}): ended every rank")
+    assert waiting_ranks(line) == [0, 2] and line.endswith(f"(--stall-timeout {TIMEOUT_S}): ended every rank"), line
     assert "Traceback" not in output and "BAD TERMINATION" not in output and "was lost" not in output, output
     event = records(tmp_path / "log.jsonl")[-1]
     assert event["event"] == "stall" and event["behind"] == [1] and event["timeout"] == TIMEOUT_S
@@ -182,6 +189,8 @@ def test_a_stopped_rank_is_behind_wherever_its_report_is_and_a_tie_names_nobody(
     assert behind(pipeline, []) == ()  # pipeline actions are not ordered across ranks
     finished = [progress(0, 0, "done"), progress(1, 9, "checkpoint"), progress(2, 9, "checkpoint")]
     assert behind(finished, []) == ()
-    stall = Stall(5, 6, tuple(ranks), (), (), at=6)
-    assert stall.message().startswith("mpiparallel: stalled: ranks 0, 1, 2 have not finished step 7 (gradient "
-                                      "reduction) for 6 s; none is behind the others")
+    stall = Stall(5, 6, (*ranks, progress(3, 0, "done")), (), (), at=6)
+    assert stall.message() == (
+        "mpiparallel: stalled: ranks 0, 1, 2 have not finished step 7 (gradient reduction) for 6 s; none is behind "
+        "the others (each rank still running waits at the same place); rank 3 finished training; no rank made "
+        "progress for 6 s (--stall-timeout 5): ended every rank")
