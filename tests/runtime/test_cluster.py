@@ -406,6 +406,25 @@ def test_a_single_killed_rank_on_a_cluster_is_named_as_a_rank_not_a_host(cluster
     assert_no_processes_on(made)
 
 
+def test_a_stopped_rank_on_a_cluster_is_named_by_the_stall_watchdog_before_the_heartbeats_miss_it(cluster, tmp_path):
+    """SIGSTOP stops the rank's heartbeat thread too: with a stall timeout (3 s) under the heartbeats' (10 s), the
+    stall watchdog ends the job first, naming the rank, and its line alone is printed."""
+    made = cluster(nodes=2, ranks_per_node=2)
+    job = Job(made, tmp_path, env={"MPIPARALLEL_STALL_TIMEOUT": "3"})
+    job.wait_for_steps(3)
+    victim = rank_processes(made.hosts[1])[0]
+    since = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    job.seconds_to_end(since, 30)
+    output = job.output()
+    assert job.process.returncode != 0
+    named = [line for line in output.splitlines() if "lost" in line or "unreachable" in line or "stalled" in line]
+    assert len(named) == 1 and re.match(r"mpiparallel: stalled: rank [23] \(stopped: SIGSTOP or a debugger\) has not "
+                                        r"finished step \d+ ", named[0]), output
+    assert "assert" not in output and "Traceback" not in output, output
+    assert_no_processes_on(made)
+
+
 def test_ctrl_c_ends_a_cluster_job_without_naming_a_lost_host(cluster, tmp_path):
     made = cluster(nodes=2, ranks_per_node=2)
     job = Job(made, tmp_path)
