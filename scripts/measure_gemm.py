@@ -362,7 +362,7 @@ def sustained_run(device: Device, shape: tuple[int, int, int], dtype: str, secon
     flops = flops_of((m, n, k, 1)) * calls
     ends = np.cumsum(chunk_seconds)
     total = float(ends[-1])
-    window = min(window, total / 2)
+    window = max(min(window, total / 2), max(chunk_seconds))  # every window holds the end of a chunk
 
     def rate(low: float, high: float) -> float | None:
         """The rate of the chunks that end inside (low, high] (None: none does)."""
@@ -507,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     sustained = sustained_run(device, shape, first, options.sustained, options.window) if options.sustained > 0 \
         else None
     if sustained:
-        print(f"sustained {shape}: first {sustained['first_flops'] / TERA:.1f}, last "
-              f"{sustained['last_flops'] / TERA:.1f} TFLOP/s", flush=True)
+        print(f"sustained {shape}: first {_tflops(sustained['first_flops'])}, last "
+              f"{_tflops(sustained['last_flops'])} TFLOP/s", flush=True)
 
     document = {"format": measured.FORMAT, "backend": "cupy" if device.kind == "gpu" else "numpy",
                 "device": device.name, "preset": preset, "versions": device.versions,
