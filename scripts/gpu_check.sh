@@ -11,7 +11,7 @@
 #   train   scripts/bench_train.py against PyTorch eager (GPT-2 124M, SmolLM-135M's shape; float32, TF32, bf16)
 #           and `train` on two ranks
 #   gemm    scripts/measure_gemm.py: the chip's MAMF, the planner's products of the published rows, and a minute
-#           of sustained load (about 7 minutes: run it alone); its gemm.json and gemm.md go beside the report
+#           of sustained load (about five minutes); its gemm.json and gemm.md go beside the report
 #
 # What it needs, and where it comes from: the machine's own CuPy (cupy-cuda13x in the GPU image; nothing installs
 # the `gpu` extra here), PyTorch for the training comparison, and MPI. The GPU image has mpi4py but no MPI library:

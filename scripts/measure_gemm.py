@@ -308,7 +308,7 @@ def measure_products(device: Device, products: list[dict[str, Any]], preset: str
             if measured_shape != (m, n, k, count):
                 entry["measured_shape"] = list(measured_shape)
             entry["dtype"] = dtype
-            seconds = time_shape(device, measured_shape, dtype, repeats, 0.02 if device.kind == "gpu" else 0.0)
+            seconds = time_shape(device, measured_shape, dtype, repeats, 0.1 if device.kind == "gpu" else 0.0)
             entry |= {"measured_s": seconds, "measured_flops": flops_of(measured_shape) / seconds}
             if "predicted_s" in entry:
                 entry["measured_over_predicted"] = seconds / entry["predicted_s"]

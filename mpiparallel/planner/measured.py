@@ -7,7 +7,9 @@ things of that preset, each from the measurement and none per run (docs/publishe
 - **the MAMF.** The best bf16 rate of the script's bounded shape search replaces the published figure
   (S. Bekman's table) as the compute roof of every product the model times (`gpus.gemm_seconds`).
 - **sustained clocks.** One large product run back to back: s = min(1, rate in its last window / rate in its
-  first), the power and thermal limits of continuous load. The roof becomes MAMF_measured · s.
+  first), the power and thermal limits of continuous load. The script runs it last, right after the products, so
+  its first window finds the chip as the MAMF search and the products left it, and s is what a longer load takes
+  off those rates. The roof becomes MAMF_measured · s.
 - **the products' shapes.** A product timed at the very shape the planner prices — (m, n, k, count, bytes per
   operand element) — takes its measured time t scaled to the roof it is priced at: t · MAMF_measured / roof.
   At the measured roof that is t / s; a code base that gives SMs to communication lowers the roof

@@ -109,6 +109,28 @@ def test_the_published_table_changes_only_the_rows_on_the_measured_chip(tmp_path
             assert after.split(" | ")[2] == f"{figure:.0f}" != before.split(" | ")[2], run.label()
 
 
+def test_published_with_a_measurement_prints_the_table_and_each_parts_ratio_on_the_measured_rows(tmp_path, capsys):
+    from mpiparallel.planner import published
+
+    path = measurement_file(tmp_path, "h100-sxm", mamf=700e12, sustained={"first_flops": 700e12,
+                                                                         "last_flops": 665e12})
+    assert published.main(["--gemm-measured", str(path)]) == 0
+    printed = capsys.readouterr().out
+    llama = [run for run in RUNS if run.gpu == "h100-sxm"]
+    cells = [line.rstrip(" |").split(" | ") for line in printed.splitlines() if line.startswith("| ")]
+    rows = {row[0]: row[1:] for row in cells}
+    assert len(rows["| part"]) == len(llama)
+    for name, mamf in (("| measured MAMF", 700e12), ("| + sustained clocks", 665e12)):
+        expected = [predicted(run, predict(run, lambda setup, mamf=mamf: replace(
+            setup, gpu=replace(setup.gpu, mamf_flops=mamf)))) / run.published for run in llama]
+        assert rows[name] == [f"{ratio:.2f}" for ratio in expected]
+    assert rows["| + measured products (all of the file)"] == rows["| + sustained clocks"]  # no products in it
+    h200 = measured.load(measurement_file(tmp_path, "h200"))
+    assert published.measurement_effects(h200).startswith("No published row runs on h200")
+    assert published.main(["--gemm-measured", str(tmp_path / "absent.json")]) == 2
+    assert capsys.readouterr().err.count("error: cannot read") == 1
+
+
 def test_plan_with_a_measurement_prices_the_layout_as_the_planner_does_with_it(tmp_path):
     from mpiparallel.commands import plan as plan_command
     from mpiparallel.planner.core import PRECISIONS, Layout, Model
