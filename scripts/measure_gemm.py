@@ -5,8 +5,9 @@
     python scripts/measure_gemm.py [--out DIR] [--mamf-budget 150] [--product-budget 180] [--sustained 60]
     python scripts/measure_gemm.py --device cpu --preset a100-80gb ...   (the test path: NumPy float32 on the CPU)
 
-Three phases, in this order, each timed with CUDA events around every call (CuPy's `matmul`: cuBLAS's
-`cublasGemmEx`, fp32 accumulation) after warm-up calls, a shape's time the median of its calls:
+Three phases, in this order. Every call is timed with CUDA events, after warm-up calls, and a shape's time is the
+median of its calls. The products are CuPy's `matmul` on row-major operands: cuBLAS's `cublasGemmEx` (a batch:
+`cublasGemmStridedBatchedEx`) with fp32 accumulation.
 
 1. **MAMF** (maximum achievable matmul FLOP/s, after S. Bekman's mamf-finder): the best rate over a shape search
    bounded by `--mamf-budget` seconds — m, n, k multiples of 256 from 1,024 to 16,384: a few cubes, random shapes,

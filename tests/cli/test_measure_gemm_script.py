@@ -67,8 +67,9 @@ def test_the_file_has_the_mamf_the_products_and_the_sustained_run_labelled_as_a_
     assert mamf["flops"] > 0 and mamf["tried"] >= 1 and all(size % 64 == 0 for size in mamf["shape"])
     assert mamf["flops"] == max(leader["flops"] for leader in mamf["leaders"])
     sustained = document["sustained"]
-    assert sustained["shape"] == mamf["shape"] and sustained["seconds"] >= 1
-    assert sustained["first_flops"] > 0 and sustained["last_flops"] > 0 and len(sustained["windows_flops"]) >= 2
+    assert sustained["shape"] == mamf["shape"] and sustained["seconds"] >= 0.9  # --sustained 1, less the start
+    assert sustained["first_flops"] > 0 and sustained["last_flops"] > 0 and sustained["windows_flops"]
+    assert min(0.5, sustained["seconds"] / 2) <= sustained["window_s"] <= sustained["seconds"]
     assert [plan["row"] for plan in document["plans"]] == list(ROWS)
     report = (out / "gemm.md").read_text()
     assert "CPU run (NumPy float32): a test of the script" in report and "## The planner's products" in report
@@ -105,6 +106,30 @@ def test_each_measured_product_stands_beside_the_presets_prediction_and_their_ra
         assert p["measured_flops"] == pytest.approx(2 * math.prod(shape) / p["measured_s"])
     flops = [p["flops"] for p in document["products"] if p["item"] != 1.0 and "max-gb" not in p.get("skipped", "")]
     assert flops == sorted(flops)  # smallest first: the budget cuts the largest
+
+
+def test_the_planner_finds_every_listed_product_when_the_file_comes_back(cpu_run, tmp_path):
+    """The file's shapes, through JSON, are the keys the planner looks up: fed back as a GPU file (synthetic: each
+    bf16 product at twice its predicted time), every bf16 product of the DeepSeek-V3 row's plan is found in it."""
+    _, document, _ = cpu_run
+    synthetic = document | {"backend": "cupy", "mamf": {"bfloat16": {"flops": GPUS["h800"].mamf_flops}},
+                            "sustained": None,
+                            "products": [p | {"dtype": "bfloat16", "measured_s": 2 * p["predicted_s"]}
+                                         for p in document["products"] if p["item"] != 1.0]}
+    (tmp_path / "gemm.json").write_text(json.dumps(synthetic))
+    measurement = measured.load(tmp_path / "gemm.json")
+    times = measured.MeasuredTimes(measurement.seconds, measurement.mamf_flops)
+    found = []
+
+    def spy(m, n, k, count, item, roof):
+        answer = times(m, n, k, count, item, roof)
+        found.append(answer is not None or item == 1.0)  # FP8 products are not in the file
+        return answer
+
+    run = published_runs()[13]
+    predict(run, lambda setup: replace(setup, gpu=replace(setup.gpu, measured_gemms=spy)))
+    assert found and all(found)
+    assert predict(run, measurement=measurement).step_s > predict(run).step_s
 
 
 def test_the_planner_refuses_a_cpu_measurement(cpu_run):
