@@ -10,6 +10,8 @@
 #   bench   all_reduce and all_gather, ours against NCCL (busbw side by side)
 #   train   scripts/bench_train.py against PyTorch eager (GPT-2 124M, SmolLM-135M's shape; float32, TF32, bf16)
 #           and `train` on two ranks
+#   gemm    scripts/measure_gemm.py: the chip's MAMF, the planner's products of the published rows, and a minute
+#           of sustained load (about five minutes); its gemm.json and gemm.md go beside the report
 #
 # What it needs, and where it comes from: the machine's own CuPy (cupy-cuda13x in the GPU image; nothing installs
 # the `gpu` extra here), PyTorch for the training comparison, and MPI. The GPU image has mpi4py but no MPI library:
@@ -19,7 +21,8 @@
 #
 # Output: REPORT_DIR/report.md (each step's status and the lines that matter), REPORT_DIR/report.json (the same as
 # data), REPORT_DIR/logs.tar.gz (every step's full log and JSON files) — three files, so the whole report comes
-# back from a device run's $OUT. Every step runs even if an earlier one fails; exit 0 iff every step passed.
+# back from a device run's $OUT (the gemm group adds gemm.json, which `plan --gemm-measured` reads, and gemm.md).
+# Every step runs even if an earlier one fails; exit 0 iff every step passed.
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,8 +39,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 FAILED=0
 
 for group in $GROUPS_WANTED; do
-    case $group in probe|tests|verify|bench|train) ;; *)
-        echo "gpu_check: unknown group '$group' (probe, tests, verify, bench, train)" >&2; exit 2 ;;
+    case $group in probe|tests|verify|bench|train|gemm) ;; *)
+        echo "gpu_check: unknown group '$group' (probe, tests, verify, bench, train, gemm)" >&2; exit 2 ;;
     esac
 done
 
@@ -193,6 +196,10 @@ EOF
         step train-cli-dp2-zero3 'GPT-2|GPU|step|saved|Error' \
             "$PYTHON" -m mpiparallel train --device gpu -n 2 --zero 3 --steps 20 --n-layer 4 --n-embd 256 \
             --n-head 4 --seq-len 256 --batch-size 8 --log-json "$LOGS/train-cli-dp2-zero3.jsonl"
+        ;;
+    gemm)
+        step gemm-measure 'device|MAMF|products|sustained|wrote|rror' \
+            "$PYTHON" scripts/measure_gemm.py --out "$REPORT"
         ;;
     esac
 done

@@ -117,6 +117,10 @@ def _cluster_options(function: Any) -> Any:
                           "NVLink and network bandwidth and latency, and matrix products timed by shape at its "
                           "measured matmul ceiling; replaces the rate options and --efficiency (--gpu-memory and "
                           "--gpus-per-node still apply when given)."),
+        click.option("--gemm-measured", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="A chip's matrix products as scripts/measure_gemm.py measured them (its gemm.json): the "
+                          "measured MAMF, sustained-load factor and product times replace its preset's "
+                          "(docs/published-runs.md, \"Measuring a chip\"); sets --gpu to the measured preset."),
         click.option("--software", type=click.Choice(SOFTWARE_NAMES), default="mpiparallel",
                      help="The code base that runs the layout: this project's layers, Megatron-LM as in 2021 "
                           "(dense attention, pipeline scatter/gather, DP after backward) or FlashAttention + FSDP "
@@ -215,7 +219,8 @@ def plan(ctx: click.Context, **options: Any) -> None:
                                        options["optimizer"], options["bytes_per_param"], options["weights_only"])
     explicit = {name for name in ("gpu_memory", "gpus_per_node")
                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
-    cluster = _cluster(options, explicit)
+    measurement = _gemm_measurement(options)
+    cluster = _cluster(options, explicit, measurement)
     batch = options["batch_size"] or (4 * options["gpus"] if options["params"] else 8)
     choices = planner.Choices(batch, **{name: options[name] for name in (
         "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention",
@@ -224,6 +229,8 @@ def plan(ctx: click.Context, **options: Any) -> None:
         _write_page(options["html_path"], model, cluster, precision, batch)
         return
     document = _answers(model, cluster, precision, choices, options)
+    if measurement is not None:
+        document["cluster"]["gemm_measured"] = measurement.summary()
     if not options["weights_only"]:
         plans, considered = planner.plan(model, cluster, precision, choices)
         shown = plans if options["top"] == 0 else plans[:options["top"]]
@@ -348,16 +355,39 @@ def _deepseek_shape_fields(options: dict[str, Any]) -> dict[str, Any]:
             "n_positions": options["n_positions"] or 1024, "moe_aux_coef": 0.0} | deepseek_choices(shape)
 
 
-def _cluster(options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
+def _gemm_measurement(options: dict[str, Any]) -> Any:
+    """`--gemm-measured`'s file read (`planner.measured.load`), checked against --gpu and --machine; None without
+    the option."""
+    from ..planner import measured
+
+    if options["gemm_measured"] is None:
+        return None
+    if options["machine"] is not None:
+        raise ConfigError("--gemm-measured changes a GPU preset; --machine describes a measured machine of its own: "
+                          "give one of them")
+    try:
+        measurement = measured.load(options["gemm_measured"])
+    except ValueError as error:
+        raise ConfigError(f"--gemm-measured: {error}") from None
+    if options["gpu"] not in (None, measurement.preset):
+        raise ConfigError(f"--gemm-measured: {measurement.path} was measured on {measurement.device} (preset "
+                          f"{measurement.preset}), not on --gpu {options['gpu']}")
+    return measurement
+
+
+def _cluster(options: dict[str, Any], explicit: set[str] = frozenset(), measurement: Any = None) -> Any:
     from collectives.cost_model import CostModel
 
     from ..planner import Cluster, load_machine
     from ..planner.core import SOFTWARE
     from ..planner.gpus import gpu_named
+    from ..planner.measured import measured_gpu
 
     software = SOFTWARE[options["software"]]
-    if options["gpu"] is not None:
-        cluster = Cluster.from_preset(gpu_named(options["gpu"]), options["gpus"], software,
+    if options["gpu"] is not None or measurement is not None:
+        gpu = gpu_named(options["gpu"] or measurement.preset)
+        gpu = gpu if measurement is None else measured_gpu(gpu, measurement)
+        cluster = Cluster.from_preset(gpu, options["gpus"], software,
                                       options["gpus_per_node"] if "gpus_per_node" in explicit else None)
         return replace(cluster, gpu_memory=options["gpu_memory"]) if "gpu_memory" in explicit else cluster
 
@@ -458,6 +488,14 @@ def _seconds(value: float) -> str:
     return f"{value * 1e3:.3f} ms" if value < 1 else f"{value:.3f} s"
 
 
+def _measured_note(measurement: dict[str, Any] | None) -> str:
+    if measurement is None:
+        return ""
+    return (f"; matrix products as measured on {measurement['device']} ({measurement['file']}): MAMF "
+            f"{measurement['mamf_flops'] / 1e12:.1f} TFLOP/s × sustained {measurement['sustained']:.3f}, "
+            f"{measurement['products']} products at their measured times")
+
+
 def report(document: dict[str, Any]) -> str:
     """The text `plan` prints: the model, the closed-form answers, then one block per layout."""
     model, cluster = document["model"], document["cluster"]
@@ -465,7 +503,8 @@ def report(document: dict[str, Any]) -> str:
              f"heads{_llama_shape(model)}, seq {model['seq_len']}, vocab {model['vocab_size']}"
              + (f", {model['experts']} experts top-{model['top_k']}" if model["experts"] else "")
              + f": {model['total_parameters']:,} parameters; batch {document['batch_size']} sequences",
-             f"cluster: {cluster['gpus']} GPUs of {_bytes(cluster['gpu_memory'])}, {cluster['gpus_per_node']} per node",
+             f"cluster: {cluster['gpus']} GPUs of {_bytes(cluster['gpu_memory'])}, {cluster['gpus_per_node']} per node"
+             + _measured_note(cluster.get("gemm_measured")),
              f"fewest GPUs that must share the model states ({document['precision']['weights']:g}+"
              f"{document['precision']['gradients']:g}+{document['precision']['optimizer']:g} bytes/parameter): "
              f"{document['min_model_parallel']}"]

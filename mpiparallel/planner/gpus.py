@@ -30,10 +30,16 @@ The two counts (`megatron_flops_per_step`, `model_flops_per_token`):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 TERA = 1e12
 GB = 1e9
+
+
+MeasuredGemms = Callable[[float, float, float, float, float, float], "float | None"]
+"""(m, n, k, count, bytes per operand element, compute roof) -> the product's measured seconds scaled to that roof,
+or None where that product was not measured."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class GPU:
     sms: int = 132
     """Streaming multiprocessors (A100 108, GH100 132: the A100 and H100 whitepapers)."""
     gpus_per_node: int = 8
+    measured_gemms: MeasuredGemms | None = None
+    """Products timed on this chip (`planner.measured`, `plan --gemm-measured`): consulted before the model."""
 
     @property
     def mamf_fraction(self) -> float:
@@ -159,8 +167,13 @@ def gemm_seconds(m: float, n: float, k: float, gpu: GPU, item: float = 2.0, coun
     """`count` [m, k] × [k, n] products (a batch): the roofline with the measured compute roof (module
     docstring; `roof`: another ceiling, the FP8 one), the compute rounded up to whole tiles (the least wasteful of
     `TILES`) and whole waves of tiles over the SMs (a wave runs `gpu.sms` tiles at the MAMF; a last, partial wave
-    takes as long as a full one)."""
-    compute = min(_quantized_flops(m, n, k, count, tile, gpu.sms) for tile in TILES) / (roof or gpu.mamf_flops)
+    takes as long as a full one). A product `gpu.measured_gemms` knows takes its measured time instead."""
+    roof = roof or gpu.mamf_flops
+    if gpu.measured_gemms is not None:
+        measured = gpu.measured_gemms(m, n, k, count, item, roof)
+        if measured is not None:
+            return measured
+    compute = min(_quantized_flops(m, n, k, count, tile, gpu.sms) for tile in TILES) / roof
     traffic = count * item * (m * k + k * n + m * n) / gpu.memory_bandwidth
     return max(compute, traffic)
 

@@ -21,11 +21,13 @@ set by one rule per paper, never per row:
   up-projections: not modelled), train's even split of the units over the stages (the report prints none).
 
 `python -m mpiparallel.planner.published` prints the table of docs/published-runs.md; with `--terms`, each row's
-ratio with one term of the model changed (`TERMS`).
+ratio with one term of the model changed (`TERMS`); with `--gemm-measured FILE`, the rows on the measured chip
+predicted with this project's measurement of it (`planner.measured`), and what each part of it changes.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import sys
 from collections.abc import Callable
@@ -35,9 +37,10 @@ from typing import Any
 
 from models.transformer import GPTConfig
 
-from . import deepseek
+from . import deepseek, measured
 from .core import PRECISIONS, SOFTWARE, Cluster, Layout, Model, Plan, Precision, Software, evaluate
 from .gpus import GPU, gpu_named
+from .measured import GemmMeasurement
 
 TABLE = Path(__file__).with_name("published_runs.csv")
 
@@ -129,16 +132,21 @@ class Setup:
     layouts: tuple[Layout, ...]
 
 
-def setup_of(run: PublishedRun) -> Setup:
-    """The row's paper's rule (module docstring)."""
+def setup_of(run: PublishedRun, measurement: GemmMeasurement | None = None) -> Setup:
+    """The row's paper's rule (module docstring), on its chip as `measurement` has it where that is the row's."""
     code_base, precision, layouts = RULES[run.source]
-    return Setup(gpu_named(run.gpu), SOFTWARE[code_base], PRECISIONS[precision], tuple(layouts(run)))
+    gpu = gpu_named(run.gpu)
+    if measurement is not None and measurement.preset == run.gpu:
+        gpu = measured.measured_gpu(gpu, measurement)
+    return Setup(gpu, SOFTWARE[code_base], PRECISIONS[precision], tuple(layouts(run)))
 
 
-def predict(run: PublishedRun, variant: Callable[[Setup], Setup] | None = None) -> Plan:
+def predict(run: PublishedRun, variant: Callable[[Setup], Setup] | None = None,
+            measurement: GemmMeasurement | None = None) -> Plan:
     """The planner's fastest plan of the run under its paper's rule; `variant` changes the setup (to measure
-    what one term does: `term_effects`)."""
-    setup = setup_of(run) if variant is None else variant(setup_of(run))
+    what one term does: `term_effects`); `measurement` is a chip's measured products (`setup_of`)."""
+    setup = setup_of(run, measurement)
+    setup = setup if variant is None else variant(setup)
     cluster = Cluster.from_preset(setup.gpu, run.gpus, setup.software)
     plans = [evaluate(model_of(run), cluster, setup.precision, layout, run.batch) for layout in setup.layouts]
     return min(plans, key=lambda plan: plan.step_s)
@@ -177,14 +185,15 @@ TERMS: dict[str, tuple[Callable[[Setup], Setup], tuple[str, ...]]] = {
 the sources a term applies to (all when empty)."""
 
 
-def term_effects() -> str:
+def term_effects(measurement: GemmMeasurement | None = None) -> str:
     """The ratio predicted / published of every row, as the model has it and with each of `TERMS` changed."""
     runs = published_runs()
     lines = ["| term | " + " | ".join(_short(run) for run in runs) + " |", "|---|" + "---:|" * len(runs)]
     rows = {"the model": None} | {name: variant for name, (variant, _) in TERMS.items()}
     for name, variant in rows.items():
         sources = TERMS[name][1] if name in TERMS else ()
-        cells = [f"{predicted(run, predict(run, variant)) / run.published:.2f}" if not sources or run.source in sources
+        cells = [f"{predicted(run, predict(run, variant, measurement)) / run.published:.2f}"
+                 if not sources or run.source in sources
                  else "" for run in runs]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -210,12 +219,12 @@ def dominant_term(plan: Plan) -> str:
     return ", ".join(f"{name} {share:.0%}" for name, share in sorted(terms.items(), key=lambda t: -t[1]))
 
 
-def table() -> str:
+def table(measurement: GemmMeasurement | None = None) -> str:
     lines = ["| run | published (count) | predicted | ratio | layout | step s | compute | bubble | exposed comm "
              "| MFU |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for run in published_runs():
-        plan = predict(run)
+        plan = predict(run, measurement=measurement)
         figure = predicted(run, plan)
         lines.append(f"| {run.label()} | {run.published:g} ({run.count}) | {figure:.0f} | "
                      f"{figure / run.published:.2f} | {plan.layout.label()} | {plan.step_s:.2f} | "
@@ -224,5 +233,55 @@ def table() -> str:
     return "\n".join(lines)
 
 
+MEASURED_PARTS = {  # `measured.measured_gpu`'s parts, added one at a time
+    "the preset": None,
+    "measured MAMF": dict(sustained=False, products=False),
+    "+ sustained clocks": dict(products=False),
+    "+ measured products (all of the file)": {},
+}
+
+
+def measurement_effects(measurement: GemmMeasurement) -> str:
+    """The ratio predicted / published of each row on the measured chip, as the parts of the measurement are
+    added to its preset one at a time (`MEASURED_PARTS`)."""
+    runs = [run for run in published_runs() if run.gpu == measurement.preset]
+    if not runs:
+        chips = sorted({run.gpu for run in published_runs()})
+        return (f"No published row runs on {measurement.preset} (the rows run on {', '.join(chips)}): "
+                f"the measurement changes none of them.")
+    preset_mamf = gpu_named(measurement.preset).mamf_flops
+    lines = [f"Rows on {measurement.preset}, measured on {measurement.device} ({measurement.path}): MAMF "
+             f"{measurement.mamf_flops / 1e12:.1f} TFLOP/s (preset {preset_mamf / 1e12:.1f}), "
+             f"sustained ×{measurement.sustained:.3f}, {len(measurement.seconds)} products measured.", "",
+             "| part | " + " | ".join(_short(run) for run in runs) + " |", "|---|" + "---:|" * len(runs)]
+    for name, parts in MEASURED_PARTS.items():
+        variant = None if parts is None else \
+            (lambda setup, parts=parts: replace(setup, gpu=measured.measured_gpu(setup.gpu, measurement, **parts)))
+        cells = [f"{predicted(run, predict(run, variant)) / run.published:.2f}" for run in runs]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpiparallel.planner.published",
+                                     description="The planner against the published runs (docs/published-runs.md).")
+    parser.add_argument("--terms", action="store_true", help="each row's ratio with one term of the model changed")
+    parser.add_argument("--gemm-measured", metavar="FILE",
+                        help="predict the rows on the measured chip with scripts/measure_gemm.py's FILE")
+    options = parser.parse_args(argv)
+    measurement = None
+    if options.gemm_measured is not None:
+        try:
+            measurement = measured.load(options.gemm_measured)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    print(term_effects(measurement) if options.terms else table(measurement))
+    if measurement is not None and not options.terms:
+        print()
+        print(measurement_effects(measurement))
+    return 0
+
+
 if __name__ == "__main__":
-    print(term_effects() if sys.argv[1:] == ["--terms"] else table())
+    sys.exit(main())
