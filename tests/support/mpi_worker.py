@@ -8,6 +8,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from mpiparallel.process import keep_freed_memory, limit_blas_threads  # noqa: E402
+
+# as `mpiparallel train` sets up its ranks (before NumPy loads BLAS): a rank's share of the cores for BLAS threads,
+# else every rank spins one thread per core and they wait for each other at every product
+limit_blas_threads(None)
+keep_freed_memory()
+
 from mpi4py import MPI  # noqa: E402
 
 
