@@ -352,8 +352,8 @@ def _cluster(options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
     from collectives.cost_model import CostModel
 
     from ..planner import Cluster, load_machine
-    from ..planner.core import SOFTWARE
     from ..planner.gpus import gpu_named
+    from ..planner.software import SOFTWARE
 
     software = SOFTWARE[options["software"]]
     if options["gpu"] is not None:

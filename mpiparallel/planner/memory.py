@@ -1,0 +1,58 @@
+"""Memory per pipeline rank and per stage: the model states of the units a rank holds and the activations it holds.
+
+    model states  weights + gradients + optimizer state, each (dense + experts) × its bytes per parameter, divided
+                  from ZeRO stage 3, 2, 1 respectively by dp (dense parameters) or dp/ep (routed experts)
+    activations   max over the rank's states (microbatches held on each of its stages, `pipeline`) of
+                  Σ held × the stage's bytes; a stage's bytes: its units' saved elements × bytes per element
+
+Without a pipeline one microbatch is in flight. The parameters held are `shapes`': TP shards, the vocabulary padded
+to a multiple of tp, the last stage's copy of the tied embedding, E/ep experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .setting import Setting
+from .shapes import held_parameters
+
+
+def stage_activation_bytes(setting: Setting, weights_only: bool = False) -> list[float]:
+    """Per stage, the bytes one microbatch leaves saved on it: its units' saved elements × bytes per element."""
+    if weights_only:
+        return [0.0 for _ in setting.stages]
+    return [sum(setting.cost_of(u).saved for u in units) * setting.precision.activations for units in setting.stages]
+
+
+def stage_memory(setting: Setting, per_unit: list[float], stage_saved: list[float]) -> list[dict[str, Any]]:
+    """Per stage: its pipeline rank, units, parameters, and activations per microbatch and at its peak."""
+    peaks = setting.shape.peak_per_stage if setting.shape else (1,)
+    return [{"stage": s, "pp_rank": setting.stage_ranks[s], "units": [units.start, units.stop],
+             "parameters": sum(per_unit[u] for u in units), "activations_per_microbatch": stage_saved[s],
+             "peak_microbatches": peaks[s], "activations": peaks[s] * stage_saved[s]}
+            for s, units in enumerate(setting.stages)]
+
+
+def rank_memory(setting: Setting, rank: int, per_unit: list[float], tied: float,
+                stage_saved: list[float]) -> dict[str, float]:
+    """Pipeline rank `rank`'s bytes: parameters, gradients, optimizer state (each ZeRO-sharded from its stage up),
+    activations at its peak, and their total."""
+    layout, precision = setting.layout, setting.precision
+    experts = setting.held_experts(rank)
+    dense = held_parameters(setting.units_of(rank), per_unit, tied) - experts
+
+    def sharded(per_parameter: float, stage: int) -> float:  # ZeRO stage `stage` and up shard these bytes
+        if layout.zero < stage:
+            return (dense + experts) * per_parameter
+        return per_parameter * (dense / setting.zero_shards(False) + experts / setting.zero_shards(True))
+
+    weights, gradients = sharded(precision.weights, 3), sharded(precision.gradients, 2)
+    optimizer = sharded(precision.optimizer, 1)
+    if setting.shape is None:
+        activations = stage_saved[0]  # microbatches one after another: one in flight
+    else:
+        stages = setting.stages_of(rank)
+        activations = max(sum(n * stage_saved[s] for s, n in zip(stages, state, strict=True))
+                          for state in setting.shape.rank_stage_counts[rank])
+    return {"pp_rank": rank, "parameters": weights, "gradients": gradients, "optimizer_state": optimizer,
+            "activations": activations, "total": weights + gradients + optimizer + activations}
