@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 from typing import NamedTuple
 
 from collectives.cost_model import CostModel, choose, predict
@@ -176,10 +177,11 @@ def axis_nodes(layout: Layout, axis: str, cluster: Cluster) -> int:
     return group_nodes(axis_stride(layout, axis), axis_size(layout, axis), cluster)
 
 
+@lru_cache(maxsize=65536, typed=True)
 def collective_seconds(name: str, nbytes: float, ranks: int, link: CostModel, nodes: int = 1) -> float:
     """The cheapest algorithm's predicted time, as algo="auto" would choose it (`collectives.cost_model`, with
     hierarchical algorithms where the group spans `nodes` > 1); a ring pass of K/V is ranks − 1 point-to-point
-    messages of nbytes/(ranks − 1)."""
+    messages of nbytes/(ranks − 1). Cached: the search asks the same ones for many layouts."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     if name in ("ring_pass", "send"):

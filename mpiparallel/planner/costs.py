@@ -20,6 +20,7 @@ DeepSeek-V3's blocks are `deepseek_block`'s; its MTP modules ride on the head's 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from models.layers import block_activation_elements
 
@@ -33,38 +34,60 @@ from .software import SOFTWARE, Software
 
 def unit_costs(model: Model, layout: Layout, rows: int, precision: Precision,
                software: Software = SOFTWARE["mpiparallel"]) -> list[UnitCost]:
-    """Embedding, one block, head: what one microbatch of `rows` sequences costs on one rank, run by `software`."""
-    h, tp, item = model.n_embd, layout.tp, precision.activations
+    """Embedding, one block of each kind (`block_variants`), head: what one microbatch of `rows` sequences costs on
+    one rank, run by `software`. Cached: of the layout, only tp, cp, ep, sp, the recomputation and the CP
+    attention change them."""
+    costed = Layout(tp=layout.tp, cp=layout.cp, ep=layout.ep, recompute=layout.recompute, sp=layout.sp,
+                    cp_attention=layout.cp_attention)
+    return list(_unit_costs(model, costed, rows, precision, software))
+
+
+@lru_cache(maxsize=4096)
+def _unit_costs(model: Model, layout: Layout, rows: int, precision: Precision,
+                software: Software) -> tuple[UnitCost, ...]:
+    blocks = [block_cost(model, layout, rows, precision, software, moe) for moe in block_variants(model)]
+    head = _head_cost(model, layout, rows, precision.activations)
+    if model.is_deepseek and model.config.mtp_depth:
+        vocab = padded_vocab(model.vocab_size, layout.tp) // layout.tp
+        head = _with_prediction_modules(head, blocks[-1], model, rows, vocab, precision.activations)
+    return (_embedding_cost(model, layout, rows, precision.activations), *blocks, head)
+
+
+def _embedding_cost(model: Model, layout: Layout, rows: int, item: float) -> UnitCost:
+    """The lookup: its int64 token ids saved, two passes over its output, the TP exchange of the activation."""
+    tokens = rows * (model.seq_len // layout.cp)
+    s = tokens * model.n_embd
+    return UnitCost(saved=tokens * 8 / item, flops_forward=0, flops_backward=0,
+                    elementwise_forward=2 * s / (layout.tp if layout.sp else 1), elementwise_backward=2 * s,
+                    collectives_forward=tp_exchanges(s * item, layout, 1))
+
+
+def _head_cost(model: Model, layout: Layout, rows: int, item: float) -> UnitCost:
+    """The final norm, the logits of this rank's vocabulary shard and the vocab-parallel cross-entropy."""
+    h, tp = model.n_embd, layout.tp
     tokens = rows * (model.seq_len // layout.cp)
     s = tokens * h
     vocab = padded_vocab(model.vocab_size, tp) // tp
     seq_shard = tp if layout.sp else 1
-    exchange = tp_exchanges(s * item, layout, 1)
-    embedding = UnitCost(saved=tokens * 8 / item, flops_forward=0, flops_backward=0,  # the int64 token ids
-                         elementwise_forward=2 * s / seq_shard, elementwise_backward=2 * s,
-                         collectives_forward=exchange)
-    blocks = [block_cost(model, layout, rows, precision, software, moe) for moe in block_variants(model)]
     # the vocab-parallel cross-entropy: the row maxima, then the sums and target logits in one message
-    head_collectives = (Collective("all_reduce", tokens * item, "tp"),
-                        Collective("all_reduce", 2 * tokens * item, "tp")) if tp > 1 else ()
+    collectives = (Collective("all_reduce", tokens * item, "tp"),
+                   Collective("all_reduce", 2 * tokens * item, "tp")) if tp > 1 else ()
     # the final norm keeps its output and 1/σ (or 1/rms) (sequence slices under SP), the cross-entropy its whole
     # input (all-gathered under SP) and the probabilities of this rank's vocabulary shard
-    head = UnitCost(saved=(s + tokens) / seq_shard + s + tokens * vocab, flops_forward=2 * tokens * h * vocab,
+    return UnitCost(saved=(s + tokens) / seq_shard + s + tokens * vocab, flops_forward=2 * tokens * h * vocab,
                     flops_backward=4 * tokens * h * vocab, elementwise_forward=6 * s / seq_shard + 6 * tokens * vocab,
-                    elementwise_backward=10 * s / seq_shard,
-                    collectives_forward=head_collectives, collectives_backward=exchange,
-                    gemms_forward=(Gemm(tokens, vocab, h),))
-    if model.is_deepseek and model.config.mtp_depth:
-        head = _with_prediction_modules(head, blocks[-1], model, rows, vocab, item)
-    return [embedding, *blocks, head]
+                    elementwise_backward=10 * s / seq_shard, collectives_forward=collectives,
+                    collectives_backward=tp_exchanges(s * item, layout, 1), gemms_forward=(Gemm(tokens, vocab, h),))
 
 
+@lru_cache(maxsize=64)
 def block_variants(model: Model) -> tuple[bool, ...]:
     """The distinct blocks, as whether they have experts: GPT-2's and llama's blocks are all alike; DeepSeek-V3 has
     dense first blocks, then MoE ones."""
     return tuple(sorted({model.is_moe_block(i) for i in range(model.n_layer)}))
 
 
+@lru_cache(maxsize=64)
 def unit_kinds(model: Model) -> tuple[int, ...]:
     """Per unit (embedding, blocks…, head), its index in `unit_costs`' list."""
     variants = block_variants(model)

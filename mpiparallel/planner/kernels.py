@@ -15,6 +15,7 @@ gradient [m, n]·[n, k] and the weight's [k, m]·[m, n] — plus the recomputed 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 from .cluster import Cluster
@@ -72,8 +73,10 @@ class UnitCost:
     gemms_recomputed: tuple[Gemm, ...] = ()
 
 
+@lru_cache(maxsize=16384)
 def compute_seconds(cost: UnitCost, cluster: Cluster, precision: Precision, backward: bool) -> float:
-    """The matrix products (at `matmul_flops`, or by shape on a GPU preset) and the elementwise passes."""
+    """The matrix products (at `matmul_flops`, or by shape on a GPU preset) and the elementwise passes (cached:
+    the search prices the same units for many layouts)."""
     item, fp8 = precision.activations, precision.fp8_gemms
     elements = cost.elementwise_backward if backward else cost.elementwise_forward
     memory = elements * item / cluster.elementwise_bytes

@@ -21,7 +21,8 @@ def stage_activation_bytes(setting: Setting, weights_only: bool = False) -> list
     """Per stage, the bytes one microbatch leaves saved on it: its units' saved elements × bytes per element."""
     if weights_only:
         return [0.0 for _ in setting.stages]
-    return [sum(setting.cost_of(u).saved for u in units) * setting.precision.activations for units in setting.stages]
+    saved, kinds = [cost.saved for cost in setting.costs], setting.kinds
+    return [sum(saved[kinds[u]] for u in units) * setting.precision.activations for units in setting.stages]
 
 
 def stage_memory(setting: Setting, per_unit: list[float], stage_saved: list[float]) -> list[dict[str, Any]]:
@@ -50,9 +51,10 @@ def rank_memory(setting: Setting, rank: int, per_unit: list[float], tied: float,
     optimizer = sharded(precision.optimizer, 1)
     if setting.shape is None:
         activations = stage_saved[0]  # microbatches one after another: one in flight
-    else:
+    else:  # its fullest state; with no stage of negative bytes, one that no other state covers
+        states = setting.shape.rank_peak_states if min(stage_saved) >= 0 else setting.shape.rank_stage_counts
         stages = setting.stages_of(rank)
         activations = max(sum(n * stage_saved[s] for s, n in zip(stages, state, strict=True))
-                          for state in setting.shape.rank_stage_counts[rank])
+                          for state in states[rank])
     return {"pp_rank": rank, "parameters": weights, "gradients": gradients, "optimizer_state": optimizer,
             "activations": activations, "total": weights + gradients + optimizer + activations}

@@ -14,7 +14,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 from models.context_parallel import VARIANTS as CP_ATTENTIONS
 from models.tensor_parallel import check_tensor_parallel_shape
@@ -36,12 +36,37 @@ from .step import timed_plan
 def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layout, batch_size: int,
              weights_only: bool = False) -> Plan:
     """Memory, time and communication of one layout (a valid one: see `candidate_layouts`)."""
+    return _timed(_held_memory(model, cluster, precision, layout, batch_size, weights_only), batch_size)
+
+
+class _Memory(NamedTuple):
+    """One layout's setting and memory, before its time."""
+
+    setting: Setting
+    per_unit: list[float]
+    tied: float
+    stage_saved: list[float]
+    per_rank: list[dict[str, float]]
+
+    @property
+    def fits(self) -> bool:
+        return max(rank["total"] for rank in self.per_rank) <= self.setting.cluster.gpu_memory
+
+
+def _held_memory(model: Model, cluster: Cluster, precision: Precision, layout: Layout, batch_size: int,
+                 weights_only: bool) -> _Memory:
     setting, per_unit, tied = _setting(model, cluster, precision, layout, batch_size)
     stage_saved = stage_activation_bytes(setting, weights_only)
-    memory_per_rank = [rank_memory(setting, rank, per_unit, tied, stage_saved) for rank in range(layout.pp)]
-    plan = timed_plan(setting, per_unit, tied, memory_per_rank, stage_memory(setting, per_unit, stage_saved))
-    plan.fits = plan.max_memory <= cluster.gpu_memory
-    report_throughput(plan, model, cluster, precision, batch_size)
+    per_rank = [rank_memory(setting, rank, per_unit, tied, stage_saved) for rank in range(layout.pp)]
+    return _Memory(setting, per_unit, tied, stage_saved, per_rank)
+
+
+def _timed(memory: _Memory, batch_size: int) -> Plan:
+    setting, layout, model = memory.setting, memory.setting.layout, memory.setting.model
+    plan = timed_plan(setting, memory.per_unit, memory.tied, memory.per_rank,
+                      stage_memory(setting, memory.per_unit, memory.stage_saved))
+    plan.fits = memory.fits
+    report_throughput(plan, model, setting.cluster, setting.precision, batch_size)
     if layout.cp > 1 or model.experts and (layout.tp > 1 or layout.ep > 1):
         plan.notes.append("activations and ep traffic approximate (balanced routing; CP attention's buffers "
                           "not measured)")
@@ -158,9 +183,9 @@ def plan(model: Model, cluster: Cluster, precision: Precision, choices: Choices,
     considered, fitting = 0, []
     for layout in candidate_layouts(model, cluster, choices):
         considered += 1
-        result = evaluate(model, cluster, precision, layout, choices.batch_size, weights_only)
-        if result.fits:
-            fitting.append(result)
+        memory = _held_memory(model, cluster, precision, layout, choices.batch_size, weights_only)
+        if memory.fits:  # only these are timed: the time of a layout that does not fit is never shown
+            fitting.append(_timed(memory, choices.batch_size))
     fitting.sort(key=lambda p: (p.step_s, p.max_memory))
     return fitting, considered
 

@@ -6,6 +6,7 @@ each unit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from .cluster import Cluster
 from .kernels import UnitCost
@@ -33,8 +34,25 @@ class Setting:
     experts: tuple[float, ...] = ()
     """Per unit, the routed experts' parameters this rank holds (`expert_unit_parameters`)."""
 
+    @cached_property
+    def _rank_units(self) -> tuple[list[int], ...]:
+        return tuple(sorted(u for s in self.stages_of(rank) for u in self.stages[s]) for rank in range(self.layout.pp))
+
+    @cached_property
+    def _rank_kind_counts(self) -> tuple[list[int], ...]:
+        return tuple(self.kind_counts(units) for units in self._rank_units)
+
+    @cached_property
+    def _stage_kind_counts(self) -> tuple[list[int], ...]:
+        return tuple(self.kind_counts(units) for units in self.stages)
+
+    @cached_property
+    def _rank_experts(self) -> tuple[float, ...]:
+        return tuple(sum(self.experts[u] for u in units) if self.experts else 0.0 for units in self._rank_units)
+
     def held_experts(self, rank: int) -> float:
-        return sum(self.experts[u] for u in self.units_of(rank)) if self.experts else 0.0
+        """The routed experts' parameters pipeline rank `rank` holds."""
+        return self._rank_experts[rank]
 
     def zero_shards(self, expert: bool) -> int:
         """Ranks one parameter's ZeRO state is sharded over: dp, or the dp/ep holding a routed expert."""
@@ -50,12 +68,21 @@ class Setting:
             counts[self.kinds[unit]] += 1
         return counts
 
-    def weighted(self, units: list[int] | range, values: list[float]) -> float:
-        """Σ over `units` of the value of each one's kind (`values`: one per cost)."""
-        return sum(n * v for n, v in zip(self.kind_counts(units), values, strict=True))
+    def stage_weighted(self, stage: int, values: list[float]) -> float:
+        """Σ over the units of `stage` of the value of each one's kind (`values`: one per cost)."""
+        return _weighted(self._stage_kind_counts[stage], values)
+
+    def rank_weighted(self, rank: int, values: list[float]) -> float:
+        """Σ over the units of pipeline rank `rank` of the value of each one's kind (`values`: one per cost)."""
+        return _weighted(self._rank_kind_counts[rank], values)
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, owner in enumerate(self.stage_ranks) if owner == rank]
 
     def units_of(self, rank: int) -> list[int]:
-        return sorted(u for s in self.stages_of(rank) for u in self.stages[s])
+        """The units of pipeline rank `rank`'s stages, in order (one list per rank: not to be changed)."""
+        return self._rank_units[rank]
+
+
+def _weighted(counts: list[int], values: list[float]) -> float:
+    return sum(n * v for n, v in zip(counts, values, strict=True))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from models.layers import QUERY_BLOCK, query_blocks
@@ -241,12 +241,18 @@ def expert_unit_parameters(model: Model, ep: int) -> list[int]:
 def scaled_unit_parameters(model: Model, layout: Layout) -> tuple[list[float], float, list[float]]:
     """Per unit, this rank's parameters, the tied shard, and per unit the routed experts' share; with `--params`
     and no shape, scaled so that the whole model adds up to N."""
-    units, tied = unit_parameters(model, layout.tp, layout.ep), tied_parameters(model, layout.tp)
-    experts = expert_unit_parameters(model, layout.ep)
+    units, tied, experts = _scaled_unit_parameters(model, layout.tp, layout.ep)
+    return list(units), tied, list(experts)
+
+
+@lru_cache(maxsize=1024)
+def _scaled_unit_parameters(model: Model, tp: int, ep: int) -> tuple[tuple[float, ...], float, tuple[float, ...]]:
+    units, tied = unit_parameters(model, tp, ep), tied_parameters(model, tp)
+    experts = expert_unit_parameters(model, ep)
     scale = 1.0
     if model.parameters is not None:
         scale = model.parameters / replace(model, parameters=None).total_parameters()
-    return [u * scale for u in units], tied * scale, [e * scale for e in experts]
+    return tuple(u * scale for u in units), tied * scale, tuple(e * scale for e in experts)
 
 
 def held_parameters(units: list[int], per_unit: list[float], tied: float) -> float:

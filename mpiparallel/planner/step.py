@@ -17,8 +17,10 @@ reduction and the optimizer.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any
 
+from .cluster import Cluster
 from .communication import (
     axis_link,
     axis_nodes,
@@ -30,11 +32,11 @@ from .communication import (
     group_nodes,
 )
 from .kernels import UnitCost, compute_seconds
-from .layout import AXES
+from .layout import AXES, Layout
 from .pipeline import pipeline_seconds, stage_boundary, tied_gradient_bytes
 from .results import Plan
 from .setting import Setting
-from .shapes import held_parameters
+from .shapes import Model, held_parameters
 
 BUCKET_BYTES = 25 * 2**20
 """train's default --bucket-mb: the data-parallel engine reduces gradients in buckets of this size."""
@@ -51,12 +53,12 @@ def timed_plan(setting: Setting, per_unit: list[float], tied: float, memory_per_
     overlapped = cluster.software.chunk_overlap
     waits_of = [_waited(seconds, compute, overlapped) for (seconds, _, _), compute in zip(blocking_of, compute_of,
                                                                                             strict=True)]
-    chunk_seconds = [setting.weighted(units, compute_of) + setting.weighted(units, waits_of)
-                     for units in setting.stages]
+    chunk_seconds = [setting.stage_weighted(stage, compute_of) + setting.stage_weighted(stage, waits_of)
+                     for stage in range(len(setting.stages))]
     per_rank = [_rank_step(setting, rank, compute_of, blocking_of, waits_of) for rank in range(layout.pp)]
     busiest = max(range(layout.pp), key=lambda rank: per_rank[rank][0] + per_rank[rank][3])
     compute, comm_s, comm_bytes, exposed = per_rank[busiest]
-    ep_across = m * setting.weighted(setting.units_of(busiest), [b[2] for b in blocking_of])
+    ep_across = m * setting.rank_weighted(busiest, [b[2] for b in blocking_of])
     if setting.shape is None:
         pipeline, bubble = m * chunk_seconds[0], 0.0
     else:
@@ -72,12 +74,19 @@ def timed_plan(setting: Setting, per_unit: list[float], tied: float, memory_per_
 
 def _blocking(setting: Setting, cost: UnitCost) -> tuple[dict[str, float], dict[str, float], float]:
     """Per axis, seconds and bytes sent of the collectives one microbatch of a unit waits for, and the EP bytes
-    that cross nodes."""
-    layout, cluster = setting.layout, setting.cluster
+    that cross nodes (read-only: cached for the layouts with the same axes)."""
+    layout = setting.layout
+    axes = Layout(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, ep_dispatch=layout.ep_dispatch)
+    return _collective_waits(cost, setting.model, setting.cluster, axes)
+
+
+@lru_cache(maxsize=16384)
+def _collective_waits(cost: UnitCost, model: Model, cluster: Cluster,
+                      layout: Layout) -> tuple[dict[str, float], dict[str, float], float]:
     seconds, bytes_sent, ep_across = dict.fromkeys(AXES, 0.0), dict.fromkeys(AXES, 0.0), 0.0
     for name, nbytes, axis, group in cost.collectives_forward + cost.collectives_backward:
         if name in ("dispatch", "combine"):
-            time, sent, across = ep_exchange(setting.model, layout, cluster, nbytes)
+            time, sent, across = ep_exchange(model, layout, cluster, nbytes)
             seconds[axis], bytes_sent[axis], ep_across = seconds[axis] + time, bytes_sent[axis] + sent, \
                 ep_across + across
             continue
@@ -92,10 +101,10 @@ def _rank_step(setting: Setting, rank: int, compute_of: list[float], blocking_of
                waits_of: list[float]) -> tuple[float, dict[str, float], dict[str, float], float]:
     """Pipeline rank `rank`'s compute, communication seconds and bytes per axis, and the seconds it waits for
     them, over the m microbatches of its units."""
-    m, units = setting.layout.microbatches, setting.units_of(rank)
-    seconds = {axis: m * setting.weighted(units, [b[0][axis] for b in blocking_of]) for axis in AXES}
-    sent = {axis: m * setting.weighted(units, [b[1][axis] for b in blocking_of]) for axis in AXES}
-    return m * setting.weighted(units, compute_of), seconds, sent, m * setting.weighted(units, waits_of)
+    m = setting.layout.microbatches
+    seconds = {axis: m * setting.rank_weighted(rank, [b[0][axis] for b in blocking_of]) for axis in AXES}
+    sent = {axis: m * setting.rank_weighted(rank, [b[1][axis] for b in blocking_of]) for axis in AXES}
+    return m * setting.rank_weighted(rank, compute_of), seconds, sent, m * setting.rank_weighted(rank, waits_of)
 
 
 def _pipeline(setting: Setting, busiest: int, tied: float,
@@ -126,8 +135,8 @@ def _after_backward(setting: Setting, busiest: int, per_unit: list[float],
     dp_seconds, dp_bytes, last_bucket = _data_parallel(setting, count - experts, experts)
     overlap = setting.cluster.software.dp_overlap
     if overlap == "always" or overlap == "without-pipeline" and setting.shape is None:
-        backward = setting.weighted(setting.units_of(busiest), [compute_seconds(c, setting.cluster, setting.precision,
-                                                                                True) for c in setting.costs])
+        backward = setting.rank_weighted(busiest, [compute_seconds(c, setting.cluster, setting.precision, True)
+                                                   for c in setting.costs])
         dp_exposed = max(last_bucket, dp_seconds - backward)  # overlapped with the last microbatch's backward
     else:  # reduced after the backward (or after the pipeline's schedule)
         dp_exposed = dp_seconds
