@@ -13,8 +13,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from .layout import Layout, Precision
 from .setting import Setting
-from .shapes import held_parameters
+from .shapes import Model, held_parameters, scaled_unit_parameters
+
+
+def model_state_bytes(layout: Layout, precision: Precision, dense: float,
+                      experts: float) -> tuple[float, float, float]:
+    """Bytes of the weights, gradients and optimizer state of `dense` parameters and `experts` routed experts'
+    parameters, each sharded from its ZeRO stage up (3, 2, 1) over dp, or dp/ep for the experts."""
+
+    def sharded(per_parameter: float, stage: int) -> float:
+        if layout.zero < stage:
+            return (dense + experts) * per_parameter
+        return per_parameter * (dense / layout.dp + experts / (layout.dp // layout.ep))
+
+    return sharded(precision.weights, 3), sharded(precision.gradients, 2), sharded(precision.optimizer, 1)
+
+
+def least_largest_states(model: Model, layout: Layout, precision: Precision) -> float:
+    """A lower bound of the largest pipeline rank's model states without placing the units: their mean over the pp
+    ranks (every unit is held by one rank; the tied shard counted once)."""
+    per_unit, tied, experts = scaled_unit_parameters(model, layout)
+    routed = sum(experts)
+    return sum(model_state_bytes(layout, precision, sum(per_unit) - tied - routed, routed)) / layout.pp
 
 
 def stage_activation_bytes(setting: Setting, weights_only: bool = False) -> list[float]:
@@ -38,17 +60,9 @@ def rank_memory(setting: Setting, rank: int, per_unit: list[float], tied: float,
                 stage_saved: list[float]) -> dict[str, float]:
     """Pipeline rank `rank`'s bytes: parameters, gradients, optimizer state (each ZeRO-sharded from its stage up),
     activations at its peak, and their total."""
-    layout, precision = setting.layout, setting.precision
     experts = setting.held_experts(rank)
     dense = held_parameters(setting.units_of(rank), per_unit, tied) - experts
-
-    def sharded(per_parameter: float, stage: int) -> float:  # ZeRO stage `stage` and up shard these bytes
-        if layout.zero < stage:
-            return (dense + experts) * per_parameter
-        return per_parameter * (dense / setting.zero_shards(False) + experts / setting.zero_shards(True))
-
-    weights, gradients = sharded(precision.weights, 3), sharded(precision.gradients, 2)
-    optimizer = sharded(precision.optimizer, 1)
+    weights, gradients, optimizer = model_state_bytes(setting.layout, setting.precision, dense, experts)
     if setting.shape is None:
         activations = stage_saved[0]  # microbatches one after another: one in flight
     else:  # its fullest state; with no stage of negative bytes, one that no other state covers

@@ -25,7 +25,7 @@ from . import deepseek
 from .cluster import Cluster
 from .costs import unit_costs, unit_kinds
 from .layout import RECOMPUTE, Choices, Layout, Precision
-from .memory import rank_memory, stage_activation_bytes, stage_memory
+from .memory import least_largest_states, rank_memory, stage_activation_bytes, stage_memory
 from .pipeline import SIMULATED_ACTIONS, pipeline_shape
 from .results import Plan, report_throughput
 from .setting import Setting
@@ -59,6 +59,16 @@ def _held_memory(model: Model, cluster: Cluster, precision: Precision, layout: L
     stage_saved = stage_activation_bytes(setting, weights_only)
     per_rank = [rank_memory(setting, rank, per_unit, tied, stage_saved) for rank in range(layout.pp)]
     return _Memory(setting, per_unit, tied, stage_saved, per_rank)
+
+
+def _surely_too_big(model: Model, cluster: Cluster, precision: Precision, layout: Layout, batch_size: int) -> bool:
+    """Whether the model states alone, averaged over the pipeline ranks, exceed the GPU memory (by more than any
+    rounding): then so does the largest rank's memory, as long as no unit saves a negative amount — the layout is
+    dropped before its schedule is built."""
+    rows = batch_size // (layout.dp * layout.microbatches)
+    if any(cost.saved < 0 for cost in unit_costs(model, layout, rows, precision, cluster.software)):
+        return False
+    return least_largest_states(model, layout, precision) > cluster.gpu_memory * (1 + 1e-9)
 
 
 def _timed(memory: _Memory, batch_size: int) -> Plan:
@@ -183,6 +193,8 @@ def plan(model: Model, cluster: Cluster, precision: Precision, choices: Choices,
     considered, fitting = 0, []
     for layout in candidate_layouts(model, cluster, choices):
         considered += 1
+        if _surely_too_big(model, cluster, precision, layout, choices.batch_size):
+            continue
         memory = _held_memory(model, cluster, precision, layout, choices.batch_size, weights_only)
         if memory.fits:  # only these are timed: the time of a layout that does not fit is never shown
             fitting.append(_timed(memory, choices.batch_size))
