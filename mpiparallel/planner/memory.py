@@ -6,7 +6,9 @@
                   Σ held × the stage's bytes; a stage's bytes: its units' saved elements × bytes per element
 
 Without a pipeline one microbatch is in flight. The parameters held are `shapes`': TP shards, the vocabulary padded
-to a multiple of tp, the last stage's copy of the tied embedding, E/ep experts.
+to a multiple of tp, the last stage's copy of the tied embedding, E/ep experts. Every unit is held by one pipeline
+rank, so the model states' mean over the ranks bounds the largest rank's memory from below (the search's first
+filter, `least_largest_states`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ multiple of them; pp·chunks ≤ layers; 2·cp dividing the sequence (Ulysses: c
 KV heads dividing cp or cp them); ep dividing dp and the experts (the two-hop dispatch only for node-limited
 routing); ZeRO ≤ 1 with a pipeline; microbatches ≥ pp dividing the rows of a DP rank (the first three such and the
 largest). `min_model_parallel` = ⌈N · bytes per parameter / GPU memory⌉; `data_parallel_degree` = GPUs / (tp·pp·cp).
+
+The search prices each candidate's memory first and times only the layouts that fit (the others are never shown);
+a layout whose model states, averaged over its pipeline ranks, already exceed a GPU's memory is dropped before its
+schedule is built (`memory.least_largest_states`, a lower bound of its largest rank's memory). Unit costs, the
+collectives' and kernels' times and the schedules are cached across layouts: the answers are `evaluate`'s.
 """
 
 from __future__ import annotations

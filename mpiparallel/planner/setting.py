@@ -34,21 +34,12 @@ class Setting:
     experts: tuple[float, ...] = ()
     """Per unit, the routed experts' parameters this rank holds (`expert_unit_parameters`)."""
 
-    @cached_property
-    def _rank_units(self) -> tuple[list[int], ...]:
-        return tuple(sorted(u for s in self.stages_of(rank) for u in self.stages[s]) for rank in range(self.layout.pp))
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, owner in enumerate(self.stage_ranks) if owner == rank]
 
-    @cached_property
-    def _rank_kind_counts(self) -> tuple[list[int], ...]:
-        return tuple(self.kind_counts(units) for units in self._rank_units)
-
-    @cached_property
-    def _stage_kind_counts(self) -> tuple[list[int], ...]:
-        return tuple(self.kind_counts(units) for units in self.stages)
-
-    @cached_property
-    def _rank_experts(self) -> tuple[float, ...]:
-        return tuple(sum(self.experts[u] for u in units) if self.experts else 0.0 for units in self._rank_units)
+    def units_of(self, rank: int) -> list[int]:
+        """The units of pipeline rank `rank`'s stages, in order (one list per rank: not to be changed)."""
+        return self._rank_units[rank]
 
     def held_experts(self, rank: int) -> float:
         """The routed experts' parameters pipeline rank `rank` holds."""
@@ -57,9 +48,6 @@ class Setting:
     def zero_shards(self, expert: bool) -> int:
         """Ranks one parameter's ZeRO state is sharded over: dp, or the dp/ep holding a routed expert."""
         return self.layout.dp // self.layout.ep if expert else self.layout.dp
-
-    def cost_of(self, unit: int) -> UnitCost:
-        return self.costs[self.kinds[unit]]
 
     def kind_counts(self, units: list[int] | range) -> list[int]:
         """How many units of each cost (embedding, each kind of block, head) are among `units`."""
@@ -76,12 +64,23 @@ class Setting:
         """Σ over the units of pipeline rank `rank` of the value of each one's kind (`values`: one per cost)."""
         return _weighted(self._rank_kind_counts[rank], values)
 
-    def stages_of(self, rank: int) -> list[int]:
-        return [s for s, owner in enumerate(self.stage_ranks) if owner == rank]
+    # computed once per layout: the search and the timing ask for them many times
 
-    def units_of(self, rank: int) -> list[int]:
-        """The units of pipeline rank `rank`'s stages, in order (one list per rank: not to be changed)."""
-        return self._rank_units[rank]
+    @cached_property
+    def _rank_units(self) -> tuple[list[int], ...]:
+        return tuple(sorted(u for s in self.stages_of(rank) for u in self.stages[s]) for rank in range(self.layout.pp))
+
+    @cached_property
+    def _rank_experts(self) -> tuple[float, ...]:
+        return tuple(sum(self.experts[u] for u in units) if self.experts else 0.0 for units in self._rank_units)
+
+    @cached_property
+    def _rank_kind_counts(self) -> tuple[list[int], ...]:
+        return tuple(self.kind_counts(units) for units in self._rank_units)
+
+    @cached_property
+    def _stage_kind_counts(self) -> tuple[list[int], ...]:
+        return tuple(self.kind_counts(units) for units in self.stages)
 
 
 def _weighted(counts: list[int], values: list[float]) -> float:
