@@ -16,9 +16,9 @@ stages' ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Any
 
 from ..schedules import bubble_formula, build_schedule, simulate
@@ -37,41 +37,20 @@ second); beyond, the bubble is the schedule's formula, exact at unit costs for m
 
 @dataclass(frozen=True)
 class PipelineShape:
-    """A schedule run with F = I = W = 1: the rank of each stage, the microbatches each rank holds, and its bubble
-    and makespan (simulated on first use: the search never times a layout that does not fit)."""
+    """A schedule run with F = I = W = 1: its bubble and makespan, the microbatches each stage and rank holds, and
+    the rank of each stage."""
 
-    schedule: str
-    pp: int
-    microbatches: int
-    chunks: int
-    built: Any = field(repr=False, compare=False)
-    """The schedule's action lists (`schedules.build_schedule`)."""
+    bubble: float
+    makespan_units: float
     peak_per_stage: tuple[int, ...]
     rank_stage_counts: tuple[tuple[tuple[int, ...], ...], ...]
     """Per rank: every distinct state (microbatches held on each of its stages), to weigh by bytes per stage."""
     rank_peak_states: tuple[tuple[tuple[int, ...], ...], ...]
     """Per rank: the states that no other state of the rank covers on every stage — the only candidates for its
-    largest activations when every stage's bytes are ≥ 0."""
+    largest activations when every stage's bytes are ≥ 0 (`_uncovered`)."""
     stage_ranks: tuple[int, ...]
     simulated: bool
     """The bubble simulated, not the schedule's formula (SIMULATED_ACTIONS)."""
-
-    @property
-    def bubble(self) -> float:
-        return self._bubble_and_makespan[0]
-
-    @property
-    def makespan_units(self) -> float:
-        return self._bubble_and_makespan[1]
-
-    @cached_property
-    def _bubble_and_makespan(self) -> tuple[float, float]:
-        m, chunks = self.microbatches, self.chunks
-        if self.simulated:
-            makespan = simulate(self.built).makespan
-            return 1 - 3 * m * chunks / makespan, makespan
-        bubble = bubble_formula(self.schedule, self.pp, m, chunks if self.schedule == "interleaved" else 1)
-        return bubble, 3 * m * chunks / (1 - bubble)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages pipeline rank `rank` runs, in stage order."""
@@ -82,13 +61,20 @@ class PipelineShape:
 def pipeline_shape(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> PipelineShape:
     """Bubble and activations held of `schedule` with F = I = W = 1 (cached; `virtual_stages`: interleaved's v).
     The activations come from the action lists alone (list order is time order on a rank); the bubble from the
-    simulator, or for schedules of more than SIMULATED_ACTIONS compute actions from the schedule's formula."""
+    simulator, or for schedules of more than SIMULATED_ACTIONS compute actions from the schedule's formula. The
+    action lists are not kept: cached, they would cost every garbage collection a walk over them."""
     chunks = 2 if schedule in V_SHAPED else virtual_stages if schedule == "interleaved" else 1
     built = build_schedule(schedule, pp, microbatches, chunks if schedule == "interleaved" else 1)
     simulated = pp * microbatches * chunks <= SIMULATED_ACTIONS or microbatches < 2 * pp
+    if simulated:
+        makespan = simulate(built).makespan
+        bubble = 1 - 3 * microbatches * chunks / makespan
+    else:
+        bubble = bubble_formula(schedule, pp, microbatches, chunks if schedule == "interleaved" else 1)
+        makespan = 3 * microbatches * chunks / (1 - bubble)
     states = tuple(_held_states(built, rank) for rank in range(pp))
-    return PipelineShape(schedule, pp, microbatches, chunks, built, peak_activations(built)[0], states,
-                         tuple(_uncovered(held) for held in states), built.stage_ranks, simulated)
+    uncovered = tuple(_uncovered(held) for held in states)
+    return PipelineShape(bubble, makespan, peak_activations(built)[0], states, uncovered, built.stage_ranks, simulated)
 
 
 def _held_states(built: Any, rank: int) -> tuple[tuple[int, ...], ...]:
@@ -106,13 +92,12 @@ def _held_states(built: Any, rank: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _uncovered(states: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    """The states (distinct, sorted) that no other state holds at least as many microbatches as on every stage:
-    for one or two stages a sweep in decreasing order (a state is covered when one before it holds as many on
-    the last stage), for more a comparison of every pair."""
+    """The states (distinct, sorted) that no other state holds at least as many microbatches as on every stage, for
+    one or two stages per rank: a sweep in decreasing order, where a state is covered when one before it holds as
+    many on the last stage. With more stages per rank (interleaved, v > 2) all of them: comparing every pair costs
+    more than it saves."""
     if len(states[0]) > 2:
-        return tuple(state for state in states
-                     if not any(other != state and all(o >= s for o, s in zip(other, state, strict=True))
-                                for other in states))
+        return states
     kept, most_on_last = [], -1
     for state in reversed(states):
         if state[-1] > most_on_last:
