@@ -379,9 +379,9 @@ def _cluster(options: dict[str, Any], explicit: set[str] = frozenset(), measurem
     from collectives.cost_model import CostModel
 
     from ..planner import Cluster, load_machine
-    from ..planner.core import SOFTWARE
     from ..planner.gpus import gpu_named
     from ..planner.measured import measured_gpu
+    from ..planner.software import SOFTWARE
 
     software = SOFTWARE[options["software"]]
     if options["gpu"] is not None or measurement is not None:

@@ -88,7 +88,10 @@ def serial_step_seconds(shape: dict[str, int], rows: int, barrier) -> float:
 def compute_efficiency(shape: dict[str, int], rows: int, matmul_flops: float, elementwise_bytes: float,
                        barrier) -> float:
     """The planner's predicted seconds for one serial step at the measured rates, over the measured seconds."""
-    from .core import Cluster, Layout, Model, evaluate, precision_with
+    from .cluster import Cluster
+    from .layout import Layout, precision_with
+    from .search import evaluate
+    from .shapes import Model
 
     model = Model(shape["n_layer"], shape["n_embd"], shape["n_head"], shape["seq_len"], shape["vocab_size"])
     cluster = Cluster(gpus=1, gpus_per_node=1, matmul_flops=matmul_flops, elementwise_bytes=elementwise_bytes)

@@ -13,7 +13,7 @@ things of that preset, each from the measurement and none per run (docs/publishe
 - **the products' shapes.** A product timed at the very shape the planner prices — (m, n, k, count, bytes per
   operand element) — takes its measured time t scaled to the roof it is priced at: t · MAMF_measured / roof.
   At the measured roof that is t / s; a code base that gives SMs to communication lowers the roof
-  (`core.Cluster.from_preset`) and the time grows with it. Every other product keeps the model at the new roof.
+  (`cluster.Cluster.from_preset`) and the time grows with it. Every other product keeps the model at the new roof.
 
 FP8 products keep the preset's FP8 ceiling: CuPy 14 has no FP8 matrix product, so the script measures none.
 A measurement made with NumPy on a CPU (the script's test path) names no preset and is refused.
@@ -33,7 +33,7 @@ FORMAT = "mpiparallel-gemm-measurement/1"
 """The `format` field of the script's JSON file; the fields this module reads are in `load`'s docstring."""
 
 Shape = tuple[float, float, float, float, float]
-"""(m, n, k, count, bytes per operand element): `count` [m, k] × [k, n] products, as `core.Gemm` prices them."""
+"""(m, n, k, count, bytes per operand element): `count` [m, k] × [k, n] products, as `kernels.Gemm` prices them."""
 
 
 @dataclass(frozen=True)

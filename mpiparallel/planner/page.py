@@ -13,7 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .core import Choices, Cluster, Layout, Model, Precision, candidate_layouts, evaluate, stage_units
+from ..schedules import stage_units
+from .cluster import Cluster
+from .layout import Choices, Layout, Precision
+from .search import candidate_layouts, evaluate
+from .shapes import Model
 
 
 def layout_key(layout: Layout) -> str:

@@ -1,6 +1,6 @@
 """The planner against published runs: the rows of `published_runs.csv` (Megatron-LM 2021 Table 1, Llama 3 405B
 Table 4, DeepSeek-V3's 2,048 H800) predicted with one GPU preset per chip and one code-base description per paper
-(`core.SOFTWARE`).
+(`software.SOFTWARE`).
 
 Each row fixes what the paper prints (model, GPUs, tp, pp, cp, dp, global batch). What a paper does not print is
 set by one rule per paper, never per row:
@@ -14,7 +14,7 @@ set by one rule per paper, never per row:
   chunks × 2; the paper does not print V), no recomputation at 8K (§3.3.2: "without activation checkpointing")
   and full recomputation at 128K (the planner's memory model fits nothing less);
 - DeepSeek-V3: its published config.json with one MTP module (`deepseek.PUBLISHED_CONFIG`), HAI-LLM as §3.2
-  describes it (`core.SOFTWARE["hai-llm"]`), FP8 GEMMs and dispatch (`PRECISIONS["fp8"]`), ZeRO-1 over the 128
+  describes it (`software.SOFTWARE["hai-llm"]`), FP8 GEMMs and dispatch (`PRECISIONS["fp8"]`), ZeRO-1 over the 128
   DP ranks (EP64 inside them), the node-limited two-hop dispatch (M = 4 of the 8 nodes an EP group spans,
   §3.2.2), one sequence per microbatch, DualPipe as `dualpipev` (the same bubble, (PP/2 − 1)(F&B + B − 3W),
   Table 2; DualPipeV is its one-copy form), no recomputation beyond what §3.2.3 names (norms and MLA's
@@ -38,9 +38,14 @@ from typing import Any
 from models.transformer import GPTConfig
 
 from . import deepseek, measured
-from .core import PRECISIONS, SOFTWARE, Cluster, Layout, Model, Plan, Precision, Software, evaluate
+from .cluster import Cluster
 from .gpus import GPU, gpu_named
+from .layout import PRECISIONS, Layout, Precision
 from .measured import GemmMeasurement
+from .results import Plan
+from .search import evaluate
+from .shapes import Model
+from .software import SOFTWARE, Software
 
 TABLE = Path(__file__).with_name("published_runs.csv")
 
