@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 
-def _timed(work, repeats: int, barrier) -> float:
-    """Median seconds of one call of `work` over five rounds, all ranks starting together."""
+def _timed(work, repeats: int, barrier, rounds: int = 5) -> float:
+    """Median seconds of one call of `work` over `rounds` rounds, all ranks starting together."""
     samples = []
-    for _ in range(5):
+    for _ in range(rounds):
         barrier()
         start = time.perf_counter()
         for _ in range(repeats):
@@ -33,7 +33,7 @@ def _timed(work, repeats: int, barrier) -> float:
     return float(np.median(samples))
 
 
-def matmul_rate(n_embd: int, rows: int, barrier, repeats: int = 20) -> float:
+def matmul_rate(n_embd: int, rows: int, barrier, repeats: int = 20, rounds: int = 5) -> float:
     """FLOP/s of float32 products of the MLP's shapes: (rows, h) @ (h, 4h) and (rows, 4h) @ (4h, h)."""
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((rows, n_embd), np.float32), rng.standard_normal((n_embd, 4 * n_embd), np.float32)
@@ -43,7 +43,7 @@ def matmul_rate(n_embd: int, rows: int, barrier, repeats: int = 20) -> float:
         np.matmul(x, w, out=hidden)
         np.matmul(hidden, w.T, out=back)
 
-    return 2 * 2 * rows * n_embd * 4 * n_embd / _timed(work, repeats, barrier)
+    return 2 * 2 * rows * n_embd * 4 * n_embd / _timed(work, repeats, barrier, rounds)
 
 
 def elementwise_rate(elements: int, barrier) -> float:
