@@ -435,7 +435,9 @@ class Endings(threading.Thread):
         self.seen: set[int] = set()                 # pids watched so far
         self.ended: set[int] = set()
         try:
-            while len(self.ended) < self.ranks or self.pidfds:  # the pidfds of the ended still say how they ended
+            # until every rank has ended (the pidfds of the ended still say how they ended), or the job is over
+            # and its folder gone (a rank that never registered: the parent has stopped waiting for it)
+            while (len(self.ended) < self.ranks or self.pidfds) and self.pids.is_dir():
                 self._note(self._watch_new_ranks())  # already gone when they registered: one group, unordered
                 for descriptor, _ in self.poller.poll(-1 if len(self.seen) == self.ranks else 0.05):
                     self._note(self._wake_up(descriptor))  # in the order the ends happened (epoll's ready list)
@@ -518,11 +520,18 @@ def _zombie_status(pid: int) -> str | None:
 def _registered(pids: Path) -> dict[int, tuple[int, str]]:
     """PID -> (rank, how it ended through `run_guarded`: ENDED, ABORTED, MPI_ERROR, or "" if it did not) of every
     rank that has written its file."""
-    found = {}
-    for entry in pids.iterdir():
+    found: dict[int, tuple[int, str]] = {}
+    try:
+        entries = list(pids.iterdir())
+    except FileNotFoundError:  # the job is over and its folder removed; the watcher thread may still look once
+        return found
+    for entry in entries:
         if not entry.name.isdigit():  # the watch socket
             continue
-        words = entry.read_text().split()
+        try:
+            words = entry.read_text().split()
+        except FileNotFoundError:
+            continue
         if words:
             found[int(entry.name)] = (int(words[0]), " ".join(words[1:]))
     return found

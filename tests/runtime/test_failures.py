@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -339,3 +340,21 @@ def test_an_mpi_error_on_a_survivor_says_that_another_rank_probably_died(tmp_pat
     assert finished.returncode != 0
     assert output.count("rank 0 failed: MPI error: See the MPI_ERROR field in MPI_Status") == 1, output
     assert "another rank has most likely died" in output and "Traceback" not in output
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watcher needs Linux pidfds")
+def test_a_watcher_still_waiting_when_the_job_folder_is_removed_ends_quietly(tmp_path, monkeypatch):
+    """A job that ends before every rank registered (a configuration error on the ranks that did) leaves the
+    watcher waiting for the missing rank; the parent then removes the job's folder. The watcher must end without
+    a traceback — one was printed under the one clear error line (a CI run of test_invalid_invocations)."""
+    failures: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda arguments: failures.append(arguments.exc_value))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    watcher = launch.Endings(pids, ranks=2)
+    watcher.start()
+    (pids / str(os.getpid())).write_text("0 ")  # one rank registered (this process: it stays alive)
+    time.sleep(0.2)  # the watcher has looked at least once
+    shutil.rmtree(pids)
+    watcher.join(timeout=10)
+    assert not watcher.is_alive() and failures == []
