@@ -269,7 +269,18 @@ def why_nothing_fits(model: Any, cluster: Any, precision: Any, choices: Any) -> 
     return (f"memory: of {len(layouts)} layouts the smallest needs {_bytes(smallest.max_memory)} per GPU "
             f"(dp {smallest.layout.dp}, tp {smallest.layout.tp}, pp {smallest.layout.pp}, zero "
             f"{smallest.layout.zero}, recompute {smallest.layout.recompute}), a GPU has "
-            f"{_bytes(cluster.gpu_memory)}: use more GPUs, more memory (--gpu-memory) or fix fewer choices")
+            f"{_bytes(cluster.gpu_memory)}: {_what_would_fit(layouts, cluster, choices)}")
+
+
+def _what_would_fit(layouts: list[Any], cluster: Any, choices: Any) -> str:
+    """The advice after "no layout fits in memory". A batch smaller than the GPUs caps dp (a rank needs a whole
+    sequence), so more GPUs would only deepen the model parallelism that already does not fit: say so."""
+    widest = max(layout.dp for layout in layouts)
+    if choices.dp is None and widest < cluster.gpus and widest * 2 > choices.batch_size:
+        return (f"the batch of {choices.batch_size} sequences allows at most dp {widest}, so every model copy "
+                f"spans {cluster.gpus // widest} GPUs; a larger --batch-size lets more of the {cluster.gpus} GPUs "
+                f"hold copies (or use more memory: --gpu-memory)")
+    return "use more GPUs, more memory (--gpu-memory) or fix fewer choices"
 
 
 def _model(options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:

@@ -146,3 +146,14 @@ def test_zero_shards_a_routed_expert_over_the_dp_over_ep_ranks_that_hold_it():
     dense = model.total_parameters() - 2 * 8 * 3 * 32 * 24
     assert plan.memory_per_rank[0]["optimizer_state"] == pytest.approx(8 * (dense / 8 + experts / 2))
     assert plan.memory_per_rank[0]["parameters"] == 4 * (dense + experts)
+
+
+def test_a_batch_too_small_for_the_gpus_is_named_when_no_layout_fits():
+    """2,048 GPUs and the default batch of 8 sequences: dp ≤ 8, so each copy of the 671 B model spans 256 GPUs and
+    none fits; the error says the batch caps dp (not "use more GPUs", which would only make it worse). The
+    published batch of 15,360 does fit: docs/deepseek_v3.md's "Planning it", run by the docs test."""
+    small = CliRunner().invoke(plan_command, ["--arch", "deepseek_v3", "--gpus", "2048", "--gpu", "h800"])
+    error = f"{small.output}{small.exception}"  # the command's ConfigError: one "Error:" line from the CLI
+    assert small.exit_code != 0
+    assert "the batch of 8 sequences allows at most dp 8, so every model copy spans 256 GPUs" in error
+    assert "use more GPUs" not in error
