@@ -521,7 +521,7 @@ def report(document: dict[str, Any]) -> str:
              f"{document['min_model_parallel']}"]
     if "deepseek_v3" in document:
         lines += _deepseek_lines(document["deepseek_v3"], model["n_layer"])
-    if "dp" in document:
+    if "dp" in document and document["dp"] != cluster["gpus"]:  # all GPUs: nothing fixed, nothing to say
         lines.append(f"data-parallel degree the fixed tp·pp·cp leave: {document['dp']}")
     if "min_microbatches" in document:
         lines.append("fewest microbatches for the bubble asked: " + ", ".join(
