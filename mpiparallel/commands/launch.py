@@ -288,8 +288,13 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
                 stalls.append(found)
                 _end_job(process, pids)
 
-        watchdog = StallWatchdog(pids, ranks, stall.timeout, end_stalled)
-        environ = {**environ, **watchdog.environment()}
+        try:
+            watchdog = StallWatchdog(pids, ranks, stall.timeout, end_stalled)
+        except OSError as error:  # a Unix socket's path is at most 107 bytes: a long TMPDIR leaves no room
+            print(f"mpiparallel: the stall watchdog is off for this job: no socket at {pids} ({error}); a shorter "
+                  f"TMPDIR turns it on", file=sys.stderr, flush=True)
+        else:
+            environ = {**environ, **watchdog.environment()}
     process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(environ))
     stopped: list[int] = []  # a job ended on purpose (Ctrl-C, SIGTERM) lost no rank, whatever died with it
 

@@ -132,6 +132,19 @@ def test_a_long_run_whose_every_phase_is_short_is_not_stopped(tmp_path, tokens):
     assert records(tmp_path / "log.jsonl")[-1]["step"] == 3000
 
 
+def test_a_temporary_folder_too_deep_for_a_socket_turns_the_watchdog_off_with_one_line(tmp_path, tokens):
+    """A Unix socket's path holds at most 107 bytes: under a long TMPDIR (clusters set deep per-job ones) the
+    watchdog cannot listen. The run must still train (it failed on its first version: `OSError: AF_UNIX path too
+    long`), saying once that the watchdog is off."""
+    deep = tmp_path / ("t" * 100)
+    deep.mkdir()
+    job = start_training(tmp_path, tokens, 2, "--batch-size", "4", "--steps", "3", env={"TMPDIR": str(deep)})
+    status, stdout, stderr = ended(job, timeout=120)
+    assert status == 0, stdout + stderr
+    assert (stdout + stderr).count("the stall watchdog is off for this job") == 1, stdout + stderr
+    assert records(tmp_path / "log.jsonl")[-1]["step"] == 3
+
+
 @pytest.mark.parametrize("value", ["-1", "abc", "nan", "inf"])
 def test_a_bad_stall_timeout_is_one_clear_error(value):
     output = train_error("-n", "2", "--steps", "1", "--stall-timeout", value, timeout=60)
