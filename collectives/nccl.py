@@ -97,6 +97,25 @@ def nccl_unavailable_reason() -> str | None:
     return None
 
 
+def several_ranks_unavailable_reason(ranks: int) -> str | None:
+    """Why `ranks` ranks on this machine (each on GPU local rank mod GPU count) cannot run NCCL here, or None:
+    no NCCL, or ranks that would share a GPU under an NCCL before 2.30 (a test skips for it; `NcclComm` refuses)."""
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        return reason
+    gpus, version = _gpu_count(), cupy_nccl().get_version()
+    if ranks > gpus and version < _FIRST_VERSION_WITH_SEVERAL_RANKS_PER_GPU:
+        return (f"{ranks} ranks on {gpus} GPU(s) share a GPU, which NCCL {format_version(version)} refuses "
+                "(it allows it from 2.30)")
+    return None
+
+
+def _gpu_count() -> int:
+    from cupy.cuda import runtime
+
+    return runtime.getDeviceCount()
+
+
 def cupy_nccl() -> Any:
     """The `cupy.cuda.nccl` module, or a RuntimeError saying why it cannot be used."""
     reason = nccl_unavailable_reason()

@@ -43,7 +43,7 @@ import numpy as np
 from collectives.backend import Array, get_array_module, to_host
 
 from .layers import Layer, Saved, row_sums
-from .moe import MixtureOfExperts, Router, RouterStats, expert_capacity
+from .moe import MixtureOfExperts, Router, RouterStats, expert_capacity, sortable
 
 GATE_EPSILON = 1e-20
 """Added to the chosen scores' sum before normalizing (DeepSeek's and transformers' guard against 0/0)."""
@@ -92,7 +92,7 @@ class SigmoidRouter(Router):
     def _choose(self, scores: Array) -> Array:
         """The K best biased scores per row inside its `topk_group` best groups, best first."""
         xp = get_array_module(scores)
-        biased = scores if self.expert_bias is None else scores + self.expert_bias
+        biased = sortable(scores if self.expert_bias is None else scores + self.expert_bias)
         if self.n_group > 1:
             tokens = len(biased)
             by_group = biased.reshape(tokens, self.n_group, -1)

@@ -186,6 +186,12 @@ def update_expert_bias(bias: Array, counts: Array, rate: float) -> None:
 
 # -- the router ----------------------------------------------------------------------------------------------
 
+def sortable(scores: Array) -> Array:
+    """`scores` in a dtype every backend sorts: CuPy sorts through Thrust, which has no bfloat16 ("Sorting arrays
+    with dtype 'bfloat16' is not supported"); widening to float32 is exact, so the order is the same."""
+    return scores.astype(np.float32) if scores.dtype.itemsize < 4 else scores
+
+
 def _softmax(logits: Array) -> Array:
     """Row softmax, in place."""
     xp = get_array_module(logits)
@@ -241,7 +247,7 @@ class Router:
     def _choose(self, probs: Array) -> Array:
         """The K largest scores per row, best first; a stable sort of −score puts the lower index first on ties."""
         xp = get_array_module(probs)
-        scores = probs if self.expert_bias is None else probs + self.expert_bias
+        scores = sortable(probs if self.expert_bias is None else probs + self.expert_bias)
         return xp.argsort(-scores, axis=1, kind="stable")[:, :self.top_k]
 
     def _assign(self, experts: Array, capacity: int | None) -> tuple[Array, Array]:

@@ -5,13 +5,16 @@
 #
 # GROUPs, run in the order given (default: probe):
 #   probe   the environment: GPU, CuPy, CUDA, NVRTC, NCCL (and what it allows on one GPU), MPI, our packages
-#   tests   the GPU test subset (`pytest -m gpu`) with the equivalence workers on CuPy arrays
+#   tests   the GPU test subset (`pytest -m gpu`) with the equivalence workers on CuPy arrays; PYTEST_ARGS adds
+#           options (e.g. "-n 8": pytest-xdist, which the GPU image has, runs the subset on 8 workers)
 #   verify  `verify --against nccl` and `verify --against mpi --device gpu`
 #   bench   all_reduce and all_gather, ours against NCCL (busbw side by side)
 #   train   scripts/bench_train.py against PyTorch eager (GPT-2 124M, SmolLM-135M's shape; float32, TF32, bf16)
 #           and `train` on two ranks
 #   gemm    scripts/measure_gemm.py: the chip's MAMF, the planner's products of the published rows, and a minute
-#           of sustained load (about five minutes); its gemm.json and gemm.md go beside the report
+#           of sustained load (about five minutes); its gemm.json and gemm.md go beside the report.
+#           MEASURE_GEMM_ARGS passes options to it, e.g. "--mamf-budget 45 --product-budget 60 --sustained 20"
+#           (about two and a half minutes) where a lease cannot spare five
 #
 # What it needs, and where it comes from: the machine's own CuPy (cupy-cuda13x in the GPU image; nothing installs
 # the `gpu` extra here), PyTorch for the training comparison, and MPI. The GPU image has mpi4py but no MPI library:
@@ -69,6 +72,20 @@ if [ -n "$missing" ]; then
     fi
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --find-links "$ROOT/.whl" $missing >&2 || exit 2
 fi
+# The MPI the check runs on is MPICH from the carried wheel, the launcher the project and its tests are built for:
+# an image whose mpi4py loads another MPI (seen on an H200, 2026-11-28: Debian's Open MPI 4.1.6, whose mpiexec
+# refuses root) gets the mpich and mpi4py wheels installed over it (mpi4py 4 loads the libmpi of its own prefix
+# first, and the wheel's mpiexec lands beside the interpreter, ahead of the system one on PATH).
+mpi_library() { "$PYTHON" -c "from mpi4py import MPI; print(MPI.Get_library_version().split()[0])" 2>/dev/null; }
+if [ "$(mpi_library)" != MPICH ] && ls "$ROOT"/.whl/mpich-*.whl >/dev/null 2>&1; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --force-reinstall --find-links "$ROOT/.whl" \
+        mpich mpi4py >&2 || exit 2
+fi
+export PATH="$(dirname "$("$PYTHON" -c 'import sys; print(sys.executable)')"):$PATH"
+if [ "$(mpi_library)" = Open ] && [ "$(id -u)" = 0 ]; then  # no MPICH wheel: Open MPI as root, oversubscribed
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+        PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMPI_MCA_mpi_yield_when_idle=1
+fi
 if ! "$PYTHON" -c "from mpi4py import MPI" 2>"$LOGS/mpi.err"; then
     echo "gpu_check: mpi4py finds no MPI library even after installing the mpich wheel: $(tail -1 "$LOGS/mpi.err")" >&2
     exit 2
@@ -100,7 +117,7 @@ step() {
         echo
         echo '```'
         echo "\$ $*"
-        grep -E "$pattern" "$log" | tail -n 40
+        grep -a -E "$pattern" "$log" | tail -n 40
         echo '```'
         echo
     } >>"$SUMMARY"
@@ -157,7 +174,7 @@ EOF
     tests)
         step tests-on-gpu 'passed|failed|error|skipped|PASSED|FAILED|ERROR|SKIPPED' \
             env MPIPARALLEL_TEST_ARRAYS=cupy "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider -m gpu -x \
-            --timeout 500 tests
+            --timeout 500 ${PYTEST_ARGS:-} tests
         ;;
     verify)
         if [ -n "$NCCL_RANKS" ]; then
@@ -199,7 +216,7 @@ EOF
         ;;
     gemm)
         step gemm-measure 'device|MAMF|products|sustained|wrote|rror' \
-            "$PYTHON" scripts/measure_gemm.py --out "$REPORT"
+            "$PYTHON" scripts/measure_gemm.py --out "$REPORT" ${MEASURE_GEMM_ARGS:-}
         ;;
     esac
 done

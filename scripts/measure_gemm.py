@@ -73,6 +73,15 @@ class Device:
                              "driver": runtime.driverGetVersion()}
             self.dtypes = {"bfloat16": np.dtype(backend.BFLOAT16), "float16": np.dtype(np.float16)}
             self.unsupported = {"float8": "CuPy 14 has no FP8 dtype for matmul (to_cuda_dtype refuses float8_e4m3fn)"}
+            try:
+                self.batched_bf16_error = check_batched_bf16_gemm(self.xp, self.dtypes["bfloat16"])
+            except Exception as error:  # a binding that changed: the batched products are skipped, saying why
+                print(f"batched bfloat16 check failed: {error!r}", flush=True)
+                self.batched_bf16_error = math.nan
+            if not self.batched_bf16_error < BATCHED_BF16_TOLERANCE:
+                self.unsupported["batched bfloat16"] = (
+                    f"cublasGemmStridedBatchedEx differs from a float32 product by {self.batched_bf16_error:.2g} "
+                    f"(over {BATCHED_BF16_TOLERANCE}): batched products are not measured")
         else:
             self.xp = np
             self.name = f"CPU ({platform.processor() or platform.machine()}), NumPy {np.__version__} float32"
@@ -81,6 +90,21 @@ class Device:
             self.unsupported = {"bfloat16": "NumPy has no bf16 BLAS: the CPU path times float32 (a test, not a chip)"}
         self._buffers: dict[tuple[str, str], Any] = {}
         self._rng = np.random.default_rng(0)
+
+    def refuses(self, shape: tuple[int, int, int, int], dtype: str) -> str | None:
+        """Why a product of `shape` in `dtype` cannot be measured here, or None."""
+        if shape[3] > 1 and dtype == "bfloat16" and "batched bfloat16" in self.unsupported:
+            return self.unsupported["batched bfloat16"]
+        return None
+
+    def matmul(self, a: Any, b: Any, c: Any) -> None:
+        """c = a·b. CuPy 14.2's `matmul` refuses batched bfloat16 (it takes the integer kernel path: "data type 'E'
+        not understood", seen on an H200), so a batched bfloat16 product calls cuBLAS's strided-batched GEMM itself
+        (`batched_bf16_gemm`), the call CuPy makes for float16."""
+        if self.kind == "gpu" and a.ndim == 3 and a.dtype == self.dtypes["bfloat16"]:
+            batched_bf16_gemm(self.xp, a, b, c)
+        else:
+            self.xp.matmul(a, b, out=c)
 
     @property
     def product_dtype(self) -> str:
@@ -135,13 +159,43 @@ class Device:
         events = [(cuda.Event(), cuda.Event()) for _ in range(calls)]
         for start, stop in events:
             start.record()
-            self.xp.matmul(a, b, out=c)
+            self.matmul(a, b, c)
             stop.record()
         events[-1][1].synchronize()
         return [cuda.get_elapsed_time(start, stop) / 1e3 for start, stop in events]
 
     def chunk_clock(self) -> ChunkClock:
         return ChunkClock(self)
+
+
+CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N = 14, 68, -1, 0  # cuBLAS's and CUDA's enums
+BATCHED_BF16_TOLERANCE = 0.02  # bfloat16's rounding of c gives about 0.4 %; a wrong argument gives O(1)
+
+
+def batched_bf16_gemm(cupy: Any, a: Any, b: Any, c: Any) -> None:
+    """c[i] = a[i]·b[i] for row-major C-contiguous bfloat16 a [count, m, k], b [count, k, n], c [count, m, n],
+    accumulating in float32: `cublasGemmStridedBatchedEx`. cuBLAS is column-major, and a row-major matrix is its
+    transpose in column-major, so cᵀ = bᵀ·aᵀ is asked for: (n × k)·(k × m), leading dimensions n, k and n."""
+    from cupy_backends.cuda.libs import cublas
+
+    count, m, k = a.shape
+    n = b.shape[2]
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars (cuBLAS's default mode)
+    cublas.gemmStridedBatchedEx(
+        cupy.cuda.device.get_cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, one.ctypes.data,
+        b.data.ptr, CUDA_R_16BF, n, k * n, a.data.ptr, CUDA_R_16BF, k, m * k, zero.ctypes.data,
+        c.data.ptr, CUDA_R_16BF, n, m * n, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+
+
+def check_batched_bf16_gemm(cupy: Any, bfloat16: Any) -> float:
+    """The largest relative difference between `batched_bf16_gemm` and a float32 product of the same values
+    (a few units of bfloat16's last place where the call is right; O(1) where an argument is wrong)."""
+    a = cupy.random.standard_normal((3, 48, 80), dtype=np.float32).astype(bfloat16)
+    b = cupy.random.standard_normal((3, 80, 112), dtype=np.float32).astype(bfloat16)
+    c = cupy.empty((3, 48, 112), dtype=bfloat16)
+    batched_bf16_gemm(cupy, a, b, c)
+    reference = cupy.matmul(a.astype(np.float32), b.astype(np.float32))
+    return float(cupy.abs(c.astype(np.float32) - reference).max() / cupy.abs(reference).max())
 
 
 class ChunkClock:
@@ -158,7 +212,7 @@ class ChunkClock:
     def chunk(self, operands: tuple[Any, Any, Any], calls: int) -> None:
         a, b, c = operands
         for _ in range(calls):
-            self.device.xp.matmul(a, b, out=c)
+            self.device.matmul(a, b, c)
         self.marks.append(self._mark())
         if self.device.kind == "gpu" and len(self.marks) > 3:
             self.marks[-3].synchronize()
@@ -303,6 +357,8 @@ def measure_products(device: Device, products: list[dict[str, Any]], preset: str
             entry["skipped"] = "priced in FP8: CuPy has no FP8 matrix product"
         elif operand_bytes(measured_shape, itemsize) > max_bytes:
             entry["skipped"] = f"operands over --max-gb ({operand_bytes(measured_shape, itemsize) / 1e9:.1f} GB)"
+        elif device.refuses(measured_shape, dtype):
+            entry["skipped"] = device.refuses(measured_shape, dtype)
         elif time.monotonic() > deadline:
             entry["skipped"] = "--product-budget spent"
         else:
@@ -487,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     max_bytes = (options.max_gb * 1e9 if options.max_gb is not None else
                  device.free_bytes() / 2 if device.kind == "gpu" else 1e9)
     print(f"device: {device.name}; preset {preset or 'none'}; dtypes {', '.join(device.dtypes)}", flush=True)
+    if device.kind == "gpu":
+        print(f"batched bfloat16 (cublasGemmStridedBatchedEx): {device.batched_bf16_error:.2g} from float32 "
+              f"({'used' if device.refuses((1, 1, 1, 2), 'bfloat16') is None else 'refused'})", flush=True)
     started = time.monotonic()
 
     first = next(iter(device.dtypes))

@@ -393,10 +393,19 @@ def test_nccl_on_cpu_buffers_is_a_usage_error(run, arguments):
     assert (out + err).count("GPU buffers") == 1 and "Traceback" not in out + err
 
 
+def skip_unless_nccl_runs_on(ranks: int) -> None:
+    """One GPU and an NCCL before 2.30 (an H200 image's 2.28.9): several ranks cannot share it, and the command's
+    own refusal of that is tested on the doubles (test_nccl.py)."""
+    reason = nccl.several_ranks_unavailable_reason(ranks)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
 @pytest.mark.parametrize("ranks", ["2", "4"])
 def test_verify_against_nccl_on_gpu_finds_no_wrong_element(run, monkeypatch, ranks):
+    skip_unless_nccl_runs_on(int(ranks))
     monkeypatch.setenv(nccl.MULTI_RANK_GPU, "1")  # several ranks on one GPU need it (NCCL >= 2.30)
     status, out, err, _ = run(*PROGRAM, "verify", "--against", "nccl", "-n", ranks, "--max-count", "1000",
                               timeout=600)
@@ -417,6 +426,7 @@ def test_verify_against_mpi_on_gpu_buffers_finds_no_wrong_element(run):
 @pytest.mark.gpu
 @pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
 def test_bench_compare_nccl_on_gpu_prints_the_table(run, monkeypatch):
+    skip_unless_nccl_runs_on(2)
     monkeypatch.setenv(nccl.MULTI_RANK_GPU, "1")
     status, out, err, _ = run(*PROGRAM, "bench", "all_reduce", "--compare", "nccl", "--device", "gpu", "-n", "2",
                               "-e", "1M", "--iters", "5", "-w", "2", timeout=300)

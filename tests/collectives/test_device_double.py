@@ -231,6 +231,18 @@ def test_the_double_offers_only_cupys_names_and_keywords():
         copy(FAKE.zeros(2), threads=2)
 
 
+def test_bfloat16_products_stay_bfloat16_and_refuse_to_sort_as_in_cupy():
+    """Seen on an H200 (CuPy 14.2): a bfloat16 matrix product is bfloat16 (ml_dtypes' NumPy product gives float32)
+    and Thrust sorts no bfloat16 — the MoE router's argsort failed there and passed on the looser double."""
+    a = FAKE.asarray(np.ones((3, 4), dtype=backend.BFLOAT16))
+    assert (a @ a.T).dtype == backend.BFLOAT16
+    with pytest.raises(NotImplementedError, match="bfloat16"):
+        FAKE.argsort(a, axis=1, kind="stable")
+    with pytest.raises(NotImplementedError, match="bfloat16"):
+        a.sort()
+    assert FAKE.argsort(a.astype(np.float32), axis=1).shape == (3, 4)
+
+
 def test_set_from_pinned_memory_is_queued_reads_the_memory_late_and_the_pool_reuses_the_block():
     memory = FAKE.cuda.alloc_pinned_memory(4 * 8)
     host = np.frombuffer(memory, np.float64, 4)

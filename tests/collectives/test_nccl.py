@@ -97,6 +97,24 @@ def test_a_multi_rank_setting_the_user_made_is_kept():
     assert all(result == {"multi_rank_gpu": "0", "shares": True} for result in results)
 
 
+def test_several_ranks_on_one_gpu_are_refused_before_nccl_2_30_only(monkeypatch):
+    """The tests' skip reason: ranks beyond the GPU count share one, which NCCL 2.28 refuses and 2.30 allows."""
+    class Binding:
+        version = 22809
+
+        def get_version(self) -> int:
+            return self.version
+
+    binding = Binding()
+    monkeypatch.setattr(nccl, "nccl_unavailable_reason", lambda: None)
+    monkeypatch.setattr(nccl, "cupy_nccl", lambda: binding)
+    monkeypatch.setattr(nccl, "_gpu_count", lambda: 1)
+    assert nccl.several_ranks_unavailable_reason(1) is None
+    assert "2 ranks on 1 GPU(s) share a GPU, which NCCL 2.28.9 refuses" in nccl.several_ranks_unavailable_reason(2)
+    binding.version = 23000
+    assert nccl.several_ranks_unavailable_reason(4) is None
+
+
 def test_version_codes_read_both_ways():
     assert nccl.format_version(2804) == "2.8.4"
     assert nccl.format_version(22304) == "2.23.4"
@@ -106,6 +124,9 @@ def test_version_codes_read_both_ways():
 @pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs CuPy, a GPU and NCCL: {NCCL_REASON}")
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_real_nccl_on_cupy_arrays_equals_our_collectives(ranks):
+    reason = nccl.several_ranks_unavailable_reason(ranks)
+    if reason is not None:  # one GPU and an NCCL before 2.30: NcclComm's refusal is tested on the doubles above
+        pytest.skip(reason)
     results = run_on_ranks(ranks, f"{CHECKS}:check_against_ours", timeout=300, env={nccl.MULTI_RANK_GPU: "1"},
                            counts=COUNTS, backend="cupy")
     for rank, result in enumerate(results):

@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from collectives.backend import BFLOAT16
+
 
 @dataclass
 class Traffic:
@@ -113,6 +115,8 @@ class DeviceArray(np.ndarray):
         result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
         if out is not None:
             return out[0] if len(out) == 1 else out
+        if ufunc is np.matmul and all(getattr(x, "dtype", None) == BFLOAT16 for x in inputs):
+            result = result.astype(BFLOAT16)  # ml_dtypes' matmul gives float32, cuBLAS's bfloat16 GEMM bfloat16
         return _on_device(result)
 
     def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
@@ -124,6 +128,14 @@ class DeviceArray(np.ndarray):
         result = func(*_plain_deep(args), **{key: _plain_deep(value) for key, value in kwargs.items()})
         out = kwargs.get("out")
         return out if out is not None else _on_device(result)
+
+    def argsort(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_unsortable("argsort", self)
+        return _on_device(self.view(np.ndarray).argsort(*args, **kwargs))
+
+    def sort(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_unsortable("sort", self)
+        self.view(np.ndarray).sort(*args, **kwargs)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if _is_host_array(value):
@@ -382,10 +394,18 @@ def _typed(value: Any, dtype: np.dtype) -> Any:
     return _plain(value) if isinstance(value, np.ndarray) else dtype.type(value)
 
 
+def _refuse_unsortable(name: str, x: Any) -> None:
+    """CuPy sorts through Thrust, which has no bfloat16 (seen on an H200 with CuPy 14.2: NotImplementedError)."""
+    if name in ("sort", "argsort") and getattr(x, "dtype", None) == np.dtype(BFLOAT16):
+        raise NotImplementedError("Sorting arrays with dtype 'bfloat16' is not supported")
+
+
 def _wrapped(function: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         if _holds_host_array(args) and function.__name__ not in _HOST_ARGUMENTS_ALLOWED:
             raise TypeError(f"cupy.{function.__name__}: a host (NumPy) array passed where CuPy needs device arrays")
+        if args:
+            _refuse_unsortable(function.__name__, args[0])
         _device_work()
         plain_args = _plain_deep(args)
         out = kwargs.get("out")
@@ -422,12 +442,21 @@ class _Device:
         return "0000:00:00.0"
 
 
+def _standard_normal(size: Any = None, dtype: Any = np.float64) -> DeviceArray:
+    """cupy.random.standard_normal: float32 or float64 only, as CuPy's generator draws."""
+    if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"cupy.random.standard_normal: dtype must be float32 or float64, not {np.dtype(dtype)}")
+    _device_work()
+    return _on_device(np.random.default_rng().standard_normal(size, dtype=dtype))
+
+
 def _module() -> types.ModuleType:
     module = types.ModuleType("fake_cupy")
     module.ndarray = DeviceArray
     module.asarray, module.array, module.asnumpy = asarray, array, asnumpy
     module.ElementwiseKernel = ElementwiseKernel
     module.fuse = lambda *a, **k: (lambda f: f)
+    module.random = types.SimpleNamespace(standard_normal=_standard_normal)  # cupy.random's draws, on the device
 
     module.__version__ = "0 (test double)"
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
