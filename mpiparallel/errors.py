@@ -1,4 +1,46 @@
-"""The one exception type the command line treats as the user's mistake rather than a crash."""
+"""The exceptions the command line treats as the user's to fix rather than a crash, and the exit status of every
+way a command or a job ends (docs/exit-codes.md is the same table for users).
+
+| status | meaning |
+|---:|---|
+| 0 | done |
+| 1 | a rank raised an error (a bug, or a failure of this run's own making) and the job was aborted |
+| 2 | bad input: options, files, a mesh that does not fit — one message from rank 0 (`ConfigError`) |
+| 3 | a checkpoint is damaged: a shard whose bytes or SHA-256 differ from its manifest, a bad manifest |
+| 4 | a rank was lost: it died without reporting (killed, out of memory, a segfault) |
+| 5 | a host was lost: killed, cut off, or unreachable from the start |
+| 6 | the stall watchdog ended a job that made no progress for --stall-timeout seconds |
+| 7 | --elastic gave up: restarts used up (--max-restarts) or too few ranks left (--min-ranks) |
+| 130 | interrupted by SIGINT (Ctrl-C), 128 + 2 |
+| 138 | preempted by SIGUSR1 (a checkpoint saved first), 128 + 10 |
+| 143 | preempted by SIGTERM (a checkpoint saved first), 128 + 15 |
+
+Signals follow the shell's 128 + signal number, as Slurm and torchrun report them; the small numbers are ours.
+"""
+
+from __future__ import annotations
+
+import signal
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    CRASH = 1
+    BAD_INPUT = 2
+    CORRUPT_CHECKPOINT = 3
+    LOST_RANK = 4
+    LOST_HOST = 5
+    STALL = 6
+    ELASTIC_GAVE_UP = 7
+    INTERRUPTED = 128 + signal.SIGINT
+    PREEMPTED_SIGUSR1 = 128 + signal.SIGUSR1
+    PREEMPTED_SIGTERM = 128 + signal.SIGTERM
+
+
+def signal_exit_code(number: int) -> int:
+    """The status of a process ended by signal `number`, as the shell reports it."""
+    return 128 + number
 
 
 class ConfigError(Exception):
@@ -9,4 +51,11 @@ class ConfigError(Exception):
     ordinary exception, which aborts the whole job (a rank that exits alone would leave the others waiting).
     """
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
+
+
+class CorruptCheckpoint(ConfigError):
+    """A checkpoint whose files do not match its manifest (or whose manifest is unreadable): reported like a
+    ConfigError, with its own status, so that a script can tell "try an older checkpoint" from "fix the options"."""
+
+    exit_code = ExitCode.CORRUPT_CHECKPOINT

@@ -17,7 +17,7 @@ def checkpoint() -> None:
 @checkpoint.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True, help="Read every shard file: its bytes and SHA-256 against the manifest's, "
-                                             "and every tensor entry in it. Exit status 1 if any differs.")
+                                             "and every tensor entry in it. Exit status 3 if any differs.")
 def info(directory: Path, verify: bool) -> None:
     """Print a checkpoint's step, the mesh it was saved from, and every tensor with its dtype, global shape and
     shards (offsets and sizes), with the total bytes. The shard files' sizes are checked against the manifest;
@@ -32,6 +32,7 @@ def info(directory: Path, verify: bool) -> None:
       mpiparallel checkpoint info checkpoints/step-00000001 --verify
     """
     from .. import checkpoint_upkeep, training_checkpoint
+    from ..errors import ExitCode
 
     saved = training_checkpoint.TrainingCheckpoint(training_checkpoint.find_checkpoint(directory))
     click.echo(training_checkpoint.describe(saved))
@@ -40,7 +41,7 @@ def info(directory: Path, verify: bool) -> None:
         click.echo(f"note: {note}")
     if problems:
         click.echo(f"Error: checkpoint {saved.folder} is damaged:\n  " + "\n  ".join(problems), err=True)
-        raise SystemExit(1)
+        raise SystemExit(ExitCode.CORRUPT_CHECKPOINT)
     if verify:
         click.echo(f"verified: every shard file and tensor entry of {saved.folder} matches the manifest")
 

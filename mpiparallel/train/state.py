@@ -156,9 +156,11 @@ def _resume_path(directory: str | None, resume_from: str | None) -> Path:
 
 def load_model_state(path: str, model: Transformer, mesh: Mesh, data_identity: dict[str, Any]) -> TrainingCheckpoint:
     """The checkpoint's parameters and expert biases into `model`, resharded to this mesh, after checking that
-    it was saved from the same model and data."""
+    its files are the ones saved (sizes and SHA-256, the ranks sharing the files) and that it was saved from the
+    same model and data."""
     def load() -> TrainingCheckpoint:
         saved = TrainingCheckpoint(path)
+        training_checkpoint.verify_files(saved, mesh.world.rank, mesh.world.size)
         saved.check_model(model.config)
         saved.check_data(data_identity)
         held = training_checkpoint.parameter_pieces(model.params.values(), model.axis_ranks())

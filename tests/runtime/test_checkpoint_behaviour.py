@@ -13,6 +13,7 @@ import pytest
 from mpi_harness import run_with_timeout, train_error
 
 from mpiparallel.checkpoint import load_pretrained
+from mpiparallel.errors import ExitCode
 from mpiparallel.training_checkpoint import MANIFEST, step_folder
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
@@ -133,9 +134,43 @@ def test_info_verify_passes_a_whole_checkpoint_and_fails_a_damaged_one(saved_run
         content = shard.read_bytes()
         shard.write_bytes(content[:-100] if damage == "truncate" else content[:-8] + bytes(8))
         checked = info("--verify", str(folder))
-        assert checked.returncode == 1 and message in checked.stderr, checked
+        assert checked.returncode == ExitCode.CORRUPT_CHECKPOINT and message in checked.stderr, checked
         if damage == "truncate":  # even a plain `info` checks the sizes
-            assert info(str(folder)).returncode == 1
+            assert info(str(folder)).returncode == ExitCode.CORRUPT_CHECKPOINT
+
+
+def damage(folder: Path, how: str) -> None:
+    """Eight bytes flipped in the middle of rank 1's shard, the shard cut short, or the manifest cut short."""
+    shard = folder / "rank-00001.safetensors"
+    content = shard.read_bytes()
+    if how == "flip":
+        middle = len(content) // 2
+        shard.write_bytes(content[:middle] + bytes(255 - b for b in content[middle:middle + 8]) + content[middle + 8:])
+    elif how == "truncate":
+        shard.write_bytes(content[:-100])
+    else:
+        manifest = folder / MANIFEST
+        manifest.write_text(manifest.read_text()[:200])
+
+
+@pytest.mark.parametrize("how, problem", [("flip", "rank-00001.safetensors: its SHA-256 differs"),
+                                          ("truncate", "rank-00001.safetensors has"),
+                                          ("manifest", "manifest.json is not valid JSON")])
+def test_resume_refuses_a_damaged_checkpoint_naming_the_file_the_step_and_an_older_one(tmp_path, tokens, how,
+                                                                                         problem):
+    """Two ranks under ZeRO-1 write a shard each; rank 1 checks rank-00001's SHA-256 (each rank hashes its share of
+    the files). Before, flipped bytes resumed silently into a NaN loss and "try a smaller --lr"."""
+    train("--data", tokens, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2",
+          "--zero", "1", ranks=2)
+    damage(step_folder(tmp_path, 4), how)
+    result = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "2", *TINY, "--zero", "1",
+                               "--data", tokens, "--steps", "6", "--checkpoint-dir", str(tmp_path), "--resume"], 120)
+    output = result.stdout + result.stderr
+    assert result.returncode == ExitCode.CORRUPT_CHECKPOINT, output
+    errors = [line for line in output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "Traceback" not in output and "nan" not in output, output
+    assert f"{step_folder(tmp_path, 4)} (step 4) is damaged" in errors[0] and problem in errors[0], errors[0]
+    assert "--resume-from 2" in errors[0] and "step " not in output.split("Error")[0].replace("--steps", "")
 
 
 def test_info_verify_says_an_older_manifest_has_no_checksums(saved_run, tmp_path):
