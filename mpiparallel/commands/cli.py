@@ -24,6 +24,7 @@ from . import launch
 from .checkpoint import checkpoint as checkpoint_command
 from .cluster import cluster as cluster_command
 from .data import data as data_command
+from .option_needs import check_needs
 from .plan import plan as plan_command
 from .plot import plot as plot_command
 from .schedule import schedule as schedule_command
@@ -526,6 +527,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train -n 4 --arch llama --n-head 4 --n-kv-head 1 --tp 2 --experts 4 --ep 2
       mpiparallel train --arch deepseek_v3 --experts 8 --top-k 2 --n-group 4 --topk-group 2 --first-k-dense 1
     """
+    check_needs(ctx, options)
     _check_output_folders({"--trace": options["trace"], "--log-json": options["log_json"]})
     _check_checkpoint_options(options)
     _check_writable({"--save": options["save"], "--checkpoint-dir": options["checkpoint_dir"]})
@@ -552,12 +554,9 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
 
 
 def _check_checkpoint_options(options: dict[str, Any]) -> None:
-    """Checkpoint options that would do nothing without another: one clear error each, before any rank starts."""
+    """--resume and --resume-from: what they need, one clear error each, before any rank starts (the other
+    options that need another are in `option_needs`)."""
     folder, resume_from = options["checkpoint_dir"], options["resume_from"]
-    if options["checkpoint_every"] and not folder:
-        raise click.UsageError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
-    if options["keep_checkpoints"] and not folder:
-        raise click.UsageError("--keep-checkpoints needs --checkpoint-dir (whose newest checkpoints it keeps)")
     if options["resume"] and not folder and resume_from is None:
         raise click.UsageError("--resume needs --checkpoint-dir (where the training checkpoints are), or give "
                                "--resume-from DIR")
