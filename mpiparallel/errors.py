@@ -8,14 +8,17 @@ way a command or a job ends (docs/exit-codes.md is the same table for users).
 | 2 | bad input: options, files, a mesh that does not fit — one message from rank 0 (`ConfigError`) |
 | 3 | a checkpoint is damaged: a shard whose bytes or SHA-256 differ from its manifest, a bad manifest |
 | 4 | a rank was lost: it died without reporting (killed, out of memory, a segfault) |
-| 5 | a host was lost: killed, cut off, or unreachable from the start |
-| 6 | the stall watchdog ended a job that made no progress for --stall-timeout seconds |
-| 7 | --elastic gave up: restarts used up (--max-restarts) or too few ranks left (--min-ranks) |
+| 5 | a host was lost: every process on it ended at once (the host was killed or shut down) |
+| 6 | a host became unreachable: no heartbeat from it for the heartbeat bound (a cut link, a frozen host) |
+| 7 | the stall watchdog ended a job that made no progress for --stall-timeout seconds |
+| 8 | --elastic gave up: restarts used up (--max-restarts), too few ranks left (--min-ranks), or no mesh fits |
 | 130 | interrupted by SIGINT (Ctrl-C), 128 + 2 |
 | 138 | preempted by SIGUSR1 (a checkpoint saved first), 128 + 10 |
 | 143 | preempted by SIGTERM (a checkpoint saved first), 128 + 15 |
 
 Signals follow the shell's 128 + signal number, as Slurm and torchrun report them; the small numbers are ours.
+Statuses 4 to 8 are the self-launching parent's (`train -n N`), which watches the ranks; under a bare `mpiexec` or
+`srun` the launcher reports a lost rank or host in its own way (MPICH's hydra: the signal's or 255).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ class ExitCode(IntEnum):
     CORRUPT_CHECKPOINT = 3
     LOST_RANK = 4
     LOST_HOST = 5
-    STALL = 6
-    ELASTIC_GAVE_UP = 7
+    UNREACHABLE_HOST = 6
+    STALL = 7
+    ELASTIC_GAVE_UP = 8
     INTERRUPTED = 128 + signal.SIGINT
     PREEMPTED_SIGUSR1 = 128 + signal.SIGUSR1
     PREEMPTED_SIGTERM = 128 + signal.SIGTERM

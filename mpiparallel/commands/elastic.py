@@ -43,6 +43,7 @@ import click
 
 from ..checkpoint_upkeep import mesh_words
 from ..cluster import cluster_of_hostfile
+from ..errors import ExitCode
 from ..text import plural
 from ..train.reports import CONTINUE_LOG, PROGRESS
 from ..training_checkpoint import TrainingCheckpoint, incomplete_steps, latest_training_checkpoint
@@ -153,7 +154,7 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
                 say(f"elastic: {what}, after the checkpoint of the last step ({resumed_at}): the training is complete"
                     + (f"; --save did not run on every rank: `mpiparallel checkpoint export {latest} --out "
                        f"{options['save']}` writes it" if options.get("save") else ""))
-                raise SystemExit(0 if not options.get("save") else 1)
+                raise SystemExit(0 if not options.get("save") else outcome.status)  # the lost rank's or host's
             if restarts >= options["max_restarts"]:
                 give_up(f"{what}; --max-restarts {options['max_restarts']} used up")
             if cluster is not None:
@@ -350,4 +351,4 @@ def say(text: str) -> None:
 
 def give_up(text: str) -> NoReturn:
     say(f"elastic: {text}: giving up")
-    raise SystemExit(1)
+    raise SystemExit(ExitCode.ELASTIC_GAVE_UP)

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 import click
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExitCode, signal_exit_code
 from ..process import keep_freed_memory, limit_blas_threads  # noqa: F401 (the commands' and scripts' entry)
 from . import hosts as multi_host
 from .stall import Stall, StallWatch, StallWatchdog
@@ -330,7 +330,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         print(stalls[0].message(), file=sys.stderr, flush=True)
         if stall is not None:
             stall.log(stalls[0])
-        return JobOutcome(1, lost_ranks=stalls[0].behind, stall=stalls[0])
+        return JobOutcome(ExitCode.STALL, lost_ranks=stalls[0].behind, stall=stalls[0])
     lost = tuple(unreachable) or (tuple(multi_host.killed_hosts(pids, _registered(pids), ended_by_us))
                                   if status != 0 and not stopped else ())
     if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
@@ -350,8 +350,23 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
             print(message, file=sys.stderr, flush=True)
     else:
         sys.stderr.buffer.write(b"".join(held or []))
-    status = status if status >= 0 else 128 - status
-    return JobOutcome(status or (1 if lost else 0), lost, lost_ranks)
+    return JobOutcome(_job_status(status, lost, lost_ranks, stopped), lost, lost_ranks)
+
+
+def _job_status(status: int, lost: Sequence[multi_host.LostHost], lost_ranks: Sequence[int],
+                stopped: Sequence[int]) -> int:
+    """The parent's exit status (`errors.ExitCode`): a lost host or rank says so whatever mpiexec returned
+    (hydra's 255, the signal that ended a rank); a job ended by a signal to this process, 128 + that signal
+    (hydra says 255 for a Ctrl-C across hosts); otherwise mpiexec's status (a signal's as 128 + its number)."""
+    if stopped and status != 0:
+        return signal_exit_code(stopped[0])
+    if any(host.cause == "unreachable" for host in lost):
+        return ExitCode.UNREACHABLE_HOST
+    if lost:
+        return ExitCode.LOST_HOST
+    if lost_ranks:
+        return ExitCode.LOST_RANK
+    return status if status >= 0 else signal_exit_code(-status)
 
 
 def _pass_signal_on(number: int, process: subprocess.Popen, pids: Path, first: bool) -> None:
@@ -674,16 +689,16 @@ def run_guarded(entry: Callable[[], int | None]) -> NoReturn:
         _report_usage_error(error)
         _ending(error.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        _abort(130, ABORTED)
+        _abort(ExitCode.INTERRUPTED, ABORTED)
     except Exception as error:
         _report_crash(error)
         if not _is_mpi_error(error):
             time.sleep(MESSAGE_GRACE_S)
-            _abort(1, ABORTED)
+            _abort(ExitCode.CRASH, ABORTED)
         # Most likely a peer died: give mpiexec a moment to notice that death itself, so that it (and the
         # self-launching parent) name the lost rank rather than this one's MPI_Abort.
         time.sleep(PEER_DEATH_GRACE_S)
-        _abort(1, MPI_ERROR)
+        _abort(ExitCode.CRASH, MPI_ERROR)
     _ending(status or 0)
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import signal_exit_code
+
 PREEMPTING_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -59,7 +61,7 @@ class Preemption:
 
     @staticmethod
     def exit_status(number: int) -> int:
-        return 128 + number
+        return signal_exit_code(number)
 
     @staticmethod
     def name(number: int) -> str:

@@ -13,6 +13,8 @@ import time
 import pytest
 from mpi_harness import mpiexec_path, run_with_timeout
 
+from mpiparallel.errors import ExitCode
+
 TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4", "--steps", "1",
         "--threads", "1"]
 MPIEXEC = "mpiexec"
@@ -125,7 +127,7 @@ def test_an_invalid_invocation_ends_with_one_clear_message(tmp_path, arguments, 
     start = time.monotonic()
     finished = run_with_timeout([*launcher, sys.executable, "-m", "mpiparallel", *arguments], 10, cwd=tmp_path)
     output = finished.stdout + finished.stderr
-    assert finished.returncode != 0 and time.monotonic() - start < 10, output
+    assert finished.returncode == ExitCode.BAD_INPUT and time.monotonic() - start < 10, output
     assert output.count(message) == 1, output
     assert sum(line.startswith("Error") for line in output.splitlines()) == 1, output
     assert "Traceback" not in output and "failed:" not in output, output

@@ -32,7 +32,7 @@ from processes import start_job
 
 from mpiparallel import cluster as namespace_cluster
 from mpiparallel.commands import hosts as multi_host
-from mpiparallel.errors import ConfigError
+from mpiparallel.errors import ConfigError, ExitCode
 
 
 def mpiparallel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -264,7 +264,7 @@ def test_killing_a_host_mid_run_ends_every_rank_within_30_s_with_one_line_naming
     assert result.returncode == 0, result.stderr
     seconds = job.seconds_to_end(since, 30)
     output = job.output()
-    assert job.process.returncode != 0
+    assert job.process.returncode == ExitCode.LOST_HOST, output
     lost = [line for line in output.splitlines() if "lost" in line or "unreachable" in line]
     assert lost == [f"mpiparallel: host {made.hosts[1]} (ranks 2, 3) was lost: every process on it ended at once; "
                     f"mpiexec ended the other ranks"], output
@@ -284,7 +284,7 @@ def test_cutting_a_hosts_link_mid_run_ends_the_job_within_the_heartbeat_bound_na
     bound = timeout + multi_host.ENDING_GRACE_S + multi_host.HEARTBEAT_INTERVAL_S
     seconds = job.seconds_to_end(since, bound + 30)  # the slack: a loaded machine; the printed figure is the measure
     output = job.output()
-    assert job.process.returncode != 0
+    assert job.process.returncode == ExitCode.UNREACHABLE_HOST, output
     lost = [line for line in output.splitlines() if "lost" in line or "unreachable" in line]
     assert len(lost) == 1 and lost[0].startswith(f"mpiparallel: host {made.hosts[1]} (ranks 2, 3) is unreachable: "
                                                  f"no heartbeat for "), output
@@ -417,7 +417,7 @@ def test_a_stopped_rank_on_a_cluster_is_named_by_the_stall_watchdog_before_the_h
     os.kill(victim, signal.SIGSTOP)
     job.seconds_to_end(since, 30)
     output = job.output()
-    assert job.process.returncode != 0
+    assert job.process.returncode == ExitCode.STALL, output
     named = [line for line in output.splitlines() if "lost" in line or "unreachable" in line or "stalled" in line]
     assert len(named) == 1 and re.match(r"mpiparallel: stalled: rank [23] \(stopped: SIGSTOP or a debugger\) has not "
                                         r"finished step \d+ ", named[0]), output
@@ -433,6 +433,6 @@ def test_ctrl_c_ends_a_cluster_job_without_naming_a_lost_host(cluster, tmp_path)
     os.killpg(job.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
     job.seconds_to_end(since, 30)
     output = job.output()
-    assert job.process.returncode != 0
+    assert job.process.returncode == ExitCode.INTERRUPTED, output
     assert not [line for line in output.splitlines() if "was lost" in line or "unreachable" in line], output
     assert_no_processes_on(made)

@@ -30,6 +30,7 @@ from mpiparallel import cluster as namespace_cluster
 from mpiparallel import planner
 from mpiparallel.commands import elastic
 from mpiparallel.commands.elastic import JobMesh, survivor_dp, survivors_mesh
+from mpiparallel.errors import ExitCode
 from mpiparallel.train.settings import TrainSettings
 
 PLANTED = Path(__file__).resolve().parents[1] / "support" / "planted_loss"
@@ -145,7 +146,7 @@ def test_a_rank_lost_again_after_the_restart_is_replaced_again(tmp_path, tokens)
                                                   (["--max-restarts", "0"], "--max-restarts 0 used up")])
 def test_too_few_ranks_left_or_no_restarts_left_ends_the_run_with_one_message(tmp_path, tokens, option, message):
     status, stdout, stderr, _, _ = elastic_run(tmp_path, tokens, *option)
-    assert status == 1, (stdout, stderr)
+    assert status == ExitCode.ELASTIC_GAVE_UP, (stdout, stderr)
     endings = [line for line in stderr.splitlines() if "giving up" in line]
     assert len(endings) == 1 and message in endings[0] and re.search(r"lost rank \d", endings[0]), stderr
 

@@ -29,6 +29,7 @@ from mpi_harness import mpiexec_path, run_with_timeout
 from processes import rank_pid, start_job
 
 from mpiparallel.commands import launch
+from mpiparallel.errors import ExitCode
 
 TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4", "--threads", "1"]
 ENDS_WITHIN = 10.0
@@ -61,7 +62,7 @@ def kill_rank_1_mid_training(log: Path) -> tuple[int, str]:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
-    assert job.returncode != 0 and seconds < ENDS_WITHIN
+    assert job.returncode == ExitCode.LOST_RANK and seconds < ENDS_WITHIN, (job.returncode, err)
     lost = [line for line in (out + err).splitlines() if " was lost: " in line]
     assert len(lost) == 1 and lost[0].startswith(f"mpiparallel: rank 1 (pid {victim}) was lost: "), (victim, out + err)
     assert lost[0].count(" was lost: ") == 1, lost  # no rank that mpiexec killed afterwards
@@ -316,7 +317,7 @@ def test_an_exception_on_one_rank_ends_the_job_with_that_ranks_message(tmp_path,
     start = time.monotonic()
     finished = run_with_timeout(launch, 60, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
     output = finished.stdout + finished.stderr
-    assert finished.returncode != 0 and time.monotonic() - start < ENDS_WITHIN + 5, output
+    assert finished.returncode == ExitCode.CRASH and time.monotonic() - start < ENDS_WITHIN + 5, output
     assert output.count("mpiparallel: rank 1 failed: RuntimeError: planted failure on rank 1") == 1, output
     assert output.count("failed:") == 1 and "was lost" not in output and "Traceback" not in output, output
 
@@ -337,7 +338,7 @@ def test_an_mpi_error_on_a_survivor_says_that_another_rank_probably_died(tmp_pat
     finished = run_with_timeout([mpiexec_path(), "-n", "2", sys.executable, str(script)], 30,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     output = finished.stdout + finished.stderr
-    assert finished.returncode != 0
+    assert finished.returncode == ExitCode.CRASH
     assert output.count("rank 0 failed: MPI error: See the MPI_ERROR field in MPI_Status") == 1, output
     assert "another rank has most likely died" in output and "Traceback" not in output
 

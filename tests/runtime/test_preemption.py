@@ -16,6 +16,7 @@ import pytest
 from mpi_harness import run_with_timeout
 from processes import ended, rank_pid, start_job, wait_for_steps
 
+from mpiparallel.errors import ExitCode
 from mpiparallel.training_checkpoint import MANIFEST, latest_training_checkpoint
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
@@ -47,7 +48,7 @@ def test_sigterm_to_the_launcher_saves_and_resume_continues_exactly(tmp_path, to
     job.send_signal(signal.SIGTERM)
     status, stdout, stderr = ended(job)
     stopped_at = len(losses(log))
-    assert status == 128 + signal.SIGTERM, (stdout, stderr)
+    assert status == ExitCode.PREEMPTED_SIGTERM == 143, (stdout, stderr)
     assert f"stopped by SIGTERM after step {stopped_at}/{LONG}; to continue, run the same command with --resume" \
            in stdout, stdout
     assert "lost" not in stderr, stderr
@@ -73,7 +74,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, toke
     os.kill(rank_pid(job.pid, 1), signal.SIGUSR1)
     status, stdout, stderr = ended(job)
     stopped_at = len(losses(log))
-    assert status == 128 + signal.SIGUSR1, (stdout, stderr)
+    assert status == ExitCode.PREEMPTED_SIGUSR1 == 138, (stdout, stderr)
     assert f"stopped by SIGUSR1 after step {stopped_at}/" in stdout and "lost" not in stderr, (stdout, stderr)
     folder = latest_training_checkpoint(checkpoints)
     assert folder.name == f"step-{stopped_at:08d}" and (folder / MANIFEST).is_file()
@@ -86,5 +87,5 @@ def test_sigint_to_the_launcher_alone_ends_the_job_and_loses_no_rank(tmp_path, t
     wait_for_steps(log, 2, job)
     job.send_signal(signal.SIGINT)
     status, stdout, stderr = ended(job, timeout=60)
-    assert status != 0 and "lost" not in stderr, (status, stderr)
+    assert status == ExitCode.INTERRUPTED == 130 and "lost" not in stderr, (status, stderr)
     assert len(losses(log)) < int(LONG)

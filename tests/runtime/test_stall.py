@@ -23,6 +23,7 @@ from mpi_harness import train_error
 from processes import ended, processes_under, rank_pid, start_job, still_running, wait_for_steps
 
 from mpiparallel.commands.stall import RankProgress, Stall, behind
+from mpiparallel.errors import ExitCode
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--vocab-size", "257", "--threads",
         "1"]
@@ -74,7 +75,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_with_one_line_naming_it(
     status, stdout, stderr = ended(job, timeout=ENDS_WITHIN)
     seconds = time.monotonic() - stopped
     output = stdout + stderr
-    assert status != 0 and seconds < ENDS_WITHIN, (status, seconds, output)
+    assert status == ExitCode.STALL and seconds < ENDS_WITHIN, (status, seconds, output)
     [line] = stall_lines(output)
     assert line.startswith("mpiparallel: stalled: rank 1 (stopped: SIGSTOP or a debugger) has not finished step "), line
     assert waiting_ranks(line) == [0, 2] and line.endswith(f"(--stall-timeout {TIMEOUT_S}): ended every rank"), line
@@ -93,7 +94,7 @@ def test_a_rank_that_hangs_inside_a_step_is_named_with_where_the_others_wait(tmp
     processes = processes_under(job.pid)
     status, stdout, stderr = ended(job, timeout=60 + ENDS_WITHIN)
     output = stdout + stderr
-    assert status != 0, output
+    assert status == ExitCode.STALL, output
     [line] = stall_lines(output)
     assert line.startswith("mpiparallel: stalled: rank 2 has not finished step 4 (forward, microbatch 0) for "), line
     assert "; ranks 0, 1 wait in step 4 (gradient reduction); no rank made progress for " in line, line
