@@ -198,11 +198,14 @@ def plan(ctx: click.Context, **options: Any) -> None:
     compute, communication per axis from the collectives' α-β formulas, the simulated bubble and the exposed
     communication. The arithmetic is in mpiparallel/planner/core.py's docstring.
 
+    When no layout fits, the reason is printed (in --json as "why_none") and the exit status is 2; with
+    --max-bubble, whose answer is each schedule's fewest microbatches, the reason is printed and the status is 0.
+
     \b
     Examples:
       mpiparallel plan --params 70e9 --gpus 256 --gpu-memory 80GB --weights-only --bytes-per-param 2 --json
       mpiparallel plan --params 7e9 --gpus 64 --batch-size 512 --tp 8
-      mpiparallel plan --arch llama --n-layer 32 --n-embd 4096 --n-head 32 --n-kv-head 8 --ffn-hidden 14336 \
+      mpiparallel plan --arch llama --n-layer 32 --n-embd 4096 --n-head 32 --n-kv-head 8 --ffn-hidden 14336 \\
           --vocab-size 128256 --seq-len 8192 --gpus 64 --batch-size 256
       mpiparallel plan --pp 8 --max-bubble 0.1 --json
       mpiparallel plan --calibrate -n 2 && mpiparallel plan --machine ~/.cache/mpiparallel/machine.json --gpus 2
@@ -259,8 +262,8 @@ def why_nothing_fits(model: Any, cluster: Any, precision: Any, choices: Any) -> 
         named = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in fixed.items()) or "none fixed"
         if freeing:
             return (f"the fixed choices ({named}) leave no layout train accepts on {cluster.gpus} GPUs with batch "
-                    f"{choices.batch_size}; searching {' or '.join('--' + n.replace('_', '-') for n in freeing)} "
-                    f"instead would")
+                    f"{choices.batch_size}; leaving {' or '.join('--' + n.replace('_', '-') for n in freeing)} to "
+                    f"the search finds some")
         return (f"no layout train accepts for this model on {cluster.gpus} GPUs with batch {choices.batch_size} "
                 f"(fixed: {named}): the GPUs must split into dp·tp·pp·cp, tp must divide the heads and MLP width, "
                 f"pp at most the layers, dp the batch")
@@ -404,7 +407,8 @@ def _cluster(options: dict[str, Any], explicit: set[str] = frozenset(), measurem
 
     if options["machine"] is not None:
         try:
-            return load_machine(options["machine"], options["gpus"], options["gpu_memory"])
+            return load_machine(options["machine"], options["gpus"],
+                                options["gpu_memory"] if "gpu_memory" in explicit else None)
         except (OSError, ValueError, KeyError) as error:
             raise ConfigError(f"cannot read the machine file {options['machine']}: {error}") from None
     efficiency = options["efficiency"]
@@ -430,7 +434,9 @@ def _answers(model: Any, cluster: Any, precision: Any, choices: Any, options: di
                                   "ffn_width": model.ffn_width, "tied": model.tied},
         "cluster": {"gpus": cluster.gpus, "gpu_memory": cluster.gpu_memory, "gpus_per_node": cluster.gpus_per_node,
                     "intra": asdict(cluster.intra), "inter": asdict(cluster.inter),
-                    "matmul_flops": cluster.matmul_flops, "elementwise_bytes": cluster.elementwise_bytes},
+                    "matmul_flops": cluster.matmul_flops, "elementwise_bytes": cluster.elementwise_bytes,
+                    "kind": "gpu" if cluster.cpu_cores is None else "cpu",
+                    **({} if cluster.cpu_cores is None else {"cpu_cores": cluster.cpu_cores})},
         "precision": asdict(precision), "batch_size": choices.batch_size,
         "min_model_parallel": planner.min_model_parallel(model, precision, cluster.gpu_memory),
     }
@@ -514,9 +520,8 @@ def report(document: dict[str, Any]) -> str:
              f"heads{_llama_shape(model)}, seq {model['seq_len']}, vocab {model['vocab_size']}"
              + (f", {model['experts']} experts top-{model['top_k']}" if model["experts"] else "")
              + f": {model['total_parameters']:,} parameters; batch {document['batch_size']} sequences",
-             f"cluster: {cluster['gpus']} GPUs of {_bytes(cluster['gpu_memory'])}, {cluster['gpus_per_node']} per node"
-             + _measured_note(cluster.get("gemm_measured")),
-             f"fewest GPUs that must share the model states ({document['precision']['weights']:g}+"
+             _cluster_line(cluster),
+             f"fewest {_unit(cluster)}s that must share the model states ({document['precision']['weights']:g}+"
              f"{document['precision']['gradients']:g}+{document['precision']['optimizer']:g} bytes/parameter): "
              f"{document['min_model_parallel']}"]
     if "deepseek_v3" in document:
@@ -532,7 +537,9 @@ def report(document: dict[str, Any]) -> str:
         count = "6·N activated + the MTP module + 6·l·s·H·(d_qk + d_v) per token" if "deepseek_v3" in document \
             else "6·N + 12·l·h·s per token"
         for index, layout in enumerate(document["layouts"], 1):
-            lines += ["", *_layout_lines(index, layout, count)]
+            lines += ["", *_layout_lines(index, layout, count, _unit(cluster))]
+    if "min_microbatches" in document and "why_none" in document:  # answered, so no error follows to say why
+        lines.append(f"no layout fits: {document['why_none']}")
     return "\n".join(lines)
 
 
@@ -557,7 +564,28 @@ def _llama_shape(model: dict[str, Any]) -> str:
             f"{'tied' if model['tied'] else 'untied'} head)")
 
 
-def _layout_lines(index: int, layout: dict[str, Any], count: str = "6·N + 12·l·h·s per token") -> list[str]:
+def _cluster_line(cluster: dict[str, Any]) -> str:
+    """What the plan runs on: GPUs, or the ranks of a calibrated CPU machine (its cores and measured rates)."""
+    if cluster.get("kind") == "cpu":
+        return (f"machine: {cluster['gpus']} ranks on a calibrated CPU machine of {cluster['cpu_cores']} cores, "
+                f"{_bytes(cluster['gpu_memory'])} of memory per rank; per rank {cluster['matmul_flops'] / 1e9:.1f} "
+                f"GFLOP/s in matrix products and {cluster['elementwise_bytes'] / 1e9:.1f} GB/s elementwise (measured, "
+                f"as a real training step reaches them)")
+    return (f"cluster: {cluster['gpus']} GPUs of {_bytes(cluster['gpu_memory'])}, {cluster['gpus_per_node']} per node"
+            + _measured_note(cluster.get("gemm_measured")))
+
+
+def _unit(cluster: dict[str, Any]) -> str:
+    return "rank" if cluster.get("kind") == "cpu" else "GPU"
+
+
+def _rate(flops: float, unit: str) -> str:
+    """A rate per GPU in TFLOP/s; per CPU rank in GFLOP/s (0.1 TFLOP/s says nothing there)."""
+    return f"{flops:.1f} TFLOP/s per GPU" if unit == "GPU" else f"{flops * 1e3:.1f} GFLOP/s per rank"
+
+
+def _layout_lines(index: int, layout: dict[str, Any], count: str = "6·N + 12·l·h·s per token",
+                  unit: str = "GPU") -> list[str]:
     comm = ", ".join(f"{axis} {_seconds(seconds)} ({_bytes(layout['comm_bytes'][axis])}"
                      + (f", {_bytes(layout['ep_inter_node_bytes'])} across nodes"
                         if axis == "ep" and layout["ep_inter_node_bytes"] else "") + ")"
@@ -565,9 +593,9 @@ def _layout_lines(index: int, layout: dict[str, Any], count: str = "6·N + 12·l
     lines = [f"{index:>3}. {layout['label']}: step {_seconds(layout['step_s'])}, compute "
              f"{_seconds(layout['compute_s'])}, bubble {layout['bubble']:.1%}, exposed comm "
              f"{_seconds(layout['exposed_comm_s'])}",
-             f"     throughput: {layout['tokens_per_s']:,.0f} tokens/s; {layout['megatron_tflops_per_gpu']:.1f} "
-             f"TFLOP/s per GPU in Megatron's count (96·B·s·l·h²·(1 + s/6h + V/16lh): GEMMs with full "
-             f"recomputation); {layout['model_tflops_per_gpu']:.1f} TFLOP/s per GPU in MFU's count "
+             f"     throughput: {layout['tokens_per_s']:,.0f} tokens/s; "
+             f"{_rate(layout['megatron_tflops_per_gpu'], unit)} in Megatron's count (96·B·s·l·h²·(1 + s/6h + "
+             f"V/16lh): GEMMs with full recomputation); {_rate(layout['model_tflops_per_gpu'], unit)} in MFU's count "
              f"({count})" + (f" = MFU {layout['mfu']:.1%}" if layout["mfu"] else ""),
              f"     comm per rank: {comm or 'none'}",
              "     pp rank   parameters    gradients    optimizer  activations        total"]

@@ -99,6 +99,11 @@ def compute_efficiency(shape: dict[str, int], rows: int, matmul_flops: float, el
     return predicted / serial_step_seconds(shape, rows, barrier)
 
 
+def physical_memory() -> int:
+    """This machine's memory in bytes (what the ranks of a CPU machine share)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def calibrate_machine(path: Path, n_embd: int, rows: int = 2048, shape: dict[str, int] | None = None,
                       step_rows: int = 8) -> dict[str, float]:
     """Measure on the running MPI ranks; rank 0 writes `path` and prints the figures."""
@@ -113,7 +118,7 @@ def calibrate_machine(path: Path, n_embd: int, rows: int = 2048, shape: dict[str
     measured = {"alpha": link.alpha, "beta": link.beta, "gamma": link.gamma,
                 "matmul_flops": matmul_rate(n_embd, rows, barrier),
                 "elementwise_bytes": elementwise_rate(4 * rows * n_embd, barrier),
-                "ranks": comm.size, "cores": len(os.sched_getaffinity(0)),
+                "ranks": comm.size, "cores": len(os.sched_getaffinity(0)), "memory_bytes": physical_memory(),
                 "matmul_shape": [rows, n_embd, 4 * n_embd], "dtype": "float32",
                 "alpha_inter": link.alpha_inter, "beta_inter": link.beta_inter}  # None on one node
     shape = shape or {"n_layer": 4, "n_embd": n_embd, "n_head": 4, "seq_len": 128, "vocab_size": 256}

@@ -45,6 +45,8 @@ class Cluster:
     software: Software = SOFTWARE["mpiparallel"]
     peak_flops: float | None = None
     """The dense peak that MFU divides by (a preset's own when `gpu` is set); None: MFU not reported."""
+    cpu_cores: int | None = None
+    """A calibrated CPU machine (`plan --calibrate`): its cores, which the ranks share; None: GPUs."""
 
     @classmethod
     def from_preset(cls, gpu: GPU, gpus: int, software: Software = SOFTWARE["mpiparallel"],
@@ -66,17 +68,22 @@ class Cluster:
 
 # -- a machine measured by `plan --calibrate` --------------------------------------------------------------------
 
-def load_machine(path: Path, ranks_per_node: int, gpu_memory: float) -> Cluster:
+def load_machine(path: Path, ranks_per_node: int, memory_per_rank: float | None = None) -> Cluster:
     """A cluster of `ranks_per_node` ranks on one machine from `plan --calibrate`'s file. Its rates were measured
     per rank with every core busy (one rank per core); fewer ranks than cores give each rank more BLAS threads
     (matmul rate × cores / ranks), more ranks share the cores (both rates × cores / ranks); both are scaled by the
-    compute efficiency measured on a real serial training step."""
+    compute efficiency measured on a real serial training step. Each rank's memory: `memory_per_rank`, else the
+    machine's memory (recorded at calibration; this machine's for older files) shared by the ranks."""
     measured = json.loads(Path(path).read_text())
+    if memory_per_rank is None:
+        from .calibrate import physical_memory
+
+        memory_per_rank = (measured.get("memory_bytes") or physical_memory()) / ranks_per_node
     cores = measured["cores"]
     share = cores / ranks_per_node
     efficiency = measured.get("compute_efficiency", 1.0)  # the share of the raw rates a real step reaches
     link = CostModel(measured["alpha"], measured["beta"], measured["gamma"])
     across = CostModel(measured.get("alpha_inter") or link.alpha, measured.get("beta_inter") or link.beta, link.gamma)
-    return Cluster(gpus=ranks_per_node, gpu_memory=gpu_memory, gpus_per_node=ranks_per_node, intra=link,
+    return Cluster(gpus=ranks_per_node, gpu_memory=memory_per_rank, gpus_per_node=ranks_per_node, intra=link,
                    inter=across, matmul_flops=measured["matmul_flops"] * share * efficiency,
-                   elementwise_bytes=measured["elementwise_bytes"] * min(1.0, share) * efficiency)
+                   elementwise_bytes=measured["elementwise_bytes"] * min(1.0, share) * efficiency, cpu_cores=cores)

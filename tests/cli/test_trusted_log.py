@@ -21,6 +21,7 @@ from processes import start_job
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import checkpoint, data
 from mpiparallel.commands.cli import main
+from mpiparallel.errors import ExitCode
 from mpiparallel.train import Reporter, TrainSettings
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2"]
@@ -172,9 +173,28 @@ def test_counts_of_one_are_singular(tmp_path):
 ])
 def test_plan_with_nothing_feasible_says_which_constraint_and_fails(options, named):
     result = mpiparallel("plan", *options)
-    assert result.returncode != 0
+    assert result.returncode == ExitCode.BAD_INPUT
     assert named in result.stderr, result.stderr
     assert "the fastest 0" not in result.stdout
+    as_json = mpiparallel("plan", *options, "--json")
+    assert as_json.returncode == ExitCode.BAD_INPUT and named in json.loads(as_json.stdout)["why_none"]
+
+
+def test_plan_answering_max_bubble_prints_why_no_layout_fits_and_succeeds():
+    """The exercise (each schedule's fewest microbatches) is answered, so exit 0; the reason no layout fits is a
+    line of the text too, not only --json's why_none (before: "0 of 0 layouts fit" and nothing more)."""
+    result = mpiparallel("plan", "--pp", "8", "--max-bubble", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert "fewest microbatches for the bubble asked: gpipe 64" in result.stdout
+    assert result.stdout.rstrip().endswith("no layout fits: the fixed choices (--pp 8) leave no layout train accepts "
+                                           "on 8 GPUs with batch 8; leaving --pp to the search finds some")
+
+
+def test_plans_help_example_keeps_its_line_continuation():
+    """A backslash-newline in a docstring is Python's line continuation: the third example printed as one line with
+    a gap of spaces in it."""
+    shown = mpiparallel("plan", "--help").stdout
+    assert "--ffn-hidden 14336 \\\n        --vocab-size 128256" in shown, shown
 
 
 def test_blas_threads_leave_out_the_cores_a_busy_machine_keeps_busy():

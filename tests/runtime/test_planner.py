@@ -131,11 +131,24 @@ def test_calibration_measures_the_rates_and_a_real_steps_share_of_them_which_sca
     assert measured["ranks"] == 2 and measured["efficiency_shape"]["n_layer"] == 2
     assert measured["matmul_flops"] > 0 and measured["elementwise_bytes"] > 0
     assert 0 < measured["compute_efficiency"] < 10
-    one_rank = load_machine(machine, ranks_per_node=1, gpu_memory=1e9)
+    one_rank = load_machine(machine, ranks_per_node=1, memory_per_rank=1e9)
     share = measured["cores"] / 1
     assert one_rank.matmul_flops == pytest.approx(measured["matmul_flops"] * share * measured["compute_efficiency"])
     assert one_rank.elementwise_bytes == pytest.approx(measured["elementwise_bytes"] * min(1.0, share)
                                                        * measured["compute_efficiency"])
+    assert measured["memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    # planned on, the machine is what it is: ranks sharing its cores and memory, rates per rank in GFLOP/s (before:
+    # "2 GPUs of 80.00 GB" and "0.0 TFLOP/s per GPU")
+    shown = run_with_timeout([sys.executable, "-m", "mpiparallel", "plan", "--machine", str(machine), "--gpus", "2",
+                              "--top", "1"], timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert shown.returncode == 0, shown.stderr
+    per_rank = measured["memory_bytes"] / 2
+    memory = f"{per_rank / 1e9:.2f} GB" if per_rank >= 1e9 else f"{per_rank / 1e6:.2f} MB"
+    assert (f"machine: 2 ranks on a calibrated CPU machine of {measured['cores']} cores, {memory} of memory per "
+            f"rank; per rank ") in shown.stdout, shown.stdout
+    assert "GFLOP/s per rank in Megatron's count" in shown.stdout and "fewest ranks that must share" in shown.stdout
+    assert "GPU" not in shown.stdout, shown.stdout
 
 
 SHAPE = {"n_layer": 2, "n_embd": 64, "n_head": 4, "seq_len": 16, "vocab_size": 61}
