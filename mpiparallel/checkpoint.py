@@ -152,8 +152,16 @@ def _write_json(path: Path, content: Any) -> None:
 def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
     # transformers refuses safetensors files whose metadata does not say which framework wrote them.
     safetensors.numpy.save_file(arrays, str(path), metadata={"format": "pt"})
+    os.chmod(path, public_file_mode())  # safetensors creates its file private (0600), config.json is not
     with open(path, "rb+") as file:
         _flush_to_disk(file)
+
+
+def public_file_mode() -> int:
+    """The mode a new file gets from open(): 0666 less the umask (0644 under the usual 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _flush_to_disk(file: Any) -> None:

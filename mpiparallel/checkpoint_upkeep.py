@@ -9,6 +9,7 @@ entry must be in its file with the dtype and box size the manifest gives.
 
 from __future__ import annotations
 
+import glob
 import math
 import shutil
 from collections.abc import Mapping
@@ -104,6 +105,33 @@ def mesh_words(mesh: Mapping[str, Any]) -> str:
     zero = f", zero {mesh['zero']}" if mesh.get("zero") else ""
     return f"{mesh.get('world_size', '?')} rank{'s' if mesh.get('world_size') != 1 else ''}: " \
            f"{' × '.join(axes) or 'serial'}{zero}"
+
+
+def run_tokenizer(saved: TrainingCheckpoint) -> tuple[Any, str]:
+    """(the tokenizer the saved run trained with, where it came from), as `train --save` finds it: the data
+    folder's (`data prepare`'s data.json and tokenizer.json; the default corpus's in the cache, prepared again if
+    the cache was emptied), else the --init folder's, else bytes for a byte vocabulary; (None, why) when the run's
+    data names none (llm.c's shards, a .npy of ids)."""
+    from . import data
+    from .data.dataset import read_data_json
+
+    settings = saved.manifest.get("settings", {})
+    path, init = settings.get("data", {}).get("data"), settings.get("model", {}).get("init")
+    if path is None:
+        folder, words = data.cached_default_corpus(), "the default corpus's, in the cache"
+    else:
+        first = Path(path) if Path(path).exists() else Path(next(iter(sorted(glob.glob(path))), path))
+        folder, words = (first if first.is_dir() else first.parent), f"the data's, {path}"
+    found = data.tokenizer_of_folder(folder, read_data_json(folder) if folder.is_dir() else {})
+    if found is None and init is not None:
+        found, words = data.tokenizer_of_folder(init), f"the --init folder's, {init}"
+    vocab = saved.manifest.get("model", {}).get("vocab_size", 0)
+    if found is None and vocab <= data.ByteTokenizer.vocab_size:
+        return data.ByteTokenizer(), "bytes (no tokenizer file: generate reads and writes UTF-8 bytes)"
+    if found is None:
+        return None, (f"the run's data ({path}) names no tokenizer: copy the one that made its ids beside the "
+                      f"model as tokenizer.json")
+    return found, words
 
 
 def whole_model(saved: TrainingCheckpoint) -> tuple[GPTConfig, dict[str, np.ndarray]]:

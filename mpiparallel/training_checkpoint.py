@@ -58,7 +58,7 @@ from collectives.backend import Array, like, to_host
 from models.parameter import HELD, Placement, Sharded, counts_once, local_shape, padded_length
 from models.transformer import GPTConfig
 
-from .checkpoint import read_json_object
+from .checkpoint import public_file_mode, read_json_object
 from .errors import ConfigError, CorruptCheckpoint
 from .mesh import Mesh
 from .text import plural
@@ -279,7 +279,7 @@ def write_rank_file(folder: Path, rank: int, held: Sequence[tuple[Piece, Array]]
     if arrays:
         staging = folder / f".{name}.tmp-{os.getpid()}"
         safetensors.numpy.save_file(arrays, str(staging), metadata={"format": "np", "rank": str(rank)})
-        os.chmod(staging, 0o666 & ~_umask())  # safetensors creates the file private (0600)
+        os.chmod(staging, public_file_mode())  # safetensors creates the file private (0600)
         with open(staging, "rb+") as file:
             os.fsync(file.fileno())
         os.replace(staging, folder / name)
@@ -293,12 +293,6 @@ def file_checksum(path: Path) -> str:
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def build_manifest(folder: Path, step: int, description: Mapping[str, Any], every_rank: Iterable[list[dict]],
@@ -639,8 +633,8 @@ def describe(checkpoint: TrainingCheckpoint, most_shards: int = 4) -> str:
              f"  optimizer {optimizer.get('optimizer', '?')} at step {optimizer.get('step', '?')}; data: next step "
              f"{position.get('next_step', '?')} = batch {position.get('batch', '?')} of "
              f"{position.get('batches_per_pass', '?')}",
-             f"  {len(checkpoint.tensors)} tensors, {data_bytes:,} bytes of data in {len(manifest.get('files', []))} "
-             f"shard files of {file_bytes:,} bytes", ""]
+             f"  {plural(len(checkpoint.tensors), 'tensor')}, {data_bytes:,} bytes of data in "
+             f"{plural(len(manifest.get('files', [])), 'shard file')} of {file_bytes:,} bytes", ""]
     width = max((len(name) for name in checkpoint.tensors), default=4)
     lines.append(f"  {'tensor':<{width}}  {'dtype':<8} {'shape':<12} shards")
     for name, entry in checkpoint.tensors.items():

@@ -52,7 +52,8 @@ def info(directory: Path, verify: bool) -> None:
               help="The Hugging Face folder to write (config.json, model.safetensors).")
 def export(directory: Path, out: Path) -> None:
     """Write a training checkpoint's model (its master weights, gathered from the shards of whatever mesh saved
-    it) as a Hugging Face folder, as `train --save` does; `generate --init` and transformers read it.
+    it) and the tokenizer the run trained with as a Hugging Face folder, as `train --save` does; `generate --init`
+    and transformers read it.
 
     DIRECTORY is a step folder or a checkpoint directory (its newest complete checkpoint).
 
@@ -65,6 +66,8 @@ def export(directory: Path, out: Path) -> None:
 
     saved = training_checkpoint.TrainingCheckpoint(training_checkpoint.find_checkpoint(directory))
     config, tensors = checkpoint_upkeep.whole_model(saved)
+    tokenizer, source = checkpoint_upkeep.run_tokenizer(saved)
     save_pretrained(out, config, tensors)
-    click.echo(f"exported step {saved.step} of {saved.folder} to {out} (no tokenizer: copy the data's "
-               f"tokenizer.json beside it to decode text)")
+    if tokenizer is not None:
+        tokenizer.save(out)  # beside the model, where generate --init and AutoTokenizer look for it
+    click.echo(f"exported step {saved.step} of {saved.folder} to {out}; tokenizer: {source}")

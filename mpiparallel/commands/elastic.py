@@ -144,7 +144,7 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
             lost = len(outcome.lost_ranks) + sum(len(host.ranks) for host in outcome.lost)
             if outcome.status == 0 or lost == 0:
                 if outcome.status == 0 and restarts:
-                    say(f"elastic: finished after {plural(restarts, 'restart')}, {redone} steps redone")
+                    say(f"elastic: finished after {plural(restarts, 'restart')}, {plural(redone, 'step')} redone")
                 raise SystemExit(outcome.status)
             reached = int(progress.read_text()) if progress.is_file() else 0
             latest = latest_training_checkpoint(options["checkpoint_dir"])
@@ -168,7 +168,8 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
                      **({"microbatches": mesh.microbatches} if mesh.microbatches else {})}
             say(f"elastic: {what}; {_planner_words(mesh)}restart {restarts}/{options['max_restarts']} on "
                 f"{mesh_words(words)} (global batch {options['batch_size']} kept{_microbatch_words(mesh)}), from "
-                + _resumed_words(options["checkpoint_dir"], resumed_at) + f": {reached - resumed_at} steps redone")
+                + _resumed_words(options["checkpoint_dir"], resumed_at)
+                + f": {plural(reached - resumed_at, 'step')} redone")
             _log_restart(options["log_json"], reached, outcome, words, mesh.planner)
             extra = [*mesh.options(), *(["--resume-from", str(latest)] if latest else [])]
             progress.unlink(missing_ok=True)

@@ -125,6 +125,7 @@ def test_info_verify_passes_a_whole_checkpoint_and_fails_a_damaged_one(saved_run
     root, _ = saved_run
     whole = info("--verify", str(step_folder(root / "ck", 2)))
     assert whole.returncode == 0 and "verified: every shard file" in whole.stdout, whole.stderr
+    assert "bytes of data in 1 shard file of" in whole.stdout, whole.stdout  # not "1 shard files"
     manifest = json.loads((step_folder(root / "ck", 2) / MANIFEST).read_text())
     assert all(len(entry["sha256"]) == 64 for entry in manifest["files"])
 
@@ -189,10 +190,33 @@ def test_export_writes_the_model_train_save_writes(saved_run, tmp_path):
     result = run_with_timeout([sys.executable, "-m", "mpiparallel", "checkpoint", "export", str(root / "ck"),
                                "--out", str(tmp_path / "hf")], timeout=60)
     assert result.returncode == 0 and "exported step 6" in result.stdout, result
+    assert "tokenizer: bytes (no tokenizer file" in result.stdout, result.stdout
     config, tensors, _ = load_pretrained(tmp_path / "hf")
     saved_config, saved, _ = load_pretrained(root / "model")
     assert config == saved_config and tensors.keys() == saved.keys()
     assert all(np.array_equal(tensors[name], saved[name]) for name in saved)
+
+
+def test_export_of_a_default_corpus_run_brings_its_tokenizer_and_public_file_modes(tmp_path):
+    """Before: "no tokenizer: copy the data's tokenizer.json beside it" (the default corpus's sits in the cache,
+    which nothing named), and model.safetensors 0600 beside a 0644 config.json."""
+    shape = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--threads",
+             "1"]
+    result = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", *shape, "--steps", "1",
+                               "--checkpoint-dir", str(tmp_path / "ck")], 300)
+    assert result.returncode == 0, result.stderr
+    exported = run_with_timeout([sys.executable, "-m", "mpiparallel", "checkpoint", "export", str(tmp_path / "ck"),
+                                 "--out", str(tmp_path / "hf")], 120)
+    assert exported.returncode == 0, exported.stderr
+    assert "tokenizer: the default corpus's, in the cache" in exported.stdout, exported.stdout
+    hf = tmp_path / "hf"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        path.name for path in hf.iterdir()}
+    modes = {path.name: path.stat().st_mode & 0o777 for path in hf.iterdir()}
+    assert len(set(modes.values())) == 1 and modes["config.json"] & 0o044, modes  # all as open() makes them
+    sample = run_with_timeout([sys.executable, "-m", "mpiparallel", "generate", "--init", str(hf), "--prompt", "The ",
+                               "--tokens", "5", "--threads", "1"], 120)
+    assert sample.returncode == 0 and sample.stdout.startswith("The "), sample
 
 
 @pytest.mark.parametrize("option", ["--save", "--checkpoint-dir"])

@@ -31,6 +31,7 @@ from mpiparallel import planner
 from mpiparallel.commands import elastic
 from mpiparallel.commands.elastic import JobMesh, survivor_dp, survivors_mesh
 from mpiparallel.errors import ExitCode
+from mpiparallel.text import plural
 from mpiparallel.train.settings import TrainSettings
 
 PLANTED = Path(__file__).resolve().parents[1] / "support" / "planted_loss"
@@ -99,8 +100,9 @@ def test_a_lost_rank_is_replaced_by_a_smaller_dp_and_the_run_equals_the_uninterr
     saving = (f" (the checkpoint of step {lost_at} is incomplete, lost while saving: ignored)"
               if resumed_at < lost_at and f"step {lost_at} is incomplete" in stderr else "")
     assert (f"elastic: lost rank {lost['rank']} after step {lost_at}; restart 1/3 on 2 ranks: dp 2 (global batch 4 "
-            f"kept), from the checkpoint of step {resumed_at}{saving}: {lost_at - resumed_at} steps redone") in stderr
-    assert f"finished after 1 restart, {lost_at - resumed_at} steps redone" in stderr
+            f"kept), from the checkpoint of step {resumed_at}{saving}: {plural(lost_at - resumed_at, 'step')} "
+            f"redone") in stderr
+    assert f"finished after 1 restart, {plural(lost_at - resumed_at, 'step')} redone" in stderr
     assert f"resumed from step {resumed_at} of" in stdout and "now 2 ranks: dp 2" in stdout
     final = last_loss_per_step(log_records)
     assert sorted(final) == list(range(1, LONGER + 1))
@@ -229,7 +231,7 @@ def test_model_axes_that_no_longer_fit_give_way_to_the_planners_mesh_equal_to_th
     assert mesh["world_size"] <= 3 and mesh["tp"] < 4 and mesh["world_size"] == math.prod(
         mesh[axis] for axis in ("dp", "tp", "pp", "cp")), mesh
     assert f"lost rank 3 after step {restart['step']}; tp 4 needs 4 ranks, 3 are left, so the planner chose" in stderr
-    assert f"from the checkpoint of step 5: {restart['step'] - 5} steps redone" in stderr, stderr
+    assert f"from the checkpoint of step 5: {plural(restart['step'] - 5, 'step')} redone" in stderr, stderr
     final = last_loss_per_step(log)
     assert worst(final, uninterrupted(tmp_path, tokens, "straight", "-n", "4", *shape)) <= 1e-9
     on_mesh = [word for axis in ("dp", "tp", "pp", "cp", "ep") for word in (f"--{axis}", str(mesh[axis]))]
@@ -260,7 +262,7 @@ def test_a_rank_lost_before_the_first_checkpoint_starts_again_and_the_log_goes_o
     first, restart, second = log[:at], log[at], log[at + 1:]
     assert 1 <= restart["step"] < 5 and [record["step"] for record in first] == list(range(1, restart["step"] + 1))
     assert [record["step"] for record in second] == list(range(1, STEPS + 1)), log
-    assert f"from step 0 (no checkpoint yet): {restart['step']} steps redone" in stderr, stderr
+    assert f"from step 0 (no checkpoint yet): {plural(restart['step'], 'step')} redone" in stderr, stderr
     straight = uninterrupted(tmp_path, tokens, "straight", "-n", "4")
     assert worst(last_loss_per_step(second), straight) <= 1e-9
     assert worst(last_loss_per_step(first), {step: straight[step] for step in range(1, restart["step"] + 1)}) <= 1e-9
