@@ -176,7 +176,7 @@ def block_cost(model: Model, layout: Layout, rows: int, precision: Precision,
     forward, backward = block_collectives(model, layout, tokens, precision.activations)
     gemms = block_gemms(model, layout, tokens, rows, attention)
     recomputed = {"none": (), "selective": gemms[-2:-1], "full": gemms}[layout.recompute]
-    return UnitCost(saved=block_saved_elements(model, layout, rows, precision.activations),
+    return UnitCost(saved=block_saved_elements(model, layout, rows, precision.activations, software),
                     flops_forward=flops_forward, flops_backward=2 * flops_forward + recompute_flops,
                     elementwise_forward=elementwise_forward,
                     elementwise_backward=2 * elementwise_forward + recompute_elements,
@@ -198,22 +198,30 @@ def _mlp_work(model: Model, layout: Layout, tokens: int) -> tuple[float, float]:
     return 2 * matrices * h * hidden, passes * hidden
 
 
-def block_saved_elements(model: Model, layout: Layout, rows: int, item: float) -> float:
+def block_saved_elements(model: Model, layout: Layout, rows: int, item: float,
+                         software: Software = SOFTWARE["mpiparallel"]) -> float:
     """Elements one block saves per microbatch on one rank: the runtime's `block_activation_elements` (either
-    family), with the MoE block's and context-parallel attention's differences; `item` bytes per element (the
-    int64 index arrays count 8/item)."""
+    family), with the MoE block's and context-parallel attention's differences and `software`'s own (a fused
+    attention keeps one log-sum-exp per query row instead of the probabilities; Megatron's SP keeps no gathered
+    inputs; a fused SwiGLU keeps 3F, not 5F, per token); `item` bytes per element (the int64 index arrays count
+    8/item)."""
     h, tp, cp = model.n_embd, layout.tp, layout.cp
     seq = model.seq_len // cp
     tokens = rows * seq
-    recompute = "selective" if cp > 1 and layout.recompute == "none" else layout.recompute  # CP's: below
+    flash = software.attention == "flash"
+    recompute = "selective" if (cp > 1 or flash) and layout.recompute == "none" else layout.recompute
     family = {"kv_heads": model.kv_heads, "ffn_hidden": model.ffn_width} if model.is_llama else {}
     saved = float(block_activation_elements(rows, seq, h, model.n_head, tp, layout.sp, recompute, **family))
     if layout.recompute == "full":
         return saved
+    if layout.sp and tp > 1 and not software.sp_keeps_gathered_inputs:
+        saved -= 2 * tokens * h  # the inputs of qkv and of the MLP: their shards are the norms' outputs, kept
+    if model.is_llama and not model.experts:
+        saved -= (5 - software.swiglu_saved) * tokens * model.ffn_width / tp
     if model.experts:
         saved += _moe_saved_change(model, layout, tokens, item)
     heads = model.n_head // tp
-    if cp > 1 and layout.cp_attention != "ulysses":  # the online softmax keeps one log-sum-exp per query row
+    if (cp > 1 and layout.cp_attention != "ulysses") or (flash and cp == 1):  # one log-sum-exp per query row
         saved += rows * heads * seq
     elif cp > 1 and layout.recompute == "none":  # Ulysses: the serial attention of n_head/cp heads, all s positions
         saved += rows * heads // cp * causal_pairs(model.seq_len)

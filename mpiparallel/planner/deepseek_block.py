@@ -53,7 +53,7 @@ def latent_block_cost(model: Model, layout: Layout, rows: int, precision: Precis
         recomputed += _latent_up_projections(model, layout, tokens)
         recompute_elements += 12 * s / seq_shard + 4 * tokens * latent
     forward, backward = block_collectives(model, layout, tokens, item, moe, precision.dispatch)
-    return UnitCost(saved=_latent_saved_elements(model, layout, rows, item, moe),
+    return UnitCost(saved=_latent_saved_elements(model, layout, rows, item, moe, software),
                     flops_forward=flops_forward, flops_backward=2 * flops_forward + sum(g.flops for g in recomputed),
                     elementwise_forward=elementwise_forward,
                     elementwise_backward=2 * elementwise_forward + recompute_elements,
@@ -115,12 +115,14 @@ def _deepseek_ffn_elements(model: Model, layout: Layout, tokens: int, moe: bool)
     return 6 * hidden + 6 * routed * model.experts
 
 
-def _latent_saved_elements(model: Model, layout: Layout, rows: int, item: float, moe: bool) -> float:
+def _latent_saved_elements(model: Model, layout: Layout, rows: int, item: float, moe: bool,
+                           software: Software) -> float:
     """Elements a DeepSeek-V3 block saves per microbatch on one rank: the llama block's norms and residual inputs,
     MLA's (the compressed query and its norm, the latent and its norm, q, k_nope, the shared RoPE key, v and the
     merged heads: t·(2r_q + 2r + d_r + 2 + H'·(d_qk + d_n + 2d_v)), H' = H/tp), the probabilities unless
-    recomputed or fused, the SwiGLU's 5 arrays of its width (MoE: per routed token the router's arrays and K
-    experts' rows, and the shared expert's)."""
+    recomputed or fused (a fused kernel keeps one log-sum-exp per query row), the SwiGLU's arrays of its width
+    (`software.swiglu_saved` of them; MoE: per routed token the router's arrays and K experts' rows, and the shared
+    expert's)."""
     config, tp, cp = model.config, layout.tp, layout.cp
     seq = model.seq_len // cp
     tokens, heads = rows * seq, model.n_head // tp
@@ -131,15 +133,16 @@ def _latent_saved_elements(model: Model, layout: Layout, rows: int, item: float,
     attention = tokens * (2 * (config.q_lora_rank or 0) + 2 * config.kv_lora_rank + config.qk_rope_head_dim + 2
                           + heads * (model.query_key_dim + config.qk_nope_head_dim + 2 * model.value_dim))
     probabilities = 0.0
-    if cp > 1 and layout.cp_attention != "ulysses":
+    if (cp > 1 and layout.cp_attention != "ulysses") or software.attention == "flash":
         probabilities = rows * heads * seq  # the online softmax's log-sum-exp per query row
-    elif layout.recompute == "none":  # Ulysses: n_head/cp heads over every position
+    elif layout.recompute == "none":  # the probabilities (Ulysses: n_head/cp heads over every position)
         probabilities = rows * heads // cp * causal_pairs(model.seq_len)
+    swiglu = software.swiglu_saved
     if not moe:
-        mlp = 5 * tokens * model.ffn_width / tp
+        mlp = swiglu * tokens * model.ffn_width / tp
     else:
         routed, k = moe_tokens(layout, tokens), model.top_k
         router = model.experts * (1 + 8 / item) + 1 + k * (1 + 8 / item)
-        mlp = routed * (router + k * (2 * model.n_embd + 5 * config.moe_ffn_hidden)
-                        + 5 * config.n_shared_experts * config.moe_ffn_hidden)
+        mlp = routed * (router + k * (2 * model.n_embd + swiglu * config.moe_ffn_hidden)
+                        + swiglu * config.n_shared_experts * config.moe_ffn_hidden)
     return norms + 2 * activation + attention + mlp + probabilities

@@ -99,20 +99,25 @@ _HOPPER = dict(  # NVIDIA H100 Tensor Core GPU datasheet, SXM5: bf16 1,979 and f
     fp8_mamf_flops=1550 * TERA,
 )
 
+MIB = 2**20
+H100_MEMORY = 81_559 * MIB  # nvidia-smi's memory.total of an H100 SXM 80GB (the H800 has the same HBM3)
+
 GPUS: dict[str, GPU] = {
     # A100 80GB SXM4: 2,039 GB/s HBM2e (datasheet)
     "a100-80gb": GPU("a100-80gb", memory=80 * GB, memory_bandwidth=2039 * GB, **_A100),
     # A100 40GB SXM4: 1,555 GB/s HBM2 (datasheet)
     "a100-40gb": GPU("a100-40gb", memory=40 * GB, memory_bandwidth=1555 * GB, **_A100),
-    # H100 SXM5 80GB: 3.35 TB/s HBM3 (datasheet)
-    "h100-sxm": GPU("h100-sxm", memory=80 * GB, memory_bandwidth=3350 * GB, **_HOPPER),
+    # H100 SXM5 80GB: 3.35 TB/s HBM3 (datasheet); the memory as the device reports it, 81,559 MiB (nvidia-smi on
+    # the H100 lent to this project, 2026-11-13): the "80 GB" are GiB, 85.5e9 bytes
+    "h100-sxm": GPU("h100-sxm", memory=H100_MEMORY, memory_bandwidth=3350 * GB, **_HOPPER),
     # H800 SXM5: the H100 die with NVLink cut to 400 GB/s (both directions); DeepSeek-V3 (2024) §3.2.2 measures
     # "NVLink ... 160 GB/s" and "IB (50 GB/s)" per GPU on its H800 nodes
-    "h800": GPU("h800", memory=80 * GB, memory_bandwidth=3350 * GB,
+    "h800": GPU("h800", memory=H100_MEMORY, memory_bandwidth=3350 * GB,
                 **(_HOPPER | {"nvlink_bandwidth": 200 * GB})),
-    # H200 SXM: the H100 die with 141 GB HBM3e at 4.8 TB/s (H200 datasheet); the MAMF table's GH200 (the same
-    # die with HBM3e) measured 828.6 TFLOP/s
-    "h200": GPU("h200", memory=141 * GB, memory_bandwidth=4800 * GB,
+    # H200 SXM: the H100 die with 141 GB HBM3e at 4.8 TB/s (H200 datasheet; the device reports 143,771 MiB, measured
+    # on the H200 lent to this project, 2026-11-28); the MAMF table's GH200 (the same die with HBM3e) measured
+    # 828.6 TFLOP/s
+    "h200": GPU("h200", memory=143_771 * MIB, memory_bandwidth=4800 * GB,
                 **(_HOPPER | {"mamf_flops": 828.6 * TERA})),
 }
 

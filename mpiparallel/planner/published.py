@@ -224,17 +224,43 @@ def dominant_term(plan: Plan) -> str:
     return ", ".join(f"{name} {share:.0%}" for name, share in sorted(terms.items(), key=lambda t: -t[1]))
 
 
+OVER_MEMORY = {  # per paper: why its published layout needs more than the chip holds in the planner's memory model
+    "llama3-405b": "the planner keeps ZeRO-1's float32 gradients whole on every DP rank and gives the first pipeline "
+                   "rank its full share of layers; Llama 3 §3.3.2 takes one layer off the first and the last stages "
+                   "and frees each stage's input and output tensors as soon as they are used, which it does not model",
+    "deepseek-v3": "the planner keeps a block's activations as this project's layers do (bfloat16, MLA's up-projected "
+                   "q, k and v, every routed row's input and output); DeepSeek-V3 caches activations in FP8 "
+                   "(§3.3.3) and recomputes the RMSNorms and MLA up-projections in backward (§3.2.3), which it "
+                   "counts in time, not in memory",
+}
+
+
+def memory_check(run: PublishedRun, plan: Plan) -> tuple[float, float]:
+    """(the largest rank's bytes in the planner's memory model, the chip's memory): what `plan` checks."""
+    return plan.max_memory, gpu_named(run.gpu).memory
+
+
 def table(measurement: GemmMeasurement | None = None) -> str:
+    """One line per row (its prediction, its layout and the planner's memory check of it), then why each row whose
+    layout does not fit the planner's memory model still ran (`OVER_MEMORY`)."""
     lines = ["| run | published (count) | predicted | ratio | layout | step s | compute | bubble | exposed comm "
-             "| MFU |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| MFU | memory per GPU |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    over = []
     for run in published_runs():
         plan = predict(run, measurement=measurement)
         figure = predicted(run, plan)
+        needed, holds = memory_check(run, plan)
+        fits = "" if needed <= holds else f" > {holds / 1e9:.1f}"
+        if needed > holds:
+            over.append(f"- {run.label()}: {needed / 1e9:.1f} GB of a {holds / 1e9:.1f} GB {run.gpu}: "
+                        f"{OVER_MEMORY[run.source]}.")
         lines.append(f"| {run.label()} | {run.published:g} ({run.count}) | {figure:.0f} | "
                      f"{figure / run.published:.2f} | {plan.layout.label()} | {plan.step_s:.2f} | "
                      f"{plan.compute_s / plan.step_s:.0%} | {plan.bubble:.1%} | "
-                     f"{plan.exposed_comm_s / plan.step_s:.0%} | {plan.mfu:.1%} |")
+                     f"{plan.exposed_comm_s / plan.step_s:.0%} | {plan.mfu:.1%} | {needed / 1e9:.1f} GB{fits} |")
+    if over:
+        lines += ["", "Layouts over the planner's memory check (`plan` refuses them as they are):", *over]
     return "\n".join(lines)
 
 

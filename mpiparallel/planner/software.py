@@ -14,7 +14,10 @@ What each setting changes in the prediction (the formulas sit where they are use
 - dp_overlap: the exposed gradient reduction is max(last bucket, dp − backward) where it overlaps, dp otherwise;
 - chunk_overlap: the EP all-to-alls wait max(0, ep − compute beside them), the pipeline's sends nothing;
 - communication_sms: the matrix products run on (SMs − c)/SMs of the chip's MAMF (`cluster.Cluster.from_preset`);
-- recompute_latent: MLA's norms and up-projections recomputed in backward (`deepseek_block`).
+- recompute_latent: MLA's norms and up-projections recomputed in backward (`deepseek_block`);
+- sp_keeps_gathered_inputs, swiglu_saved: what a block saves (`costs.block_saved_elements`): with SP the
+  all-gathered inputs of the attention and MLP projections (2·b·s·h) or only their sequence shards, and SwiGLU's
+  5·F per token (this project) or 3·F (a fused kernel's [gate | up] input and the product).
 """
 
 from __future__ import annotations
@@ -48,7 +51,15 @@ class Software:
       "we allocate 20 out of the 132 SMs available in the H800 GPU for this purpose");
     - recompute_latent: MLA's RMSNorms and up-projections (q_b_proj, kv_b_proj) recomputed in backward whatever
       the recomputation (DeepSeek-V3 §3.2.3: "we recompute all RMSNorm operations and MLA up-projections during
-      back-propagation")."""
+      back-propagation");
+    - sp_keeps_gathered_inputs: with sequence parallelism the block keeps the all-gathered inputs of its column-
+      parallel projections, b·s·h each for attention and MLP (this project's layers), or only the sequence shards
+      it already keeps and all-gathers them again in backward (Korthikanti et al. 2022 §4.2.2, the sequence
+      parallelism Llama 3 §3.3.2 uses);
+    - swiglu_saved: elements per token and F/tp that SwiGLU keeps for backward: 5 (this project: [gate | up],
+      σ(gate), silu(gate) and the product) or 3 (a fused kernel: its [gate | up] input and the product, the
+      down-projection's input; Megatron-Core's fused bias-SwiGLU) or 2 (DeepSeek-V3 §3.3.3: "we cache the inputs
+      of the SwiGLU operator and recompute its output in the backward pass")."""
 
     name: str = "mpiparallel"
     attention: str = "blocked"
@@ -59,15 +70,18 @@ class Software:
     chunk_overlap: bool = False
     communication_sms: int = 0
     recompute_latent: bool = False
+    sp_keeps_gathered_inputs: bool = True
+    swiglu_saved: int = 5
 
 
 SOFTWARE = {
     "mpiparallel": Software(),
     "megatron-2021": Software("megatron-2021", attention="dense", pipeline_scatter_gather=True, dp_overlap="never",
                               attention_dropout=True, blocking_pipeline_sends=True),
-    "flash-fsdp": Software("flash-fsdp", attention="flash", pipeline_scatter_gather=False, dp_overlap="always"),
+    "flash-fsdp": Software("flash-fsdp", attention="flash", pipeline_scatter_gather=False, dp_overlap="always",
+                           sp_keeps_gathered_inputs=False, swiglu_saved=3),
     "hai-llm": Software("hai-llm", attention="flash", dp_overlap="never", chunk_overlap=True, communication_sms=20,
-                        recompute_latent=True),
+                        recompute_latent=True, swiglu_saved=2),
 }
 """The code bases `plan --software` knows: this project, Megatron-LM as Narayanan et al. 2021 ran it, a
 FlashAttention + FSDP code base as Llama 3 (Dubey et al. 2024, §3.3.2) describes, and DeepSeek's HAI-LLM as the

@@ -13,6 +13,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
+from mpiparallel.commands.cli import main
 from mpiparallel.planner.gpus import (
     GPUS,
     gemm_seconds,
@@ -21,7 +22,7 @@ from mpiparallel.planner.gpus import (
     peak_flops,
     preset_for_device,
 )
-from mpiparallel.planner.published import predict, predicted, published_runs
+from mpiparallel.planner.published import OVER_MEMORY, memory_check, predict, predicted, published_runs, table
 
 RUNS = published_runs()
 TARGET = 0.10
@@ -126,3 +127,50 @@ def test_training_mfu_is_plans_count_over_the_devices_peak_and_none_off_a_known_
     assert mfu == pytest.approx(per_token * 10_000 / 312e12)
     assert training_mfu(config, 2048, 10_000, "cpu") is None
     assert training_mfu(config, 2048, 10_000, "NVIDIA A100-SXM4-80GB", "float8") is None
+
+
+# -- the planner's memory check of the published layouts ---------------------------------------------------------
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: f"{run.source}-{run.params_b:g}B-{run.gpus}-cp{run.cp}")
+def test_each_published_layout_fits_the_planners_memory_check_or_the_table_says_why_not(run):
+    needed, holds = memory_check(run, predict(run))
+    if needed > holds:
+        assert run.source in OVER_MEMORY
+        assert f"- {run.label()}: {needed / 1e9:.1f} GB of a {holds / 1e9:.1f} GB {run.gpu}: " in table()
+    else:
+        assert run.label() not in table().split("Layouts over the planner's memory check")[-1]
+
+
+def test_plan_refuses_the_llama_8k_row_with_the_tables_memory_and_prices_the_16k_row_as_the_table_does():
+    """Before: the table priced the 8,192-GPU row at 554 TFLOP/s while `plan` refused it for 385 GB per GPU (the
+    flash kernel's memory counted the s×s probabilities its time model left out; every 'GB' was 10⁹ bytes of an
+    H100 that reports 81,559 MiB). Now both say 95.0 GB of 85.5, and the table says why Meta fit it."""
+    shape = ["--arch", "llama", "--n-layer", "126", "--n-embd", "16384", "--n-head", "128", "--n-kv-head", "8",
+             "--ffn-hidden", "53248", "--vocab-size", "128256", "--seq-len", "8192", "--batch-size", "2048", "--tp",
+             "8", "--pp", "16", "--zero", "1", "--schedule", "interleaved", "--virtual-stages", "4", "--recompute",
+             "none", "--sp", "--gpu", "h100-sxm", "--software", "flash-fsdp", "--precision", "bfloat16"]
+    runs = {run.gpus: run for run in RUNS[10:12]}
+    refused = CliRunner().invoke(main, ["plan", *shape, "--gpus", "8192", "--microbatches", "32"])
+    needed, holds = memory_check(runs[8192], predict(runs[8192]))
+    assert refused.exit_code == 2 and f"needs {needed / 1e9:.2f} GB per GPU" in refused.output, refused.output
+    priced = CliRunner().invoke(main, ["plan", *shape, "--gpus", "16384", "--microbatches", "16", "--json"])
+    layout = json.loads(priced.output)["layouts"][0]
+    assert layout["model_tflops_per_gpu"] == pytest.approx(predicted(runs[16384], predict(runs[16384])), rel=1e-9)
+
+
+def test_a_flash_kernels_block_saves_one_log_sum_exp_per_query_row_not_the_probabilities():
+    """Llama 3 405B's block at tp 8 with SP, one 8,192-token sequence: with flash-fsdp it keeps the norms' shards,
+    q, k, v, the attention output, a fused SwiGLU's 3F and one log-sum-exp per head and query row — not the
+    b·(H/tp)·s²/2 probabilities, nor the gathered inputs of this project's layers."""
+    from mpiparallel.planner.core import Layout, block_saved_elements
+    from mpiparallel.planner.published import model_of
+    from mpiparallel.planner.software import SOFTWARE
+
+    model = model_of(RUNS[10])
+    layout = Layout(dp=64, tp=8, pp=16, sp=True, zero=1, microbatches=32, schedule="interleaved", virtual_stages=4)
+    s, h, t, f = 8192, 16384, 8, 53248
+    kv = 8 // 8 * (h // 128)
+    expected = 2 * (s * h + s) / t + s * (h / t + 2 * kv) + s * h / t + 3 * s * f / t + (128 // t) * s
+    assert block_saved_elements(model, layout, 1, 2, SOFTWARE["flash-fsdp"]) == pytest.approx(expected, rel=1e-12)
+    ours = block_saved_elements(model, layout, 1, 2)
+    assert ours - expected > (128 // t) * s * s / 2  # this project's layers keep the probabilities
