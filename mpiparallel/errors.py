@@ -12,6 +12,7 @@ way a command or a job ends (docs/exit-codes.md is the same table for users).
 | 6 | a host became unreachable: no heartbeat from it for the heartbeat bound (a cut link, a frozen host) |
 | 7 | the stall watchdog ended a job that made no progress for --stall-timeout seconds |
 | 8 | --elastic gave up: restarts used up (--max-restarts), too few ranks left (--min-ranks), or no mesh fits |
+| 9 | a check failed: `verify` or `bench` found an element that differs from the reference |
 | 130 | interrupted by SIGINT (Ctrl-C), 128 + 2 |
 | 138 | preempted by SIGUSR1 (a checkpoint saved first), 128 + 10 |
 | 143 | preempted by SIGTERM (a checkpoint saved first), 128 + 15 |
@@ -37,6 +38,7 @@ class ExitCode(IntEnum):
     UNREACHABLE_HOST = 6
     STALL = 7
     ELASTIC_GAVE_UP = 8
+    CHECK_FAILED = 9
     INTERRUPTED = 128 + signal.SIGINT
     PREEMPTED_SIGUSR1 = 128 + signal.SIGUSR1
     PREEMPTED_SIGTERM = 128 + signal.SIGTERM

@@ -58,7 +58,7 @@ from collectives.cost_model import calibrate, choose, model_for, precision_choic
 from collectives.native import MPI_OPS
 from collectives.topology import EMULATED_INTER_NODE_VARIABLE, describe_nodes
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExitCode
 from .devices import array_module, use_gpu
 from .launch import mpi_library
 
@@ -703,7 +703,7 @@ def run(settings: BenchSettings) -> int:
     if nccl_comm is not None:
         nccl_comm.close()
     wrong = sum((r.out_of_place.wrong or 0) + (r.in_place.wrong or 0) for r in rows)
-    return 1 if wrong else 0
+    return ExitCode.CHECK_FAILED if wrong else 0
 
 
 def run_sweep(collective: Collective, comm: Communicator, settings: BenchSettings,

@@ -45,7 +45,7 @@ from collectives import Communicator, backend, nccl
 from collectives.backend import to_host
 from collectives.topology import describe_nodes
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExitCode
 from .devices import array_module, use_gpu
 from .launch import mpi_library
 
@@ -396,4 +396,4 @@ def check_all(comm: Communicator, reference: Reference, settings: VerifySettings
         rows, cases, wrong_rows = rows + 1, cases + row_cases, wrong_rows + (wrong > 0)
     verdict = "all OK" if wrong_rows == 0 else f"FAILED: {wrong_rows} rows wrong"
     _say(comm, f"# {rows} rows, {cases} cases: {verdict}")
-    return 1 if wrong_rows else 0
+    return ExitCode.CHECK_FAILED if wrong_rows else 0

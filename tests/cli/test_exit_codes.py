@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
+
+from mpi_harness import run_with_timeout
 
 from mpiparallel import errors
 from mpiparallel.errors import ExitCode
@@ -51,3 +55,27 @@ def test_every_row_names_a_test_that_asserts_its_status():
 
 def test_signals_are_128_plus_their_number():
     assert ExitCode.INTERRUPTED == 130 and ExitCode.PREEMPTED_SIGUSR1 == 138 and ExitCode.PREEMPTED_SIGTERM == 143
+
+
+PLANTED_MISMATCH = """
+import os
+import mpiparallel.commands.verify as verify
+
+original = verify.mismatches
+
+def planted(ours, theirs):  # rank 1 sees one element of every comparison differ
+    return original(ours, theirs) + (os.environ.get("PMI_RANK") == "1")
+
+verify.mismatches = planted
+"""
+
+
+def test_verify_finding_a_wrong_element_exits_with_check_failed(tmp_path):
+    """One element planted wrong on rank 1 (sitecustomize, before the command runs): the table says FAILED and the
+    status is CHECK_FAILED, not a crash's 1."""
+    (tmp_path / "sitecustomize.py").write_text(PLANTED_MISMATCH)
+    path = os.pathsep.join(filter(None, [str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH")]))
+    finished = run_with_timeout([sys.executable, "-m", "mpiparallel", "verify", "-n", "2", "--max-count", "10",
+                                 "--collective", "all_reduce"], 120, env={**os.environ, "PYTHONPATH": path})
+    assert finished.returncode == ExitCode.CHECK_FAILED, finished.stdout + finished.stderr
+    assert "FAILED:" in finished.stdout and "Traceback" not in finished.stderr, finished.stdout + finished.stderr
