@@ -117,12 +117,14 @@ def run_tokenizer(saved: TrainingCheckpoint) -> tuple[Any, str]:
 
     settings = saved.manifest.get("settings", {})
     path, init = settings.get("data", {}).get("data"), settings.get("model", {}).get("init")
+    folder, words = None, f"the data's, {path}"
     if path is None:
         folder, words = data.cached_default_corpus(), "the default corpus's, in the cache"
-    else:
-        first = Path(path) if Path(path).exists() else Path(next(iter(sorted(glob.glob(path))), path))
-        folder, words = (first if first.is_dir() else first.parent), f"the data's, {path}"
-    found = data.tokenizer_of_folder(folder, read_data_json(folder) if folder.is_dir() else {})
+    elif Path(path).is_dir():
+        folder = Path(path)
+    elif path.endswith(".bin") and (shards := sorted(glob.glob(path))):  # a shard or a glob of them, as train
+        folder = Path(shards[0]).parent
+    found = data.tokenizer_of_folder(folder, read_data_json(folder)) if folder is not None else None
     if found is None and init is not None:
         found, words = data.tokenizer_of_folder(init), f"the --init folder's, {init}"
     vocab = saved.manifest.get("model", {}).get("vocab_size", 0)
