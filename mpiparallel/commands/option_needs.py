@@ -6,7 +6,8 @@ or its environment variable, whatever its value (`--min-ranks 1` without --elast
 something the run will not do). Requirements that need the mesh or the model resolved first are checked where
 those are built, each with one message as here: --sp needs --tp (parallelize), --virtual-stages needs a pipeline
 schedule that has them (parallelize), --ep needs --experts (settings), llama's and deepseek_v3's options need
-their --arch (settings), --fp8 needs --compute-dtype bfloat16 (parallelize), --ep-dispatch hierarchical needs
+their --arch (settings), --fp8 needs --compute-dtype bfloat16 and --exp-avg-dtype bfloat16 needs --optimizer
+adamw (parallelize), --ep-dispatch hierarchical needs
 deepseek_v3's group-limited router (parallelize). --schedule and --cp-attention are left out on purpose: an
 --elastic relaunch may shrink pp or cp to 1 under the same command line.
 """
@@ -59,8 +60,6 @@ TRAIN_NEEDS: tuple[Needs, ...] = (
     Needs("--validation-fraction", "validation_fraction", "--eval-every N (validation losses are computed only then)",
           lambda o: o["eval_every"] > 0),
     Needs("--weight-decay", "weight_decay", "--optimizer adamw (sgd has no weight decay)",
-          lambda o: o["optimizer"] == "adamw"),
-    Needs("--exp-avg-dtype", "exp_avg_dtype", "--optimizer adamw (sgd keeps no moments)",
           lambda o: o["optimizer"] == "adamw"),
     _moe("--top-k", "top_k"),
     _moe("--moe-aux-coef", "moe_aux_coef"),

@@ -21,6 +21,7 @@ from mpi_harness import run_with_timeout
 from collectives import backend, nccl
 from mpiparallel.commands.cli import ByteSize
 from mpiparallel.commands.launch import launched_by_mpi, relaunch_command
+from mpiparallel.errors import ExitCode
 
 PROGRAM = [sys.executable, "-m", "mpiparallel"]
 OTHER_COLLECTIVES = ("reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
@@ -320,7 +321,8 @@ def test_bench_and_verify_report_a_broken_algorithm(run, tmp_path):
     assert status == 0, out + err
     assert "Out of bounds values : 12 FAILED" in out  # one element per rank, 2 ranks x 2 modes x 3 sizes
     assert re.search(r"all_gather\s+ring\s+int32.*FAILED at count", out)
-    assert [(tmp_path / f"status{rank}").read_text() for rank in range(2)] == ["1 1", "1 1"]
+    failed = f"{ExitCode.CHECK_FAILED} {ExitCode.CHECK_FAILED}"  # a check that failed, not a crash's 1
+    assert [(tmp_path / f"status{rank}").read_text() for rank in range(2)] == [failed, failed]
 
 
 # -- errors -------------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ CASES = {  # option: (the option given, with whatever else it takes; what it nee
     "--val-data": (["--val-data", "val.npy"], ["--eval-every", "10"]),
     "--validation-fraction": (["--validation-fraction", "0.2"], ["--eval-every", "10"]),
     "--weight-decay": (["--optimizer", "sgd", "--weight-decay", "0.1"], ["--optimizer", "adamw"]),
-    "--exp-avg-dtype": (["--optimizer", "sgd", "--exp-avg-dtype", "bfloat16"], ["--optimizer", "adamw"]),
     "--top-k": (["--top-k", "2"], ["--experts", "4"]),
     "--moe-aux-coef": (["--moe-aux-coef", "0.1"], ["--experts", "4"]),
     "--capacity-factor": (["--capacity-factor", "1.5"], ["--experts", "4"]),

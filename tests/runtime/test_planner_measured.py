@@ -99,8 +99,9 @@ def test_a_measured_product_takes_its_time_scaled_to_the_roof_it_is_priced_at(tm
 def test_the_published_table_changes_only_the_rows_on_the_measured_chip(tmp_path):
     measurement = measured.load(measurement_file(tmp_path, "h100-sxm", mamf=GPUS["h100-sxm"].mamf_flops * 0.8))
     plain, with_file = table().splitlines(), table(measurement).splitlines()
-    assert plain[:2] == with_file[:2] and len(plain) == len(with_file) == 2 + len(RUNS)
-    for run, before, after in zip(RUNS, plain[2:], with_file[2:], strict=True):
+    assert plain[:2] == with_file[:2] and len(plain) == len(with_file)
+    assert plain[2 + len(RUNS):] == with_file[2 + len(RUNS):]  # the memory check's notes: a GEMM file moves no byte
+    for run, before, after in zip(RUNS, plain[2:2 + len(RUNS)], with_file[2:2 + len(RUNS)], strict=True):
         if run.gpu != "h100-sxm":
             assert before == after, run.label()
         else:
