@@ -545,24 +545,6 @@ def damaged(folder: Path, problem: str) -> CorruptCheckpoint:
                              f"--verify` checks every file")
 
 
-def verify_files(checkpoint: TrainingCheckpoint, rank: int, ranks: int) -> None:
-    """Every shard file's size against the manifest (one stat each), then the SHA-256 of the files this rank is
-    given — file i to rank i mod `ranks`, so the ranks share the reading (GPT-2 124M's float32 state, 1.5 GB,
-    hashes in about 1 s on one core). A CorruptCheckpoint names the first file that differs."""
-    files = checkpoint.manifest.get("files", [])
-    for entry in files:
-        path = checkpoint.folder / entry["file"]
-        if not path.is_file():
-            raise damaged(checkpoint.folder, f"{entry['file']} is missing")
-        if path.stat().st_size != entry["bytes"]:
-            raise damaged(checkpoint.folder, f"{entry['file']} has {path.stat().st_size:,} bytes, the manifest "
-                                             f"records {entry['bytes']:,} (truncated or overwritten)")
-    for entry in files[rank::ranks]:
-        if "sha256" in entry and file_checksum(checkpoint.folder / entry["file"]) != entry["sha256"]:
-            raise damaged(checkpoint.folder, f"{entry['file']}: its SHA-256 differs from the manifest's (the file "
-                                             f"changed after it was saved)")
-
-
 def _manifest_entry_problem(entry: Any) -> str | None:
     if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
         return "no list of shards"

@@ -160,7 +160,7 @@ def load_model_state(path: str, model: Transformer, mesh: Mesh, data_identity: d
     same model and data."""
     def load() -> TrainingCheckpoint:
         saved = TrainingCheckpoint(path)
-        training_checkpoint.verify_files(saved, mesh.world.rank, mesh.world.size)
+        checkpoint_upkeep.verify_before_resume(saved, mesh.world.rank, mesh.world.size)
         saved.check_model(model.config)
         saved.check_data(data_identity)
         held = training_checkpoint.parameter_pieces(model.params.values(), model.axis_ranks())

@@ -154,7 +154,7 @@ def damage(folder: Path, how: str) -> None:
         manifest.write_text(manifest.read_text()[:200])
 
 
-@pytest.mark.parametrize("how, problem", [("flip", "rank-00001.safetensors: its SHA-256 differs"),
+@pytest.mark.parametrize("how, problem", [("flip", "rank-00001.safetensors: SHA-256 differs"),
                                           ("truncate", "rank-00001.safetensors has"),
                                           ("manifest", "manifest.json is not valid JSON")])
 def test_resume_refuses_a_damaged_checkpoint_naming_the_file_the_step_and_an_older_one(tmp_path, tokens, how,
