@@ -203,8 +203,8 @@ def block_saved_elements(model: Model, layout: Layout, rows: int, item: float,
     """Elements one block saves per microbatch on one rank: the runtime's `block_activation_elements` (either
     family), with the MoE block's and context-parallel attention's differences and `software`'s own (a fused
     attention keeps one log-sum-exp per query row instead of the probabilities; Megatron's SP keeps no gathered
-    inputs; a fused SwiGLU keeps 3F, not 5F, per token); `item` bytes per element (the int64 index arrays count
-    8/item)."""
+    inputs; a fused SwiGLU keeps 3F, not 5F, per token of a dense MLP); `item` bytes per element (the int64 index
+    arrays count 8/item)."""
     h, tp, cp = model.n_embd, layout.tp, layout.cp
     seq = model.seq_len // cp
     tokens = rows * seq
@@ -221,7 +221,7 @@ def block_saved_elements(model: Model, layout: Layout, rows: int, item: float,
     if model.experts:
         saved += _moe_saved_change(model, layout, tokens, item)
     heads = model.n_head // tp
-    if (cp > 1 and layout.cp_attention != "ulysses") or (flash and cp == 1):  # one log-sum-exp per query row
+    if (cp > 1 and layout.cp_attention != "ulysses") or flash:  # one log-sum-exp per query row (Ulysses: as many)
         saved += rows * heads * seq
     elif cp > 1 and layout.recompute == "none":  # Ulysses: the serial attention of n_head/cp heads, all s positions
         saved += rows * heads // cp * causal_pairs(model.seq_len)
