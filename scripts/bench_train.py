@@ -412,24 +412,66 @@ def random_operand(xp, shape: tuple[int, ...], dtype) -> Any:
 
 
 class StepGemms:
-    """Every GEMM of one step on random operands of the right shapes; `run()` times them back to back."""
+    """Every GEMM of one step on random operands of the right shapes; `run()` times them back to back.
+
+    Products of the same shapes share their operands: a step of L identical layers holds one layer's operands, not
+    L copies (at SmolLM-135M's shape the copies took about 110 GB of an H200 and left the torch model beside them
+    out of memory). CuPy's matmul refuses batched bfloat16 (it takes its integer kernels: "data type 'E' not
+    understood"), so those products call cuBLAS's strided-batched GEMM (scripts/measure_gemm.py) on contiguous
+    operands, after checking it against a float32 product once; where that check fails they are left out, and
+    `skipped` says why."""
 
     def __init__(self, config: GPTConfig, batch: int, length: int, dtype, device: Device) -> None:
-        xp = device.xp
-        self.operands, self.flops, self.device = [], 0.0, device
-        for a_shape, b_shape, transpose_a, transpose_b in step_gemms(config, batch, length):
-            a, b = random_operand(xp, a_shape, dtype), random_operand(xp, b_shape, dtype)
-            a = xp.swapaxes(a, -1, -2) if transpose_a else a
-            b = xp.swapaxes(b, -1, -2) if transpose_b else b
-            out = xp.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), dtype)
-            self.operands.append((a, b, out))
+        self.products, self.flops, self.device, self.skipped = [], 0.0, device, None
+        self._batched_bf16 = None
+        shared: dict[tuple, tuple] = {}
+        for product in step_gemms(config, batch, length):
+            a_shape = product[0]
+            if len(a_shape) == 3 and self._needs_cublas(dtype) and not self._cublas_batched_bf16_works(dtype):
+                continue
+            if product not in shared:
+                shared[product] = self._operands(*product, dtype)
+            a, b, out = shared[product]
+            self.products.append((a, b, out))
             self.flops += 2 * out.size * a.shape[-1]
+
+    def _needs_cublas(self, dtype) -> bool:
+        return self.device.xp is not np and np.dtype(dtype) == np.dtype(dtype_named("bfloat16"))
+
+    def _cublas_batched_bf16_works(self, dtype) -> bool:
+        if self._batched_bf16 is None:
+            from measure_gemm import BATCHED_BF16_TOLERANCE, batched_bf16_gemm, check_batched_bf16_gemm
+
+            try:
+                error = check_batched_bf16_gemm(self.device.xp, np.dtype(dtype))
+                reason = None if error < BATCHED_BF16_TOLERANCE else f"differs from float32 by {error:.2g}"
+            except Exception as failure:  # no cuBLAS binding (the CuPy double), or one that changed
+                first_line = str(failure).splitlines()[0] if str(failure) else ""
+                reason = f"cuBLAS's strided-batched GEMM unavailable ({type(failure).__name__}: {first_line})"
+            self._batched_bf16 = batched_bf16_gemm if reason is None else False
+            if reason is not None:
+                self.skipped = f"the batched bfloat16 (attention) products are not timed: {reason}"
+        return self._batched_bf16 is not False
+
+    def _operands(self, a_shape: tuple[int, ...], b_shape: tuple[int, ...], transpose_a: bool, transpose_b: bool,
+                  dtype) -> tuple[Any, Any, Any]:
+        xp = self.device.xp
+        a, b = random_operand(xp, a_shape, dtype), random_operand(xp, b_shape, dtype)
+        a = xp.swapaxes(a, -1, -2) if transpose_a else a
+        b = xp.swapaxes(b, -1, -2) if transpose_b else b
+        if a.ndim == 3 and self._needs_cublas(dtype):  # batched_bf16_gemm multiplies row-major operands
+            a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+        out = xp.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), dtype)
+        return a, b, out
 
     def run(self) -> float:
         self.device.sync()
         start = time.perf_counter()
-        for a, b, out in self.operands:
-            self.device.xp.matmul(a, b, out=out)
+        for a, b, out in self.products:
+            if a.ndim == 3 and self._batched_bf16:
+                self._batched_bf16(self.device.xp, a, b, out)
+            else:
+                self.device.xp.matmul(a, b, out=out)
         self.device.sync()
         return time.perf_counter() - start
 
@@ -683,8 +725,10 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
     print(f"\nmodel FLOPs per step: {flops / 1e9:.2f} GFLOP (6·N·tokens + 12·L·T·C·tokens, N = "
           f"{matmul_parameters(config) / 1e6:.2f} M)")
     gemm_library = f"NumPy {THREADS}-thread" if args.device == "cpu" else "CuPy"
-    print(f"{gemm_library} GEMM rate on this step's {len(gemms.operands)} matrix products: {rate / 1e9:.1f} "
+    print(f"{gemm_library} GEMM rate on this step's {len(gemms.products)} matrix products: {rate / 1e9:.1f} "
           f"GFLOP/s -> matmul-bound step (model FLOPs / rate) {bound * 1e3:.1f} ms")
+    if gemms.skipped:
+        print(f"  ({gemms.skipped}; the rate is the other products')")
     print(f"ours : {tokens_per_step / ours_seconds:9.0f} tokens/s  ({ours_seconds * 1e3:.1f} ms/step, median of "
           f"{args.steps}; matmul-bound time is {bound / ours_seconds:.0%} of it, {flops / ours_seconds / 1e9:.1f} "
           f"GFLOP/s)")

@@ -22,6 +22,9 @@
 # for the image's Python) and send them with the run; every group installs whatever of them does not import yet
 # into the interpreter's own prefix (`pip install --no-index`: `--target` would drop the mpich wheel's lib/).
 #
+# STEP_TIMEOUT=SECONDS ends any one step that runs longer (it then fails with exit 124, and the next step runs), so a
+# step that hangs cannot spend the whole lease.
+#
 # Output: REPORT_DIR/report.md (each step's status and the lines that matter), REPORT_DIR/report.json (the same as
 # data), REPORT_DIR/logs.tar.gz (every step's full log and JSON files) — three files, so the whole report comes
 # back from a device run's $OUT (the gemm group adds gemm.json, which `plan --gemm-measured` reads, and gemm.md).
@@ -109,7 +112,7 @@ step() {
     shift 2
     local log="$LOGS/$name.log" started=$SECONDS status verdict
     echo "== $name: $*"
-    "$@" >"$log" 2>&1
+    timeout "${STEP_TIMEOUT:-0}" "$@" >"$log" 2>&1  # 0: no limit; a step past STEP_TIMEOUT seconds fails (124)
     status=$?
     if [ $status -eq 0 ]; then verdict=passed; else verdict="FAILED (exit $status)"; FAILED=1; fi
     {

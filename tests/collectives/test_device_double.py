@@ -155,6 +155,8 @@ def test_training_benchmark_runs_its_gpu_path_on_device_arrays():
                               capture_output=True, text=True, timeout=120)
     assert bfloat16.returncode == 0, bfloat16.stderr[-2000:]
     assert "(bfloat16 compute)" in bfloat16.stdout and "MFU (peak 1.0 TFLOP/s): ours" in bfloat16.stdout
+    # the double refuses batched bfloat16 matmul and has no cuBLAS: the attention products are left out, saying so
+    assert "the batched bfloat16 (attention) products are not timed: cuBLAS" in bfloat16.stdout, bfloat16.stdout
 
 
 @pytest.mark.skipif(backend.cupy_available(), reason="checks the no-GPU refusal; on a GPU the script really runs")
@@ -235,12 +237,24 @@ def test_bfloat16_products_stay_bfloat16_and_refuse_to_sort_as_in_cupy():
     """Seen on an H200 (CuPy 14.2): a bfloat16 matrix product is bfloat16 (ml_dtypes' NumPy product gives float32)
     and Thrust sorts no bfloat16 — the MoE router's argsort failed there and passed on the looser double."""
     a = FAKE.asarray(np.ones((3, 4), dtype=backend.BFLOAT16))
-    assert (a @ a.T).dtype == backend.BFLOAT16
+    assert (a @ a.T).dtype == FAKE.matmul(a, a.T).dtype == backend.BFLOAT16
     with pytest.raises(NotImplementedError, match="bfloat16"):
         FAKE.argsort(a, axis=1, kind="stable")
     with pytest.raises(NotImplementedError, match="bfloat16"):
         a.sort()
     assert FAKE.argsort(a.astype(np.float32), axis=1).shape == (3, 4)
+
+
+def test_batched_bfloat16_products_are_refused_as_in_cupy():
+    """Seen on an H200 (CuPy 14.2): matmul of bfloat16 operands with a batch dimension fails ("data type 'E' not
+    understood": CuPy's integer kernels); 2-D bfloat16 and batched float32 products run."""
+    batched = FAKE.asarray(np.ones((2, 3, 4), dtype=backend.BFLOAT16))
+    with pytest.raises(TypeError, match="data type 'E'"):
+        FAKE.matmul(batched, FAKE.swapaxes(batched, -1, -2))
+    with pytest.raises(TypeError, match="data type 'E'"):
+        batched @ FAKE.asarray(np.ones((4, 5), dtype=backend.BFLOAT16))
+    assert (batched[0] @ batched[0].T).shape == (3, 3)
+    assert FAKE.matmul(batched.astype(np.float32), FAKE.swapaxes(batched, -1, -2).astype(np.float32)).shape == (2, 3, 3)
 
 
 def test_set_from_pinned_memory_is_queued_reads_the_memory_late_and_the_pool_reuses_the_block():

@@ -102,6 +102,13 @@ def _plain_deep(x: Any) -> Any:
     return _plain(x)
 
 
+def _refuse_batched_bfloat16(operands: tuple) -> None:
+    """CuPy 14.2's matmul of bfloat16 operands with a batch dimension takes its integer-kernel path, which has no
+    bfloat16 (seen on an H200: TypeError "data type 'E' not understood"); 2-D bfloat16 products go to cuBLAS."""
+    if any(getattr(x, "dtype", None) == BFLOAT16 for x in operands) and max(np.ndim(x) for x in operands) > 2:
+        raise TypeError("data type 'E' not understood")
+
+
 class DeviceArray(np.ndarray):
     """Stands in for cupy.ndarray."""
 
@@ -110,6 +117,8 @@ class DeviceArray(np.ndarray):
         if any(_is_host_array(x) for x in arguments):
             raise TypeError(f"{ufunc.__name__}: a host (NumPy) array mixed with a device array")
         _device_work()
+        if ufunc is np.matmul:
+            _refuse_batched_bfloat16(inputs)
         if out is not None:
             kwargs["out"] = tuple(_plain(x) for x in out)
         result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
@@ -406,12 +415,16 @@ def _wrapped(function: Any) -> Any:
             raise TypeError(f"cupy.{function.__name__}: a host (NumPy) array passed where CuPy needs device arrays")
         if args:
             _refuse_unsortable(function.__name__, args[0])
+        if function is np.matmul:
+            _refuse_batched_bfloat16(args[:2])
         _device_work()
         plain_args = _plain_deep(args)
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = _plain(out)
         result = function(*plain_args, **kwargs)
+        if out is None and function is np.matmul and all(getattr(x, "dtype", None) == BFLOAT16 for x in args[:2]):
+            result = result.astype(BFLOAT16)  # as the `@` operator's: cuBLAS's bfloat16 GEMM gives bfloat16
         return out if out is not None else _on_device(result)
 
     call.__name__ = function.__name__
