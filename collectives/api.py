@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from . import native
 from .arguments import (
@@ -47,6 +46,7 @@ from .bruck import bruck_all_gather, bruck_all_to_all
 from .communicator import CollectiveHandle, Communicator, Steps, in_words
 from .cost_model import auto_algorithm, precision_choice
 from .hierarchical import hierarchical_all_gather, hierarchical_all_reduce, hierarchical_reduce_scatter
+from .mpi import MPI
 from .pairwise import pairwise_all_reduce, pairwise_all_to_all, pairwise_all_to_allv, pairwise_reduce_scatter
 from .recursive import (
     rabenseifner_all_reduce,

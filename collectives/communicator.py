@@ -42,9 +42,8 @@ from collections import defaultdict
 from collections.abc import Callable, Generator
 from typing import Any
 
-from mpi4py import MPI
-
 from .backend import Array, HostStaging, as_words
+from .mpi import MPI
 from .topology import NodeLayout, emulated_inter_node_link, node_labels
 
 FIRST_COLLECTIVE_TAG = 1 << 14

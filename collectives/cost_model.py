@@ -41,10 +41,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 from .backend import NARROW_FLOATS
 from .communicator import Communicator
+from .mpi import MPI
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,19 @@ n·S bytes received per rank instead of about 2·S, which is fine for a referenc
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from .arguments import unaliased
 from .backend import Array, HostStaging, as_words, like, needs_words, round_to_bfloat16, to_host
 from .blocks import finish_average
+from .mpi import MPI
 
-MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
-"""The API's op -> MPI's reduction operator; "avg" is MPI.SUM, and the caller divides once afterwards."""
+MPI_OP_NAMES = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
+
+
+def mpi_op(op: str) -> MPI.Op:
+    """The API's op -> MPI's reduction operator; "avg" is MPI.SUM, and the caller divides once afterwards."""
+    return getattr(MPI, MPI_OP_NAMES[op])
+
 
 _FLOAT64_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
@@ -71,7 +76,7 @@ def mpi_all_reduce(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
     if needs_words(x.dtype):
         _into(out, _reduced_in_float64(_gathered(x, comm), op, comm.Get_size()))
         return
-    _run(comm.Allreduce, unaliased(x, out), out, MPI_OPS[op])
+    _run(comm.Allreduce, unaliased(x, out), out, mpi_op(op))
     if op == "avg":
         finish_average(out, comm.Get_size())
 
@@ -82,7 +87,7 @@ def mpi_reduce_scatter(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
         mine = _gathered(x, comm)[:, rank * block:(rank + 1) * block]
         _into(out, _reduced_in_float64(mine, op, comm.Get_size()))
         return
-    _run(comm.Reduce_scatter_block, x, out, MPI_OPS[op])
+    _run(comm.Reduce_scatter_block, x, out, mpi_op(op))
     if op == "avg":
         finish_average(out, comm.Get_size())
 
@@ -114,6 +119,6 @@ def mpi_reduce(x: Array, out: Array, comm: MPI.Comm, root: int, op: str) -> None
         if rows is not None:
             _into(out, _reduced_in_float64(rows, op, comm.Get_size()))
         return
-    _run(comm.Reduce, unaliased(x, out), out, MPI_OPS[op], root)
+    _run(comm.Reduce, unaliased(x, out), out, mpi_op(op), root)
     if op == "avg" and comm.Get_rank() == root:
         finish_average(out, comm.Get_size())

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from .arguments import (
     check_has_axis,
@@ -67,6 +66,7 @@ from .arguments import (
 from .backend import Array, get_array_module, gpu_array_module, gpu_unavailable_reason, is_floating
 from .blocks import check_op, finish_average
 from .communicator import Communicator
+from .mpi import MPI
 
 MULTI_RANK_GPU = "NCCL_MULTI_RANK_GPU_ENABLE"
 

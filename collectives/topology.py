@@ -36,7 +36,7 @@ import functools
 import os
 from collections.abc import Sequence
 
-from mpi4py import MPI
+from .mpi import MPI
 
 RANKS_PER_NODE_VARIABLE = "MPIPARALLEL_RANKS_PER_NODE"
 EMULATED_INTER_NODE_VARIABLE = "MPIPARALLEL_EMULATED_INTER_NODE"

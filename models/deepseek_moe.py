@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from collectives.backend import Array, get_array_module, to_host
+from collectives.backend import Array, get_array_module
 
 from .layers import Layer, Saved, row_sums
-from .moe import MixtureOfExperts, Router, RouterStats, expert_capacity, sortable
+from .moe import MixtureOfExperts, Router, sortable
 
 GATE_EPSILON = 1e-20
 """Added to the chosen scores' sum before normalizing (DeepSeek's and transformers' guard against 0/0)."""
@@ -74,20 +74,15 @@ class SigmoidRouter(Router):
         self.n_group, self.topk_group = n_group, topk_group
         self.scaling, self.seq_aux_coef = routed_scaling_factor, seq_aux_coef
 
-    def forward(self, x2d: Array, sequences: int = 1) -> Saved:
-        xp = get_array_module(x2d)
-        scores = _sigmoid(x2d @ self.weight.data)
-        chosen = self._choose(scores)
-        chosen_scores = xp.take_along_axis(scores, chosen, axis=1)
-        chosen_total = row_sums(chosen_scores) + GATE_EPSILON if self.renormalize else None
-        gates = chosen_scores * (self.scaling / chosen_total if self.renormalize else self.scaling)
-        capacity = expert_capacity(self.capacity_factor, self.top_k, len(x2d), self.n_experts)
-        order, assignments = self._assign(chosen.reshape(-1), capacity)
-        counts = to_host(assignments) if capacity is None else np.minimum(to_host(assignments), capacity)
-        routing = Saved(x2d=x2d, scores=scores, chosen=chosen, chosen_total=chosen_total, gates=gates, order=order,
-                        counts=counts.tolist(), sequences=sequences)
-        routing.stats = self._stats(routing, to_host(assignments), counts)
-        return routing
+    def _scores(self, logits: Array) -> Array:
+        return _sigmoid(logits)
+
+    def _gates(self, chosen_scores: Array) -> tuple[Array | None, Array]:
+        """Gates from the unbiased chosen scores, normalized (with a guard against 0/0) and scaled."""
+        if not self.renormalize:
+            return None, chosen_scores * self.scaling
+        chosen_total = row_sums(chosen_scores) + GATE_EPSILON
+        return chosen_total, chosen_scores * (self.scaling / chosen_total)
 
     def _choose(self, scores: Array) -> Array:
         """The K best biased scores per row inside its `topk_group` best groups, best first."""
@@ -103,14 +98,8 @@ class SigmoidRouter(Router):
             biased = xp.where(xp.repeat(allowed, self.n_experts // self.n_group, axis=1), biased, -xp.inf)
         return xp.argsort(-biased, axis=1, kind="stable")[:, :self.top_k]
 
-    def _stats(self, routing: Saved, assignments: np.ndarray, processed: np.ndarray) -> RouterStats:
-        xp = get_array_module(routing.scores)
-        tokens = len(routing.scores)
-        kept = xp.zeros(tokens * self.top_k, dtype=bool)
-        kept[routing.order] = True
-        served = int(kept.reshape(tokens, self.top_k).any(axis=1).sum())
-        aux = float(self._sequence_balance(routing)[0]) if self.seq_aux_coef else 0.0
-        return RouterStats(tokens, assignments, processed, tokens - served, aux)
+    def _balance_loss(self, routing: Saved, assignments: np.ndarray) -> float:
+        return float(self._sequence_balance(routing)[0]) if self.seq_aux_coef else 0.0
 
     def _sequence_balance(self, routing: Saved) -> tuple[Array, Array, Array]:
         """(α · mean over sequences of Σ_i f_i·P_i, f per sequence (b, E), the normalized scores (b, T, E))."""
@@ -126,26 +115,10 @@ class SigmoidRouter(Router):
         balance = (fractions * normalized.mean(axis=1)).sum(axis=1).mean()
         return self.seq_aux_coef * balance, fractions, normalized
 
-    def backward_input(self, routing: Saved, dgates: Array) -> Array:
-        """d(x2d) through the router from d(gates) (N, K; zero for dropped assignments) and the balance loss."""
-        xp = get_array_module(dgates)
-        if self.renormalize:
-            dchosen = (self.scaling * dgates - row_sums(dgates * routing.gates)) / routing.chosen_total
-        else:
-            dchosen = self.scaling * dgates
-        tokens = len(dgates)
-        dscores = self._balance_gradient(routing) if self.seq_aux_coef else xp.zeros_like(routing.scores)
-        dscores[xp.arange(tokens)[:, None], routing.chosen] += dchosen  # a row never chooses an expert twice
-        scores = routing.scores
-        dscores *= scores
-        dscores *= 1.0 - scores
-        routing.dlogits = dscores
-        for name in ("scores", "chosen", "chosen_total", "gates"):  # only the input pass needed them
-            delattr(routing, name)
-        return routing.dlogits @ self.weight.data.T
-
     def _balance_gradient(self, routing: Saved) -> Array:
         """d(aux_weight · L)/d(scores) (N, E) of the sequence-wise balance loss (f held constant)."""
+        if not self.seq_aux_coef:
+            return get_array_module(routing.scores).zeros_like(routing.scores)
         _, fractions, normalized = self._sequence_balance(routing)
         sequences, length, _ = normalized.shape
         dnormalized = (self.aux_weight * self.seq_aux_coef / (length * sequences)) * fractions[:, None, :]
@@ -153,6 +126,13 @@ class SigmoidRouter(Router):
         dnormalized = xp.broadcast_to(dnormalized, normalized.shape).reshape(-1, experts)
         normalized = normalized.reshape(-1, experts)
         return (dnormalized - row_sums(dnormalized * normalized)) / row_sums(routing.scores)
+
+    def _scores_backward(self, routing: Saved, dscores: Array) -> Array:
+        """d(logits) from d(scores): σ' = σ·(1 − σ), in place."""
+        scores = routing.scores
+        dscores *= scores
+        dscores *= 1.0 - scores
+        return dscores
 
 
 def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:

@@ -209,7 +209,8 @@ class Router:
     token order inside each), `counts` (host list: rows per expert after capacity), `gates` (N, K), `stats`, and
     what backward needs. `aux_weight` is d(objective)/d(aux_loss) of this token set: 1 / (token sets per step).
     `expert_bias` (E,), held by the caller and updated in place by `update_expert_bias`, is added to the probs only
-    to choose.
+    to choose. A router of another kind (DeepSeek's `SigmoidRouter`) overrides the five methods that say how scores
+    are made, gates taken, experts chosen and balance measured; assignment, capacity and backward are shared.
     """
 
     def __init__(self, weight: Parameter, top_k: int, renormalize: bool = True, capacity_factor: float = 0.0,
@@ -222,6 +223,7 @@ class Router:
         self.weight, self.top_k, self.renormalize = weight, top_k, renormalize
         self.capacity_factor, self.aux_coef, self.aux_weight = capacity_factor, aux_coef, aux_weight
         self.expert_bias = expert_bias
+        self.scaling = 1.0  # the gates' factor (DeepSeek's routed_scaling_factor; 1 for softmax routing)
 
     @property
     def n_experts(self) -> int:
@@ -231,24 +233,59 @@ class Router:
         """Route the N tokens of `x2d` (N, h), which are `sequences` sequences of N/sequences tokens (unused here;
         DeepSeek's sequence-wise balance loss needs them)."""
         xp = get_array_module(x2d)
-        probs = _softmax(x2d @ self.weight.data)
-        chosen = self._choose(probs)
-        chosen_probs = xp.take_along_axis(probs, chosen, axis=1)
-        chosen_total = row_sums(chosen_probs) if self.renormalize else None
-        gates = chosen_probs / chosen_total if self.renormalize else chosen_probs
+        scores = self._scores(x2d @ self.weight.data)
+        chosen = self._choose(scores)
+        chosen_total, gates = self._gates(xp.take_along_axis(scores, chosen, axis=1))
         capacity = expert_capacity(self.capacity_factor, self.top_k, len(x2d), self.n_experts)
         order, assignments = self._assign(chosen.reshape(-1), capacity)
         counts = to_host(assignments) if capacity is None else np.minimum(to_host(assignments), capacity)
-        routing = Saved(x2d=x2d, probs=probs, chosen=chosen, chosen_total=chosen_total, gates=gates, order=order,
-                        counts=counts.tolist())
-        routing.stats = self._stats(routing, to_host(assignments), counts)
+        routing = Saved(x2d=x2d, scores=scores, chosen=chosen, chosen_total=chosen_total, gates=gates, order=order,
+                        counts=counts.tolist(), sequences=sequences)
+        tokens = len(x2d)
+        routing.stats = RouterStats(tokens, to_host(assignments), counts, self._dropped_tokens(order, tokens),
+                                    self._balance_loss(routing, to_host(assignments)))
         return routing
+
+    # How a router scores, gates, chooses and balances; DeepSeek's SigmoidRouter overrides each of these five.
+
+    def _scores(self, logits: Array) -> Array:
+        """The routing probabilities: softmax over the experts."""
+        return _softmax(logits)
+
+    def _gates(self, chosen_scores: Array) -> tuple[Array | None, Array]:
+        """(the chosen scores' row sums, or None without renormalizing; the gates (N, K))."""
+        if not self.renormalize:
+            return None, chosen_scores
+        chosen_total = row_sums(chosen_scores)
+        return chosen_total, chosen_scores / chosen_total
 
     def _choose(self, probs: Array) -> Array:
         """The K largest scores per row, best first; a stable sort of −score puts the lower index first on ties."""
         xp = get_array_module(probs)
         scores = sortable(probs if self.expert_bias is None else probs + self.expert_bias)
         return xp.argsort(-scores, axis=1, kind="stable")[:, :self.top_k]
+
+    def _balance_loss(self, routing: Saved, assignments: np.ndarray) -> float:
+        """Switch's aux loss: coef · E/(K·N) · Σ_e f_e · P_e (assignments f_e, mean probability P_e)."""
+        tokens = len(routing.scores)
+        mean_probs = to_host(column_sums(routing.scores)) / tokens
+        return self.aux_coef * self.n_experts * float(assignments @ mean_probs) / (self.top_k * tokens)
+
+    def _balance_gradient(self, routing: Saved) -> Array:
+        """d(aux_weight · aux loss)/d(probs) (N, E): aux_weight·coef·E·f_e/(K·N²), the same in every row."""
+        xp = get_array_module(routing.scores)
+        tokens = len(routing.scores)
+        gradient = (self.aux_weight * self.aux_coef * self.n_experts / (self.top_k * tokens ** 2)
+                    * routing.stats.assignments)
+        dprobs = xp.empty_like(routing.scores)
+        dprobs[...] = like(dprobs, gradient)
+        return dprobs
+
+    def _scores_backward(self, routing: Saved, dscores: Array) -> Array:
+        """d(logits) from d(probs): the softmax's backward."""
+        return softmax_backward(routing.scores, dscores)
+
+    # The rest is the same for every router.
 
     def _assign(self, experts: Array, capacity: int | None) -> tuple[Array, Array]:
         """(the kept assignments sorted by expert, assignments per expert before capacity) from the flat chosen
@@ -263,31 +300,25 @@ class Router:
         rank_in_expert = xp.arange(len(experts)) - starts[experts[by_expert]]
         return by_expert[rank_in_expert < capacity], assignments
 
-    def _stats(self, routing: Saved, assignments: np.ndarray, processed: np.ndarray) -> RouterStats:
-        xp = get_array_module(routing.probs)
-        tokens = len(routing.probs)
+    def _dropped_tokens(self, order: Array, tokens: int) -> int:
+        """Tokens none of whose K assignments survived capacity."""
+        xp = get_array_module(order)
         kept = xp.zeros(tokens * self.top_k, dtype=bool)
-        kept[routing.order] = True
-        served = int(kept.reshape(tokens, self.top_k).any(axis=1).sum())
-        mean_probs = to_host(column_sums(routing.probs)) / tokens
-        balance = self.n_experts * float(assignments @ mean_probs) / (self.top_k * tokens)
-        return RouterStats(tokens, assignments, processed, tokens - served, self.aux_coef * balance)
+        kept[order] = True
+        return tokens - int(kept.reshape(tokens, self.top_k).any(axis=1).sum())
 
     def backward_input(self, routing: Saved, dgates: Array) -> Array:
-        """d(x2d) through the router from d(gates) (N, K; zero for dropped assignments) and the aux loss."""
+        """d(x2d) through the router from d(gates) (N, K; zero for dropped assignments) and the balance loss."""
         xp = get_array_module(dgates)
-        if self.renormalize:
-            dchosen = (dgates - row_sums(dgates * routing.gates)) / routing.chosen_total
+        scaled = self.scaling * dgates
+        if self.renormalize:  # gates = s·c_k / Σc: d(c_k) = (s·dg_k − Σ_j dg_j·g_j) / Σc
+            dchosen = (scaled - row_sums(dgates * routing.gates)) / routing.chosen_total
         else:
-            dchosen = dgates
-        tokens = len(dgates)
-        aux_gradient = (self.aux_weight * self.aux_coef * self.n_experts / (self.top_k * tokens ** 2)
-                        * routing.stats.assignments)  # d(aux_weight·aux)/d(probs_ne) = aux_weight·coef·E·f_e/N
-        dprobs = xp.empty_like(routing.probs)
-        dprobs[...] = like(dprobs, aux_gradient)
-        dprobs[xp.arange(tokens)[:, None], routing.chosen] += dchosen  # a row never chooses an expert twice
-        routing.dlogits = softmax_backward(routing.probs, dprobs)
-        for name in ("probs", "chosen", "chosen_total", "gates"):  # only the input pass needed them
+            dchosen = scaled
+        dscores = self._balance_gradient(routing)
+        dscores[xp.arange(len(dgates))[:, None], routing.chosen] += dchosen  # a row never chooses an expert twice
+        routing.dlogits = self._scores_backward(routing, dscores)
+        for name in ("scores", "chosen", "chosen_total", "gates"):  # only the input pass needed them
             delattr(routing, name)
         return routing.dlogits @ self.weight.data.T
 

@@ -30,7 +30,7 @@ share (placement `Partial`), summed over the group once per step by `reduce_part
 of h·(r_q + r + d_r) + r_q + r elements per block. Its MoE experts, routed and shared, are replicated like
 Mixtral's. Dense blocks split their SwiGLU as llama's.
 
-A transformer block is the serial `models.layers.Block` with its linears replaced by `ColumnParallel` and
+A transformer block is the serial `models.layers.Block` with its linears replaced by `ColumnParallelLayer` and
 `RowParallelLinear`; the norms, attention, the activations and MLP are the serial classes, run on local shards.
 
 Communication. A layer talks in only two places: where activations enter a column-parallel layer (the whole
@@ -203,7 +203,7 @@ class TensorParallelGroup:
 
 # -- parallel linear layers -----------------------------------------------------------------------------------
 
-class ColumnParallel(Layer):
+class ColumnParallelLayer(Layer):
     """A layer whose weights are cut by output columns (`local`: its math on this rank's shard): its input enters
     through `into_column_parallel` (TP: nothing forward, all-reduce of d(input) backward; SP: all-gather forward,
     reduce-scatter backward) once, however many projections read it (llama's q, k and v)."""
@@ -493,28 +493,28 @@ class TensorParallelTransformer(Transformer):
     def axis_ranks(self) -> dict[str, tuple[int, int]]:
         return {TP_AXIS: (self.group.rank, self.group.size)}
 
-    def _column_parallel(self, prefix: str) -> ColumnParallel:
-        return ColumnParallel(self._linear(prefix), self.group)
+    def _column_parallel(self, prefix: str) -> ColumnParallelLayer:
+        return ColumnParallelLayer(self._linear(prefix), self.group)
 
     def _row_parallel(self, prefix: str) -> RowParallelLinear:
         return RowParallelLinear(*self._weight_and_bias(prefix), self.group, gemms=self.gemms)
 
-    def _concatenated(self, prefixes: list[str], key_value: bool = False) -> ColumnParallel:
+    def _concatenated(self, prefixes: list[str], key_value: bool = False) -> ColumnParallelLayer:
         """Column-parallel projections of one input (entering the group once); KV heads held on several ranks sum
         their weight gradients over those ranks."""
         weights = [self.params[f"{prefix}.weight"] for prefix in prefixes]
         groups = [None] * len(weights)
         if key_value:
             groups[-2:] = [self.key_value_group] * 2
-        return ColumnParallel(self._narrowed(ConcatenatedLinear(weights, groups, gemms=self.gemms)), self.group)
+        return ColumnParallelLayer(self._narrowed(ConcatenatedLinear(weights, groups, gemms=self.gemms)), self.group)
 
     def _local_heads(self) -> int:
         return self.config.n_head // self.group.size
 
-    def _enter_attention(self, attention: Any) -> ColumnParallel:
+    def _enter_attention(self, attention: Any) -> ColumnParallelLayer:
         """DeepSeek-V3's latent attention enters the group once, as a whole: its replicated down-projections and
         this rank's heads of its up-projections all read the one input; its o_proj is row-parallel."""
-        return ColumnParallel(attention, self.group)
+        return ColumnParallelLayer(attention, self.group)
 
     def _local_kv_heads(self) -> int:
         return max(self.config.kv_heads // self.group.size, 1)

@@ -1,5 +1,6 @@
-"""The exceptions the command line treats as the user's to fix rather than a crash, and the exit status of every
-way a command or a job ends (docs/exit-codes.md is the same table for users).
+"""The exceptions the command line treats as the user's to fix rather than a crash, the exit status of every way a
+command or a job ends (docs/exit-codes.md is the same table for users), and `on_every_rank`, which makes a
+ConfigError that one rank found the error of every rank.
 
 | status | meaning |
 |---:|---|
@@ -25,7 +26,12 @@ Statuses 4 to 8 are the self-launching parent's (`train -n N`), which watches th
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from enum import IntEnum
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from collectives import Communicator
 
 
 class ExitCode(IntEnum):
@@ -65,3 +71,20 @@ class CorruptCheckpoint(ConfigError):
     ConfigError, with its own status, so that a script can tell "try an older checkpoint" from "fix the options"."""
 
     exit_code = ExitCode.CORRUPT_CHECKPOINT
+
+
+Result = TypeVar("Result")
+
+
+def on_every_rank(comm: Communicator, action: Callable[[], Result]) -> Result:
+    """Run `action` on every rank; a ConfigError on any rank is raised on all of them (so rank 0 reports it once
+    and no rank waits for one that gave up; a damaged checkpoint stays one). One all-gather of the messages."""
+    try:
+        result, error = action(), None
+    except ConfigError as raised:
+        result, error = None, (type(raised) is CorruptCheckpoint, str(raised))
+    errors = [error for error in comm.comm.allgather(error) if error]
+    if errors:
+        corrupt, message = errors[0]
+        raise (CorruptCheckpoint if corrupt else ConfigError)(message)
+    return result

@@ -43,11 +43,11 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import product
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import safetensors
@@ -59,7 +59,7 @@ from models.parameter import HELD, Placement, Sharded, counts_once, local_shape,
 from models.transformer import GPTConfig
 
 from .checkpoint import public_file_mode, read_json_object
-from .errors import ConfigError, CorruptCheckpoint
+from .errors import ConfigError, CorruptCheckpoint, on_every_rank
 from .mesh import Mesh
 from .text import plural
 
@@ -566,23 +566,6 @@ def _manifest_entry_problem(entry: Any) -> str | None:
                 and all(0 <= o and 0 < n and o + n <= d for o, n, d in zip(offsets, sizes, shape, strict=True))):
             return f"shard {shard['key']} has offsets {offsets!r} and sizes {sizes!r} outside {shape}"
     return None
-
-
-Result = TypeVar("Result")
-
-
-def on_every_rank(comm: Communicator, action: Callable[[], Result]) -> Result:
-    """Run `action` on every rank; a ConfigError on any rank is raised on all of them (so rank 0 reports it once
-    and no rank waits for one that gave up; a damaged checkpoint stays one). One all-gather of the messages."""
-    try:
-        result, error = action(), None
-    except ConfigError as raised:
-        result, error = None, (type(raised) is CorruptCheckpoint, str(raised))
-    errors = [error for error in comm.comm.allgather(error) if error]
-    if errors:
-        corrupt, message = errors[0]
-        raise (CorruptCheckpoint if corrupt else ConfigError)(message)
-    return result
 
 
 def load_pieces(checkpoint: TrainingCheckpoint, held: Iterable[tuple[Piece, Array]]) -> None:

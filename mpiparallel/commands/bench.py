@@ -55,7 +55,7 @@ from collectives import Communicator, backend, nccl
 from collectives.backend import to_host
 from collectives.blocks import finish_average
 from collectives.cost_model import calibrate, choose, model_for, precision_choice, save_calibration
-from collectives.native import MPI_OPS
+from collectives.native import mpi_op
 from collectives.topology import EMULATED_INTER_NODE_VARIABLE, describe_nodes
 
 from ..errors import ConfigError, ExitCode
@@ -130,9 +130,9 @@ def _ours_all_reduce(x, out, comm, s, in_place):
 
 def _native_all_reduce(x, out, comm, s, in_place):
     if in_place:
-        comm.comm.Allreduce(MPI.IN_PLACE, x, MPI_OPS[s.op])
+        comm.comm.Allreduce(MPI.IN_PLACE, x, mpi_op(s.op))
     else:
-        comm.comm.Allreduce(x, out, MPI_OPS[s.op])
+        comm.comm.Allreduce(x, out, mpi_op(s.op))
     if s.op == "avg":
         finish_average(x if in_place else out, comm.size)
 
@@ -142,7 +142,7 @@ def _ours_reduce_scatter(x, out, comm, s, in_place):
 
 
 def _native_reduce_scatter(x, out, comm, s, in_place):
-    comm.comm.Reduce_scatter_block(x, out, MPI_OPS[s.op])
+    comm.comm.Reduce_scatter_block(x, out, mpi_op(s.op))
     if s.op == "avg":
         finish_average(out, comm.size)
 
@@ -180,9 +180,9 @@ def _ours_reduce(x, out, comm, s, in_place):
 def _native_reduce(x, out, comm, s, in_place):
     on_root = comm.rank == s.root
     if in_place and on_root:
-        comm.comm.Reduce(MPI.IN_PLACE, x, MPI_OPS[s.op], root=s.root)
+        comm.comm.Reduce(MPI.IN_PLACE, x, mpi_op(s.op), root=s.root)
     else:
-        comm.comm.Reduce(x, out if on_root else None, MPI_OPS[s.op], root=s.root)
+        comm.comm.Reduce(x, out if on_root else None, mpi_op(s.op), root=s.root)
     if s.op == "avg" and on_root:
         finish_average(x if in_place else out, comm.size)
 

@@ -42,8 +42,8 @@ from typing import Any, NoReturn
 import click
 
 from ..checkpoint_upkeep import mesh_words
-from ..cluster import cluster_of_hostfile
 from ..errors import ExitCode
+from ..namespace_cluster import cluster_of_hostfile
 from ..text import plural
 from ..train.reports import CONTINUE_LOG, PROGRESS
 from ..training_checkpoint import TrainingCheckpoint, incomplete_steps, latest_training_checkpoint

@@ -68,7 +68,7 @@ from . import hosts as multi_host
 from .stall import Stall, StallWatch, StallWatchdog
 
 if TYPE_CHECKING:
-    from ..cluster import Cluster
+    from ..namespace_cluster import Cluster
 
 RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
@@ -168,7 +168,7 @@ def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path, s
                        ) -> NoReturn:
     """Check the hostfile against `ranks` (one clear error before anything starts), then start the ranks on its
     hosts: through the cluster's launcher if `mpiparallel cluster up` wrote it, else `mpiexec -f`."""
-    from ..cluster import cluster_of_hostfile, namespaces_of
+    from ..namespace_cluster import cluster_of_hostfile, namespaces_of
 
     hosts = multi_host.read_hostfile(hostfile)
     ranks = ranks or sum(host.slots for host in hosts)

@@ -1,15 +1,15 @@
 """The planner (`mpiparallel plan`): predicted memory, time and communication of every layout, ranked.
 
 Modules: `core` (the arithmetic of a layout, stated once, and its names gathered; pure Python, no MPI), one module
-per concern below it (`layout`, `software`, `cluster`, `shapes`, `communication`, `kernels`, `deepseek_block`,
+per concern below it (`layout`, `software`, `hardware`, `shapes`, `communication`, `kernel_costs`, `deepseek_block`,
 `costs`, `pipeline`, `setting`, `memory`, `results`, `step`, `search`: `core`'s docstring says which models what),
 `deepseek` (DeepSeek-V3's counts and dispatch), `gpus` (GPU presets with their sources, the GEMM model, the two
 FLOP counts), `published` (the published runs of `published_runs.csv` predicted), `calibrate` (measures α, β, γ
 and the compute rates of this machine under MPI), `page` (the self-contained interactive map, `plan --html`).
 """
 
-from .cluster import DEFAULT_PEAK_FLOPS, Cluster, load_machine
 from .gpus import GPUS, peak_flops, preset_for_device
+from .hardware import DEFAULT_PEAK_FLOPS, Cluster, load_machine
 from .layout import AXES, PRECISIONS, Choices, Layout, Precision, precision_with
 from .pipeline import min_microbatches
 from .results import Plan

@@ -88,7 +88,7 @@ def serial_step_seconds(shape: dict[str, int], rows: int, barrier) -> float:
 def compute_efficiency(shape: dict[str, int], rows: int, matmul_flops: float, elementwise_bytes: float,
                        barrier) -> float:
     """The planner's predicted seconds for one serial step at the measured rates, over the measured seconds."""
-    from .cluster import Cluster
+    from .hardware import Cluster
     from .layout import Layout, precision_with
     from .search import evaluate
     from .shapes import Model

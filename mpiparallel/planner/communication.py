@@ -31,7 +31,7 @@ from collectives.cost_model import CostModel, choose, predict
 from models.tensor_parallel import key_value_replicas
 
 from . import deepseek
-from .cluster import Cluster
+from .hardware import Cluster
 from .layout import Layout
 from .shapes import Model, local_kv_heads, moe_tokens
 

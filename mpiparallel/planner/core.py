@@ -4,10 +4,10 @@ one module, read in this order (each imports only those above it):
 
     layout          what a run chooses: Layout, Choices, Precision (bytes per parameter and activation)
     software        how a code base runs it: Software, SOFTWARE (`plan --software`)
-    cluster         the GPUs and their rates: Cluster (plain, a preset of `gpus`, or `load_machine`)
+    hardware        the GPUs and their rates: Cluster (plain, a preset of `gpus`, or `load_machine`)
     shapes          the model: Model, parameters per unit and rank, tokens and attention pairs, FLOPs per token
     communication   what each unit exchanges per axis, and a collective's time on an axis
-    kernels         a unit's matrix products and elementwise passes (Gemm, UnitCost) and their time
+    kernel_costs    a unit's matrix products and elementwise passes (Gemm, UnitCost) and their time
     deepseek_block  DeepSeek-V3's block: multi-head latent attention and DeepSeekMoE (`deepseek`'s formulas)
     costs           what each unit (embedding, block, head, MTP modules) costs per microbatch on one rank
     pipeline        the schedule's bubble and activations in flight (simulated), min_microbatches, its time
@@ -62,7 +62,6 @@ fit in the GPU memory are dropped; the rest are ranked by step time.
 
 from __future__ import annotations
 
-from .cluster import DEFAULT_PEAK_FLOPS, GB, Cluster, load_machine
 from .communication import (
     Collective,
     axis_link,
@@ -79,7 +78,8 @@ from .communication import (
     tp_exchanges,
 )
 from .costs import block_cost, block_gemms, block_saved_elements, block_variants, unit_costs, unit_kinds
-from .kernels import Gemm, UnitCost
+from .hardware import DEFAULT_PEAK_FLOPS, GB, Cluster, load_machine
+from .kernel_costs import Gemm, UnitCost
 from .layout import AXES, PRECISIONS, RECOMPUTE, Choices, Layout, Precision, precision_of, precision_with
 from .pipeline import SIMULATED_ACTIONS, PipelineShape, min_microbatches, pipeline_shape
 from .results import Plan, peak_of

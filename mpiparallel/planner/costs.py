@@ -26,7 +26,7 @@ from models.layers import block_activation_elements
 
 from .communication import Collective, block_collectives, tp_exchanges
 from .deepseek_block import latent_block_cost
-from .kernels import Gemm, UnitCost
+from .kernel_costs import Gemm, UnitCost
 from .layout import Layout, Precision
 from .shapes import Model, attention_pairs, causal_pairs, local_kv_heads, moe_tokens, padded_vocab
 from .software import SOFTWARE, Software

@@ -18,7 +18,7 @@ query/key channels per head and d_v the value channels, E/ep routed experts of F
 from __future__ import annotations
 
 from .communication import block_collectives
-from .kernels import Gemm, UnitCost
+from .kernel_costs import Gemm, UnitCost
 from .layout import Layout, Precision
 from .shapes import Model, attention_pairs, causal_pairs, moe_tokens
 from .software import Software

@@ -33,7 +33,7 @@ FORMAT = "mpiparallel-gemm-measurement/1"
 """The `format` field of the script's JSON file; the fields this module reads are in `load`'s docstring."""
 
 Shape = tuple[float, float, float, float, float]
-"""(m, n, k, count, bytes per operand element): `count` [m, k] × [k, n] products, as `kernels.Gemm` prices them."""
+"""(m, n, k, count, bytes per operand element): `count` [m, k] × [k, n] products, as `kernel_costs.Gemm` prices them."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schedules import stage_units
-from .cluster import Cluster
+from .hardware import Cluster
 from .layout import Choices, Layout, Precision
 from .search import candidate_layouts, evaluate
 from .shapes import Model

@@ -25,8 +25,8 @@ from ..schedules import bubble_formula, build_schedule, simulate
 from ..schedules.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from ..schedules.build import V_SHAPED
 from ..schedules.simulator import peak_activations
-from .cluster import Cluster
 from .communication import axis_link, axis_nodes, collective_seconds
+from .hardware import Cluster
 from .layout import Layout
 from .shapes import Model
 

@@ -38,8 +38,8 @@ from typing import Any
 from models.transformer import GPTConfig
 
 from . import deepseek, measured
-from .cluster import Cluster
 from .gpus import GPU, gpu_named
+from .hardware import Cluster
 from .layout import PRECISIONS, Layout, Precision
 from .measured import GemmMeasurement
 from .results import Plan

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .cluster import Cluster
+from .hardware import Cluster
 from .layout import Layout, Precision
 from .shapes import Model, flops_per_token, megatron_flops
 

@@ -27,8 +27,8 @@ from models.tensor_parallel import check_tensor_parallel_shape
 from ..schedules import SCHEDULES, stage_units
 from ..schedules.build import check_arguments
 from . import deepseek
-from .cluster import Cluster
 from .costs import unit_costs, unit_kinds
+from .hardware import Cluster
 from .layout import RECOMPUTE, Choices, Layout, Precision
 from .memory import least_largest_states, rank_memory, stage_activation_bytes, stage_memory
 from .pipeline import SIMULATED_ACTIONS, pipeline_shape

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .cluster import Cluster
-from .kernels import UnitCost
+from .hardware import Cluster
+from .kernel_costs import UnitCost
 from .layout import Layout, Precision
 from .pipeline import PipelineShape
 from .shapes import Model

@@ -3,7 +3,7 @@ reduction and the optimizer.
 
     step = pipeline (or m microbatches one after another) + exposed dp + optimizer
 
-- per unit and microbatch: F + B compute (`kernels.compute_seconds`) + the tp, cp and ep collectives it blocks on
+- per unit and microbatch: F + B compute (`kernel_costs.compute_seconds`) + the tp, cp and ep collectives it blocks on
   (ep only beyond the compute beside it with `Software.chunk_overlap`, DualPipe's overlap);
 - the busiest pipeline rank (compute + waits) gives the reported compute and communication; pp exposes its fill
   and drain, 2·(pp·chunks − 1) boundary messages (`pipeline`);
@@ -20,7 +20,6 @@ import math
 from functools import lru_cache
 from typing import Any
 
-from .cluster import Cluster
 from .communication import (
     axis_link,
     axis_nodes,
@@ -31,7 +30,8 @@ from .communication import (
     group_link,
     group_nodes,
 )
-from .kernels import UnitCost, compute_seconds
+from .hardware import Cluster
+from .kernel_costs import UnitCost, compute_seconds
 from .layout import AXES, Layout
 from .pipeline import pipeline_seconds, stage_boundary, tied_gradient_bytes
 from .results import Plan

@@ -11,8 +11,7 @@ from typing import Any
 from models.transformer import GPTConfig
 
 from .. import checkpoint, data
-from ..errors import ConfigError
-from ..training_checkpoint import on_every_rank
+from ..errors import ConfigError, on_every_rank
 from .settings import ModelSettings, TrainSettings
 
 
@@ -73,8 +72,10 @@ def _family_choices(shape: ModelSettings) -> dict[str, Any]:
             "rope_theta": shape.rope_theta, "tie_embeddings": shape.tie_embeddings} | deepseek_choices(shape)
 
 
-DEEPSEEK_DEFAULTS = {"shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-                     "first_k_dense": 0, "moe_seq_aux_coef": 0.0, "mtp_depth": 0, "mtp_weight": 0.3}
+DEEPSEEK_DEFAULTS = {name: getattr(ModelSettings, name) for name in (
+    "shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense", "moe_seq_aux_coef",
+    "mtp_depth", "mtp_weight")}
+"""deepseek_v3's options that have a value by default, with it (written once, in ModelSettings)."""
 DEEPSEEK_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                   "moe_ffn_hidden")
 

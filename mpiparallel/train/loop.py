@@ -13,10 +13,9 @@ from collectives import backend
 from models.transformer import Transformer
 
 from .. import traffic
-from ..errors import ConfigError
+from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh
 from ..trace import Tracer
-from ..training_checkpoint import on_every_rank
 from . import inputs, state
 from .generate import sample_text
 from .metering import NO_TRACER, memory_report, peak_flops, traffic_by_axis

@@ -27,11 +27,10 @@ from models.transformer import GPTConfig, Transformer
 
 from .. import checkpoint, optim
 from ..data_parallel import DataParallelGroups, data_parallel_engines
-from ..errors import ConfigError
+from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh, MeshShape
 from ..pipeline_parallel import check_tag_space, local_units, place_on_pipeline, stage_units
 from ..schedules import Schedule, build_schedule, default_microbatches, default_virtual_stages
-from ..training_checkpoint import on_every_rank
 from .settings import OptimizerSettings, TrainSettings, moment_dtype
 
 

@@ -18,10 +18,10 @@ from models.precision import dtype_named
 from models.transformer import GPTConfig, Transformer, expert_bias_shapes, parameter_shapes
 
 from .. import checkpoint, checkpoint_upkeep, data, training_checkpoint
-from ..errors import ConfigError
+from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh
 from ..text import plural
-from ..training_checkpoint import MOMENT_KEYS, TrainingCheckpoint, load_pieces, on_every_rank
+from ..training_checkpoint import MOMENT_KEYS, TrainingCheckpoint, load_pieces
 from .parallelize import virtual_stages
 from .settings import TrainSettings
 

@@ -10,7 +10,7 @@
     clip                    the global gradient norm over every rank, each piece counted once
     update                  the optimizer on what the engines hand it, then the engines' after-update gathers
 
-Forward-backward has two forms with one interface, below the step: `MicrobatchesInTurn` (no pipeline: each
+Forward-backward has two forms with one interface (`Passes`), below the step: `MicrobatchesInTurn` (no pipeline: each
 microbatch's forward and backward with the data-parallel engine as the model's hooks, so the gradient buckets
 reduce while the last backward runs) and `PipelinePasses` (--pp: `pipeline_parallel.PipelineExecutor` runs the
 schedule without the engine's hooks, then the tied embedding's gradient is summed over the first and last stage,
@@ -35,8 +35,8 @@ from models.parameter import counts_once, reduce_partial_gradients
 from models.precision import has_overflow
 
 from .. import data, optim
+from ..errors import on_every_rank
 from ..pipeline_parallel import PipelineExecutor, sum_tied_gradient
-from ..training_checkpoint import on_every_rank
 from .experts import expert_tallies
 from .metering import NO_TRACER, StepMeter, sum_over
 from .parallelize import Parallel, activation_shape, microbatch_count, microbatch_rows
@@ -158,7 +158,7 @@ Pieces = list[tuple[np.ndarray, np.ndarray]]
 
 
 def forward_backward_passes(parallel: Parallel, settings: TrainSettings, tracer: Any,
-                            progress: Any = NO_PROGRESS_REPORTS) -> Any:
+                            progress: Any = NO_PROGRESS_REPORTS) -> Passes:
     """`PipelinePasses` with a pipeline schedule, else `MicrobatchesInTurn`; both tell `progress` where they are
     (`train.progress`)."""
     if parallel.schedule is None:
@@ -169,16 +169,29 @@ def forward_backward_passes(parallel: Parallel, settings: TrainSettings, tracer:
     return PipelinePasses(parallel, executor, tracer, progress)
 
 
-class MicrobatchesInTurn:
-    """Forward and backward of each microbatch in turn, the data-parallel engine hooked in to overlap the
-    gradient reduction with the last microbatch's backward."""
+class Passes:
+    """How a step runs its forward and backward passes over the microbatches: `forward_backward` (the step's
+    loss on this rank), `forward_only` (validation) and `sum_losses` (a local loss to the global batch's), and
+    what the passes saved for backward (`activation_bytes`, `block_activation_bytes`). Two ways below: the
+    microbatches in turn, or a pipeline schedule's actions."""
 
-    hooked = True  # the engine's hooks run during backward (the traffic formulas count its overlap)
+    hooked: bool  # whether the data-parallel engine's hooks run during backward (the traffic formulas count it)
 
     def __init__(self, parallel: Parallel, progress: Any = NO_PROGRESS_REPORTS) -> None:
         self.model, self.engine, self.mesh, self.progress = parallel.model, parallel.engine, parallel.mesh, progress
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
+
+    def sum_losses(self, local: float) -> float:
+        """The global batch's loss: summed over DP and CP ranks (each holds other tokens)."""
+        return sum_over(self.mesh.dp_cp, local)
+
+
+class MicrobatchesInTurn(Passes):
+    """Forward and backward of each microbatch in turn, the data-parallel engine hooked in to overlap the
+    gradient reduction with the last microbatch's backward."""
+
+    hooked = True
 
     def forward_backward(self, pieces: Pieces, normalizer: int, on_forward: Callable[[Any], None], step: int) -> float:
         loss = 0.0
@@ -200,12 +213,8 @@ class MicrobatchesInTurn:
         out, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine)
         return out - saved.aux_loss
 
-    def sum_losses(self, local: float) -> float:
-        """The global batch's loss: summed over DP and CP ranks (each holds other tokens)."""
-        return sum_over(self.mesh.dp_cp, local)
 
-
-class PipelinePasses(MicrobatchesInTurn):
+class PipelinePasses(Passes):
     """The pipeline schedule's actions on this rank's stages (`PipelineExecutor`), without the engine's hooks."""
 
     hooked = False

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from .cluster import Cluster
 from .communication import Collective
 from .gpus import GPU, gemm_seconds
+from .hardware import Cluster
 from .layout import Precision
 
 
