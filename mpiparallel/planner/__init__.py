@@ -2,7 +2,7 @@
 
 Modules: `core` (the arithmetic of a layout, stated once, and its names gathered; pure Python, no MPI), one module
 per concern below it (`layout`, `software`, `hardware`, `shapes`, `communication`, `kernel_costs`, `deepseek_block`,
-`costs`, `pipeline`, `setting`, `memory`, `results`, `step`, `search`: `core`'s docstring says which models what),
+`costs`, `pipeline`, `setting`, `memory`, `results`, `step_time`, `search`: `core`'s docstring says which models what),
 `deepseek` (DeepSeek-V3's counts and dispatch), `gpus` (GPU presets with their sources, the GEMM model, the two
 FLOP counts), `published` (the published runs of `published_runs.csv` predicted), `calibrate` (measures α, β, γ
 and the compute rates of this machine under MPI), `page` (the self-contained interactive map, `plan --html`).

@@ -14,7 +14,7 @@ one module, read in this order (each imports only those above it):
     setting         one layout's units, stages and ranks, derived once
     memory          memory per pipeline rank and stage
     results         Plan (one layout's prediction, `plan --json`) and its throughput and MFU
-    step            the step's time: compute, blocking and exposed communication, dp, optimizer
+    step_time       the step's time: compute, blocking and exposed communication, dp, optimizer
     search          evaluate one layout; enumerate the candidates, rank those that fit
 
 A layout is dp·tp·pp·cp (= the GPUs), ep (dividing dp) and its dispatch, ZeRO stage, microbatches, pipeline
@@ -102,7 +102,7 @@ from .shapes import (
     unit_parameters,
 )
 from .software import ATTENTION_KERNELS, SOFTWARE, Software
-from .step import BUCKET_BYTES
+from .step_time import BUCKET_BYTES
 
 __all__ = ["ATTENTION_KERNELS", "AXES", "BUCKET_BYTES", "Choices", "Cluster", "Collective", "DEFAULT_PEAK_FLOPS", "GB",
            "Gemm", "Layout", "Model", "PRECISIONS", "PipelineShape", "Plan", "Precision", "RECOMPUTE",

@@ -35,7 +35,7 @@ from .pipeline import SIMULATED_ACTIONS, pipeline_shape
 from .results import Plan, report_throughput
 from .setting import Setting
 from .shapes import Model, local_kv_heads, scaled_unit_parameters
-from .step import timed_plan
+from .step_time import timed_plan
 
 
 def evaluate(model: Model, cluster: Cluster, precision: Precision, layout: Layout, batch_size: int,

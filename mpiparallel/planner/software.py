@@ -10,7 +10,7 @@ What each setting changes in the prediction (the formulas sit where they are use
 - pipeline_scatter_gather: a stage boundary sends b·s·h/tp per TP rank, then an all-gather of b·s·h over NVLink
   (`pipeline.stage_boundary`);
 - attention_dropout: 2 + 1/item more passes over the probabilities each way (`costs.block_cost`);
-- blocking_pipeline_sends: the pipeline's exposed sends are max(fill and drain, all its sends) (`step`);
+- blocking_pipeline_sends: the pipeline's exposed sends are max(fill and drain, all its sends) (`step_time`);
 - dp_overlap: the exposed gradient reduction is max(last bucket, dp − backward) where it overlaps, dp otherwise;
 - chunk_overlap: the EP all-to-alls wait max(0, ep − compute beside them), the pipeline's sends nothing;
 - communication_sms: the matrix products run on (SMs − c)/SMs of the chip's MAMF (`cluster.Cluster.from_preset`);
