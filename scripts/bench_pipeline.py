@@ -44,8 +44,8 @@ def measure_bubbles(args: argparse.Namespace) -> None:
 
     from collectives import Communicator
     from models.transformer import GPTConfig, Transformer
-    from mpiparallel.commands.launch import keep_freed_memory
     from mpiparallel.pipeline_parallel import PipelineExecutor, local_units
+    from mpiparallel.process import keep_freed_memory
     from mpiparallel.schedules import bubble_formula, build_schedule, simulate
 
     keep_freed_memory()  # as `mpiparallel train` does

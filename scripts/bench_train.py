@@ -4,7 +4,8 @@ Two comparisons (`--model gpt2|llama|both`, default both), each of one model aga
 
     GPT-2  against a nanoGPT-style GPT-2 written here from torch.nn primitives (weights copied from ours);
     llama  against transformers' LlamaForCausalLM, loaded by `from_pretrained` from our weights as
-           `mpiparallel.checkpoint.save_pretrained` writes them, attn_implementation "eager" (`--hf-attention`).
+           `mpiparallel.checkpoints.hugging_face.save_pretrained` writes them, attn_implementation "eager"
+           (`--hf-attention`).
 
 Both sides start from the same weights, see the same byte batches and take the same AdamW steps (lr 3e-4, betas
 (0.9, 0.95), eps 1e-8, weight decay `--weight-decay` [0] on ≥2-D weights only), so their losses agree step by
@@ -88,7 +89,7 @@ from collectives.backend import dtype_named, to_host  # noqa: E402
 from models.families import name_map  # noqa: E402
 from models.layers import QUERY_BLOCK, RECOMPUTE_MODES  # noqa: E402
 from models.transformer import GPTConfig, Transformer  # noqa: E402
-from mpiparallel.commands.launch import keep_freed_memory  # noqa: E402
+from mpiparallel.process import keep_freed_memory  # noqa: E402
 
 try:
     import torch
@@ -316,7 +317,7 @@ if torch is not None:
             super().__init__()
             import transformers
 
-            from mpiparallel.checkpoint import save_pretrained
+            from mpiparallel.checkpoints.hugging_face import save_pretrained
 
             transformers.utils.logging.disable_progress_bar()  # its loading bar would interleave with our lines
             self.config = ours.config

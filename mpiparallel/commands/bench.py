@@ -59,8 +59,8 @@ from collectives.native import mpi_op
 from collectives.topology import EMULATED_INTER_NODE_VARIABLE, describe_nodes
 
 from ..errors import ConfigError, ExitCode
+from ..jobs.launch import mpi_library
 from .devices import array_module, use_gpu
-from .launch import mpi_library
 
 TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16", "int32": "int32",
               "int64": "int64"}

@@ -31,12 +31,12 @@ def info(directory: Path, verify: bool) -> None:
       mpiparallel checkpoint info checkpoints/
       mpiparallel checkpoint info checkpoints/step-00000001 --verify
     """
-    from .. import checkpoint_upkeep, training_checkpoint
+    from ..checkpoints import sharded, upkeep
     from ..errors import ExitCode
 
-    saved = training_checkpoint.TrainingCheckpoint(training_checkpoint.find_checkpoint(directory))
-    click.echo(training_checkpoint.describe(saved))
-    problems, notes = checkpoint_upkeep.verify(saved) if verify else (checkpoint_upkeep.size_problems(saved), [])
+    saved = sharded.TrainingCheckpoint(sharded.find_checkpoint(directory))
+    click.echo(sharded.describe(saved))
+    problems, notes = upkeep.verify(saved) if verify else (upkeep.size_problems(saved), [])
     for note in notes:
         click.echo(f"note: {note}")
     if problems:
@@ -61,12 +61,12 @@ def export(directory: Path, out: Path) -> None:
     Example:
       mpiparallel checkpoint export checkpoints/ --out model/
     """
-    from .. import checkpoint_upkeep, training_checkpoint
-    from ..checkpoint import save_pretrained
+    from ..checkpoints import sharded, upkeep
+    from ..checkpoints.hugging_face import save_pretrained
 
-    saved = training_checkpoint.TrainingCheckpoint(training_checkpoint.find_checkpoint(directory))
-    config, tensors = checkpoint_upkeep.whole_model(saved)
-    tokenizer, source = checkpoint_upkeep.run_tokenizer(saved)
+    saved = sharded.TrainingCheckpoint(sharded.find_checkpoint(directory))
+    config, tensors = upkeep.whole_model(saved)
+    tokenizer, source = upkeep.run_tokenizer(saved)
     save_pretrained(out, config, tensors)
     if tokenizer is not None:
         tokenizer.save(out)  # beside the model, where generate --init and AutoTokenizer look for it

@@ -18,9 +18,11 @@ from typing import Any, NoReturn
 
 import click
 
-from .. import __version__
+from .. import __version__, process
+from ..jobs import launch
+from ..jobs.stall import TIMEOUT_VARIABLE as STALL_TIMEOUT_VARIABLE
+from ..jobs.stall import StallWatch
 from ..train.settings import default
-from . import launch
 from .checkpoint import checkpoint as checkpoint_command
 from .cluster import cluster as cluster_command
 from .data import data as data_command
@@ -28,8 +30,6 @@ from .option_needs import check_needs
 from .plan import plan as plan_command
 from .plot import plot as plot_command
 from .schedule import schedule as schedule_command
-from .stall import TIMEOUT_VARIABLE as STALL_TIMEOUT_VARIABLE
-from .stall import StallWatch
 
 BENCH_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
 REDUCTION_OPS = ("sum", "prod", "max", "min", "avg")
@@ -538,15 +538,15 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
         raise click.BadParameter(f"each token goes to top-k of the experts: {options['top_k']} is more than "
                                  f"--experts {options['experts']}", param_hint="'--top-k'")
     if options["elastic"] and not launch.launched_by_mpi():
-        from .elastic import check_elastic, run_elastic
+        from ..jobs.elastic import check_elastic, run_elastic
 
         check_elastic(options, ranks, ctx.meta.get(HOSTFILE))
         run_elastic(ranks, _argv(ctx), options, {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep},
                     ctx.meta.get(HOSTFILE))
     launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE),
                              StallWatch(options["stall_timeout"], options["log_json"]))
-    launch.limit_blas_threads(threads)
-    launch.keep_freed_memory()
+    process.limit_blas_threads(threads)
+    process.keep_freed_memory()
     from .. import train as training
 
     settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
@@ -627,7 +627,7 @@ def generate(init: str, prompt: str | None, prompt_ids: str | None, new_tokens: 
     if prompt is not None and prompt_ids is not None:
         raise click.UsageError("give --prompt or --prompt-ids, not both")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    launch.limit_blas_threads(threads)
+    process.limit_blas_threads(threads)
     from .. import train as training
 
     click.echo(training.generate(init, prompt, ids, new_tokens, temperature, top_k, seed))

@@ -1,11 +1,11 @@
-"""`mpiparallel cluster`: hosts made of network namespaces on this machine (`mpiparallel.namespace_cluster`). No
+"""`mpiparallel cluster`: hosts made of network namespaces on this machine (`mpiparallel.jobs.namespace_cluster`). No
 MPI ranks; it needs root."""
 
 from __future__ import annotations
 
 import click
 
-from ..namespace_cluster import DEFAULT_NAME
+from ..jobs.namespace_cluster import DEFAULT_NAME
 
 name_option = click.option("--name", default=DEFAULT_NAME, show_default=True,
                            help="The cluster's name: every namespace, link and file it makes carries it.")
@@ -33,7 +33,7 @@ def cluster() -> None:
 def up(nodes: int, ranks_per_node: int, link_rate: str | None, name: str) -> None:
     """Make NODES hosts (network namespaces with their own address and host name on one bridge), write a hostfile
     and a launcher script, and print how to use them. A cluster of the same name is removed first."""
-    from .. import namespace_cluster
+    from ..jobs import namespace_cluster
 
     made = namespace_cluster.up(name, nodes, ranks_per_node, link_rate)
     click.echo(namespace_cluster.usage(made))
@@ -43,7 +43,7 @@ def up(nodes: int, ranks_per_node: int, link_rate: str | None, name: str) -> Non
 @name_option
 def status(name: str) -> None:
     """Print the hosts, their addresses, whether their links are up or cut, and their processes."""
-    from .. import namespace_cluster
+    from ..jobs import namespace_cluster
 
     click.echo(namespace_cluster.status(name))
 
@@ -52,7 +52,7 @@ def status(name: str) -> None:
 @name_option
 def down(name: str) -> None:
     """Remove everything the cluster made: its processes, namespaces, bridge, links and files."""
-    from .. import namespace_cluster
+    from ..jobs import namespace_cluster
 
     namespace_cluster.check_machine()
     removed = namespace_cluster.down(name)
@@ -64,7 +64,7 @@ def down(name: str) -> None:
 @name_option
 def kill(node: str, name: str) -> None:
     """End every process on host NODE at once (SIGKILL), as if the machine died."""
-    from .. import namespace_cluster
+    from ..jobs import namespace_cluster
 
     click.echo(f"{node}: killed {namespace_cluster.kill(name, node)} processes")
 
@@ -74,7 +74,7 @@ def kill(node: str, name: str) -> None:
 @name_option
 def cut(node: str, name: str) -> None:
     """Take host NODE's link down: its processes live on, but no packet reaches it or leaves it."""
-    from .. import namespace_cluster
+    from ..jobs import namespace_cluster
 
     namespace_cluster.cut(name, node)
     click.echo(f"{node}: link down")
@@ -85,7 +85,7 @@ def cut(node: str, name: str) -> None:
 @name_option
 def heal(node: str, name: str) -> None:
     """Bring host NODE's link back up."""
-    from .. import namespace_cluster
+    from ..jobs import namespace_cluster
 
     namespace_cluster.heal(name, node)
     click.echo(f"{node}: link up")

@@ -14,9 +14,10 @@ from typing import Any
 
 import click
 
+from .. import process
 from ..errors import ConfigError
+from ..jobs import launch
 from ..schedules import SCHEDULES
-from . import launch
 
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 DEFAULT_MACHINE = Path.home() / ".cache" / "mpiparallel" / "machine.json"
@@ -482,7 +483,7 @@ def _write_page(path: Path, model: Any, cluster: Any, precision: Any, batch: int
 def _calibrate(ctx: click.Context, options: dict[str, Any]) -> None:
     argv = ctx.find_root().obj["argv"] if isinstance(ctx.find_root().obj, dict) else []
     launch.ensure_world_size(options["ranks"] or 2, argv)
-    launch.limit_blas_threads(None)
+    process.limit_blas_threads(None)
     from ..planner.calibrate import calibrate_machine
 
     path = options["machine"] or DEFAULT_MACHINE

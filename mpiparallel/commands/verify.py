@@ -46,8 +46,8 @@ from collectives.backend import to_host
 from collectives.topology import describe_nodes
 
 from ..errors import ConfigError, ExitCode
+from ..jobs.launch import mpi_library
 from .devices import array_module, use_gpu
-from .launch import mpi_library
 
 Array = Any  # numpy.ndarray, or cupy.ndarray with --device gpu
 

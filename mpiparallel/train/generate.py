@@ -7,7 +7,8 @@ import numpy as np
 from models.precision import is_narrow
 from models.transformer import Transformer
 
-from .. import checkpoint, data
+from .. import data
+from ..checkpoints import hugging_face
 from ..errors import ConfigError
 
 
@@ -15,7 +16,7 @@ def generate(init: str, prompt: str | None, prompt_ids: list[int] | None, new_to
              top_k: int | None, seed: int) -> str:
     """Load a checkpoint and continue the prompt; text through the model folder's tokenizer.json (bytes for a
     byte-level model), token ids when the prompt is given as ids."""
-    config, tensors, _ = checkpoint.load_pretrained(init)
+    config, tensors, _ = hugging_face.load_pretrained(init)
     dtype = next(iter(tensors.values())).dtype
     model = Transformer(config, dtype=np.float32 if is_narrow(dtype) else dtype)  # bfloat16 computes in float32
     model.load_state_dict(tensors)

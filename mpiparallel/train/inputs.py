@@ -10,7 +10,8 @@ from typing import Any
 
 from models.transformer import GPTConfig
 
-from .. import checkpoint, data
+from .. import data
+from ..checkpoints import hugging_face
 from ..errors import ConfigError, on_every_rank
 from .settings import ModelSettings, TrainSettings
 
@@ -43,7 +44,7 @@ def settle_vocab(settings: TrainSettings, dataset: data.Dataset) -> TrainSetting
 def model_config(settings: TrainSettings) -> GPTConfig:
     """The model's shape: from --init's config.json, or from the flags."""
     if settings.model.init:
-        config = checkpoint.load_pretrained(settings.model.init)[0]
+        config = hugging_face.load_pretrained(settings.model.init)[0]
     else:
         shape = settings.model
         try:

@@ -25,7 +25,8 @@ from models.context_parallel import ContextParallelGroup
 from models.tensor_parallel import TensorParallelTransformer, check_tensor_parallel_shape
 from models.transformer import GPTConfig, Transformer
 
-from .. import checkpoint, optim
+from .. import optim
+from ..checkpoints import hugging_face
 from ..data_parallel import DataParallelGroups, data_parallel_engines
 from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh, MeshShape
@@ -155,7 +156,7 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
     if schedule is not None:
         place_on_pipeline(model, schedule)
     if settings.model.init:
-        model.load_state_dict(checkpoint.load_pretrained(settings.model.init)[1])
+        model.load_state_dict(hugging_face.load_pretrained(settings.model.init)[1])
     return model
 
 

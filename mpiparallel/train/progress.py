@@ -1,6 +1,6 @@
 """How far a rank has got, told to the self-launching parent: the step it is in and, coarsely, the phase.
 
-The parent's stall watchdog (`mpiparallel.commands.stall`) ends a job none of whose ranks has made progress for
+The parent's stall watchdog (`mpiparallel.jobs.stall`) ends a job none of whose ranks has made progress for
 `--stall-timeout` seconds and names the rank that is behind. For that every rank reports, at each phase boundary
 of the loop, where it now is:
 

@@ -28,12 +28,12 @@ from ..text import plural
 from .settings import TrainSettings
 
 TERMINAL = "MPIPARALLEL_TERMINAL"
-"""Set to 1 by the self-launching parent (`mpiparallel.commands.launch.TERMINAL`) when its own output is a
+"""Set to 1 by the self-launching parent (`mpiparallel.jobs.launch.TERMINAL`) when its own output is a
 terminal: rank 0's output then reaches one through mpiexec's pipes, and the progress line may rewrite itself.
 Under a launcher of one's own, set it by hand: `mpiexec -n 4 env MPIPARALLEL_TERMINAL=1 mpiparallel train`."""
 
 PROGRESS = "MPIPARALLEL_PROGRESS"
-"""Set by the `--elastic` parent (`mpiparallel.commands.elastic`): a file where rank 0 writes the steps done."""
+"""Set by the `--elastic` parent (`mpiparallel.jobs.elastic`): a file where rank 0 writes the steps done."""
 
 CONTINUE_LOG = "MPIPARALLEL_CONTINUE_LOG"
 """Set to 1 by the `--elastic` parent on a relaunch: rank 0 appends to --log-json even when the relaunched job

@@ -2,7 +2,7 @@
 as a training checkpoint every `--checkpoint-every` steps, and read back on any mesh (`--resume`).
 
 Every rank writes the pieces it holds (replicas once) and reads the pieces it needs: resuming on another mesh
-reshards on load (`training_checkpoint`). The parameters are loaded into the model before the data-parallel
+reshards on load (`checkpoints.sharded`). The parameters are loaded into the model before the data-parallel
 engines take them over (`parallelize`), the optimizer's moments into the optimizer after.
 """
 
@@ -17,11 +17,12 @@ from models import parameter
 from models.precision import dtype_named
 from models.transformer import GPTConfig, Transformer, expert_bias_shapes, parameter_shapes
 
-from .. import checkpoint, checkpoint_upkeep, data, training_checkpoint
+from .. import data
+from ..checkpoints import hugging_face, sharded, upkeep
+from ..checkpoints.sharded import MOMENT_KEYS, TrainingCheckpoint, load_pieces
 from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh
 from ..text import plural
-from ..training_checkpoint import MOMENT_KEYS, TrainingCheckpoint, load_pieces
 from .parallelize import virtual_stages
 from .settings import TrainSettings
 
@@ -46,7 +47,7 @@ def save_model(settings: TrainSettings, config: GPTConfig, full: dict[str, Any],
     """--save: a Hugging Face folder from rank 0 (at --save-dtype), with the tokenizer that decodes it."""
     if world.rank == 0:
         saved_dtype = dtype_named(settings.output.save_dtype or settings.model.dtype)
-        checkpoint.save_pretrained(settings.output.save, config,
+        hugging_face.save_pretrained(settings.output.save, config,
                                    {name: value.astype(saved_dtype, copy=False) for name, value in full.items()})
         if tokenizer is not None:  # beside the model, where AutoTokenizer.from_pretrained looks for it
             tokenizer.save(Path(settings.output.save))
@@ -56,19 +57,19 @@ def save_model(settings: TrainSettings, config: GPTConfig, full: dict[str, Any],
 def save_training_checkpoint(trainer: Any, steps_done: int, batches: data.TokenBatches,
                              data_identity: dict[str, Any]) -> Path:
     """Every rank writes the parameters, AdamW moments and expert biases it holds (replicas once), rank 0 the
-    manifest (`training_checkpoint`); `batches` (the training data's order) places the data position."""
+    manifest (`checkpoints.sharded`); `batches` (the training data's order) places the data position."""
     model, mesh = trainer.model, trainer.mesh
     ranks, pieces = model.axis_ranks(), trainer.engine.optimizer_parameters()
     state = trainer.optimizer.state_dict()
-    held = training_checkpoint.parameter_pieces(pieces, ranks)
+    held = sharded.parameter_pieces(pieces, ranks)
     for key in MOMENT_KEYS:
         if key in state:
-            held += training_checkpoint.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
-    held += training_checkpoint.expert_bias_pieces(model.expert_biases)
-    marked = [(piece, array, training_checkpoint.writes_copy(piece.placement, mesh)) for piece, array in held]
+            held += sharded.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
+    held += sharded.expert_bias_pieces(model.expert_biases)
+    marked = [(piece, array, sharded.writes_copy(piece.placement, mesh)) for piece, array in held]
     names = list(parameter_shapes(model.config))
     moments = [f"{key}/{name}" for key in MOMENT_KEYS if key in state for name in names]
-    return training_checkpoint.save(trainer.settings.output.checkpoint_dir, steps_done, marked, mesh.world,
+    return sharded.save(trainer.settings.output.checkpoint_dir, steps_done, marked, mesh.world,
                              _description(trainer, steps_done, batches, data_identity),
                              names + list(expert_bias_shapes(model.config)) + moments)
 
@@ -82,11 +83,11 @@ def save_and_describe(trainer: Any, steps_done: int, batches: data.TokenBatches,
     if trainer.mesh.world.rank != 0:
         return ""
     output = trainer.settings.output
-    removed = checkpoint_upkeep.prune(output.checkpoint_dir, output.keep_checkpoints)
-    kept = checkpoint_upkeep.complete_steps(output.checkpoint_dir)
-    disk = sum(checkpoint_upkeep.folder_bytes(path) for path in kept)
+    removed = upkeep.prune(output.checkpoint_dir, output.keep_checkpoints)
+    kept = upkeep.complete_steps(output.checkpoint_dir)
+    disk = sum(upkeep.folder_bytes(path) for path in kept)
     dropped = f", removed {plural(len(removed), 'older one')}" if removed else ""
-    return (f"saved checkpoint step {steps_done} ({checkpoint_upkeep.folder_bytes(folder) / 1e6:.1f} MB, "
+    return (f"saved checkpoint step {steps_done} ({upkeep.folder_bytes(folder) / 1e6:.1f} MB, "
             f"{seconds:.2f} s) to {folder}{dropped}; {plural(len(kept), 'checkpoint')} kept, {disk / 1e6:.1f} MB "
             f"on disk" + ("" if output.keep_checkpoints else " (--keep-checkpoints N keeps the newest N)"))
 
@@ -137,17 +138,17 @@ def _resume_path(directory: str | None, resume_from: str | None) -> Path:
     """--resume: the newest complete checkpoint of `directory`; --resume-from STEP: that step's; --resume-from
     DIR: a step folder, or a checkpoint directory's newest."""
     if resume_from is not None and not resume_from.isdigit():
-        return training_checkpoint.find_checkpoint(resume_from)
+        return sharded.find_checkpoint(resume_from)
     if not directory:
         raise ConfigError("--resume needs --checkpoint-dir (where the training checkpoints are)")
     if resume_from is not None:
-        folder = training_checkpoint.step_folder(directory, int(resume_from))
-        if not (folder / training_checkpoint.MANIFEST).is_file():
-            steps = [int(path.name.split("-")[1]) for path in checkpoint_upkeep.complete_steps(directory)]
+        folder = sharded.step_folder(directory, int(resume_from))
+        if not (folder / sharded.MANIFEST).is_file():
+            steps = [int(path.name.split("-")[1]) for path in upkeep.complete_steps(directory)]
             raise ConfigError(f"--resume-from {resume_from}: {folder} is not a complete checkpoint; complete ones: "
                               f"{', '.join(f'step {step}' for step in steps) or 'none'}")
         return folder
-    latest = training_checkpoint.latest_training_checkpoint(directory)
+    latest = sharded.latest_training_checkpoint(directory)
     if latest is None:
         raise ConfigError(f"--resume: {directory} holds no complete training checkpoint (no step-*/manifest.json); "
                           f"leave out --resume to start a new run")
@@ -160,11 +161,11 @@ def load_model_state(path: str, model: Transformer, mesh: Mesh, data_identity: d
     same model and data."""
     def load() -> TrainingCheckpoint:
         saved = TrainingCheckpoint(path)
-        checkpoint_upkeep.verify_before_resume(saved, mesh.world.rank, mesh.world.size)
+        upkeep.verify_before_resume(saved, mesh.world.rank, mesh.world.size)
         saved.check_model(model.config)
         saved.check_data(data_identity)
-        held = training_checkpoint.parameter_pieces(model.params.values(), model.axis_ranks())
-        load_pieces(saved, held + training_checkpoint.expert_bias_pieces(model.expert_biases))
+        held = sharded.parameter_pieces(model.params.values(), model.axis_ranks())
+        load_pieces(saved, held + sharded.expert_bias_pieces(model.expert_biases))
         for param in model.params.values():  # mixed precision: the working copy is the loaded master, rounded
             if param.master is not None:
                 param.data[...] = param.master
@@ -183,7 +184,7 @@ def load_optimizer_state(trainer: Any, saved: TrainingCheckpoint) -> None:
     for key in MOMENT_KEYS:
         if hasattr(optimizer, key):
             state[key] = getattr(optimizer, key)  # read straight into the optimizer's buffers
-            held += training_checkpoint.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
+            held += sharded.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
     on_every_rank(trainer.mesh.world, lambda: load_pieces(saved, held))
     optimizer.load_state_dict(state)
     if saved.manifest.get("loss_scaler"):
@@ -216,6 +217,6 @@ class Resume:
         if self.saved is None:
             return None
         now = {"world_size": self.mesh.world.size, **asdict(self.mesh.shape), "zero": self.zero}
-        saved_on = checkpoint_upkeep.mesh_words(self.saved.manifest.get("mesh", {}))
+        saved_on = upkeep.mesh_words(self.saved.manifest.get("mesh", {}))
         return (f"resumed from step {self.saved.step} of {self.saved.folder} (saved on mesh {saved_on}; now "
-                f"{checkpoint_upkeep.mesh_words(now)})")
+                f"{upkeep.mesh_words(now)})")

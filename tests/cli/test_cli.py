@@ -20,8 +20,8 @@ from mpi_harness import run_with_timeout
 
 from collectives import backend, nccl
 from mpiparallel.commands.cli import ByteSize
-from mpiparallel.commands.launch import launched_by_mpi, relaunch_command
 from mpiparallel.errors import ExitCode
+from mpiparallel.jobs.launch import launched_by_mpi, relaunch_command
 
 PROGRAM = [sys.executable, "-m", "mpiparallel"]
 OTHER_COLLECTIVES = ("reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv")
@@ -346,7 +346,7 @@ def test_an_exception_on_one_rank_aborts_the_whole_job_quickly(run, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(textwrap.dedent("""
         from mpi4py import MPI
-        from mpiparallel.commands.launch import run_guarded
+        from mpiparallel.jobs.launch import run_guarded
 
         def body():
             if MPI.COMM_WORLD.Get_rank() == 1:

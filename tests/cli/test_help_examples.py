@@ -17,7 +17,7 @@ import pytest
 from mpi_harness import run_with_timeout
 
 from models.transformer import GPTConfig, Transformer
-from mpiparallel import checkpoint
+from mpiparallel.checkpoints import hugging_face
 from mpiparallel.commands.cli import main
 
 SHORTER = {  # appended to a command's examples so that they run in seconds on a loaded 2-core machine
@@ -78,7 +78,7 @@ def make_inputs(folder: Path) -> None:
         (folder / "books" / f"book{i}.txt").write_text(text[i::3] * 2)
     (folder / "corpus.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in text.splitlines()))
     config = GPTConfig(vocab_size=50257, n_positions=64, n_embd=16, n_layer=1, n_head=2)
-    checkpoint.save_pretrained(folder / "gpt2-dir", config, Transformer(config).state_dict())
+    hugging_face.save_pretrained(folder / "gpt2-dir", config, Transformer(config).state_dict())
 
 
 def gpu_available() -> bool:

@@ -5,8 +5,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ["collectives", "models", "mpiparallel", "mpiparallel/train", "mpiparallel/data", "mpiparallel/schedules",
-           "mpiparallel/planner", "mpiparallel/commands"]
+FOLDERS = ["collectives", "models", "mpiparallel", "mpiparallel/train", "mpiparallel/checkpoints", "mpiparallel/data",
+           "mpiparallel/schedules", "mpiparallel/planner", "mpiparallel/jobs", "mpiparallel/commands"]
 
 
 def _layout_rows() -> dict[str, str]:

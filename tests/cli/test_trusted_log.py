@@ -19,7 +19,8 @@ from optional import optional_module
 from processes import start_job
 
 from models.transformer import GPTConfig, Transformer
-from mpiparallel import checkpoint, data
+from mpiparallel import data
+from mpiparallel.checkpoints import hugging_face
 from mpiparallel.commands.cli import main
 from mpiparallel.errors import ExitCode
 from mpiparallel.train import Reporter, TrainSettings
@@ -112,7 +113,7 @@ def test_init_from_a_model_folder_with_another_tokenizer_than_the_data_is_one_cl
     assert prepared.returncode == 0, prepared.stderr
     model = tmp_path / "model"
     config = GPTConfig(vocab_size=4096, n_positions=64, n_embd=16, n_layer=1, n_head=2)
-    checkpoint.save_pretrained(model, config, Transformer(config).state_dict())
+    hugging_face.save_pretrained(model, config, Transformer(config).state_dict())
     data.tokenizer_of_folder(tmp_path / "other").save(model)
     result = mpiparallel("train", "--init", str(model), "--steps", "1", "--seq-len", "16", "--batch-size", "2")
     assert result.returncode != 0

@@ -21,7 +21,7 @@ from interop import float64_rms_norm, hugging_face, train_side_by_side
 
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import optim
-from mpiparallel.checkpoint import load_pretrained, save_pretrained
+from mpiparallel.checkpoints.hugging_face import load_pretrained, save_pretrained
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 4.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}

@@ -15,7 +15,7 @@ import pytest
 from interop import float64_rms_norm, hugging_face, train_side_by_side
 
 from models.transformer import GPTConfig, Transformer
-from mpiparallel.checkpoint import load_pretrained, save_pretrained
+from mpiparallel.checkpoints.hugging_face import load_pretrained, save_pretrained
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}

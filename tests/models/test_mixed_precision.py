@@ -27,7 +27,7 @@ from optional import optional_module
 from models.precision import DTYPES, LossScaler, model_state_bytes
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import optim
-from mpiparallel.checkpoint import save_pretrained
+from mpiparallel.checkpoints.hugging_face import save_pretrained
 
 BF16_ROUNDOFF = 2.0**-8
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--seq-len", "32", "--batch-size", "8", "--threads", "1"]

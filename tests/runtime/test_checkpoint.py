@@ -21,9 +21,8 @@ from optional import missing, optional_module
 from collectives import Communicator
 from models.parameter import Sharded, shard_tensor
 from models.transformer import GPTConfig, Transformer, parameter_shapes
-from mpiparallel.checkpoint import gpt2_config_json, load_pretrained, save_pretrained
-from mpiparallel.errors import ConfigError
-from mpiparallel.training_checkpoint import (
+from mpiparallel.checkpoints.hugging_face import gpt2_config_json, load_pretrained, save_pretrained
+from mpiparallel.checkpoints.sharded import (
     Piece,
     TrainingCheckpoint,
     build_manifest,
@@ -36,6 +35,7 @@ from mpiparallel.training_checkpoint import (
     step_folder,
     write_rank_file,
 )
+from mpiparallel.errors import ConfigError
 
 CONFIG = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 

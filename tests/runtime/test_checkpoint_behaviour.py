@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from mpi_harness import run_with_timeout, train_error
 
-from mpiparallel.checkpoint import load_pretrained
+from mpiparallel.checkpoints.hugging_face import load_pretrained
+from mpiparallel.checkpoints.sharded import MANIFEST, step_folder
 from mpiparallel.errors import ExitCode
-from mpiparallel.training_checkpoint import MANIFEST, step_folder
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
         "float64", "--vocab-size", "257", "--threads", "1"]

@@ -11,7 +11,7 @@ import pytest
 from mpi_harness import RankFailure, run_on_ranks, run_with_timeout
 
 from models.tensor_parallel import tensor_parallel_placement
-from mpiparallel.training_checkpoint import MANIFEST, TrainingCheckpoint, latest_training_checkpoint, step_folder
+from mpiparallel.checkpoints.sharded import MANIFEST, TrainingCheckpoint, latest_training_checkpoint, step_folder
 
 CHECKS = "workers.checkpoint_checks"
 TINY = {"n_head": 4, "n_embd": 16, "seq_len": 8, "batch_size": 4, "steps": 4, "dtype": "float64", "lr": 1e-2,

@@ -30,9 +30,9 @@ from clusters import assert_no_processes_on
 from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
 from processes import start_job
 
-from mpiparallel import namespace_cluster
-from mpiparallel.commands import hosts as multi_host
 from mpiparallel.errors import ConfigError, ExitCode
+from mpiparallel.jobs import hosts as multi_host
+from mpiparallel.jobs import namespace_cluster
 
 
 def mpiparallel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

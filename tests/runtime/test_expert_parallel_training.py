@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mpi_harness import assert_equals_serial, parallel_training, run_with_timeout, serial_training, train_error
 
-from mpiparallel import checkpoint
+from mpiparallel.checkpoints import hugging_face
 
 BASE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float64",
         "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2, "moe_aux_coef": 0.0}
@@ -48,7 +48,7 @@ def results(tmp_path_factory) -> dict:
     for model, launches in RUNS.items():
         directory = tmp_path_factory.mktemp(model)
         reference = serial_training(MODELS[model], directory)
-        found[model, "reference"] = checkpoint.load_pretrained(directory / "model")[1]
+        found[model, "reference"] = hugging_face.load_pretrained(directory / "model")[1]
         found[model, "reference log"] = read_log(directory / "log.jsonl")
         for ranks, configs in launches:
             found[model, ranks] = parallel_training(ranks, MODELS[model], configs, reference)
@@ -80,7 +80,7 @@ def test_a_saved_moe_model_keeps_its_names_and_settings_and_trains_on_from_init(
     run = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", *TINY, "--experts", "4", "--top-k", "2",
                             "--moe-bias-rate", "0.01", "-n", "2", "--ep", "2", "--save", str(saved)], 120)
     assert run.returncode == 0, run.stderr
-    config, tensors, raw = checkpoint.load_pretrained(saved)
+    config, tensors, raw = hugging_face.load_pretrained(saved)
     assert (config.n_experts, config.moe_top_k, config.moe_bias_rate) == (4, 2, 0.01)
     assert raw["n_experts"] == 4 and raw["moe_top_k"] == 2
     assert {"transformer.h.0.mlp.router.weight", "transformer.h.0.mlp.router.expert_bias",

@@ -28,8 +28,8 @@ import pytest
 from mpi_harness import mpiexec_path, run_with_timeout
 from processes import rank_pid, start_job
 
-from mpiparallel.commands import launch
 from mpiparallel.errors import ExitCode
+from mpiparallel.jobs import launch
 
 TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4", "--threads", "1"]
 ENDS_WITHIN = 10.0
@@ -326,7 +326,7 @@ def test_an_mpi_error_on_a_survivor_says_that_another_rank_probably_died(tmp_pat
     script = tmp_path / "mpi_error.py"
     script.write_text(textwrap.dedent("""
         from mpi4py import MPI
-        from mpiparallel.commands.launch import run_guarded
+        from mpiparallel.jobs.launch import run_guarded
 
         def body():
             if MPI.COMM_WORLD.Get_rank() == 0:

@@ -16,8 +16,8 @@ import pytest
 from mpi_harness import run_with_timeout
 from processes import ended, rank_pid, start_job, wait_for_steps
 
+from mpiparallel.checkpoints.sharded import MANIFEST, latest_training_checkpoint
 from mpiparallel.errors import ExitCode
-from mpiparallel.training_checkpoint import MANIFEST, latest_training_checkpoint
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
         "float64", "--vocab-size", "257", "--threads", "1"]

@@ -1,6 +1,6 @@
 """A job whose ranks stop making progress ends with one line naming the rank behind — never a silent hang.
 
-The self-launching parent's stall watchdog (`mpiparallel/commands/stall.py`) reads the ranks' progress reports
+The self-launching parent's stall watchdog (`mpiparallel/jobs/stall.py`) reads the ranks' progress reports
 (`mpiparallel/train/progress.py`). Here: a rank SIGSTOPped mid-run, and a rank that hangs inside a step
 (MPIPARALLEL_STALL_AT), each end the job within the timeout plus a few seconds, non-zero, with one line naming that
 rank, an event in the JSON log, and no process left; --elastic relaunches without a stopped rank; --stall-timeout
@@ -22,8 +22,8 @@ import pytest
 from mpi_harness import train_error
 from processes import ended, processes_under, rank_pid, start_job, still_running, wait_for_steps
 
-from mpiparallel.commands.stall import RankProgress, Stall, behind
 from mpiparallel.errors import ExitCode
+from mpiparallel.jobs.stall import RankProgress, Stall, behind
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--vocab-size", "257", "--threads",
         "1"]

@@ -64,10 +64,10 @@ def test_save_then_generate_and_reload_round_trip(tmp_path):
     again = mpiparallel("train", *TINY, "--steps", "2", "--init", str(saved), "--lr", "0", "--save",
                         str(tmp_path / "again"))
     assert again.returncode == 0, again.stderr
-    from mpiparallel import checkpoint
+    from mpiparallel.checkpoints import hugging_face
 
-    _, first, _ = checkpoint.load_pretrained(saved)
-    _, second, _ = checkpoint.load_pretrained(tmp_path / "again")
+    _, first, _ = hugging_face.load_pretrained(saved)
+    _, second, _ = hugging_face.load_pretrained(tmp_path / "again")
     for name, value in first.items():  # lr 0: loading and saving changed nothing, bit for bit
         np.testing.assert_array_equal(value, second[name])
 
@@ -89,10 +89,10 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(tmp_path):
     assert [r["step"] for r in read_log(tmp_path / "resumed.jsonl")] == [4, 5, 6]
     straight_losses = [r["loss"] for r in read_log(tmp_path / "straight.jsonl")][3:]
     assert [r["loss"] for r in read_log(tmp_path / "resumed.jsonl")] == straight_losses
-    from mpiparallel import checkpoint
+    from mpiparallel.checkpoints import hugging_face
 
-    _, a, _ = checkpoint.load_pretrained(tmp_path / "straight")
-    _, b, _ = checkpoint.load_pretrained(tmp_path / "resumed")
+    _, a, _ = hugging_face.load_pretrained(tmp_path / "straight")
+    _, b, _ = hugging_face.load_pretrained(tmp_path / "resumed")
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
 
@@ -123,10 +123,10 @@ def test_resume_on_a_parallel_mesh_is_bitwise(tmp_path, mesh):
     assert [r["step"] for r in read_log(tmp_path / "resumed.jsonl")] == [3, 4]
     straight_losses = [r["loss"] for r in read_log(tmp_path / "straight.jsonl")][2:]
     assert [r["loss"] for r in read_log(tmp_path / "resumed.jsonl")] == straight_losses
-    from mpiparallel import checkpoint
+    from mpiparallel.checkpoints import hugging_face
 
-    _, a, _ = checkpoint.load_pretrained(tmp_path / "straight")
-    _, b, _ = checkpoint.load_pretrained(tmp_path / "resumed")
+    _, a, _ = hugging_face.load_pretrained(tmp_path / "straight")
+    _, b, _ = hugging_face.load_pretrained(tmp_path / "resumed")
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
 
@@ -147,13 +147,13 @@ def test_recomputation_trains_the_same_numbers_with_the_formulas_activation_byte
             assert block is not None and int(block[1]) == int(block[2]) > 0, run.stdout
         saved_per_block[mode] = int(blocks[0][1])
     assert saved_per_block["full"] < saved_per_block["selective"] < saved_per_block["none"]
-    from mpiparallel import checkpoint
+    from mpiparallel.checkpoints import hugging_face
 
-    _, want, _ = checkpoint.load_pretrained(tmp_path / "none")
+    _, want, _ = hugging_face.load_pretrained(tmp_path / "none")
     for mode in ("selective", "full"):
         for a, b in zip(read_log(tmp_path / "none.jsonl"), read_log(tmp_path / f"{mode}.jsonl"), strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-12)
-        _, got, _ = checkpoint.load_pretrained(tmp_path / mode)
+        _, got, _ = hugging_face.load_pretrained(tmp_path / mode)
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-15)
 
@@ -201,10 +201,10 @@ def test_corrupt_checkpoint_is_an_error(tmp_path):
 
 
 def test_seq_len_beyond_the_checkpoint_n_positions_is_an_error(tmp_path):
-    from mpiparallel import checkpoint
+    from mpiparallel.checkpoints import hugging_face
 
     config = GPTConfig(vocab_size=256, n_positions=16, n_embd=32, n_layer=1, n_head=2)
-    checkpoint.save_pretrained(tmp_path / "short", config, Transformer(config).state_dict())
+    hugging_face.save_pretrained(tmp_path / "short", config, Transformer(config).state_dict())
     _assert_one_clear_error(mpiparallel("train", *TINY, "--steps", "1", "--init", str(tmp_path / "short")),
                             "n_positions")
 
@@ -234,10 +234,10 @@ def test_parallel_training_from_the_command_line_equals_serial(tmp_path, mesh):
     for want, got in zip(read_log(tmp_path / "serial.jsonl"), read_log(tmp_path / "parallel.jsonl"), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-9)
         assert sum(got["comm_bytes"].values()) > 0 and sum(want["comm_bytes"].values()) == 0
-    from mpiparallel import checkpoint
+    from mpiparallel.checkpoints import hugging_face
 
-    _, a, _ = checkpoint.load_pretrained(tmp_path / "serial")
-    _, b, _ = checkpoint.load_pretrained(tmp_path / "parallel")
+    _, a, _ = hugging_face.load_pretrained(tmp_path / "serial")
+    _, b, _ = hugging_face.load_pretrained(tmp_path / "parallel")
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-9, atol=1e-12)
@@ -254,7 +254,7 @@ def test_tensor_parallel_shape_errors_are_clear():
 FREE_AND_REFAULT = """
 import resource, sys
 import numpy as np
-from mpiparallel.commands.launch import keep_freed_memory
+from mpiparallel.process import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def step():  # a step's saved activations, freed together when its backward has run

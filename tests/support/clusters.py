@@ -12,7 +12,7 @@ import time
 import pytest
 from optional import missing
 
-from mpiparallel import namespace_cluster
+from mpiparallel.jobs import namespace_cluster
 
 _names = itertools.count()
 

@@ -20,9 +20,9 @@ def _die() -> None:
 
 
 def _plant_in_save(step: int) -> None:
-    from mpiparallel import training_checkpoint
+    from mpiparallel.checkpoints import sharded
 
-    write = training_checkpoint.write_rank_file
+    write = sharded.write_rank_file
 
     def write_then_die(folder, rank, held):
         shards = write(folder, rank, held)
@@ -30,16 +30,16 @@ def _plant_in_save(step: int) -> None:
             _die()
         return shards
 
-    training_checkpoint.write_rank_file = write_then_die
+    sharded.write_rank_file = write_then_die
 
 
 def _plant_after_save(step: int, count: int) -> None:
     from collectives.communicator import Communicator
-    from mpiparallel import training_checkpoint
+    from mpiparallel.checkpoints import sharded
 
     counted = [0]
     armed = [step == 0]
-    save = training_checkpoint.save
+    save = sharded.save
 
     def save_then_arm(directory, saved_step, *args, **kwargs):
         folder = save(directory, saved_step, *args, **kwargs)
@@ -54,7 +54,7 @@ def _plant_after_save(step: int, count: int) -> None:
             return original(self, *args, **kwargs)
         return replacement
 
-    training_checkpoint.save = save_then_arm
+    sharded.save = save_then_arm
     Communicator.run = counting(Communicator.run)
     Communicator.start = counting(Communicator.start)
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiparallel import checkpoint, train, training_checkpoint
+from mpiparallel import train
+from mpiparallel.checkpoints import hugging_face, sharded
 
 from .errors import relative_error, worst
 
@@ -40,17 +41,17 @@ def resume_on_other_meshes(common: dict[str, Any], saved_mesh: dict[str, Any], r
     world, root = MPI.COMM_WORLD, Path(directory)
     _train(common | saved_mesh, root / "saved", checkpoint_dir=str(root / "saved" / "checkpoints"),
            checkpoint_every=every)
-    straight_log, straight = _log(root / "saved"), checkpoint.load_pretrained(root / "saved" / "model")[1]
+    straight_log, straight = _log(root / "saved"), hugging_face.load_pretrained(root / "saved" / "model")[1]
     results = []
     for i, mesh in enumerate(resumed_meshes):
         folder = root / f"resumed-{i}"
         if world.rank == 0:
-            shutil.copytree(training_checkpoint.step_folder(root / "saved" / "checkpoints", every),
-                            training_checkpoint.step_folder(folder / "checkpoints", every))
+            shutil.copytree(sharded.step_folder(root / "saved" / "checkpoints", every),
+                            sharded.step_folder(folder / "checkpoints", every))
         world.barrier()
         _train(common | mesh, folder, checkpoint_dir=str(folder / "checkpoints"), resume=True)
         if world.rank == 0:
-            log, tensors = _log(folder), checkpoint.load_pretrained(folder / "model")[1]
+            log, tensors = _log(folder), hugging_face.load_pretrained(folder / "model")[1]
             want = straight_log[every:]
             results.append({
                 "mesh": mesh, "steps": [record["step"] for record in log],
@@ -65,12 +66,12 @@ def resume_on_other_meshes(common: dict[str, Any], saved_mesh: dict[str, Any], r
 def crash_while_saving(options: dict[str, Any], directory: str, crash_step: int) -> None:
     """Train with checkpoints into DIR/checkpoints; rank 0 dies by SIGKILL when step `crash_step`'s shard files are
     written and its manifest is about to be (the job never returns)."""
-    publish = training_checkpoint.publish_manifest
+    publish = sharded.publish_manifest
 
     def die_at_crash_step(folder: Path, manifest: dict) -> None:
         if manifest["step"] == crash_step:
             os.kill(os.getpid(), signal.SIGKILL)
         publish(folder, manifest)
 
-    training_checkpoint.publish_manifest = die_at_crash_step
+    sharded.publish_manifest = die_at_crash_step
     _train(options, Path(directory), checkpoint_dir=str(Path(directory) / "checkpoints"))

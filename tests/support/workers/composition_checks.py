@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiparallel import checkpoint
+from mpiparallel.checkpoints import hugging_face
 from mpiparallel.train import loop as train
 
 from .arrays import host, parallel_array_module
@@ -106,9 +106,9 @@ def _compare(directory: Path, gradients: list[dict[str, np.ndarray]], reference:
     """Worst relative errors of a run in `directory` (with its recorded `gradients`) against the serial run in
     `reference`: training and validation losses, gradients, weights. Every serial loss and gradient must have its
     parallel twin (a missing one raises)."""
-    serial_weights = checkpoint.load_pretrained(reference / "model")[1]
+    serial_weights = hugging_face.load_pretrained(reference / "model")[1]
     serial_gradients = np.load(reference / "gradients.npz")
-    weights = checkpoint.load_pretrained(directory / "model")[1]
+    weights = hugging_face.load_pretrained(directory / "model")[1]
     losses, serial_losses = _losses(directory), _losses(reference)
     return {"steps": len((directory / "log.jsonl").read_text().splitlines()), "losses": len(losses),
             "loss_error": worst(relative_error(a, b) for a, b in zip(losses, serial_losses, strict=True)),

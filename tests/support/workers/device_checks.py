@@ -107,9 +107,9 @@ def _train(train, settings) -> tuple[list[float], dict] | None:
     if world.rank != 0:
         return None
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    from mpiparallel import checkpoint
+    from mpiparallel.checkpoints import hugging_face
 
-    _, tensors, _ = checkpoint.load_pretrained(str(saved))
+    _, tensors, _ = hugging_face.load_pretrained(str(saved))
     return losses, tensors
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from mpiparallel import checkpoint, train
+from mpiparallel import train
+from mpiparallel.checkpoints import hugging_face
 
 from .byte_data import on_bytes
 from .errors import relative_error, worst
@@ -23,7 +24,7 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
     other ranks return an empty list."""
     world = MPI.COMM_WORLD
     serial_losses = [json.loads(line)["loss"] for line in (Path(reference) / "log.jsonl").read_text().splitlines()]
-    serial_weights = checkpoint.load_pretrained(Path(reference) / "model")[1]
+    serial_weights = hugging_face.load_pretrained(Path(reference) / "model")[1]
     results = []
     for options in configs:
         directory = Path(world.bcast(tempfile.mkdtemp(prefix="training-check-") if world.rank == 0 else None))
@@ -34,7 +35,7 @@ def matches_serial(common: dict[str, Any], configs: list[dict[str, Any]], refere
         world.barrier()
         if world.rank == 0:
             losses = [json.loads(line)["loss"] for line in (directory / "log.jsonl").read_text().splitlines()]
-            weights = checkpoint.load_pretrained(directory / "model")[1]
+            weights = hugging_face.load_pretrained(directory / "model")[1]
             records = [json.loads(line) for line in (directory / "log.jsonl").read_text().splitlines()]
             results.append({"options": options, "steps": len(losses), "logs": records,
                             "pp_bytes_sent": [record["comm_bytes"]["pp"] for record in records],

@@ -4,7 +4,7 @@ Hostfile. `--hostfile FILE` (on every command that takes `-n`) names the hosts i
 per line (`#` starts a comment). It is checked before any rank starts: every host must be known (a host of the
 cluster when the file is one `mpiparallel cluster up` wrote, else a name the resolver knows) and `-n` may not
 exceed the slots; `-n` left out means one rank per slot. A cluster's hostfile launches through its launcher
-(`mpiparallel.namespace_cluster`), any other through `mpiexec -f FILE`.
+(`mpiparallel.jobs.namespace_cluster`), any other through `mpiexec -f FILE`.
 
 Lost hosts. Two ways a host goes, and how the self-launching parent tells (on a cluster of `mpiparallel cluster`,
 where every process is on this machine):

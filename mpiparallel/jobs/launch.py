@@ -63,12 +63,11 @@ from typing import TYPE_CHECKING, BinaryIO, NoReturn
 import click
 
 from ..errors import ConfigError, ExitCode, signal_exit_code
-from ..process import keep_freed_memory, limit_blas_threads  # noqa: F401 (the commands' and scripts' entry)
 from . import hosts as multi_host
 from .stall import Stall, StallWatch, StallWatchdog
 
 if TYPE_CHECKING:
-    from ..namespace_cluster import Cluster
+    from .namespace_cluster import Cluster
 
 RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
@@ -168,7 +167,7 @@ def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path, s
                        ) -> NoReturn:
     """Check the hostfile against `ranks` (one clear error before anything starts), then start the ranks on its
     hosts: through the cluster's launcher if `mpiparallel cluster up` wrote it, else `mpiexec -f`."""
-    from ..namespace_cluster import cluster_of_hostfile, namespaces_of
+    from .namespace_cluster import cluster_of_hostfile, namespaces_of
 
     hosts = multi_host.read_hostfile(hostfile)
     ranks = ranks or sum(host.slots for host in hosts)

@@ -15,7 +15,7 @@ the attention-mask buffers `h.{i}.attn.bias` / `h.{i}.attn.masked_bias` (both ig
 Writes are atomic: files are written into a temporary directory next to the target and renamed into place, so
 a crash leaves either the previous checkpoint or the new one, never half of one. These functions do no
 communication; the caller gathers the full tensors first and writes from one rank. Training checkpoints
-(`--checkpoint-dir`, `--resume`), which every rank writes its shards of, are `training_checkpoint`'s.
+(`--checkpoint-dir`, `--resume`), which every rank writes its shards of, are `checkpoints.sharded`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collectives.backend import to_host
 from models import families
 from models.transformer import MOE_KEYS, GPTConfig, expert_bias_shapes, parameter_shapes
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

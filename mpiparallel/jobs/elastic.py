@@ -41,14 +41,14 @@ from typing import Any, NoReturn
 
 import click
 
-from ..checkpoint_upkeep import mesh_words
+from ..checkpoints.sharded import TrainingCheckpoint, incomplete_steps, latest_training_checkpoint
+from ..checkpoints.upkeep import mesh_words
 from ..errors import ExitCode
-from ..namespace_cluster import cluster_of_hostfile
 from ..text import plural
 from ..train.reports import CONTINUE_LOG, PROGRESS
-from ..training_checkpoint import TrainingCheckpoint, incomplete_steps, latest_training_checkpoint
 from . import hosts as multi_host
 from . import launch
+from .namespace_cluster import cluster_of_hostfile
 from .stall import StallWatch
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -283,7 +283,7 @@ def rank_cluster(world: int, ranks_per_host: int, device: str) -> tuple[Any, str
     planner's defaults) with its memory shared by the ranks placed on it; on CPU the machine's memory over the
     ranks, timed by `plan --calibrate`'s file where there is one."""
     from .. import planner
-    from .plan import DEFAULT_MACHINE
+    from ..commands.plan import DEFAULT_MACHINE
 
     if device == "gpu":
         name, memory, count = _gpu()

@@ -22,8 +22,8 @@ import safetensors
 
 from models.transformer import GPTConfig, expert_bias_shapes, parameter_shapes
 
-from .errors import ConfigError
-from .training_checkpoint import _STEP_FOLDER, MANIFEST, TrainingCheckpoint, damaged, file_checksum
+from ..errors import ConfigError
+from .sharded import _STEP_FOLDER, MANIFEST, TrainingCheckpoint, damaged, file_checksum
 
 
 def size_problems(saved: TrainingCheckpoint) -> list[str]:
@@ -126,8 +126,8 @@ def run_tokenizer(saved: TrainingCheckpoint) -> tuple[Any, str]:
     folder's (`data prepare`'s data.json and tokenizer.json; the default corpus's in the cache, prepared again if
     the cache was emptied), else the --init folder's, else bytes for a byte vocabulary; (None, why) when the run's
     data names none (llm.c's shards, a .npy of ids)."""
-    from . import data
-    from .data.dataset import read_data_json
+    from .. import data
+    from ..data.dataset import read_data_json
 
     settings = saved.manifest.get("settings", {})
     path, init = settings.get("data", {}).get("data"), settings.get("model", {}).get("init")

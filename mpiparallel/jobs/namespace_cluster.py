@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DEFAULT_NAME = "mpiparallel"
 STATE_VARIABLE = "MPIPARALLEL_CLUSTERS"
@@ -240,7 +240,7 @@ def launcher_script(cluster: Cluster) -> str:
     COMMAND (hydra's proxy) runs under `sh` in the host's namespace, as a remote shell would run it. When the
     self-launching parent asks for it (MPIPARALLEL_RANK_PIDS), the shell around the proxy notes the host as
     running and, when the proxy ends, as ended: a host still noted as running after the job is one whose every
-    process died at once (`mpiparallel.commands.hosts`)."""
+    process died at once (`mpiparallel.jobs.hosts`)."""
     hosts = "|".join(cluster.hosts)
     return f"""#!/bin/sh
 # mpiparallel cluster {cluster.name}: hydra's remote shell for hosts {cluster.hosts[0]}..{cluster.hosts[-1]}.

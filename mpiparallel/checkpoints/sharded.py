@@ -58,10 +58,10 @@ from collectives.backend import Array, like, to_host
 from models.parameter import HELD, Placement, Sharded, counts_once, local_shape, padded_length
 from models.transformer import GPTConfig
 
-from .checkpoint import public_file_mode, read_json_object
-from .errors import ConfigError, CorruptCheckpoint, on_every_rank
-from .mesh import Mesh
-from .text import plural
+from ..errors import ConfigError, CorruptCheckpoint, on_every_rank
+from ..mesh import Mesh
+from ..text import plural
+from .hugging_face import public_file_mode, read_json_object
 
 MANIFEST = "manifest.json"
 FORMAT = "mpiparallel training checkpoint"
