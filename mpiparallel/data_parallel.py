@@ -13,6 +13,12 @@ the sum is formed (n DP ranks, G = P = the parameters' bytes, Adam keeping two m
     ZeRO-3      as ZeRO-2, plus an all-gather of each unit's params before its forward and again before its
                 backward: + 2(n−1)/n·P per microbatch                P/n + G/n + 2P/n
 
+The stages are four classes, each extending the one before by what it shards, so that a reader can compare them
+method by method: `DataParallel` (plain: whole gradients all-reduced), `ZeRO1` (flat parameter buffers, the
+optimizer on this rank's slices, reduce-scatter then all-gather), `ZeRO2` (gradient slices accumulated every
+microbatch, full buffers only while in use), `ZeRO3` (parameter slices, gathered unit by unit).
+`data_parallel(model, comm, zero=k)` builds stage k.
+
 Layout. Parameters are laid out in the order their gradients become final during backward (head first, the
 embedding last: the tied wte is final only after the embedding's backward) and grouped into buckets of about
 `bucket_mb`, never splitting a model unit (the embedding, one block, the head). Each bucket is one flat array,
@@ -121,7 +127,9 @@ class ShardSegment:
 
 
 class DataParallel(ParameterHooks):
-    """Data parallelism over `comm` for `model` (anything with `units()` and the ParameterHooks protocol).
+    """Plain data parallelism over `comm` for `model` (anything with `units()` and the ParameterHooks protocol):
+    every rank keeps whole parameters, gradients and optimizer state, and all-reduces the gradients. The ZeRO
+    stages below extend it, each sharding one thing more; `data_parallel(..., zero=k)` builds stage k.
 
     Per step:
         engine.zero_grad()
@@ -140,14 +148,14 @@ class DataParallel(ParameterHooks):
     this engine reduces, for models whose parameters are summed over different groups (experts).
     """
 
-    def __init__(self, model: Any, comm: Communicator, zero: int = 0, bucket_mb: float = 25.0,
-                 overlap: bool = True, algo: str = "auto", axes: tuple[str, ...] = (DP_AXIS,),
+    zero = 0
+
+    def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True,
+                 algo: str = "auto", axes: tuple[str, ...] = (DP_AXIS,),
                  select: Callable[[Parameter], bool] | None = None) -> None:
-        if zero not in ZERO_STAGES:
-            raise ConfigError(f"--zero must be one of {ZERO_STAGES}, got {zero}")
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb must be positive, got {bucket_mb}")
-        self.model, self.comm, self.zero, self.overlap, self.algo, self.axes = model, comm, zero, overlap, algo, axes
+        self.model, self.comm, self.overlap, self.algo, self.axes = model, comm, overlap, algo, axes
         self.units = [[param for param in params if select is None or select(param)]
                       for params in model.unit_parameters()]
         for params in self.units:
@@ -159,64 +167,29 @@ class DataParallel(ParameterHooks):
         self.dtype, self.grad_dtype = first.data.dtype, first.grad.dtype  # compute and gradient dtypes
         self.master_dtype = None if first.master is None else first.master.dtype  # mixed precision
         self._shapes = {id(p): tuple(p.data.shape) for bucket in self.buckets for p in bucket.params}
-        self._released = self.xp.empty(0, self.dtype)  # what a ZeRO-3 parameter points at between uses
         self._in_flight: dict[int, Any] = {}       # bucket index -> handle of its gradient reduction
-        self._gathering: dict[int, Any] = {}       # bucket index -> handle of its parameter all-gather (ZeRO-3)
         self._last_microbatch = True
         self._unhooked_backward = False  # the step's backward ran without the hooks: finish_gradients reduces all
+        self.flat_params: list[Array | None] = []  # ZeRO: each bucket's parameters as one flat buffer
+        self.param_shards: list[Array] = []        # ZeRO: this rank's slice of them
+        self.master_shards: list[Array] = []       # ZeRO under mixed precision: this rank's slice of the masters
+        self.grad_shards: list[Array] = []         # ZeRO: this rank's slice of the reduced gradients
+        self.flat_grads: list[Array | None] = [None] * len(self.buckets)
         self._lay_out_parameters()
         self._lay_out_gradients()
-        self._segments = self._shard_segments() if zero else []
 
     # -- layout ---------------------------------------------------------------------------------------------
 
-    def _shard(self, bucket: Bucket) -> slice:
-        return bucket.shard(self.comm.rank, self.comm.size)
-
     def _lay_out_parameters(self) -> None:
-        """ZeRO: parameters become views of flat per-bucket buffers; ZeRO-3 keeps only this rank's shard.
-
-        Plain DP leaves the parameters where they are (only gradients are communicated)."""
-        self.flat_params: list[Array | None] = []
-        self.param_shards: list[Array] = []
-        self.master_shards: list[Array] = []
-        if self.zero == 0:
-            return
-        for bucket in self.buckets:
-            flat = self.xp.zeros(bucket.padded, self.dtype)
-            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                flat[offset:offset + param.data.size] = param.data.reshape(-1)
-            if self.master_dtype is not None:
-                self.master_shards.append(self._master_shard(bucket))
-            if self.zero == 3:
-                self.param_shards.append(flat[self._shard(bucket)].copy())
-                self.flat_params.append(None)
-                self._release_parameters(bucket)
-            else:
-                self.flat_params.append(flat)
-                self.param_shards.append(flat[self._shard(bucket)])
-                self._point_parameters_at(bucket, flat)
-
-    def _master_shard(self, bucket: Bucket) -> Array:
-        """This rank's shard of the bucket's master weights; the parameters let go of their whole masters (ZeRO
-        shards them, with the moments: 12Ψ/n of the paper's 16Ψ)."""
-        flat = self.xp.zeros(bucket.padded, self.master_dtype)
-        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-            flat[offset:offset + param.master.size] = param.master.reshape(-1)
-            param.master = None
-        return flat[self._shard(bucket)].copy()
+        """Plain DP leaves the parameters where they are: only gradients are communicated."""
 
     def _lay_out_gradients(self) -> None:
-        """Full gradient buckets (DP, ZeRO-1) or per-rank accumulators of the reduced shard (ZeRO-2, ZeRO-3)."""
-        self.flat_grads: list[Array | None] = [None] * len(self.buckets)
-        self.grad_shards: list[Array] = []
-        for index, bucket in enumerate(self.buckets):
-            if self.zero >= 2:
-                self.grad_shards.append(self.xp.zeros(bucket.padded // self.comm.size, self.grad_dtype))
-            else:
-                self._allocate_gradients(index)
-                if self.zero == 1:  # the reduced shard overwrites this rank's part of the full buffer
-                    self.grad_shards.append(self.flat_grads[index][self._shard(bucket)])
+        """One full flat gradient buffer per bucket, which the layers write into and the all-reduce sums."""
+        for index in range(len(self.buckets)):
+            self._allocate_gradients(index)
+
+    def _shard(self, bucket: Bucket) -> slice:
+        return bucket.shard(self.comm.rank, self.comm.size)
 
     def _allocate_gradients(self, index: int) -> None:
         bucket = self.buckets[index]
@@ -225,42 +198,12 @@ class DataParallel(ParameterHooks):
         for param, offset in zip(bucket.params, bucket.offsets, strict=True):
             param.grad = flat[offset:offset + self._size(param)].reshape(self._shape(param))
 
-    def _free_gradients(self, index: int) -> None:
-        """ZeRO-2/3: the full gradient bucket exists only while backward fills it and it is being reduced."""
-        self.flat_grads[index] = None
-        for param in self.buckets[index].params:
-            param.grad = None
-
-    def _point_parameters_at(self, bucket: Bucket, flat: Array) -> None:
-        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-            param.data = flat[offset:offset + self._size(param)].reshape(self._shape(param))
-
-    def _release_parameters(self, bucket: Bucket) -> None:
-        """ZeRO-3: drop the gathered parameters (the flat buffer goes when its last view does)."""
-        for param in bucket.params:
-            param.data = self._released
-
     def _shape(self, param: Parameter) -> tuple[int, ...]:
         """A parameter's full shape, also while ZeRO-3 has released its data."""
         return self._shapes[id(param)]
 
     def _size(self, param: Parameter) -> int:
         return int(np.prod(self._shape(param), dtype=np.int64))
-
-    def _shard_segments(self) -> list[ShardSegment]:
-        """The pieces of parameters inside this rank's shards, as the optimizer's parameters (ZeRO)."""
-        segments = []
-        for index, bucket in enumerate(self.buckets):
-            shard = self._shard(bucket)
-            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                lo, hi = max(offset, shard.start), min(offset + self._size(param), shard.stop)
-                if lo < hi:
-                    local = slice(lo - shard.start, hi - shard.start)
-                    master = self.master_shards[index][local] if self.master_shards else None
-                    segments.append(ShardSegment(param, lo - offset, hi - offset, self.param_shards[index][local],
-                                                 self.grad_shards[index][local], self._shape(param), self.axes,
-                                                 master))
-        return segments
 
     # -- a step -----------------------------------------------------------------------------------------------
 
@@ -269,17 +212,13 @@ class DataParallel(ParameterHooks):
         return sum(int(np.prod(shape, dtype=np.int64)) for shape in self._shapes.values())
 
     def optimizer_parameters(self) -> list:
-        """What the optimizer updates: the whole parameters (DP) or this rank's shard segments (ZeRO)."""
-        if self.zero == 0:
-            return [p for bucket in self.buckets for p in bucket.params]
-        return self._segments
+        """What the optimizer updates: the whole parameters."""
+        return [p for bucket in self.buckets for p in bucket.params]
 
     def zero_grad(self) -> None:
-        for index, flat in enumerate(self.flat_grads):
+        for flat in self.flat_grads:
             if flat is not None:
                 flat[...] = 0
-            if self.zero >= 1:
-                self.grad_shards[index][...] = 0
 
     @contextmanager
     def microbatch(self, last: bool):
@@ -290,57 +229,24 @@ class DataParallel(ParameterHooks):
     @contextmanager
     def unhooked(self, backward: bool = True):
         """For a caller that runs the model without these hooks — a pipeline schedule, which interleaves
-        microbatches and splits backward, so nothing can be gathered or reduced unit by unit: ZeRO-3 gathers every
-        parameter on entry and frees them on exit; with `backward`, ZeRO-2/3 give every bucket a full gradient
-        buffer for all microbatches to accumulate into, reduce-scattered once by `finish_gradients`.
-
-        Cost against the hooked ZeRO-2/3: one reduce-scatter of G per step instead of one per microbatch, and for
-        ZeRO-3 one all-gather of P per step instead of two per microbatch; while the step runs a rank holds full
-        gradients (and ZeRO-3 full parameters) of its stages, between steps only its shards."""
-        if self.zero == 3:
-            handles = {index: collectives.all_gather_async(shard, self.comm, self.algo)
-                       for index, shard in enumerate(self.param_shards) if self.flat_params[index] is None}
-            for index, handle in handles.items():
-                self.flat_params[index] = handle.wait()
-                self._point_parameters_at(self.buckets[index], self.flat_params[index])
+        microbatches and splits backward, so nothing can be gathered or reduced unit by unit: `finish_gradients`
+        then reduces every bucket once (ZeRO-2 and -3 add their own preparations)."""
         self._unhooked_backward = backward
-        if backward and self.zero >= 2:
-            for index, flat in enumerate(self.flat_grads):
-                if flat is None:
-                    self._allocate_gradients(index)
         try:
             yield
         finally:
             self.release_all()
 
     def _reduces_now(self) -> bool:
-        return self.zero >= 2 or self._last_microbatch
+        """Whether this microbatch's backward reduces: only the last one accumulates into reduced gradients."""
+        return self._last_microbatch
 
     # hooks called by the model around each unit
 
-    def before_forward(self, unit: int) -> None:
-        if self.zero == 3:
-            self._gather_for(unit, backward=False)
-
-    def after_forward(self, unit: int) -> None:
-        if self.zero == 3:
-            self._release_after(unit, backward=False)
-
     def before_backward(self, unit: int) -> None:
-        if self.zero == 3:
-            self._gather_for(unit, backward=True)
-        if self.zero >= 2:
-            for index, bucket in enumerate(self.buckets):
-                if unit in bucket.used_by:
-                    if index in self._in_flight:  # the previous microbatch's reduction still reads the buffer
-                        self._complete_reduction(index)
-                    if self.flat_grads[index] is None:
-                        self._allocate_gradients(index)
         self._progress()
 
     def after_backward(self, unit: int) -> None:
-        if self.zero == 3:
-            self._release_after(unit, backward=True)
         if self.overlap and self._reduces_now():
             for index, bucket in enumerate(self.buckets):
                 if bucket.final_after == unit:
@@ -357,41 +263,281 @@ class DataParallel(ParameterHooks):
             self._complete_reduction(index)
 
     def after_update(self) -> None:
-        """ZeRO-1/2: all-gather the updated parameter shards into the full parameters."""
-        if self.zero in (1, 2):
-            handles = [collectives.all_gather_async(shard, self.comm, self.algo, out=flat)
-                       for shard, flat in zip(self.param_shards, self.flat_params, strict=True)]
-            for handle in handles:
-                handle.wait()
+        """Nothing: every rank updated its whole parameters."""
 
     # -- gradient reductions ---------------------------------------------------------------------------------
 
     def _start_reduction(self, index: int) -> None:
         flat = self.flat_grads[index]
-        if self.zero == 0:
-            handle = collectives.all_reduce_async(flat, self.comm, "sum", self.algo, out=flat)
-        else:
-            handle = collectives.reduce_scatter_async(flat, self.comm, "sum", self.algo)
-        self._in_flight[index] = handle
+        self._in_flight[index] = collectives.all_reduce_async(flat, self.comm, "sum", self.algo, out=flat)
 
     def _complete_reduction(self, index: int) -> None:
-        result = self._in_flight.pop(index).wait()
-        if self.zero == 1:  # reduced once per step, from the last microbatch's full buffer
-            self.grad_shards[index][...] = result
-        elif self.zero >= 2:  # reduced every microbatch, accumulated here
-            self.grad_shards[index] += result
-        if self.zero >= 2:
-            self._free_gradients(index)
+        self._in_flight.pop(index).wait()
 
     def _progress(self) -> None:
-        """Advance every reduction in flight; finish the ones that completed (ZeRO-2/3 frees their buffers)."""
+        """Advance every reduction in flight (MPI progresses a message only while some call is inside it)."""
+        for handle in self._in_flight.values():
+            handle.test()
+
+    # -- inspection ------------------------------------------------------------------------------------------
+
+    def full_parameters(self) -> dict[str, Array]:
+        """Every parameter's full value by name — the master weights under mixed precision (for checkpoints and
+        tests)."""
+        return {param.name: (param.data if param.master is None else param.master).copy()
+                for bucket in self.buckets for param in bucket.params}
+
+    def _unflatten(self, bucket: Bucket, flat: Array) -> dict[str, Array]:
+        return {param.name: flat[offset:offset + self._size(param)].reshape(self._shape(param)).copy()
+                for param, offset in zip(bucket.params, bucket.offsets, strict=True)}
+
+    def release_all(self) -> None:
+        """Free whatever parameters a stage gathered (ZeRO-3, after a forward-only pass such as validation)."""
+
+    def full_gradients(self) -> dict[str, Array]:
+        """Every parameter's reduced gradient by name (tests, debugging)."""
+        grads = {}
+        for index, bucket in enumerate(self.buckets):
+            grads |= self._unflatten(bucket, self._reduced_gradients(index))
+        return grads
+
+    def _reduced_gradients(self, index: int) -> Array:
+        return self.flat_grads[index]
+
+    def memory(self, optimizer: Any) -> dict[str, int]:
+        """Bytes this rank holds between steps in parameters, gradients and optimizer state, from the arrays."""
+        grads = distinct_bytes(self.flat_grads, self.grad_shards)  # ZeRO-1's shards are views of the buffers
+        state = sum(a.nbytes for a in getattr(optimizer, "exp_avg", {}).values())
+        state += sum(a.nbytes for a in getattr(optimizer, "exp_avg_sq", {}).values())
+        # mixed precision: the master weights are optimizer state (the ZeRO paper's 12Ψ = master + m + v)
+        state += sum(s.nbytes for s in self.master_shards) + sum(
+            p.master.nbytes for b in self.buckets for p in b.params if p.master is not None)
+        return {"parameters": self._parameter_bytes(), "gradients": grads, "optimizer_state": state}
+
+    def _parameter_bytes(self) -> int:
+        return sum(p.data.nbytes for b in self.buckets for p in b.params)
+
+
+class ZeRO1(DataParallel):
+    """ZeRO stage 1: the optimizer state is sharded. Each bucket's parameters become views of one flat buffer a
+    rank owns 1/n of; the optimizer updates only this rank's slices (`ShardSegment`s, with the master weights'
+    slices under mixed precision); the last microbatch's gradients are reduce-scattered into that slice, and
+    after the update every rank all-gathers the updated slices back into the full parameters."""
+
+    zero = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._segments = self._shard_segments()
+
+    def _lay_out_parameters(self) -> None:
+        """Parameters become views of flat per-bucket buffers; this rank's slice of each is its shard."""
+        for bucket in self.buckets:
+            flat = self._flat_parameters(bucket)
+            self.flat_params.append(flat)
+            self.param_shards.append(flat[self._shard(bucket)])
+            self._point_parameters_at(bucket, flat)
+
+    def _flat_parameters(self, bucket: Bucket) -> Array:
+        """The bucket's parameters copied into one padded flat buffer (and, under mixed precision, this rank's
+        shard of their master weights kept aside)."""
+        flat = self.xp.zeros(bucket.padded, self.dtype)
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            flat[offset:offset + param.data.size] = param.data.reshape(-1)
+        if self.master_dtype is not None:
+            self.master_shards.append(self._master_shard(bucket))
+        return flat
+
+    def _master_shard(self, bucket: Bucket) -> Array:
+        """This rank's shard of the bucket's master weights; the parameters let go of their whole masters (ZeRO
+        shards them, with the moments: 12Ψ/n of the paper's 16Ψ)."""
+        flat = self.xp.zeros(bucket.padded, self.master_dtype)
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            flat[offset:offset + param.master.size] = param.master.reshape(-1)
+            param.master = None
+        return flat[self._shard(bucket)].copy()
+
+    def _lay_out_gradients(self) -> None:
+        """Full gradient buffers, as plain DP; the reduced shard overwrites this rank's part of each."""
+        super()._lay_out_gradients()
+        self.grad_shards = [flat[self._shard(bucket)] for flat, bucket in zip(self.flat_grads, self.buckets,
+                                                                                strict=True)]
+
+    def _point_parameters_at(self, bucket: Bucket, flat: Array) -> None:
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            param.data = flat[offset:offset + self._size(param)].reshape(self._shape(param))
+
+    def _shard_segments(self) -> list[ShardSegment]:
+        """The pieces of parameters inside this rank's shards, as the optimizer's parameters."""
+        segments = []
+        for index, bucket in enumerate(self.buckets):
+            shard = self._shard(bucket)
+            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                lo, hi = max(offset, shard.start), min(offset + self._size(param), shard.stop)
+                if lo < hi:
+                    local = slice(lo - shard.start, hi - shard.start)
+                    master = self.master_shards[index][local] if self.master_shards else None
+                    segments.append(ShardSegment(param, lo - offset, hi - offset, self.param_shards[index][local],
+                                                 self.grad_shards[index][local], self._shape(param), self.axes,
+                                                 master))
+        return segments
+
+    def optimizer_parameters(self) -> list:
+        """What the optimizer updates: this rank's shard segments."""
+        return self._segments
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for shard in self.grad_shards:
+            shard[...] = 0
+
+    def after_update(self) -> None:
+        """All-gather the updated parameter shards into the full parameters."""
+        handles = [collectives.all_gather_async(shard, self.comm, self.algo, out=flat)
+                   for shard, flat in zip(self.param_shards, self.flat_params, strict=True)]
+        for handle in handles:
+            handle.wait()
+
+    def _start_reduction(self, index: int) -> None:
+        self._in_flight[index] = collectives.reduce_scatter_async(self.flat_grads[index], self.comm, "sum",
+                                                                  self.algo)
+
+    def _complete_reduction(self, index: int) -> None:
+        """Reduced once per step, from the last microbatch's full buffer."""
+        self.grad_shards[index][...] = self._in_flight.pop(index).wait()
+
+    def full_parameters(self) -> dict[str, Array]:
+        """As DP's, with the master weights gathered from their shards under mixed precision."""
+        if not self.master_shards:
+            return super().full_parameters()
+        return self._gathered(self.master_shards)
+
+    def _gathered(self, shards: list[Array]) -> dict[str, Array]:
+        values = {}
+        for bucket, shard in zip(self.buckets, shards, strict=True):
+            values |= self._unflatten(bucket, collectives.all_gather(shard, self.comm, algo="mpi"))
+        return values
+
+    def _reduced_gradients(self, index: int) -> Array:
+        return collectives.all_gather(self.grad_shards[index], self.comm, algo="mpi")
+
+    def _parameter_bytes(self) -> int:
+        return sum(f.nbytes for f in self.flat_params)
+
+
+class ZeRO2(ZeRO1):
+    """ZeRO stage 2: the gradients are sharded too. Every microbatch's gradients are reduce-scattered as soon as a
+    bucket is final and accumulated into this rank's slice; a bucket's full gradient buffer exists only while
+    backward fills it and its reduction reads it."""
+
+    zero = 2
+
+    def _lay_out_gradients(self) -> None:
+        """Per-rank accumulators of the reduced shard; full buffers are made when backward needs them."""
+        self.grad_shards = [self.xp.zeros(bucket.padded // self.comm.size, self.grad_dtype)
+                            for bucket in self.buckets]
+
+    def _free_gradients(self, index: int) -> None:
+        self.flat_grads[index] = None
+        for param in self.buckets[index].params:
+            param.grad = None
+
+    @contextmanager
+    def unhooked(self, backward: bool = True):
+        """With `backward`, every bucket gets a full gradient buffer for all microbatches to accumulate into,
+        reduce-scattered once by `finish_gradients`: one reduce-scatter of G per step instead of one per
+        microbatch, and full gradients held while the step runs."""
+        if backward:
+            for index, flat in enumerate(self.flat_grads):
+                if flat is None:
+                    self._allocate_gradients(index)
+        with super().unhooked(backward):
+            yield
+
+    def _reduces_now(self) -> bool:
+        return True  # every microbatch's gradients are reduced and accumulated
+
+    def before_backward(self, unit: int) -> None:
+        for index, bucket in enumerate(self.buckets):
+            if unit in bucket.used_by:
+                if index in self._in_flight:  # the previous microbatch's reduction still reads the buffer
+                    self._complete_reduction(index)
+                if self.flat_grads[index] is None:
+                    self._allocate_gradients(index)
+        super().before_backward(unit)
+
+    def _complete_reduction(self, index: int) -> None:
+        """Reduced every microbatch, accumulated here; the full buffer is freed."""
+        self.grad_shards[index] += self._in_flight.pop(index).wait()
+        self._free_gradients(index)
+
+    def _progress(self) -> None:
+        """Advance every reduction in flight and finish those done, freeing their buffers."""
         for index, handle in list(self._in_flight.items()):
-            if handle.test() and self.zero >= 2:
+            if handle.test():
                 self._complete_reduction(index)
+
+
+class ZeRO3(ZeRO2):
+    """ZeRO stage 3: the parameters are sharded too. A rank keeps only its slice of each bucket; each unit's
+    buckets are all-gathered before its forward and again before its backward (prefetching the next unit's while
+    this one computes) and freed after, so a rank holds whole parameters of at most two units at a time."""
+
+    zero = 3
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._gathering: dict[int, Any] = {}  # bucket index -> handle of its parameter all-gather
+        super().__init__(*args, **kwargs)
+
+    def _lay_out_parameters(self) -> None:
+        """Only this rank's slice of each bucket is kept; the parameters point at nothing until gathered."""
+        self._released = self.xp.empty(0, self.dtype)  # what a parameter points at between uses
+        for bucket in self.buckets:
+            flat = self._flat_parameters(bucket)
+            self.param_shards.append(flat[self._shard(bucket)].copy())
+            self.flat_params.append(None)
+            self._release_parameters(bucket)
+
+    def _release_parameters(self, bucket: Bucket) -> None:
+        """Drop the gathered parameters (the flat buffer goes when its last view does)."""
+        for param in bucket.params:
+            param.data = self._released
+
+    @contextmanager
+    def unhooked(self, backward: bool = True):
+        """Every parameter is gathered on entry (one all-gather of P per step instead of two per microbatch) and
+        freed on exit."""
+        handles = {index: collectives.all_gather_async(shard, self.comm, self.algo)
+                   for index, shard in enumerate(self.param_shards) if self.flat_params[index] is None}
+        for index, handle in handles.items():
+            self.flat_params[index] = handle.wait()
+            self._point_parameters_at(self.buckets[index], self.flat_params[index])
+        with super().unhooked(backward):
+            yield
+
+    def before_forward(self, unit: int) -> None:
+        self._gather_for(unit, backward=False)
+
+    def after_forward(self, unit: int) -> None:
+        self._release_after(unit, backward=False)
+
+    def before_backward(self, unit: int) -> None:
+        self._gather_for(unit, backward=True)
+        super().before_backward(unit)
+
+    def after_backward(self, unit: int) -> None:
+        self._release_after(unit, backward=True)
+        super().after_backward(unit)
+
+    def after_update(self) -> None:
+        """Nothing: the updated shards are gathered when the next forward needs them."""
+
+    def _progress(self) -> None:
+        super()._progress()
         for handle in self._gathering.values():
             handle.test()
 
-    # -- ZeRO-3 parameter gathering --------------------------------------------------------------------------
+    # -- gathering parameters unit by unit -------------------------------------------------------------------
 
     def _visits(self) -> list[tuple[int, bool]]:
         """The order units run in one microbatch: forward 0…U−1, then backward U−1…0."""
@@ -399,8 +545,8 @@ class DataParallel(ParameterHooks):
         return [(u, False) for u in range(count)] + [(u, True) for u in reversed(range(count))]
 
     def gathers_per_microbatch(self, index: int) -> int:
-        """ZeRO-3: how often bucket `index` is all-gathered in one microbatch — once per run of consecutive
-        units that read it, since it is freed when the next unit does not."""
+        """How often bucket `index` is all-gathered in one microbatch — once per run of consecutive units that
+        read it, since it is freed when the next unit does not."""
         needed = [index in self._needed(unit) for unit, _ in self._visits()]
         return sum(now and (position == 0 or not needed[position - 1]) for position, now in enumerate(needed))
 
@@ -434,61 +580,29 @@ class DataParallel(ParameterHooks):
                 self.flat_params[index] = None
                 self._release_parameters(self.buckets[index])
 
-    # -- inspection ------------------------------------------------------------------------------------------
-
-    def full_parameters(self) -> dict[str, Array]:
-        """Every parameter's full value by name — the master weights under mixed precision — (ZeRO-3, and ZeRO's
-        master shards, gathered; for checkpoints and tests)."""
-        values = {}
-        for index, bucket in enumerate(self.buckets):
-            if self.master_shards:
-                flat = collectives.all_gather(self.master_shards[index], self.comm, algo="mpi")
-                values |= self._unflatten(bucket, flat)
-            elif self.zero == 3:
-                flat = collectives.all_gather(self.param_shards[index], self.comm, algo="mpi")
-                values |= self._unflatten(bucket, flat)
-            else:
-                values |= {param.name: (param.data if param.master is None else param.master).copy()
-                           for param in bucket.params}
-        return values
-
-    def _unflatten(self, bucket: Bucket, flat: Array) -> dict[str, Array]:
-        return {param.name: flat[offset:offset + self._size(param)].reshape(self._shape(param)).copy()
-                for param, offset in zip(bucket.params, bucket.offsets, strict=True)}
-
     def release_all(self) -> None:
-        """ZeRO-3: free every gathered parameter (after a forward-only pass such as validation)."""
+        """Free every gathered parameter (after a forward-only pass such as validation)."""
         for index, bucket in enumerate(self.buckets):
-            if self.zero == 3 and self.flat_params[index] is not None:
+            if self.flat_params[index] is not None:
                 self.flat_params[index] = None
                 self._release_parameters(bucket)
 
-    def full_gradients(self) -> dict[str, Array]:
-        """Every parameter's reduced gradient by name, gathered from the shards under ZeRO (tests, debugging)."""
-        grads = {}
-        for index, bucket in enumerate(self.buckets):
-            if self.zero == 0:
-                flat = self.flat_grads[index]
-            else:
-                flat = collectives.all_gather(self.grad_shards[index], self.comm, algo="mpi")
-            grads |= self._unflatten(bucket, flat)
-        return grads
+    def full_parameters(self) -> dict[str, Array]:
+        """Gathered from the shards: the master weights' under mixed precision, else the parameters'."""
+        return self._gathered(self.master_shards or self.param_shards)
 
-    def memory(self, optimizer: Any) -> dict[str, int]:
-        """Bytes this rank holds between steps in parameters, gradients and optimizer state, from the arrays."""
-        if self.zero == 3:
-            params = sum(s.nbytes for s in self.param_shards)
-        elif self.zero:
-            params = sum(f.nbytes for f in self.flat_params)
-        else:
-            params = sum(p.data.nbytes for b in self.buckets for p in b.params)
-        grads = distinct_bytes(self.flat_grads, self.grad_shards)  # ZeRO-1's shards are views of the buffers
-        state = sum(a.nbytes for a in getattr(optimizer, "exp_avg", {}).values())
-        state += sum(a.nbytes for a in getattr(optimizer, "exp_avg_sq", {}).values())
-        # mixed precision: the master weights are optimizer state (the ZeRO paper's 12Ψ = master + m + v)
-        state += sum(s.nbytes for s in self.master_shards) + sum(
-            p.master.nbytes for b in self.buckets for p in b.params if p.master is not None)
-        return {"parameters": params, "gradients": grads, "optimizer_state": state}
+    def _parameter_bytes(self) -> int:
+        return sum(s.nbytes for s in self.param_shards)
+
+
+STAGES: dict[int, type[DataParallel]] = {0: DataParallel, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
+
+
+def data_parallel(model: Any, comm: Communicator, zero: int = 0, **options: Any) -> DataParallel:
+    """The engine of ZeRO stage `zero` (0: plain data parallelism) over `comm`; `options` as `DataParallel`'s."""
+    if zero not in ZERO_STAGES:
+        raise ConfigError(f"--zero must be one of {ZERO_STAGES}, got {zero}")
+    return STAGES[zero](model, comm, **options)
 
 
 class DataParallelGroups(ParameterHooks):
@@ -571,13 +685,13 @@ def data_parallel_engines(model: Any, mesh: Mesh, zero: int = 0, bucket_mb: floa
     options = {"zero": zero, "bucket_mb": bucket_mb, "overlap": overlap}
     comm, axes = (mesh.dp, ("dp",)) if mesh.shape.cp == 1 else (mesh.dp_cp, ("dp", "cp"))
     if mesh.shape.ep == 1:
-        return DataParallelGroups([DataParallel(model, comm, axes=axes, **options)])
+        return DataParallelGroups([data_parallel(model, comm, axes=axes, **options)])
     for name, param in model.params.items():
         if expert_index(name) is not None:
             param.placement[DP_AXIS] = HELD
     expert_comm = mesh.expert_dp if mesh.shape.cp == 1 else mesh.expert_dp_cp
     expert_axes = ("expert_dp",) if mesh.shape.cp == 1 else ("expert_dp", "cp")
     return DataParallelGroups([
-        DataParallel(model, comm, axes=axes, select=lambda param: expert_index(param.name) is None, **options),
-        DataParallel(model, expert_comm, axes=expert_axes, select=lambda param: expert_index(param.name) is not None,
-                     **options)])
+        data_parallel(model, comm, axes=axes, select=lambda param: expert_index(param.name) is None, **options),
+        data_parallel(model, expert_comm, axes=expert_axes, select=lambda param: expert_index(param.name) is not None,
+                      **options)])

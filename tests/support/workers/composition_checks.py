@@ -129,7 +129,7 @@ def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
     from collectives import Communicator
     from models.transformer import GPTConfig, Transformer
     from mpiparallel import data
-    from mpiparallel.data_parallel import DataParallel
+    from mpiparallel.data_parallel import data_parallel
 
     config = GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     comm = Communicator(MPI.COMM_WORLD)
@@ -139,7 +139,7 @@ def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
     gradients = []
     for hooked in (True, False):
         model = Transformer(config, seed=0, dtype=np.dtype("float64"))
-        engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, overlap=True)
+        engine = data_parallel(model, comm, zero=zero, bucket_mb=0.004, overlap=True)
         engine.zero_grad()
         if hooked:
             for i, (x, y) in enumerate(pieces):

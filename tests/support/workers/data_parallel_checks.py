@@ -8,7 +8,7 @@ import collectives as C
 from models.parameter import counts_once
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import data, optim
-from mpiparallel.data_parallel import DataParallel
+from mpiparallel.data_parallel import DataParallel, data_parallel
 
 from .arrays import host, parallel_array_module
 from .errors import relative_error
@@ -60,7 +60,7 @@ def check_equals_serial(zero: int, microbatch_count: int, overlap: bool = True, 
     serial = Transformer(CONFIG, seed=3, dtype=np.float64)
     serial_optimizer = optim.AdamW(serial.parameters(), lr=LR, weight_decay=0.1)
     model = Transformer(CONFIG, seed=3, dtype=np.float64, xp=parallel_array_module())
-    engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, overlap=overlap)  # ≈4 KB: several buckets
+    engine = data_parallel(model, comm, zero=zero, bucket_mb=0.004, overlap=overlap)  # ≈4 KB: several buckets
     optimizer = optim.AdamW(engine.optimizer_parameters(), lr=LR, weight_decay=0.1)
     tokens, failures = _tokens(), []
     for step in range(steps):
@@ -89,7 +89,7 @@ def ledger_of_one_step(zero: int, batch: int = BATCH) -> dict:
     bytes it holds."""
     comm = C.world()
     model = Transformer(CONFIG, seed=3, dtype=np.float64)
-    engine = DataParallel(model, comm, zero=zero, bucket_mb=0.004, algo="ring")
+    engine = data_parallel(model, comm, zero=zero, bucket_mb=0.004, algo="ring")
     optimizer = optim.AdamW(engine.optimizer_parameters(), lr=LR)
     inputs, targets = data.batch_for_step(_tokens(), 0, batch, LENGTH)
     comm.ledger.reset()
