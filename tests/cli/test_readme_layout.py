@@ -54,3 +54,25 @@ def test_no_module_is_named_twice_in_different_folders():
     twice = {name: folders for name, folders in seen.items() if len(folders) > 1
              and not (len(folders) == 2 and "mpiparallel/commands" in folders)}
     assert not twice, twice
+
+
+def _lines(paths) -> int:
+    return sum(len(path.read_text().splitlines()) for path in paths)
+
+
+def test_the_sizes_the_readme_states_are_within_ten_percent():
+    """The README's line counts of the core, the planner, the job machinery and the command line (a change that
+    moves them by more than 10 % updates the sentence)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(r"is about ([\d,]+) lines of Python \(the planner ([\d,]+) of them\); the job machinery "
+                       r"\(`mpiparallel/jobs/`\) is ([\d,]+) and the command line ([\d,]+) more", text)
+    assert stated, "the README's sentence on the core's size"
+    core, planner, jobs, commands = (int(group.replace(",", "")) for group in stated.groups())
+    python = [path for folder in ("collectives", "models", "mpiparallel") for path in (ROOT / folder).rglob("*.py")]
+    outside = ("jobs", "commands")
+    measured = {"core": _lines(p for p in python if not set(outside) & set(p.relative_to(ROOT).parts)),
+                "planner": _lines((ROOT / "mpiparallel" / "planner").glob("*.py")),
+                "jobs": _lines((ROOT / "mpiparallel" / "jobs").glob("*.py")),
+                "commands": _lines((ROOT / "mpiparallel" / "commands").glob("*.py"))}
+    for name, value in zip(measured, (core, planner, jobs, commands), strict=True):
+        assert abs(measured[name] - value) <= 0.1 * measured[name], (name, value, measured[name])
