@@ -27,6 +27,8 @@ With `GPTConfig.n_experts` > 0 every block's MLP is a mixture of experts (`model
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -636,10 +638,19 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
             x += saved.aux_loss
         return x, saved
 
-    def set_loss_scale(self, scale: float) -> None:
-        """Scale the objective by `scale` from the next forward on: the cross-entropy (its normalizer divided by
-        it) and each router's aux-loss weight, so forward returns and backward differentiates scale·objective.
-        The caller divides the gradients by the same scale before using them (loss scaling, float16)."""
+    @contextmanager
+    def scaled_objective(self, scale: float) -> Iterator[None]:
+        """Inside, the objective is scaled by `scale`: the cross-entropy (its normalizer divided by it) and each
+        router's aux-loss weight, so forward returns and backward differentiates scale·objective; the caller
+        divides the gradients by the same scale before using them (loss scaling, float16). On leaving, the plain
+        objective again (validation's loss is never scaled)."""
+        self._set_loss_scale(scale)
+        try:
+            yield
+        finally:
+            self._set_loss_scale(1.0)
+
+    def _set_loss_scale(self, scale: float) -> None:
         self.loss_scale = scale
         for block in self.blocks:
             router = getattr(getattr(block, "mlp", None), "router", None)

@@ -498,6 +498,10 @@ def deepseek_options(command: Callable) -> Callable:
               help="Activation recomputation (the same numbers, less memory, more compute): selective keeps no "
                    "attention probabilities and recomputes them in backward (no term in seq²); full keeps only "
                    "each block's input and reruns its forward in backward. --memory-report shows the bytes.")
+@click.option("--query-block", type=click.IntRange(min=1), default=default("query_block"),
+              help="Attention's query rows per causal block (the same numbers; larger: fewer, bigger products and "
+                   "more probabilities kept for backward). [default: 64 on a CPU, 1024 on a GPU, where the launches "
+                   "of small blocks set the pace]")
 @click.option("--show-mesh", is_flag=True, default=default("show_mesh"),
               help="Print which world rank holds which mesh coordinates.")
 @click.option("--memory-report", is_flag=True, default=default("memory_report"),

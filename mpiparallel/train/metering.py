@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from .. import traffic
 from ..mesh import Mesh
 from ..pipeline_parallel import TIED_WEIGHT
 from .settings import moment_dtype
+
+if TYPE_CHECKING:
+    from .step import Trainer
 
 
 def sum_array_over(comm: Communicator, values: np.ndarray) -> np.ndarray:
@@ -97,7 +100,7 @@ class StepMeter:
 
 # -- --memory-report -----------------------------------------------------------------------------------------
 
-def memory_report(trainer: Any) -> str:
+def memory_report(trainer: Trainer) -> str:
     """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
     model, mesh, settings = trainer.model, trainer.mesh, trainer.settings
     held = trainer.engine.memory(trainer.optimizer) | {"activations": trainer.passes.activation_bytes}
@@ -129,7 +132,7 @@ def memory_report(trainer: Any) -> str:
     return "\n".join(lines)
 
 
-def block_activation_formula(trainer: Any) -> int:
+def block_activation_formula(trainer: Trainer) -> int:
     """`models.layers.block_activation_elements` for this run's microbatch, in bytes (0: no formula yet for
     context-parallel attention or experts)."""
     settings, config, mesh = trainer.settings, trainer.model.config, trainer.mesh
@@ -143,7 +146,7 @@ def block_activation_formula(trainer: Any) -> int:
 
 # -- bytes per axis beside the formulas ------------------------------------------------------------------------
 
-def traffic_by_axis(trainer: Any, counted: dict[str, int], across_nodes: bool = False) -> list[traffic.AxisTraffic]:
+def traffic_by_axis(trainer: Trainer, counted: dict[str, int], across_nodes: bool = False) -> list[traffic.AxisTraffic]:
     """The step's bytes sent per axis (`counted`, from its log record) beside what the formulas predict;
     `across_nodes`: only the bytes that left the node (`counted` from the record's inter_node_bytes)."""
     settings, model, config = trainer.settings, trainer.model, trainer.model.config
@@ -187,7 +190,7 @@ def traffic_by_axis(trainer: Any, counted: dict[str, int], across_nodes: bool = 
     return traffic.report(counted, predicted)
 
 
-def expert_parallel_formula(trainer: Any, across_nodes: bool) -> float | None:
+def expert_parallel_formula(trainer: Trainer, across_nodes: bool) -> float | None:
     """`traffic.expert_parallel_bytes` on the last step's counts of this rank's MoE layers (None without EP)."""
     model, counts = trainer.model, getattr(trainer.experts, "last_traffic", None)
     if model.ep_comm is None or counts is None:

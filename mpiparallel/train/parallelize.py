@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from models.context_parallel import ContextParallelGroup
+from models.layers import GPU_QUERY_BLOCK, QUERY_BLOCK
 from models.tensor_parallel import TensorParallelTransformer, check_tensor_parallel_shape
 from models.transformer import GPTConfig, Transformer
 
@@ -32,7 +33,7 @@ from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh, MeshShape
 from ..pipeline_parallel import check_tag_space, local_units, place_on_pipeline, stage_units
 from ..schedules import Schedule, build_schedule, default_microbatches, default_virtual_stages
-from .settings import OptimizerSettings, TrainSettings, moment_dtype
+from .settings import ModelSettings, OptimizerSettings, TrainSettings, moment_dtype
 
 
 @dataclass
@@ -119,6 +120,11 @@ def pipeline_schedule(settings: TrainSettings, mesh: Mesh, config: GPTConfig) ->
 
 # -- tp, sp, cp, ep: the model -------------------------------------------------------------------------------
 
+def query_block(model: ModelSettings) -> int:
+    """--query-block, else the device's default (`models.layers.QUERY_BLOCK` on a CPU, `GPU_QUERY_BLOCK` on a GPU)."""
+    return model.query_block or (GPU_QUERY_BLOCK if model.device == "gpu" else QUERY_BLOCK)
+
+
 def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule: Schedule | None,
                 xp: Any = np) -> Transformer:
     """This rank's model: the serial Transformer, or with --tp its tensor-parallel version (this rank's shards of
@@ -137,7 +143,8 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
     check_sequence_balance(settings, mesh, config)
     units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
     common = {"seed": settings.model.seed, "dtype": np.dtype(settings.model.dtype), "xp": xp,
-              "recompute": settings.model.recompute, "compute_dtype": settings.model.compute_dtype,
+              "recompute": settings.model.recompute, "query_block": query_block(settings.model),
+              "compute_dtype": settings.model.compute_dtype,
               "grad_dtype": settings.model.grad_dtype, "fp8": settings.model.fp8, "units": units,
               "context": context(settings, mesh, config)}
     if config.n_experts:  # the token sets one step averages the aux loss over, and this rank's EP group

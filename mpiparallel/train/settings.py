@@ -30,6 +30,7 @@ class ModelSettings:
     device: str = "cpu"
     init: str | None = None
     recompute: str = "none"
+    query_block: int | None = None  # attention's rows per causal block; None: 64 on a CPU, 1024 on a GPU
     experts: int = 0
     top_k: int = 2
     moe_aux_coef: float | None = None  # None: 0.01, or 0 for deepseek_v3 (which balances otherwise)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import parameter
 from models.precision import dtype_named
@@ -26,6 +26,9 @@ from ..text import plural
 from .parallelize import virtual_stages
 from .settings import TrainSettings
 
+if TYPE_CHECKING:
+    from .step import Trainer
+
 
 def gather_over_model_axes(model: Transformer, mesh: Mesh, tensors: dict[str, Any]) -> dict[str, Any]:
     """Whole-along-dp arrays of this rank's pieces (by name) -> the serial tensors in checkpoint order: TP shards
@@ -35,7 +38,7 @@ def gather_over_model_axes(model: Transformer, mesh: Mesh, tensors: dict[str, An
     return {name: whole[name] for name in order if name in whole}
 
 
-def full_model_tensors(trainer: Any) -> dict[str, Any]:
+def full_model_tensors(trainer: Trainer) -> dict[str, Any]:
     """The serial model's tensors by name — parameters gathered over DP (ZeRO-3), TP, PP and EP — then the MoE
     expert biases."""
     biases = {name: bias.copy() for name, bias in trainer.model.expert_biases.items()}
@@ -54,7 +57,7 @@ def save_model(settings: TrainSettings, config: GPTConfig, full: dict[str, Any],
     world.barrier()
 
 
-def save_training_checkpoint(trainer: Any, steps_done: int, batches: data.TokenBatches,
+def save_training_checkpoint(trainer: Trainer, steps_done: int, batches: data.TokenBatches,
                              data_identity: dict[str, Any]) -> Path:
     """Every rank writes the parameters, AdamW moments and expert biases it holds (replicas once), rank 0 the
     manifest (`checkpoints.sharded`); `batches` (the training data's order) places the data position."""
@@ -74,7 +77,7 @@ def save_training_checkpoint(trainer: Any, steps_done: int, batches: data.TokenB
                              names + list(expert_bias_shapes(model.config)) + moments)
 
 
-def save_and_describe(trainer: Any, steps_done: int, batches: data.TokenBatches, data_identity: dict[str, Any]
+def save_and_describe(trainer: Trainer, steps_done: int, batches: data.TokenBatches, data_identity: dict[str, Any]
                       ) -> str:
     """Save a training checkpoint, drop those beyond --keep-checkpoints; the log line that says what it did."""
     started = time.perf_counter()
@@ -92,7 +95,7 @@ def save_and_describe(trainer: Any, steps_done: int, batches: data.TokenBatches,
             f"on disk" + ("" if output.keep_checkpoints else " (--keep-checkpoints N keeps the newest N)"))
 
 
-def _description(trainer: Any, steps_done: int, batches: data.TokenBatches,
+def _description(trainer: Trainer, steps_done: int, batches: data.TokenBatches,
                  data_identity: dict[str, Any]) -> dict[str, Any]:
     """The manifest's account of the run: data position (and the data's fingerprint), settings, the mesh, the
     model, the optimizer scalars, the loss scaler."""
@@ -174,7 +177,7 @@ def load_model_state(path: str, model: Transformer, mesh: Mesh, data_identity: d
     return on_every_rank(mesh.world, load)
 
 
-def load_optimizer_state(trainer: Any, saved: TrainingCheckpoint) -> None:
+def load_optimizer_state(trainer: Trainer, saved: TrainingCheckpoint) -> None:
     """Restore the optimizer (and the loss scaler) from a checkpoint of any mesh: each rank reads its own pieces
     of the moments."""
     optimizer = trainer.optimizer
@@ -208,7 +211,7 @@ class Resume:
         if self.path is not None:
             self.saved = load_model_state(self.path, model, self.mesh, self.data_identity)
 
-    def load_optimizer(self, trainer: Any) -> None:
+    def load_optimizer(self, trainer: Trainer) -> None:
         if self.saved is not None:
             load_optimizer_state(trainer, self.saved)
 

@@ -43,7 +43,6 @@ from .parallelize import Parallel, activation_shape, microbatch_count, microbatc
 from .progress import NO_PROGRESS_REPORTS
 from .scaling import forced_overflows, loss_scaler
 from .settings import TrainSettings
-from .state import gather_over_model_axes
 
 
 class Trainer:
@@ -69,11 +68,11 @@ class Trainer:
         which checkpoint step-k is saved) and whose loss is the batch's before the update."""
         clock, scale = self.meter.start(), self.scaler.scale
         self.progress.at(step + 1, "data")
-        self.model.set_loss_scale(scale)
         pieces = data.microbatches(*self.rows_here(batches, step), self.microbatches)
         self.engine.zero_grad()
         tally = self.experts.new_step()
-        loss = self.passes.forward_backward(pieces, self.global_tokens, tally.add, step)
+        with self.model.scaled_objective(scale):  # float16: S·objective, gradients unscaled in the clip
+            loss = self.passes.forward_backward(pieces, self.global_tokens, tally.add, step)
         self.progress.at(step + 1, "gradients")
         self.engine.finish_gradients()
         reduce_partial_gradients(self.engine.optimizer_parameters(), {"tp": self.mesh.tp})
@@ -139,17 +138,12 @@ class Trainer:
     def evaluate(self, batches: data.TokenBatches | np.ndarray) -> float:
         """Mean loss over the first `eval_batches` held-out batches (in order), each DP rank taking its rows (no
         update)."""
-        self.model.set_loss_scale(1.0)  # no backward here: the plain loss (the next step sets its scale again)
         losses = []
         for i in range(self.settings.data.eval_batches):
             loss = self.passes.forward_only(*self.rows_here(batches, i), self.global_tokens)
             losses.append(self.passes.sum_losses(loss))
             self.engine.release_all()
         return float(np.mean(losses))
-
-    def _gather_over_model_axes(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """Whole-parameter arrays of this rank's shards (by parameter name) -> the serial tensors."""
-        return gather_over_model_axes(self.model, self.mesh, tensors)
 
 
 # -- forward-backward of one step's microbatches -------------------------------------------------------------

@@ -274,3 +274,20 @@ def test_freed_activations_are_reused_without_page_faults_when_malloc_keeps_them
               for mode in ("plain", "keep")}
     assert faults["plain"] > 10 * (8 << 20) // 4096  # glibc hands pages back and faults them in again each step
     assert faults["keep"] < faults["plain"] // 100
+
+
+def test_the_query_block_changes_no_number_and_a_gpu_takes_larger_blocks(tmp_path):
+    """--query-block only regroups attention's products: the float64 losses are equal bit for bit (a block of 5 rows
+    against the default 64, on a sequence of 32 that the default takes in one block and 5 splits into 7)."""
+    logs = {}
+    for block in (None, 5):
+        log = tmp_path / f"block-{block}.jsonl"
+        extra = [] if block is None else ["--query-block", str(block)]
+        result = mpiparallel("train", *TINY, "--steps", "3", "--dtype", "float64", "--log-json", str(log), *extra)
+        assert result.returncode == 0, result.stderr
+        logs[block] = [record["loss"] for record in read_log(log)]
+    assert logs[5] == logs[None] and len(logs[5]) == 3
+    from mpiparallel.train.parallelize import query_block
+    from mpiparallel.train.settings import ModelSettings
+    assert query_block(ModelSettings()) == 64 and query_block(ModelSettings(device="gpu")) == 1024
+    assert query_block(ModelSettings(device="gpu", query_block=32)) == 32

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from mpiparallel.checkpoints import hugging_face
 from mpiparallel.train import loop as train
+from mpiparallel.train.state import gather_over_model_axes
 
 from .arrays import host, parallel_array_module
 from .byte_data import on_bytes
@@ -42,7 +43,7 @@ class RecordingTrainer(train.Trainer):
         """The serial model's gradient of every parameter, gathered over every axis that splits it."""
         engines = getattr(self.engine, "engines", [self.engine])
         held = {name: grad for engine in engines for name, grad in engine.full_gradients().items()}
-        return {name: host(grad) for name, grad in self._gather_over_model_axes(held).items()}
+        return {name: host(grad) for name, grad in gather_over_model_axes(self.model, self.mesh, held).items()}
 
 
 @contextmanager
