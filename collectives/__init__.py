@@ -12,27 +12,31 @@ picks an algorithm for algo="auto"; `native` is the MPI library's own collective
 it imports CuPy only when a communicator is built).
 """
 
-from .api import (
-    ALGORITHMS,
-    CollectiveMismatchError,
-    algorithms,
-    all_gather,
-    all_gather_async,
-    all_reduce,
-    all_reduce_async,
-    all_to_all,
-    all_to_allv,
-    broadcast,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_async,
-    world,
-)
-from .blocks import OPS
-from .communicator import CollectiveHandle, Communicator, Ledger
+from typing import Any
 
-__all__ = [
-    "ALGORITHMS", "OPS", "CollectiveHandle", "CollectiveMismatchError", "Communicator", "Ledger", "algorithms",
-    "all_gather", "all_gather_async", "all_reduce", "all_reduce_async", "all_to_all", "all_to_allv", "broadcast",
-    "reduce", "reduce_scatter", "reduce_scatter_async", "world",
-]
+_NAMES = {
+    "api": ("ALGORITHMS", "CollectiveMismatchError", "algorithms", "all_gather", "all_gather_async", "all_reduce",
+            "all_reduce_async", "all_to_all", "all_to_allv", "broadcast", "reduce", "reduce_scatter",
+            "reduce_scatter_async", "world"),
+    "blocks": ("OPS",),
+    "communicator": ("CollectiveHandle", "Communicator", "Ledger"),
+}
+_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported from their modules on first use: importing the package alone (or a light module
+    of it, `collectives.flight`) loads neither NumPy nor MPI, so a process can set its BLAS threads after it."""
+    from importlib import import_module
+
+    module = _MODULE_OF.get(name)
+    if module is None:  # a submodule, as `import collectives.backend` would have made it an attribute
+        try:
+            return import_module(f".{name}", __name__)
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'collectives' has no attribute {name!r}") from None
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

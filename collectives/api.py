@@ -43,8 +43,9 @@ from .arguments import (
 from .backend import Array, get_array_module, is_floating, needs_words
 from .blocks import OPS, check_op, finish_average, reducer
 from .bruck import bruck_all_gather, bruck_all_to_all
-from .communicator import CollectiveHandle, Communicator, Steps, in_words
+from .communicator import CollectiveHandle, Communicator, Steps, in_words, tracked
 from .cost_model import auto_algorithm, precision_choice
+from .flight import Call
 from .hierarchical import hierarchical_all_gather, hierarchical_all_reduce, hierarchical_reduce_scatter
 from .mpi import MPI
 from .pairwise import pairwise_all_reduce, pairwise_all_to_all, pairwise_all_to_allv, pairwise_reduce_scatter
@@ -158,12 +159,14 @@ def all_to_allv(x: Array, send_counts: Sequence[int], comm: Any, algo: str = "au
     xp, row = get_array_module(x), int(np.prod(x.shape[1:], dtype=np.int64))
     out = xp.empty((sum(recv_counts), *x.shape[1:]), x.dtype)
     src, dst = flat(x), out.reshape(-1)
+    call = comm.flight.open("all_to_allv", algo, x.dtype, x.size, x.nbytes)
     if algo == "mpi":
         native.mpi_all_to_allv(src, [c * row for c in send_counts], dst, [c * row for c in recv_counts], comm.comm)
+        _close(call)
     else:
         steps = pairwise_all_to_allv(src, row_offsets(send_counts, row), dst, row_offsets(recv_counts, row),
                                      comm.rank, comm.size)
-        comm.run(in_words(steps) if needs_words(x.dtype) else steps, "all_to_allv")
+        comm.run(tracked(in_words(steps) if needs_words(x.dtype) else steps, call), "all_to_allv")
     return out, recv_counts
 
 
@@ -175,10 +178,13 @@ def broadcast(x: Array, comm: Any, root: int = 0, algo: str = "auto", out: Array
     buf = out.ravel()  # flat(out), inlined here and below: a call costs a visible share of a small collective
     if comm.rank == root and out is not x:
         buf[...] = x.ravel()
+    call = comm.flight.open("broadcast", plan.algo, x.dtype, x.size, x.nbytes, root)
     if plan.native:
         plan.algorithm(buf, *plan.arguments)
     elif plan.algorithm is not None:
-        comm.run(plan.steps(buf), "broadcast")
+        comm.run(tracked(plan.steps(buf), call), "broadcast")
+        return out
+    _close(call)
     return out
 
 
@@ -190,12 +196,15 @@ def reduce(x: Array, comm: Any, root: int = 0, op: str = "sum", algo: str = "aut
     plan = _plan(comm, "reduce", x, op, algo, root, False)
     result = output_array(x, out, plan.out_shape)  # off the root it is the accumulator the tree algorithms need
     src, dst = x.ravel(), result.ravel()
+    call = comm.flight.open("reduce", plan.algo, x.dtype, x.size, x.nbytes, root)
     if plan.native:
         plan.algorithm(src, dst, *plan.arguments)
     elif plan.algorithm is not None:
-        comm.run(plan.steps(src, dst), "reduce")
+        comm.run(tracked(plan.steps(src, dst), call), "reduce")
+        call = None  # closed by its steps
     else:
         dst[...] = src
+    _close(call)
     return result if comm.rank == root else None
 
 
@@ -217,17 +226,26 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
     plan = _plan(comm, name, x, op, algo, 0, asynchronous)
     out = output_array(x, out, plan.out_shape)
     src, dst = x.ravel(), out.ravel()
+    call = comm.flight.open(name, plan.algo, x.dtype, x.size, x.nbytes)
     if plan.native:
         plan.algorithm(src, dst, *plan.arguments)
     elif plan.algorithm is None:  # one rank, or nothing to send
         dst[...] = src
         if asynchronous:
-            return comm.start(iter(()), name, out)
+            return comm.start(tracked(iter(()), call), name, out)
     elif asynchronous:
-        return comm.start(plan.steps(src, dst), name, out)
+        return comm.start(tracked(plan.steps(src, dst), call), name, out)
     else:
-        comm.run(plan.steps(src, dst), name)
+        comm.run(tracked(plan.steps(src, dst), call), name)
+        return out
+    _close(call)
     return out
+
+
+def _close(call: Call | None) -> None:
+    """Close a flight-recorder call that ran without steps (MPI's own collective, or nothing to send)."""
+    if call is not None:
+        call.close()
 
 
 class _Plan:

@@ -43,6 +43,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from .backend import Array, HostStaging, as_words
+from .flight import Call, FlightRecorder, recorded_calls
 from .mpi import MPI
 from .topology import NodeLayout, emulated_inter_node_link, node_labels
 
@@ -147,6 +148,25 @@ def _byte_buffer(x: Array) -> list:
     return [as_words(x), MPI.BYTE]
 
 
+def world_ranks(comm: MPI.Comm) -> tuple[int, ...]:
+    """The world rank of each rank of `comm`, in `comm`'s order."""
+    return tuple(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                           MPI.COMM_WORLD.Get_group()))
+
+
+def tracked(steps: Steps, call: Call | None) -> Steps:
+    """`steps` unchanged, telling the flight recorder's `call` which step runs and with which peers (-1: no send
+    or no receive), and closing it when the steps run out — after the last one completed."""
+    if call is None:
+        yield from steps
+        return
+    for index, step in enumerate(steps):
+        call.step, call.dest = index, -1 if step.send is None else step.dest
+        call.source = -1 if step.recv is None else step.source
+        yield step
+    call.close()
+
+
 def in_words(steps: Steps) -> Steps:
     """`steps` with every buffer viewed as unsigned words (`backend.as_words`): the form in which arrays of a
     dtype MPI cannot take (bfloat16) travel. The algorithm keeps its typed views for its local work."""
@@ -206,6 +226,7 @@ class Communicator:
         self.remote = tuple(n != self.node for n in self.nodes) if self.topology.spans_nodes else None
         link = emulated_inter_node_link() if self.remote is not None else None
         self.emulated_link = link
+        self.flight = FlightRecorder(recorded_calls(), members=world_ranks(comm), rank=self.rank)
 
     @classmethod
     def of(cls, comm: MPI.Comm | Communicator) -> Communicator:
@@ -263,10 +284,31 @@ class Communicator:
     def barrier(self) -> None:
         self.comm.Barrier()
 
-    def split(self, color: int, key: int = 0) -> Communicator:
-        """Sub-communicator of the ranks with the same `color`, ordered by `key` (MPI_Comm_split)."""
-        return Communicator(self.comm.Split(color, key), check_arguments=self.check_arguments,
-                            segment_bytes=self.segment_bytes, node=self.node)
+    # -- small agreements: MPI's own collectives on Python objects, kept in the flight recorder -----------------
+
+    def allgather_objects(self, value: Any) -> list[Any]:
+        """Every rank's `value` (any picklable object), in rank order (for agreements: an error, a choice)."""
+        call = self.flight.open("allgather_objects", "mpi", "object", 1, 0)
+        gathered = self.comm.allgather(value)
+        if call is not None:
+            call.close()
+        return gathered
+
+    def broadcast_object(self, value: Any, root: int = 0) -> Any:
+        """`root`'s `value` (any picklable object) on every rank."""
+        call = self.flight.open("broadcast_object", "mpi", "object", 1, 0, root)
+        value = self.comm.bcast(value, root=root)
+        if call is not None:
+            call.close()
+        return value
+
+    def split(self, color: int, key: int = 0, label: str = "") -> Communicator:
+        """Sub-communicator of the ranks with the same `color`, ordered by `key` (MPI_Comm_split); `label` names
+        it in the flight recorder's dumps (a mesh axis)."""
+        sub = Communicator(self.comm.Split(color, key), check_arguments=self.check_arguments,
+                           segment_bytes=self.segment_bytes, node=self.node)
+        sub.flight.label = label
+        return sub
 
     def _emulated_step(self, send: Array | None, dest: int, recv: Array | None, source: int, tag: int) -> None:
         """One step over the emulated slow link: the receive posted first, the send delayed if it crosses nodes,

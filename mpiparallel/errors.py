@@ -83,7 +83,7 @@ def on_every_rank(comm: Communicator, action: Callable[[], Result]) -> Result:
         result, error = action(), None
     except ConfigError as raised:
         result, error = None, (type(raised) is CorruptCheckpoint, str(raised))
-    errors = [error for error in comm.comm.allgather(error) if error]
+    errors = [error for error in comm.allgather_objects(error) if error]
     if errors:
         corrupt, message = errors[0]
         raise (CorruptCheckpoint if corrupt else ConfigError)(message)

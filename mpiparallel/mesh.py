@@ -95,21 +95,23 @@ class Mesh:
         self.coordinates = coordinates_of(self.world.rank, self.shape)
         c = self.coordinates
         # Split colors: ranks with equal color form a group; the key orders them by the axis coordinate.
-        self.tp = self._split((c.pp, c.dp, c.cp), c.tp)
-        self.cp = self._split((c.pp, c.dp, c.tp), c.cp)
-        self.dp = self._split((c.pp, c.cp, c.tp), c.dp)
-        self.pp = self._split((c.dp, c.cp, c.tp), c.pp)
-        self.dp_cp = self._split((c.pp, c.tp), c.dp * self.shape.cp + c.cp)
+        self.tp = self._split((c.pp, c.dp, c.cp), c.tp, "tp")
+        self.cp = self._split((c.pp, c.dp, c.tp), c.cp, "cp")
+        self.dp = self._split((c.pp, c.cp, c.tp), c.dp, "dp")
+        self.pp = self._split((c.dp, c.cp, c.tp), c.pp, "pp")
+        self.dp_cp = self._split((c.pp, c.tp), c.dp * self.shape.cp + c.cp, "dp_cp")
         ep = self.shape.ep
-        self.ep = self._split((c.pp, c.cp, c.tp, c.dp // ep), c.dp % ep)
-        self.expert_dp = self._split((c.pp, c.cp, c.tp, c.dp % ep), c.dp // ep)
-        self.expert_dp_cp = self._split((c.pp, c.tp, c.dp % ep), (c.dp // ep) * self.shape.cp + c.cp)
+        self.ep = self._split((c.pp, c.cp, c.tp, c.dp // ep), c.dp % ep, "ep")
+        self.expert_dp = self._split((c.pp, c.cp, c.tp, c.dp % ep), c.dp // ep, "expert_dp")
+        self.expert_dp_cp = self._split((c.pp, c.tp, c.dp % ep), (c.dp // ep) * self.shape.cp + c.cp,
+                                        "expert_dp_cp")
+        self.world.flight.label = self.world.flight.label or "world"
 
-    def _split(self, color: tuple[int, ...], key: int) -> Communicator:
+    def _split(self, color: tuple[int, ...], key: int, label: str) -> Communicator:
         flat_color = 0
         for part in color:  # a unique integer per color tuple (each part < world size)
             flat_color = flat_color * self.world.size + part
-        return self.world.split(flat_color, key)
+        return self.world.split(flat_color, key, label)
 
     def expert_coordinates(self) -> dict[str, int]:
         """This rank's coordinates on the two axes expert parallelism splits dp into: dp = expert_dp·ep + ep."""

@@ -26,6 +26,7 @@ from ..train.settings import default
 from .checkpoint import checkpoint as checkpoint_command
 from .cluster import cluster as cluster_command
 from .data import data as data_command
+from .debug import debug as debug_command
 from .option_needs import check_needs
 from .plan import plan as plan_command
 from .plot import plot as plot_command
@@ -422,6 +423,12 @@ def deepseek_options(command: Callable) -> Callable:
               help="With -n: when no rank has made progress for this long, end the job with one line naming the rank "
                    "behind and where each rank is (a stopped, deadlocked or starved rank would otherwise hold the "
                    "others in their next collective forever); --elastic relaunches without that rank. 0: never.")
+@click.option("--flight-dir", type=click.Path(file_okay=False), default=default("flight_dir"),
+              envvar="MPIPARALLEL_FLIGHT_DIR", show_envvar=True,
+              help="Where each rank writes its flight recorder (flight-rank-K.json: its last calls on every "
+                   "communicator) on SIGUSR2, on an error and when the stall watchdog ends the job; `mpiparallel "
+                   "debug hang DIR` reads them. MPIPARALLEL_FLIGHT=N keeps N calls per communicator (default 512; 0: "
+                   "off). [default: the working directory]")
 @click.option("--eval-every", type=click.IntRange(min=0), default=default("eval_every"),
               help="Steps between validation losses on held-out data (0: none).")
 @click.option("--eval-batches", type=click.IntRange(min=1), default=default("eval_batches"),
@@ -548,10 +555,15 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
         run_elastic(ranks, _argv(ctx), options, {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep},
                     ctx.meta.get(HOSTFILE))
     launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE),
-                             StallWatch(options["stall_timeout"], options["log_json"]))
+                             StallWatch(options["stall_timeout"], options["log_json"], options["flight_dir"]))
     process.limit_blas_threads(threads)
     process.keep_freed_memory()
+    from collectives import flight
+
     from .. import train as training
+
+    if options["flight_dir"] is not None:
+        flight.dump_folder = Path(options["flight_dir"])
 
     settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     ctx.exit(training.run(settings))
@@ -656,3 +668,4 @@ main.add_command(plan_command)
 main.add_command(data_command)
 main.add_command(cluster_command)
 main.add_command(plot_command)
+main.add_command(debug_command)

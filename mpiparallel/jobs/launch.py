@@ -285,6 +285,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         def end_stalled(found: Stall) -> None:
             if ending.acquire(blocking=False):
                 stalls.append(found)
+                _collect_flight_records(pids, stall.flight_dir)
                 _end_job(process, pids)
 
         try:
@@ -325,8 +326,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     for thread in (monitor, watchdog):
         if thread is not None:
             thread.stop()
-    if stalls:  # one line, in place of all that mpiexec and the ranks said about their ends
+    if stalls:  # one line, in place of all that mpiexec and the ranks said about their ends, then the records
         print(stalls[0].message(), file=sys.stderr, flush=True)
+        print(_flight_report(stall.flight_dir if stall is not None else None), file=sys.stderr, flush=True)
         if stall is not None:
             stall.log(stalls[0])
         return JobOutcome(ExitCode.STALL, lost_ranks=stalls[0].behind, stall=stalls[0])
@@ -350,6 +352,52 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     else:
         sys.stderr.buffer.write(b"".join(held or []))
     return JobOutcome(_job_status(status, lost, lost_ranks, stopped), lost, lost_ranks)
+
+
+def _collect_flight_records(pids: Path, folder: str | None, wait_s: float | None = None) -> None:
+    """Ask every rank for its flight recorder (SIGUSR2) and wait until each rank that can has written it: a
+    stopped or dead rank never will, so at most `wait_s` (default `FLIGHT_WAIT_S`)."""
+    wait_s = FLIGHT_WAIT_S if wait_s is None else wait_s
+    folder_path = Path(folder or ".")
+    started = time.time()
+    asked = {}
+    for pid, (rank, _) in _registered(pids).items():
+        try:
+            os.kill(pid, signal.SIGUSR2)
+            asked[rank] = pid
+        except OSError:
+            pass  # ended already
+    while time.time() - started < wait_s:
+        written = {rank for rank in asked if _dumped_since(folder_path / f"flight-rank-{rank}.json", started)}
+        if all(rank in written or _stopped(pid) for rank, pid in asked.items()):
+            return
+        time.sleep(0.05)
+
+
+def _dumped_since(path: Path, moment: float) -> bool:
+    try:
+        return path.stat().st_mtime >= moment - 1.0
+    except OSError:
+        return False
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger) or gone: it will not answer."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _flight_report(folder: str | None) -> str:
+    """The analysis of the ranks' flight recorders (`hang.analyse`), indented under the stall's line."""
+    from .hang import analyse
+
+    try:
+        lines = analyse(folder or ".")
+    except ConfigError as error:
+        return f"  (no flight records: {error})"
+    return "\n".join("  " + line for line in lines)
 
 
 def _job_status(status: int, lost: Sequence[multi_host.LostHost], lost_ranks: Sequence[int],
@@ -634,6 +682,9 @@ def lost_rank_message(banner: str, ranks: Mapping[int, tuple[int, str]], order: 
 ENDINGS_SETTLE_S = 10.0
 """How long the parent waits, after mpiexec ended, for its watcher to note how the ranks ended."""
 
+FLIGHT_WAIT_S = 3.0
+"""How long the parent waits for the ranks' flight recorders when the stall watchdog ends a job."""
+
 PEER_DEATH_GRACE_S = 1.0
 """How long a rank that got an MPI error waits before MPI_Abort (mpiexec usually ends it sooner)."""
 
@@ -680,8 +731,13 @@ def run_guarded(entry: Callable[[], int | None]) -> NoReturn:
     """Run `entry` (a command's body) on this rank and exit with its status, ending the job cleanly on error.
 
     Usage errors (click's, `ConfigError`) are printed by rank 0 only and every rank exits with their status;
-    any other exception is reported by the rank that raised it and aborts every rank (MPI_Abort).
+    any other exception is reported by the rank that raised it and aborts every rank (MPI_Abort). A rank of an
+    MPI job writes its flight recorder (`collectives.flight`) on SIGUSR2 and before it aborts on an error.
     """
+    if launched_by_mpi():  # a rank (it imports the collectives anyway; a parent or `--help` need not)
+        from collectives import flight
+
+        flight.dump_on_signal(launcher_rank())  # first: every thread started later inherits the blocked signal
     try:
         status = entry()
     except (click.ClickException, ConfigError) as error:
@@ -691,6 +747,10 @@ def run_guarded(entry: Callable[[], int | None]) -> NoReturn:
         _abort(ExitCode.INTERRUPTED, ABORTED)
     except Exception as error:
         _report_crash(error)
+        if launched_by_mpi():
+            from collectives import flight
+
+            flight.dump(launcher_rank(), f"error: {_describe(error)}")
         if not _is_mpi_error(error):
             time.sleep(MESSAGE_GRACE_S)
             _abort(ExitCode.CRASH, ABORTED)

@@ -76,6 +76,7 @@ class StallWatch:
 
     timeout: float = 0.0
     log_json: str | None = None
+    flight_dir: str | None = None  # where the ranks write their flight recorders (None: the working directory)
 
     def log(self, stall: Stall) -> None:
         if self.log_json is not None:

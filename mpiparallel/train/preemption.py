@@ -20,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from collectives.communicator import world_ranks
+from collectives.flight import FlightRecorder, recorded_calls
+
 from ..errors import signal_exit_code
 
 PREEMPTING_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -31,7 +34,9 @@ class Preemption:
 
     def __init__(self, world: Any) -> None:
         self.comm, self.received = world.comm.Dup(), 0  # its own communicator: never interleaved with the step's
+        self.flight = FlightRecorder(recorded_calls(), "preemption", world_ranks(self.comm), world.rank)
         self.pending: Any = None
+        self.call: Any = None
         self.sent, self.result = np.zeros(1, np.int64), np.zeros(1, np.int64)
         if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
             for number in PREEMPTING_SIGNALS:
@@ -47,15 +52,23 @@ class Preemption:
         answer = 0
         if self.pending is not None:
             self.pending.Wait()
+            self._close_call()
             answer = int(self.result[0])
         self.sent[0] = self.received
+        self.call = self.flight.open("all_reduce", "mpi", "int64", 1, 8)
         self.pending = self.comm.Iallreduce(self.sent, self.result, op=MPI.MAX)
         return answer
+
+    def _close_call(self) -> None:
+        if self.call is not None:
+            self.call.close()
+            self.call = None
 
     def close(self) -> None:
         """Complete the last all-reduce and free the communicator (every rank, at the end of the loop)."""
         if self.pending is not None:
             self.pending.Wait()
+            self._close_call()
             self.pending = None
         self.comm.Free()
 

@@ -122,6 +122,7 @@ class OutputSettings:
     resume_from: str | None = None  # a step of checkpoint_dir, or a checkpoint folder (implies resume)
     log_json: str | None = None
     tensorboard: str | None = None  # a folder for TensorBoard's event files (needs tensorboardX)
+    flight_dir: str | None = None  # where ranks write flight-rank-K.json (None: $MPIPARALLEL_FLIGHT_DIR, else .)
     trace: str | None = None
     sample_tokens: int = 0
     show_mesh: bool = False

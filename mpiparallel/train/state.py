@@ -134,7 +134,7 @@ def checkpoint_to_resume(settings: TrainSettings, mesh: Mesh) -> str | None:
                               f"counts from the start of training: give --steps above {step} to train on")
         return str(path)
 
-    return mesh.world.comm.bcast(on_every_rank(mesh.world, choose), root=0)
+    return mesh.world.broadcast_object(on_every_rank(mesh.world, choose), root=0)
 
 
 def _resume_path(directory: str | None, resume_from: str | None) -> Path:

@@ -1,0 +1,169 @@
+"""The flight recorder (`collectives.flight`) and the hang analysis (`mpiparallel debug hang`): jobs hung on
+purpose — a rank that skips a collective, a size mismatch, a rank stopped inside a collective — under a bare
+mpiexec with SIGUSR2, and under the self-launching parent's stall watchdog; the analysis names the rank, the call
+and the peer each time. With the recorder off, the same dumps name nothing (the last test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi_harness import mpiexec_path
+from processes import ended, processes_under, start_job
+
+from collectives import flight
+from mpiparallel.jobs.hang import analyse
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = ROOT / "tests" / "support" / "hang_program.py"
+
+
+def _rank_pids(job: subprocess.Popen, ranks: int, timeout: float = 60) -> dict[int, int]:
+    """Rank -> PID of the job's ranks (the processes below it running the program, by their PMI_RANK)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {}
+        for pid in processes_under(job.pid):
+            try:
+                environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if PROGRAM.name.encode() in command and b"mpiexec" not in command:
+                for entry in environment:
+                    if entry.startswith(b"PMI_RANK="):
+                        found[int(entry.split(b"=")[1])] = pid
+        if len(found) == ranks:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"the job's {ranks} ranks did not all start within {timeout} s")
+
+
+def _hang(scenario: str, ranks: int, folder: Path, stop: int | None = None,
+          env: dict[str, str] | None = None) -> list[str]:
+    """Run a scenario of hang_program.py, wait until every rank is past its first calls (and `stop` stopped), send
+    SIGUSR2 to every rank, collect the dumps, end the job; the analysis's lines."""
+    job = start_job([mpiexec_path(), "-n", str(ranks), sys.executable, str(PROGRAM), scenario, str(folder)],
+                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    pids = _rank_pids(job, ranks)
+    deadline = time.monotonic() + 60
+    while not all((folder / f"ready-{rank}").exists() for rank in range(ranks)):
+        assert time.monotonic() < deadline and job.poll() is None, ended(job, timeout=5)
+        time.sleep(0.05)
+    if stop is not None:
+        os.kill(pids[stop], signal.SIGSTOP)
+    time.sleep(1.0)  # long enough for every rank to be inside the call it hangs in
+    asked = time.time()
+    for rank, pid in pids.items():
+        if rank != stop:
+            os.kill(pid, signal.SIGUSR2)
+    while not all(_written_after(folder / f"flight-rank-{rank}.json", asked) for rank in pids if rank != stop):
+        assert time.time() - asked < 20, "the ranks did not write their flight records within 20 s"
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    ended(job, timeout=30)
+    return analyse(folder)
+
+
+def _written_after(path: Path, moment: float) -> bool:
+    return path.exists() and path.stat().st_mtime >= moment - 0.5 and path.read_text().endswith("}")
+
+
+def test_a_rank_that_skips_a_collective_is_named_with_where_it_is_instead(tmp_path):
+    lines = _hang("skip", 3, tmp_path)
+    report = "\n".join(lines)
+    assert "flight records of 3 of 3 ranks" in report, report
+    assert "rank 2 never entered #3: its last call here is #2; it is in pair {1,2} all_reduce #0" in report, report
+    assert "receiving from rank 1" in report, report
+    assert "world {0,1,2}: rank 0 waits in all_reduce #3 (ring, float64, 1000 elements, step 0" in report, report
+    assert "rank 1 waits in all_reduce #3" in report, report
+
+
+def test_a_size_mismatch_is_named_with_both_sizes(tmp_path):
+    lines = _hang("mismatch", 2, tmp_path)
+    report = "\n".join(lines)
+    assert "world {0,1}: mismatch at #2: rank 0: all_reduce of 1000 float64; rank 1: all_reduce of 2000 float64" \
+        in report, report
+    reasons = {json.loads((tmp_path / f"flight-rank-{rank}.json").read_text())["reason"] for rank in (0, 1)}
+    assert "SIGUSR2" in reasons
+
+
+def test_a_rank_stopped_inside_a_collective_is_named_as_missing_and_as_the_peer_the_others_wait_on(tmp_path):
+    lines = _hang("loop", 2, tmp_path, stop=1)
+    report = "\n".join(lines)
+    assert "flight records of 1 of 2 ranks" in report, report
+    assert "no dump from rank 1: stopped or dead" in report, report
+    assert "world {0,1}: rank 0 waits in all_reduce #" in report and "receiving from rank 1" in report, report
+
+
+def test_the_stall_watchdog_adds_the_flight_records_to_its_line(tmp_path):
+    """`train -n 2 --stall-timeout 3` with rank 1 stopped: the stall's line, then the analysis of the records the
+    parent asked the ranks for — rank 0 waiting in the gradient all-reduce on rank 1, rank 1 without a dump."""
+    log = tmp_path / "log.jsonl"
+    job = start_job([sys.executable, "-m", "mpiparallel", "train", "-n", "2", "--n-layer", "1", "--n-embd", "32",
+                     "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--steps", "100000",
+                     "--stall-timeout", "3", "--log-json", str(log), "--flight-dir", str(tmp_path)],
+                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and job.poll() is None, ended(job, timeout=5)
+        time.sleep(0.1)
+    stopped = [pid for pid in processes_under(job.pid)
+               if b"PMI_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+               and b"mpiparallel" in Path(f"/proc/{pid}/cmdline").read_bytes()
+               and b"mpiexec" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(stopped) == 1, stopped
+    os.kill(stopped[0], signal.SIGSTOP)
+    try:
+        status, _, stderr = ended(job, timeout=60)
+    finally:
+        os.kill(stopped[0], signal.SIGCONT)
+    assert status == 7, stderr
+    assert "mpiparallel: stalled: rank 1" in stderr, stderr
+    assert "no dump from rank 1: stopped or dead" in stderr, stderr
+    assert "rank 0 waits in all_reduce #" in stderr and "receiving from rank 1" in stderr, stderr
+
+
+def test_with_the_recorder_off_the_same_hang_names_nothing(tmp_path):
+    """MPIPARALLEL_FLIGHT=0: the dumps hold no calls, so the analysis that named rank 2 above finds no one."""
+    lines = _hang("skip", 3, tmp_path, env={"MPIPARALLEL_FLIGHT": "0"})
+    report = "\n".join(lines)
+    assert "rank 2 never entered" not in report and "waits in" not in report, report
+    assert "every communicator agrees" in report
+
+
+def test_the_recorder_keeps_the_last_calls_and_its_size_is_checked():
+    recorder = flight.FlightRecorder(3, label="x", members=(0,))
+    for count in range(5):
+        recorder.open("all_reduce", "ring", "float32", count, 4 * count).close()
+    assert [call["count"] for call in recorder.as_dict()["calls"]] == [2, 3, 4]
+    assert [call["seq"] for call in recorder.as_dict()["calls"]] == [2, 3, 4]
+    assert flight.recorded_calls({}) == flight.DEFAULT_CALLS and flight.recorded_calls({"MPIPARALLEL_FLIGHT": "0"}) == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(ValueError, match="MPIPARALLEL_FLIGHT"):
+            flight.recorded_calls({"MPIPARALLEL_FLIGHT": bad})
+
+
+def test_debug_hang_on_a_folder_without_dumps_is_one_clear_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mpiparallel", "debug", "hang", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no flight-recorder dumps" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_rank_sets_up_its_recorder_without_importing_numpy():
+    """`run_guarded` arms the dump before the command runs; that must not load NumPy, whose BLAS fixes its thread
+    count when it loads — before `train` has set each rank's share (a 15× slower step on 2 ranks, seen once)."""
+    program = ("import sys; from mpiparallel.jobs import launch; "
+               "launch.run_guarded(lambda: print('numpy' in sys.modules, 'mpi4py.MPI' in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PMI_RANK": "0", "PMI_SIZE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"], result.stdout
