@@ -108,6 +108,7 @@ def dump_all(path: str | Path, rank: int, reason: str) -> Path:
     recorders = [recorder.as_dict() for recorder in list(_RECORDERS) if recorder.members]
     record = {"rank": rank, "world": max((len(r["members"]) for r in recorders), default=0), "pid": os.getpid(),
               "reason": reason, "time": time.time(), "communicators": recorders}
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(record))
     partial.replace(path)

@@ -426,9 +426,9 @@ def deepseek_options(command: Callable) -> Callable:
 @click.option("--flight-dir", type=click.Path(file_okay=False), default=default("flight_dir"),
               envvar="MPIPARALLEL_FLIGHT_DIR", show_envvar=True,
               help="Where each rank writes its flight recorder (flight-rank-K.json: its last calls on every "
-                   "communicator) on SIGUSR2, on an error and when the stall watchdog ends the job; `mpiparallel "
-                   "debug hang DIR` reads them. MPIPARALLEL_FLIGHT=N keeps N calls per communicator (default 512; 0: "
-                   "off). [default: the working directory]")
+                   "communicator) on SIGUSR2, on an error and when the stall watchdog ends the job — and, given "
+                   "here, at the end of the run; `mpiparallel debug hang DIR` reads them. MPIPARALLEL_FLIGHT=N keeps "
+                   "N calls per communicator (default 512; 0: off). [default: the working directory]")
 @click.option("--eval-every", type=click.IntRange(min=0), default=default("eval_every"),
               help="Steps between validation losses on held-out data (0: none).")
 @click.option("--eval-batches", type=click.IntRange(min=1), default=default("eval_batches"),
@@ -566,7 +566,10 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
         flight.dump_folder = Path(options["flight_dir"])
 
     settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-    ctx.exit(training.run(settings))
+    status = training.run(settings)
+    if options["flight_dir"] is not None:  # asked for: the last calls of a finished run too
+        flight.dump(launch.current_rank(), "end of run")
+    ctx.exit(status)
 
 
 def _check_checkpoint_options(options: dict[str, Any]) -> None:

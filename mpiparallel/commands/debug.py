@@ -23,9 +23,12 @@ def hang(directory: Path) -> None:
     Ranks write their dumps on SIGUSR2 (any launcher: `pkill -USR2 -f 'mpiparallel train'`), on an error, and
     when the stall watchdog ends a job; `train --flight-dir` says where (default: the working directory).
 
+    On a hung job: `pkill -USR2 -f 'mpiparallel train'`, then `mpiparallel debug hang .` in its working
+    directory. A finished run's last calls, which agree:
+
     \b
     Example:
-      pkill -USR2 -f 'mpiparallel train' && sleep 1 && mpiparallel debug hang .
+      mpiparallel train -n 2 --steps 5 --flight-dir flight && mpiparallel debug hang flight
     """
     from ..jobs.hang import analyse
 
