@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mpiparallel.commands import hosts as multi_host  # noqa: E402
+from mpiparallel.jobs import hosts as multi_host  # noqa: E402
 from mpiparallel.jobs import namespace_cluster  # noqa: E402
 
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "256", "--seq-len", "128", "--batch-size", "8",

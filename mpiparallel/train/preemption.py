@@ -9,7 +9,7 @@ its own. The all-reduce is non-blocking and completed after the next step, so it
 microseconds on free cores, milliseconds when ranks share cores) hides behind that step's work: a signal that
 arrives during step k stops every rank after step k + 1 (k + 2 if it lands after step k's all-reduce started),
 at most one step more than a blocking all-reduce would run. The self-launching parent passes a signal it gets on
-to every rank (`commands.launch.supervise`).
+to every rank (`jobs.launch.supervise`).
 """
 
 from __future__ import annotations

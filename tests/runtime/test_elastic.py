@@ -26,8 +26,9 @@ from mpi_harness import run_with_timeout, train_error
 from processes import ended, rank_pid, start_job, wait_for_steps
 
 from collectives import backend
+from mpiparallel import planner
 from mpiparallel.errors import ExitCode
-from mpiparallel.jobs import elastic, namespace_cluster, planner
+from mpiparallel.jobs import elastic, namespace_cluster
 from mpiparallel.jobs.elastic import JobMesh, survivor_dp, survivors_mesh
 from mpiparallel.text import plural
 from mpiparallel.train.settings import TrainSettings

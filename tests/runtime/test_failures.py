@@ -96,7 +96,7 @@ FAKE_RANK = textwrap.dedent("""
     # registers with the watcher as a rank does; when told, closes its files' connection and lingers as a dying
     # process does while its last thread exits
     import os, sys, time
-    from mpiparallel.commands import launch
+    from mpiparallel.jobs import launch
 
     launch._register_pid()
     while not os.path.exists(sys.argv[1]):
@@ -142,7 +142,7 @@ def test_the_first_death_is_the_first_rank_whose_files_closed_not_the_first_zomb
 CLOSING_RANK = textwrap.dedent("""
     # registers as a rank does; when told, closes its connection, says so, and exits
     import os, sys, time
-    from mpiparallel.commands import launch
+    from mpiparallel.jobs import launch
 
     launch._register_pid()
     while not os.path.exists(sys.argv[1]):
@@ -206,7 +206,7 @@ def test_a_watcher_that_wakes_late_still_names_only_the_rank_that_ended_first(tm
 REGISTERING_RANK = textwrap.dedent("""
     # registers as a rank does and reports where its connection to the parent is held
     import os, sys
-    from mpiparallel.commands import launch
+    from mpiparallel.jobs import launch
 
     launch._register_pid()
     connection = launch._connection_to_parent[0]
@@ -233,7 +233,7 @@ def test_a_rank_holds_its_connection_to_the_parent_on_its_highest_descriptor(tmp
 KILLED_RANK = textwrap.dedent("""
     # holds a socket on descriptor 10 (as a rank holds hydra's PMI socket, inherited, low), registers, waits
     import os, socket, sys, time
-    from mpiparallel.commands import launch
+    from mpiparallel.jobs import launch
 
     os.dup2(int(sys.argv[1]), 10)
     os.close(int(sys.argv[1]))
