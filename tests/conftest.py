@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from processes import kill_leftover_jobs  # noqa: E402
 
+from collectives.flight import FOLDER_VARIABLE as FLIGHT_FOLDER_VARIABLE  # noqa: E402
 from mpiparallel.data.prepare import CACHE_VARIABLE  # noqa: E402
 
 
@@ -30,6 +31,13 @@ def fresh_cache_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
     that starts empty in every test session: the suite does not depend on what a user's cache holds, and the first
     run without --data builds it as a first run on a new machine does."""
     os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flight_records_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Ranks write their flight recorders into the working directory by default (on an error, a stall, SIGUSR2);
+    the tests that end jobs that way must not leave them in the checkout: the runs they start write here."""
+    os.environ[FLIGHT_FOLDER_VARIABLE] = str(tmp_path_factory.mktemp("flight"))
 
 
 @pytest.fixture(autouse=True)
