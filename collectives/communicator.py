@@ -226,7 +226,9 @@ class Communicator:
         self.remote = tuple(n != self.node for n in self.nodes) if self.topology.spans_nodes else None
         link = emulated_inter_node_link() if self.remote is not None else None
         self.emulated_link = link
-        self.flight = FlightRecorder(recorded_calls(), members=world_ranks(comm), rank=self.rank)
+        members = world_ranks(comm)
+        self.flight = FlightRecorder(recorded_calls(), members=members, rank=self.rank)
+        self.p2p_flight = FlightRecorder(recorded_calls(), members=members, rank=self.rank, point_to_point=True)
 
     @classmethod
     def of(cls, comm: MPI.Comm | Communicator) -> Communicator:
@@ -281,6 +283,29 @@ class Communicator:
         self.ledger.record(self.ledger.operation, 0, out.nbytes)
         return request
 
+    @property
+    def label(self) -> str:
+        """What the flight recorder's dumps call this communicator (a mesh axis: "tp", "dp", …; "" for none)."""
+        return self.flight.label
+
+    @label.setter
+    def label(self, label: str) -> None:
+        self.flight.label = self.p2p_flight.label = label
+
+    def post_send(self, x: Array, dest: int, tag: int) -> Posted:
+        """`isend`, kept in the point-to-point flight recorder until `Posted.wait` sees it complete."""
+        call = self.p2p_flight.open("send", "p2p", x.dtype, x.size, x.nbytes)
+        if call is not None:
+            call.step, call.dest, call.tag = 0, dest, tag
+        return Posted(self.isend(x, dest, tag), call)
+
+    def post_recv(self, out: Array, source: int, tag: int) -> Posted:
+        """`irecv`, kept in the point-to-point flight recorder until `Posted.wait` sees it complete."""
+        call = self.p2p_flight.open("recv", "p2p", out.dtype, out.size, out.nbytes)
+        if call is not None:
+            call.step, call.source, call.tag = 0, source, tag
+        return Posted(self.irecv(out, source, tag), call)
+
     def barrier(self) -> None:
         self.comm.Barrier()
 
@@ -307,7 +332,7 @@ class Communicator:
         it in the flight recorder's dumps (a mesh axis)."""
         sub = Communicator(self.comm.Split(color, key), check_arguments=self.check_arguments,
                            segment_bytes=self.segment_bytes, node=self.node)
-        sub.flight.label = label
+        sub.label = label
         return sub
 
     def _emulated_step(self, send: Array | None, dest: int, recv: Array | None, source: int, tag: int) -> None:
@@ -423,6 +448,28 @@ class Communicator:
             sent += 0 if step.send is None else step.send.nbytes
             yield step
         self.observer(name, start, time.perf_counter(), sent)
+
+
+class Posted:
+    """A point-to-point message in flight: its MPI request and its flight-recorder call (None: recording off)."""
+
+    __slots__ = ("request", "call")
+
+    def __init__(self, request: MPI.Request, call: Call | None) -> None:
+        self.request, self.call = request, call
+
+    def wait(self) -> None:
+        self.request.Wait()
+        if self.call is not None:
+            self.call.close()
+
+    @staticmethod
+    def wait_all(posted: list[Posted]) -> None:
+        """Wait for every message (one MPI call), then close their calls."""
+        MPI.Request.Waitall([message.request for message in posted])
+        for message in posted:
+            if message.call is not None:
+                message.call.close()
 
 
 class CollectiveHandle:

@@ -56,12 +56,12 @@ class Call:
     communicator ranks of the current step's send and receive (-1: none)."""
 
     __slots__ = ("seq", "op", "algo", "dtype", "count", "nbytes", "root", "started", "ended", "step", "dest",
-                 "source")
+                 "source", "tag")
 
     def __init__(self, seq: int, op: str, algo: str, dtype: str, count: int, nbytes: int, root: int) -> None:
         self.seq, self.op, self.algo, self.dtype, self.count, self.nbytes = seq, op, algo, dtype, count, nbytes
         self.root, self.started, self.ended = root, time.time(), None
-        self.step, self.dest, self.source = -1, -1, -1
+        self.step, self.dest, self.source, self.tag = -1, -1, -1, -1
 
     def at_step(self, step: int, dest: int, source: int) -> None:
         self.step, self.dest, self.source = step, dest, source
@@ -75,12 +75,16 @@ class Call:
 
 class FlightRecorder:
     """The last calls of one communicator. `label` names it for a reader (a mesh axis: "tp", "dp", …);
-    `members` are its ranks' world ranks, in communicator order (set by the communicator)."""
+    `members` are its ranks' world ranks, in communicator order (set by the communicator). A `point_to_point`
+    recorder keeps a communicator's sends and receives apart from its collectives: their numbers are this rank's
+    own (two ranks make different ones), so the analysis pairs them by peer and tag instead."""
 
-    def __init__(self, calls: int, label: str = "", members: tuple[int, ...] = (), rank: int = 0) -> None:
+    def __init__(self, calls: int, label: str = "", members: tuple[int, ...] = (), rank: int = 0,
+                 point_to_point: bool = False) -> None:
         self.calls: deque[Call] = deque(maxlen=max(calls, 1))
         self.enabled = calls > 0
         self.label, self.members, self.rank = label, members, rank
+        self.point_to_point = point_to_point
         self.next_seq = 0
         _RECORDERS.add(self)
 
@@ -95,7 +99,7 @@ class FlightRecorder:
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "members": list(self.members), "rank": self.rank,
-                "calls": [call.as_dict() for call in list(self.calls)]}
+                "point_to_point": self.point_to_point, "calls": [call.as_dict() for call in list(self.calls)]}
 
 
 _RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()

@@ -105,7 +105,7 @@ class Mesh:
         self.expert_dp = self._split((c.pp, c.cp, c.tp, c.dp % ep), c.dp // ep, "expert_dp")
         self.expert_dp_cp = self._split((c.pp, c.tp, c.dp % ep), (c.dp // ep) * self.shape.cp + c.cp,
                                         "expert_dp_cp")
-        self.world.flight.label = self.world.flight.label or "world"
+        self.world.label = self.world.label or "world"
 
     def _split(self, color: tuple[int, ...], key: int, label: str) -> Communicator:
         flat_color = 0

@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from collectives import Communicator
 from collectives.backend import Array, HostStaging, get_array_module
-from collectives.communicator import FIRST_COLLECTIVE_TAG
+from collectives.communicator import FIRST_COLLECTIVE_TAG, Posted
 from models.layers import distinct_bytes
 from models.parameter import HELD, PARTIAL
 from models.transformer import NO_HOOKS, Transformer
@@ -87,26 +86,26 @@ def check_tag_space(stages: int, microbatches: int) -> None:
                           f"guarantees ({TIED_GRADIENT_TAG}); use fewer microbatches per step")
 
 
-def send_forward(activation: Array, comm: Communicator, dest: int, tag: int) -> MPI.Request:
+def send_forward(activation: Array, comm: Communicator, dest: int, tag: int) -> Posted:
     """Forward: stage s hands its output to stage s+1 on another rank (b·s·h elements). Its backward twin is
     `recv_backward`: the gradient of that output comes back from the same rank."""
-    return comm.isend(activation, dest, tag)
+    return comm.post_send(activation, dest, tag)
 
 
-def recv_backward(out: Array, comm: Communicator, source: int, tag: int) -> MPI.Request:
+def recv_backward(out: Array, comm: Communicator, source: int, tag: int) -> Posted:
     """Backward of `send_forward`: post the receive of d(stage output) from the next stage's rank."""
-    return comm.irecv(out, source, tag)
+    return comm.post_recv(out, source, tag)
 
 
-def recv_forward(out: Array, comm: Communicator, source: int, tag: int) -> MPI.Request:
+def recv_forward(out: Array, comm: Communicator, source: int, tag: int) -> Posted:
     """Forward: post the receive of this stage's input from the previous stage's rank. Its backward twin is
     `send_backward`."""
-    return comm.irecv(out, source, tag)
+    return comm.post_recv(out, source, tag)
 
 
-def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> MPI.Request:
+def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> Posted:
     """Backward of `recv_forward`: send d(stage input) back to the previous stage's rank."""
-    return comm.isend(dinput, dest, tag)
+    return comm.post_send(dinput, dest, tag)
 
 
 def place_on_pipeline(model: Transformer, schedule: Schedule) -> None:
@@ -188,8 +187,8 @@ class PipelineExecutor:
         self._on_forward = on_forward or (lambda saved: None)
         self._saved: dict[tuple[int, int], Any] = {}
         self._handed: dict[tuple[str, int, int], Array] = {}  # outputs and input gradients not yet consumed
-        self._receiving: dict[tuple[str, int, int], tuple[MPI.Request, Array]] = {}
-        self._sending: list[tuple[MPI.Request, Array]] = []
+        self._receiving: dict[tuple[str, int, int], tuple[Posted, Array]] = {}
+        self._sending: list[tuple[Posted, Array]] = []
         start = time.perf_counter()
         self.timeline, self.peak_saved_bytes = Timeline(started=start), 0
         for action in self.actions:
@@ -199,7 +198,7 @@ class PipelineExecutor:
             began = time.perf_counter() - start
             self._run(action)
             self.timeline.spans.append((action, began, time.perf_counter() - start))
-        MPI.Request.Waitall([request for request, _ in self._sending])
+        Posted.wait_all([posted for posted, _ in self._sending])
         leftovers = [key for key in self._saved] + list(self._handed) + list(self._receiving)
         if leftovers:
             raise RuntimeError(f"schedule {self.schedule.name} left work undone on rank {self.comm.rank}: {leftovers}")
@@ -217,8 +216,8 @@ class PipelineExecutor:
         """Before a compute action: wait for the receive of what it reads, if that comes from another rank."""
         key = {FORWARD: ("input",), BACKWARD_INPUT: ("doutput",), FULL_BACKWARD: ("doutput",)}.get(action.kind)
         if key is not None and (key[0], action.stage, action.microbatch) in self._receiving:
-            request, buffer = self._receiving.pop((key[0], action.stage, action.microbatch))
-            request.Wait()
+            posted, buffer = self._receiving.pop((key[0], action.stage, action.microbatch))
+            posted.wait()
             self._handed[key[0], action.stage, action.microbatch] = self.xp.asarray(buffer)
 
     def _take(self, kind: str, stage: int, microbatch: int) -> Array:
@@ -301,6 +300,6 @@ class PipelineExecutor:
             self._complete_receive_for(action)
             self._run(action)
             self._saved.clear()
-        MPI.Request.Waitall([request for request, _ in self._sending])
+        Posted.wait_all([posted for posted, _ in self._sending])
         self._sending.clear()
         return self._loss

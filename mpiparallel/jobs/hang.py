@@ -24,15 +24,18 @@ DUMP_GLOB = "flight-rank-*.json"
 
 @dataclass(frozen=True)
 class Group:
-    """One communicator as the dumps show it: its label (a mesh axis, or "" for a communicator without one) and
-    its members' world ranks."""
+    """One communicator as the dumps show it: its label (a mesh axis, or "" for a communicator without one), its
+    members' world ranks, and whether these are its point-to-point messages (numbered per rank) or its
+    collectives."""
 
     label: str
     members: tuple[int, ...]
+    point_to_point: bool = False
 
     def name(self) -> str:
         ranks = ",".join(str(rank) for rank in self.members)
-        return f"{self.label or 'communicator'} {{{ranks}}}"
+        messages = " messages" if self.point_to_point else ""
+        return f"{self.label or 'communicator'}{messages} {{{ranks}}}"
 
 
 def read_dumps(folder: str | Path) -> tuple[dict[int, dict[str, Any]], int]:
@@ -58,7 +61,8 @@ def calls_by_group(dumps: dict[int, dict[str, Any]]) -> dict[Group, dict[int, li
     groups: dict[Group, dict[int, list[dict[str, Any]]]] = {}
     for rank, dump in dumps.items():
         for communicator in dump["communicators"]:
-            group = Group(communicator["label"], tuple(communicator["members"]))
+            group = Group(communicator["label"], tuple(communicator["members"]),
+                          bool(communicator.get("point_to_point")))
             groups.setdefault(group, {})[rank] = communicator["calls"]
     return groups
 
@@ -66,6 +70,8 @@ def calls_by_group(dumps: dict[int, dict[str, Any]]) -> dict[Group, dict[int, li
 def describe_call(call: dict[str, Any], members: tuple[int, ...], now: float | None = None) -> str:
     """`all_reduce #1042 (ring, float32, 1024 elements; step 2, sending to rank 2, receiving from rank 2, 12.3 s)`."""
     words = [call["algo"], call["dtype"], f"{call['count']} elements"]
+    if call.get("tag", -1) >= 0:
+        words.append(f"tag {call['tag']}")
     if call["root"] >= 0:
         words.append(f"root {members[call['root']]}")
     if call["ended"] is None:
@@ -118,6 +124,8 @@ def analyse(folder: str | Path) -> list[str]:
 
 def _group_report(group: Group, groups: dict[Group, dict[int, list[dict[str, Any]]]], missing: list[int],
                   now: float) -> list[str]:
+    if group.point_to_point:
+        return _messages_report(group, groups, missing, now)
     ranks = groups[group]
     lines = []
     entered = {rank: calls[-1]["seq"] if calls else -1 for rank, calls in ranks.items()}
@@ -155,4 +163,27 @@ def _mismatches(group: Group, ranks: dict[int, list[dict[str, Any]]]) -> list[st
                              + (f" root {group.members[call['root']]}" if call["root"] >= 0 else "")
                              for rank, call in sorted(calls.items()))
             lines.append(f"{group.name()}: mismatch at #{seq}: {each}")
+    return lines
+
+
+def _messages_report(group: Group, groups: dict[Group, dict[int, list[dict[str, Any]]]], missing: list[int],
+                     now: float) -> list[str]:
+    """Each send or receive still open, and whether its peer has the other half: a receive posted for the send
+    (same tag, from this rank), or a send made for the receive. A half with no other half names where the peer
+    is instead."""
+    ranks, lines = groups[group], []
+    for rank, calls in sorted(ranks.items()):
+        for call in (call for call in calls if call["ended"] is None):
+            sending = call["op"] == "send"
+            peer = group.members[call["dest"] if sending else call["source"]]
+            line = f"{group.name()}: rank {rank} waits in {describe_call(call, group.members, now)}"
+            other, side = ("recv", "source") if sending else ("send", "dest")
+            matched = any(theirs["op"] == other and theirs["tag"] == call["tag"]
+                          and group.members[theirs[side]] == rank for theirs in ranks.get(peer, []))
+            if peer in missing:
+                line += f"; rank {peer} left no dump"
+            elif not matched:
+                missing_half = "posted no receive for it" if sending else "sent nothing for it"
+                line += f"; rank {peer} {missing_half}: {_where_is(peer, groups, now)}"
+            lines.append(line)
     return lines

@@ -9,6 +9,8 @@ FOLDER/ready-K once it has made its first calls. Scenarios:
   where rank 1 never comes: every rank waits for good.
 - mismatch: rank 1's all_reduce #2 has twice the elements of rank 0's (the same algorithm): rank 0 fails on the
   message that is too long for it (it dumps, then waits before aborting), rank 1 waits in the next step.
+- unreceived: rank 0 sends rank 1 a message (as a pipeline stage does) that rank 1 never receives: it waits in
+  the world's next all_reduce for rank 0, which waits for the receive.
 - loop: all_reduces in a loop for a minute (the test stops one rank with SIGSTOP).
 """
 
@@ -26,7 +28,7 @@ from collectives import Communicator, all_reduce, flight
 def main() -> None:
     scenario, folder = sys.argv[1], Path(sys.argv[2])
     world = Communicator(MPI.COMM_WORLD)
-    world.flight.label = "world"
+    world.label = "world"
     flight.dump_folder = folder
     flight.dump_on_signal(world.rank)
     pair = world.split(1 if world.rank in (1, 2) else 0, world.rank, label="pair")
@@ -60,6 +62,15 @@ def _mismatch(world: Communicator, pair: Communicator, ones: np.ndarray, folder:
     time.sleep(60)
 
 
+def _unreceived(world: Communicator, pair: Communicator, ones: np.ndarray, folder: Path) -> None:
+    for _ in range(2):
+        all_reduce(ones, world, algo="ring")
+    _ready(world, folder)
+    if world.rank == 0:  # as a pipeline stage sends its activations: 2 MB, more than any eager limit
+        world.post_send(np.ones(1 << 18), 1, tag=7).wait()
+    all_reduce(ones, world, algo="ring")  # rank 1 waits here for rank 0, which waits for its receive
+
+
 def _loop(world: Communicator, pair: Communicator, ones: np.ndarray, folder: Path) -> None:
     started = time.time()
     while time.time() - started < 60:
@@ -68,7 +79,7 @@ def _loop(world: Communicator, pair: Communicator, ones: np.ndarray, folder: Pat
             _ready(world, folder)
 
 
-SCENARIOS = {"skip": _skip, "mismatch": _mismatch, "loop": _loop}
+SCENARIOS = {"skip": _skip, "mismatch": _mismatch, "unreceived": _unreceived, "loop": _loop}
 
 if __name__ == "__main__":
     main()
