@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -87,6 +88,22 @@ def _argv(ctx: click.Context) -> list[str]:
     return list(root.obj["argv"]) if isinstance(root.obj, dict) else sys.argv[1:]
 
 
+check_collectives_option = click.option(
+    "--check-collectives", is_flag=True,
+    help="Every collective first checks across its ranks that all call it with the same operation, shape, dtype, "
+         "algorithm and root (one small all-gather per call, timed with it): a mismatch ends the job with one clear "
+         "error on every rank instead of a hang. MPIPARALLEL_CHECK=1 does the same.")
+
+
+def _check_every_collective(enabled: bool) -> None:
+    """--check-collectives on a rank: every Communicator made from now on checks (`Communicator.check_arguments`,
+    read from MPIPARALLEL_CHECK when one is made)."""
+    if enabled:
+        from collectives.communicator import CHECK_ARGUMENTS_VARIABLE
+
+        os.environ[CHECK_ARGUMENTS_VARIABLE] = "1"
+
+
 HOSTFILE = "mpiparallel.hostfile"
 """Where `--hostfile` is kept in the click context's meta, for each command's `launch.ensure_world_size`."""
 
@@ -151,11 +168,12 @@ def main() -> None:
               help="Also write the rows and run metadata to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw bus bandwidth against size to this image (needs matplotlib).")
+@check_collectives_option
 @click.pass_context
 def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbytes: int, maxbytes: int,
           stepfactor: int | None, stepbytes: int | None, iters: int, warmup_iters: int, check: int, datatype: str,
           op: str, root: int, algo: str, compare: str | None, device: str | None, calibrate: bool,
-          json_path: Path | None, plot_path: Path | None) -> None:
+          json_path: Path | None, plot_path: Path | None, check_collectives: bool) -> None:
     """Bandwidth benchmark of one collective, printed as nccl-tests prints it.
 
     COLLECTIVE is one of all_reduce, reduce_scatter, all_gather, alltoall, broadcast, reduce, sendrecv.
@@ -189,6 +207,7 @@ def bench(ctx: click.Context, collective: str | None, ranks: int | None, minbyte
                                  param_hint="'--device'")
     _check_plotting(plot_path)
     launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
+    _check_every_collective(check_collectives)
 
     from . import bench as benchmark
 
@@ -234,9 +253,10 @@ VERIFY_DATATYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64
 @click.option("-d", "--datatype", "datatypes", type=click.Choice(VERIFY_DATATYPES), multiple=True,
               help="Verify only this datatype (repeatable). [default: all]")
 @click.option("--seed", type=int, default=0, help="Seed of every rank's random inputs.")
+@check_collectives_option
 @click.pass_context
 def verify(ctx: click.Context, against: str, device: str | None, ranks: int | None, max_count: int,
-           collectives: tuple[str, ...], datatypes: tuple[str, ...], seed: int) -> None:
+           collectives: tuple[str, ...], datatypes: tuple[str, ...], seed: int, check_collectives: bool) -> None:
     """Check every hand-written algorithm against a reference library, element for element.
 
     Runs each collective x algorithm x datatype x op (x root for broadcast and reduce) over a sweep of
@@ -260,6 +280,7 @@ def verify(ctx: click.Context, against: str, device: str | None, ranks: int | No
         raise click.BadParameter("NCCL runs on GPU buffers only; leave out --device or pass --device gpu",
                                  param_hint="'--device'")
     launch.ensure_world_size(ranks, _argv(ctx), ctx.meta.get(HOSTFILE))
+    _check_every_collective(check_collectives)
 
     from . import verify as verification
 
@@ -429,6 +450,10 @@ def deepseek_options(command: Callable) -> Callable:
                    "communicator) on SIGUSR2, on an error and when the stall watchdog ends the job — and, given "
                    "here, at the end of the run; `mpiparallel debug hang DIR` reads them. MPIPARALLEL_FLIGHT=N keeps "
                    "N calls per communicator (default 512; 0: off). [default: the working directory]")
+@click.option("--check-collectives", is_flag=True, default=default("check_collectives"),
+              help="Every collective first checks across its ranks that all call it with the same operation, "
+                   "shape, dtype, algorithm and root (one small all-gather per call): a mismatch ends the job with "
+                   "one clear error on every rank instead of a hang. MPIPARALLEL_CHECK=1 does the same.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=default("eval_every"),
               help="Steps between validation losses on held-out data (0: none).")
 @click.option("--eval-batches", type=click.IntRange(min=1), default=default("eval_batches"),

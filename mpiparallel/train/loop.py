@@ -53,6 +53,9 @@ def run(settings: TrainSettings) -> int:
     reporter = Reporter(settings, config, mesh.world.rank == 0, peak_flops=peak, first_step=resume.first_step)
     if settings.model.device == "gpu":
         reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
+    if mesh.world.check_arguments:
+        reporter.say("every collective checks first that all its ranks call it alike (--check-collectives, "
+                     "MPIPARALLEL_CHECK=1): one small all-gather per call")
     if resume.story():
         reporter.say(resume.story())
     preemption = Preemption(mesh.world)

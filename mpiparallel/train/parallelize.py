@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from collectives import Communicator
 from models.context_parallel import ContextParallelGroup
 from models.layers import GPU_QUERY_BLOCK, QUERY_BLOCK
 from models.tensor_parallel import TensorParallelTransformer, check_tensor_parallel_shape
@@ -64,7 +65,11 @@ def parallelize(settings: TrainSettings, mesh: Mesh, config: GPTConfig, xp: Any,
 
 
 def build_mesh(settings: TrainSettings, world: Any) -> Mesh:
+    """The mesh over `world` (an mpi4py communicator); with --check-collectives every axis's communicator checks
+    each collective's arguments across its ranks first (`Communicator.check_arguments`, inherited by the splits)."""
     layout = settings.mesh
+    if settings.debug.check_collectives:
+        world = Communicator(world, check_arguments=True)
     mesh = Mesh(world, MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep))
     if layout.sp and mesh.shape.tp == 1:
         raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")

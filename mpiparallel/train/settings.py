@@ -122,7 +122,6 @@ class OutputSettings:
     resume_from: str | None = None  # a step of checkpoint_dir, or a checkpoint folder (implies resume)
     log_json: str | None = None
     tensorboard: str | None = None  # a folder for TensorBoard's event files (needs tensorboardX)
-    flight_dir: str | None = None  # where ranks write flight-rank-K.json (None: $MPIPARALLEL_FLIGHT_DIR, else .)
     trace: str | None = None
     sample_tokens: int = 0
     show_mesh: bool = False
@@ -143,6 +142,16 @@ class ElasticSettings:
 
 
 @dataclass(frozen=True)
+class DebugSettings:
+    """Finding what went wrong: where the ranks write their flight recorders (`flight_dir`; None:
+    $MPIPARALLEL_FLIGHT_DIR, else the working directory), and whether every collective first checks that all ranks
+    call it alike (`check_collectives`: a mismatch becomes one error on every rank instead of a hang)."""
+
+    flight_dir: str | None = None
+    check_collectives: bool = False
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """Every `mpiparallel train` option, after parsing, in groups (see the command's --help for their meaning)."""
 
@@ -152,6 +161,7 @@ class TrainSettings:
     data: DataSettings = DataSettings()
     output: OutputSettings = OutputSettings()
     elastic: ElasticSettings = ElasticSettings()
+    debug: DebugSettings = DebugSettings()
 
     @classmethod
     def from_options(cls, **options: Any) -> TrainSettings:

@@ -97,6 +97,40 @@ def test_a_size_mismatch_is_named_with_both_sizes(tmp_path):
     assert "SIGUSR2" in reasons
 
 
+def test_checked_collectives_turn_the_size_mismatch_into_an_error_on_every_rank(tmp_path):
+    """MPIPARALLEL_CHECK=1 (`--check-collectives`): the same mismatch raises CollectiveMismatchError on both ranks
+    before any message of the call moves — each rank's dump says so."""
+    job = start_job([mpiexec_path(), "-n", "2", sys.executable, str(PROGRAM), "mismatch", str(tmp_path)],
+                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env={**os.environ, "PYTHONPATH": str(ROOT), "MPIPARALLEL_CHECK": "1"})
+    dumps = [tmp_path / f"flight-rank-{rank}.json" for rank in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not all(_written_after(path, 0) for path in dumps):
+        assert time.monotonic() < deadline and job.poll() is None, ended(job, timeout=5)
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    ended(job, timeout=30)
+    for path in dumps:
+        reason = json.loads(path.read_text())["reason"]
+        assert reason.startswith("error: CollectiveMismatchError: ranks disagree on a all_reduce call"), reason
+        assert "rank 0: all_reduce(shape=(1000,)" in reason and "rank 1: all_reduce(shape=(2000,)" in reason, reason
+
+
+def test_train_bench_and_verify_take_check_collectives(tmp_path):
+    checked = subprocess.run([sys.executable, "-m", "mpiparallel", "train", "-n", "2", "--steps", "2", "--n-layer",
+                              "1", "--check-collectives"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stderr
+    assert "every collective checks first that all its ranks call it alike" in checked.stdout
+    plain = subprocess.run([sys.executable, "-m", "mpiparallel", "train", "-n", "2", "--steps", "1", "--n-layer",
+                            "1"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and "checks first" not in plain.stdout, plain.stderr
+    for command in (["bench", "all_reduce", "-b", "8", "-e", "64"],
+                    ["verify", "--max-count", "40", "--collective", "all_reduce"]):
+        result = subprocess.run([sys.executable, "-m", "mpiparallel", *command, "-n", "2", "--check-collectives"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+
+
 def test_a_send_never_received_is_named_with_where_the_receiver_is(tmp_path):
     lines = _hang("unreceived", 2, tmp_path)
     report = "\n".join(lines)

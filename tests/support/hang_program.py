@@ -36,7 +36,7 @@ def main() -> None:
     try:
         SCENARIOS[scenario](world, pair, ones, folder)
     except Exception as error:  # as `run_guarded` does: dump, give the others time, then abort
-        flight.dump(world.rank, f"error: {error}")
+        flight.dump(world.rank, f"error: {type(error).__name__}: {error}")
         time.sleep(30)
         MPI.COMM_WORLD.Abort(1)
 
