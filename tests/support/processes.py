@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -70,13 +71,24 @@ def _running(pid: int) -> bool:
 _STARTED: list[subprocess.Popen] = []
 
 
-def start_job(command: list[str], **options) -> subprocess.Popen:
-    """Start `command` in a process group of its own. Every wait on it is bounded (`wait_for_steps`, `ended`), and
-    `kill_leftover_jobs` (run after every test by tests/conftest.py) kills the group of any job still running, so
-    a failed test leaves no rank behind and no job outlives its test."""
+def start_job(command: list[str], timeout: float = 600, **options) -> subprocess.Popen:
+    """Start `command` in a process group of its own. Every wait on it is bounded (`wait_for_steps`, `ended`),
+    `kill_leftover_jobs` (run after every test by tests/conftest.py) kills the group of any job still running, and
+    a job still running after `timeout` seconds (pytest-timeout's per-test bound) is killed whatever the test is
+    doing, so a failed test leaves no rank behind and no job outlives its test."""
     job = subprocess.Popen(command, start_new_session=True, **options)
     _STARTED.append(job)
+    deadline = threading.Timer(timeout, lambda: job.poll() is None and _kill_group_now(job))
+    deadline.daemon = True
+    deadline.start()
     return job
+
+
+def _kill_group_now(job: subprocess.Popen) -> None:
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def kill_leftover_jobs() -> None:
