@@ -63,9 +63,6 @@ class Call:
         self.root, self.started, self.ended = root, time.time(), None
         self.step, self.dest, self.source, self.tag = -1, -1, -1, -1
 
-    def at_step(self, step: int, dest: int, source: int) -> None:
-        self.step, self.dest, self.source = step, dest, source
-
     def close(self) -> None:
         self.ended = time.time()
 
