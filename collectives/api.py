@@ -232,9 +232,9 @@ def _collective(name: str, x: Array, comm: Any, op: str | None, algo: str, out: 
     elif plan.algorithm is None:  # one rank, or nothing to send
         dst[...] = src
         if asynchronous:
-            return comm.start(tracked(iter(()), call), name, out)
+            return comm.start(tracked(iter(()), call), name, out, call)
     elif asynchronous:
-        return comm.start(tracked(plan.steps(src, dst), call), name, out)
+        return comm.start(tracked(plan.steps(src, dst), call), name, out, call)
     else:
         comm.run(tracked(plan.steps(src, dst), call), name)
         return out

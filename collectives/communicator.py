@@ -293,17 +293,19 @@ class Communicator:
         self.flight.label = self.p2p_flight.label = label
 
     def post_send(self, x: Array, dest: int, tag: int) -> Posted:
-        """`isend`, kept in the point-to-point flight recorder until `Posted.wait` sees it complete."""
+        """`isend`, kept in the point-to-point flight recorder until `Posted.wait` sees it complete (in the
+        background until a wait on it begins: only then does the message hold this rank up)."""
         call = self.p2p_flight.open("send", "p2p", x.dtype, x.size, x.nbytes)
         if call is not None:
-            call.step, call.dest, call.tag = 0, dest, tag
+            call.dest, call.tag, call.background = dest, tag, True
         return Posted(self.isend(x, dest, tag), call)
 
     def post_recv(self, out: Array, source: int, tag: int) -> Posted:
-        """`irecv`, kept in the point-to-point flight recorder until `Posted.wait` sees it complete."""
+        """`irecv`, kept in the point-to-point flight recorder until `Posted.wait` sees it complete (in the
+        background until then, as for `post_send`)."""
         call = self.p2p_flight.open("recv", "p2p", out.dtype, out.size, out.nbytes)
         if call is not None:
-            call.step, call.source, call.tag = 0, source, tag
+            call.source, call.tag, call.background = source, tag, True
         return Posted(self.irecv(out, source, tag), call)
 
     def barrier(self) -> None:
@@ -435,11 +437,14 @@ class Communicator:
         finally:
             ledger.operation = previous
 
-    def start(self, steps: Steps, name: str, result: Any) -> CollectiveHandle:
-        """Start an algorithm with nonblocking calls; the handle's `wait()` returns `result` at the end."""
+    def start(self, steps: Steps, name: str, result: Any, call: Call | None = None) -> CollectiveHandle:
+        """Start an algorithm with nonblocking calls; the handle's `wait()` returns `result` at the end. `call`,
+        its flight-recorder record, is in the background until that wait."""
         if self.observer is not None:
             steps = self._observed(steps, name)
-        return CollectiveHandle(self, steps, name, result)
+        if call is not None:
+            call.background = True
+        return CollectiveHandle(self, steps, name, result, call)
 
     def _observed(self, steps: Steps, name: str) -> Steps:
         """`steps` unchanged, reporting the collective's span and bytes sent to `observer` once they run out."""
@@ -459,6 +464,8 @@ class Posted:
         self.request, self.call = request, call
 
     def wait(self) -> None:
+        if self.call is not None:
+            self.call.background = False  # waited on: from now on this message holds the rank up
         self.request.Wait()
         if self.call is not None:
             self.call.close()
@@ -466,6 +473,9 @@ class Posted:
     @staticmethod
     def wait_all(posted: list[Posted]) -> None:
         """Wait for every message (one MPI call), then close their calls."""
+        for message in posted:
+            if message.call is not None:
+                message.call.background = False
         MPI.Request.Waitall([message.request for message in posted])
         for message in posted:
             if message.call is not None:
@@ -479,8 +489,8 @@ class CollectiveHandle:
     step runs (inside `test`/`wait`) and the next step is posted.
     """
 
-    def __init__(self, comm: Communicator, steps: Steps, name: str, result: Any) -> None:
-        self._comm = comm
+    def __init__(self, comm: Communicator, steps: Steps, name: str, result: Any, call: Call | None = None) -> None:
+        self._comm, self._call = comm, call
         self._steps = steps
         self._name = name
         self._result = result
@@ -521,6 +531,8 @@ class CollectiveHandle:
 
     def wait(self) -> Any:
         """Block until the collective completes and return its result."""
+        if self._call is not None:
+            self._call.background = False  # from now on it holds this rank up
         while not self._done:
             MPI.Request.Waitall(self._requests)
             self._advance()

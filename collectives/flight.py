@@ -53,15 +53,18 @@ def recorded_calls(environ: Any = os.environ) -> int:
 
 class Call:
     """One call on a communicator. `step` counts the algorithm's steps from 0; `dest` and `source` are the
-    communicator ranks of the current step's send and receive (-1: none)."""
+    communicator ranks of the current step's send and receive (-1: none); a point-to-point message (`tag` >= 0)
+    has no steps and keeps its peer from the start. `background`: a call started without blocking (an `_async`
+    collective, a posted message) that nobody waits on yet — it holds its rank up only once a wait begins."""
 
     __slots__ = ("seq", "op", "algo", "dtype", "count", "nbytes", "root", "started", "ended", "step", "dest",
-                 "source", "tag")
+                 "source", "tag", "background")
 
     def __init__(self, seq: int, op: str, algo: str, dtype: str, count: int, nbytes: int, root: int) -> None:
         self.seq, self.op, self.algo, self.dtype, self.count, self.nbytes = seq, op, algo, dtype, count, nbytes
         self.root, self.started, self.ended = root, time.time(), None
         self.step, self.dest, self.source, self.tag = -1, -1, -1, -1
+        self.background = False
 
     def close(self) -> None:
         self.ended = time.time()

@@ -268,6 +268,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     SIGUSR1 to this process alone is passed on (`_pass_signal_on`); a job so ended lost no rank."""
     unreachable: list[multi_host.LostHost] = []
     stalls: list[Stall] = []
+    flight_asked: list[float] = []  # when the ranks were asked for their flight records
     ending = threading.Lock()  # held by the first of the heartbeats and the stall watchdog to end the job
     monitor = watchdog = None
     if cluster is not None:
@@ -284,8 +285,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     if stall is not None and stall.timeout > 0:
         def end_stalled(found: Stall) -> None:
             if ending.acquire(blocking=False):
-                stalls.append(found)
-                _collect_flight_records(pids, stall.flight_dir)
+                asked = _collect_flight_records(pids, stall.flight_dir)
+                stalls.append(found.with_flight_records(_held_up_by(stall.flight_dir, asked)))
+                flight_asked.append(asked)
                 _end_job(process, pids)
 
         try:
@@ -328,7 +330,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
             thread.stop()
     if stalls:  # one line, in place of all that mpiexec and the ranks said about their ends, then the records
         print(stalls[0].message(), file=sys.stderr, flush=True)
-        print(_flight_report(stall.flight_dir if stall is not None else None), file=sys.stderr, flush=True)
+        print(_flight_report(stall.flight_dir if stall is not None else None, flight_asked[0]), file=sys.stderr,
+              flush=True)
         if stall is not None:
             stall.log(stalls[0])
         return JobOutcome(ExitCode.STALL, lost_ranks=stalls[0].behind, stall=stalls[0])
@@ -354,9 +357,10 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     return JobOutcome(_job_status(status, lost, lost_ranks, stopped), lost, lost_ranks)
 
 
-def _collect_flight_records(pids: Path, folder: str | None, wait_s: float | None = None) -> None:
+def _collect_flight_records(pids: Path, folder: str | None, wait_s: float | None = None) -> float:
     """Ask every rank for its flight recorder (SIGUSR2) and wait until each rank that can has written it: a
-    stopped or dead rank never will, so at most `wait_s` (default `FLIGHT_WAIT_S`)."""
+    stopped or dead rank never will, so at most `wait_s` (default `FLIGHT_WAIT_S`). Returns when it asked, less a
+    second (a dump older than that is another run's)."""
     wait_s = FLIGHT_WAIT_S if wait_s is None else wait_s
     folder_path = Path(folder or ".")
     started = time.time()
@@ -370,8 +374,9 @@ def _collect_flight_records(pids: Path, folder: str | None, wait_s: float | None
     while time.time() - started < wait_s:
         written = {rank for rank in asked if _dumped_since(folder_path / f"flight-rank-{rank}.json", started)}
         if all(rank in written or _stopped(pid) for rank, pid in asked.items()):
-            return
+            break
         time.sleep(0.05)
+    return started - 1.0
 
 
 def _dumped_since(path: Path, moment: float) -> bool:
@@ -389,12 +394,24 @@ def _stopped(pid: int) -> bool:
         return True
 
 
-def _flight_report(folder: str | None) -> str:
-    """The analysis of the ranks' flight recorders (`hang.analyse`), indented under the stall's line."""
+def _held_up_by(folder: str | None, since: float) -> tuple[int, ...]:
+    """The ranks the others wait on in the ranks' flight records since `since` (`hang.held_up_by`); () without
+    records."""
+    from .hang import held_up_by
+
+    try:
+        return held_up_by(folder or ".", since)
+    except ConfigError:
+        return ()
+
+
+def _flight_report(folder: str | None, since: float) -> str:
+    """The analysis of the ranks' flight recorders written since `since` (`hang.analyse`), indented under the
+    stall's line."""
     from .hang import analyse
 
     try:
-        lines = analyse(folder or ".")
+        lines = analyse(folder or ".", since)
     except ConfigError as error:
         return f"  (no flight records: {error})"
     return "\n".join("  " + line for line in lines)

@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,14 @@ class Stall:
     behind: tuple[int, ...]
     stopped: tuple[int, ...]
     at: float  # when it was seen (monotonic)
+    by_flight: bool = False  # `behind` found by the flight records where the progress reports named nobody
+
+    def with_flight_records(self, held_up_by: tuple[int, ...]) -> Stall:
+        """Where the progress reports single out nobody (pipeline ranks: no order across their actions), the ranks
+        the flight records show the others waiting on (`hang.held_up_by`) are the ranks behind."""
+        if self.behind or not held_up_by:
+            return self
+        return replace(self, behind=tuple(sorted(held_up_by)), by_flight=True)
 
     def message(self) -> str:
         behind = set(self.behind) or {progress.rank for progress in self.ranks if progress.running}
@@ -154,6 +162,9 @@ class Stall:
             how = f" ({'all ' if len(stopped) > 1 else ''}stopped: SIGSTOP or a debugger)" if stopped else ""
             age = max(self.at - since[rank] for rank in ranks)
             verb = "has" if len(ranks) == 1 else "have"
+            if self.by_flight:
+                how += " (the others wait on it: flight records)" if len(ranks) == 1 else \
+                    " (the others wait on them: flight records)"
             words.append(f"{_ranks_words(ranks)}{how} {verb} not finished {where} for {age:.0f} s")
         if not self.behind:
             words.append("none is behind the others (each rank still running waits at the same place)")
@@ -162,7 +173,7 @@ class Stall:
     def event(self) -> dict[str, Any]:
         """The --log-json record."""
         return {"event": "stall", "timeout": self.timeout, "silent_s": round(self.silent_s, 3),
-                "behind": list(self.behind),
+                "behind": list(self.behind), "behind_by": "flight records" if self.by_flight else "progress",
                 "ranks": [{"rank": progress.rank, "pid": progress.pid, "step": progress.step, "phase": progress.phase,
                            "detail": progress.detail, "ended": progress.ended, "stopped": progress.rank in self.stopped,
                            "silent_s": round(self.at - progress.since, 3)} for progress in self.ranks]}

@@ -51,15 +51,19 @@ class Preemption:
 
         answer = 0
         if self.pending is not None:
-            self.pending.Wait()
-            self._close_call()
+            self._wait()
             answer = int(self.result[0])
         self.sent[0] = self.received
         self.call = self.flight.open("all_reduce", "mpi", "int64", 1, 8)
+        if self.call is not None:
+            self.call.background = True  # runs beside the next step; it holds a rank up only in `_wait`
         self.pending = self.comm.Iallreduce(self.sent, self.result, op=MPI.MAX)
         return answer
 
-    def _close_call(self) -> None:
+    def _wait(self) -> None:
+        if self.call is not None:
+            self.call.background = False
+        self.pending.Wait()
         if self.call is not None:
             self.call.close()
             self.call = None
@@ -67,8 +71,7 @@ class Preemption:
     def close(self) -> None:
         """Complete the last all-reduce and free the communicator (every rank, at the end of the loop)."""
         if self.pending is not None:
-            self.pending.Wait()
-            self._close_call()
+            self._wait()
             self.pending = None
         self.comm.Free()
 

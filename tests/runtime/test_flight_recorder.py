@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpi_harness import mpiexec_path
 from processes import ended, processes_under, start_job
@@ -86,6 +87,7 @@ def test_a_rank_that_skips_a_collective_is_named_with_where_it_is_instead(tmp_pa
     assert "receiving from rank 1" in report, report
     assert "world {0,1,2}: rank 0 waits in all_reduce #3 (ring, float64, 1000 elements, step 0" in report, report
     assert "rank 1 waits in all_reduce #3" in report, report
+    assert "deadlock: ranks 0, 1, 2 each wait in a call on another of them" in report, report
 
 
 def test_a_size_mismatch_is_named_with_both_sizes(tmp_path):
@@ -134,8 +136,9 @@ def test_train_bench_and_verify_take_check_collectives(tmp_path):
 def test_a_send_never_received_is_named_with_where_the_receiver_is(tmp_path):
     lines = _hang("unreceived", 2, tmp_path)
     report = "\n".join(lines)
-    assert "world messages {0,1}: rank 0 waits in send #0 (p2p, float64, 262144 elements, tag 7, step 0, sending to " \
-        "rank 1" in report, report
+    assert "world messages {0,1}: rank 0 waits in send #0 (p2p, float64, 262144 elements, tag 7, sending to rank 1, " \
+        "waited on" in report, report
+    assert "deadlock: ranks 0, 1 each wait in a call on another of them" in report, report
     assert "rank 1 posted no receive for it: it is in world {0,1} all_reduce #2" in report, report
     assert "rank 0 never entered #2" in report, report
 
@@ -146,6 +149,7 @@ def test_a_rank_stopped_inside_a_collective_is_named_as_missing_and_as_the_peer_
     assert "flight records of 1 of 2 ranks" in report, report
     assert "no dump from rank 1: stopped or dead" in report, report
     assert "world {0,1}: rank 0 waits in all_reduce #" in report and "receiving from rank 1" in report, report
+    assert "held up by rank 1: it left no dump (stopped or dead); rank 0 waits on it" in report, report
 
 
 def test_the_stall_watchdog_adds_the_flight_records_to_its_line(tmp_path):
@@ -184,6 +188,7 @@ def test_with_the_recorder_off_the_same_hang_names_nothing(tmp_path):
     lines = _hang("skip", 3, tmp_path, env={"MPIPARALLEL_FLIGHT": "0"})
     report = "\n".join(lines)
     assert "rank 2 never entered" not in report and "waits in" not in report, report
+    assert "deadlock" not in report and "held up" not in report, report
     assert "every communicator agrees" in report
 
 
@@ -215,3 +220,36 @@ def test_a_rank_sets_up_its_recorder_without_importing_numpy():
                             env={**os.environ, "PMI_RANK": "0", "PMI_SIZE": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"], result.stdout
+
+
+@pytest.mark.parametrize("recorder", ["on", "off"])
+def test_a_rank_hung_under_the_pipeline_is_singled_out_by_the_flight_records(tmp_path, recorder):
+    """`train --pp 3` with rank 1 (the middle stage) hung, alive, at step 4's first pipeline action: the progress
+    reports cannot order pipeline ranks (each stage runs its own actions), so they single out nobody; the flight
+    records can — ranks 0 and 2 wait in receives from rank 1, which sits in no call. With the recorder off
+    (MPIPARALLEL_FLIGHT=0) the stall's line names nobody: the records are what names it."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 257, 4000))
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "MPIPARALLEL_STALL_AT": "4@1", "MPIPARALLEL_FLIGHT": "512" if recorder == "on" else "0"}
+    job = start_job([sys.executable, "-m", "mpiparallel", "train", "-n", "3", "--pp", "3", "--n-layer", "3",
+                     "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--vocab-size", "257", "--batch-size", "6",
+                     "--data", str(tokens), "--steps", "1000", "--stall-timeout", "3", "--log-json", str(log),
+                     "--flight-dir", str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True, env=env)
+    status, _, stderr = ended(job, timeout=180)
+    [line] = [line for line in stderr.splitlines() if line.startswith("mpiparallel: stalled:")]
+    event = json.loads(log.read_text().splitlines()[-1])
+    if recorder == "off":
+        assert "none is behind the others" in line and event["behind"] == [], line
+        return
+    assert status == 7, stderr
+    assert line.startswith("mpiparallel: stalled: rank 1 (the others wait on it: flight records) has not finished "
+                           "step 4 (pipeline action "), line
+    for rank in (0, 2):
+        assert f"; rank {rank} waits in step 4 (pipeline action " in line, line
+    assert "held up by rank 1: it is in no call (computing, or waiting outside the collectives); ranks 0, 2 wait " \
+           "on it" in stderr, stderr
+    assert re.search(r"pp messages \{0,1,2\}: rank 0 waits in recv #\d+ \(p2p, float32, \d+ elements, tag \d+, "
+                     r"receiving from rank 1, waited on", stderr), stderr
+    assert event["behind"] == [1] and event["behind_by"] == "flight records", event
