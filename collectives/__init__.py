@@ -15,9 +15,9 @@ it imports CuPy only when a communicator is built).
 from typing import Any
 
 _NAMES = {
-    "api": ("ALGORITHMS", "CollectiveMismatchError", "algorithms", "all_gather", "all_gather_async", "all_reduce",
-            "all_reduce_async", "all_to_all", "all_to_allv", "broadcast", "reduce", "reduce_scatter",
-            "reduce_scatter_async", "world"),
+    "api": ("ALGORITHMS", "CollectiveMismatchError", "Message", "algorithms", "all_gather", "all_gather_async",
+            "all_reduce", "all_reduce_async", "all_to_all", "all_to_allv", "broadcast", "check_messages", "reduce",
+            "reduce_scatter", "reduce_scatter_async", "world"),
     "blocks": ("OPS",),
     "communicator": ("CollectiveHandle", "Communicator", "Ledger"),
 }

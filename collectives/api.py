@@ -14,7 +14,8 @@ has no datatype for, is the reference of `native`.
 
 The communicator's settings apply to every call: with `check_arguments` (MPIPARALLEL_CHECK=1) each call first
 compares its arguments (shape, dtype, op, algo, root) across ranks and raises a clear `CollectiveMismatchError`
-on all ranks instead of hanging or corrupting data; the pipelined algorithms cut messages at its
+on all ranks instead of hanging or corrupting data (and `check_messages` does the same for a phase of
+point-to-point messages, such as a pipeline step's); the pipelined algorithms cut messages at its
 `segment_bytes` (MPIPARALLEL_SEGMENT_BYTES). See `Communicator`.
 
 The common path is kept lean because a small collective takes a few microseconds: the local checks and the
@@ -26,6 +27,7 @@ drives the steps with one MPI call each. What remains per call on two ranks is a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -395,6 +397,67 @@ def _check_agreement(comm: Communicator, name: str, x: Array, op: str | None, al
     lines = [f"  rank {r}: {_describe(rows[r])}" for r in range(comm.size)]
     raise CollectiveMismatchError(f"ranks disagree on a {name} call (check_arguments, MPIPARALLEL_CHECK=1):\n"
                                   + "\n".join(lines))
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message a rank means to send or receive: "send" or "recv", the peer (a rank of the
+    communicator), the tag, and the shape and dtype name of the array."""
+
+    direction: str
+    peer: int
+    tag: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    def describe(self) -> str:
+        return f"{'×'.join(map(str, self.shape)) or 'scalar'} {self.dtype}"
+
+
+_SHOWN_PROBLEMS = 6
+
+
+def check_messages(comm: Communicator, messages: Sequence[Message], what: str = "point-to-point messages") -> None:
+    """Check that the sends and receives every rank of `comm` means to make (`messages`, this rank's) pair up: each
+    send from rank s to rank d with tag t meets a receive on d from s with tag t, of the same shape and dtype, and
+    the other way round. One all-gather of the plans (a few bytes per message); on a mismatch every rank raises
+    the same `CollectiveMismatchError`, naming each unpaired or mismatched message — before any of them moves,
+    where unchecked they would hang (a send nobody receives, a receive nobody sends) or corrupt (a size that
+    differs)."""
+    plans = comm.allgather_objects([(m.direction, m.peer, m.tag, tuple(m.shape), m.dtype) for m in messages])
+    sent: dict[tuple[int, int, int], list[Message]] = {}
+    received: dict[tuple[int, int, int], list[Message]] = {}
+    for rank, plan in enumerate(plans):
+        for message in (Message(*row) for row in plan):
+            if message.direction == "send":
+                sent.setdefault((rank, message.peer, message.tag), []).append(message)
+            else:
+                received.setdefault((message.peer, rank, message.tag), []).append(message)
+    problems = [problem for key in sorted(set(sent) | set(received))
+                for problem in _unpaired(key, sent.get(key, []), received.get(key, []))]
+    if problems:
+        shown = problems[:_SHOWN_PROBLEMS] + ([f"… and {len(problems) - _SHOWN_PROBLEMS} more"]
+                                             if len(problems) > _SHOWN_PROBLEMS else [])
+        where = f" on {comm.label}" if comm.label else ""
+        raise CollectiveMismatchError(f"{what}{where} do not pair up (check_arguments, MPIPARALLEL_CHECK=1):\n"
+                                      + "\n".join(f"  {line}" for line in shown))
+
+
+def _unpaired(key: tuple[int, int, int], sends: list[Message], receives: list[Message]) -> list[str]:
+    """What is wrong with the messages of one (source, destination, tag), in the order each side lists them."""
+    source, dest, tag = key
+    problems = []
+    for send, receive in zip(sends, receives, strict=False):  # the extras of either side: below
+        if (send.shape, send.dtype) != (receive.shape, receive.dtype):
+            problems.append(f"rank {source} sends rank {dest} tag {tag} as {send.describe()}; rank {dest} receives "
+                            f"it into {receive.describe()}")
+    for send in sends[len(receives):]:
+        problems.append(f"rank {source} sends rank {dest} tag {tag} ({send.describe()}) that rank {dest} never "
+                        f"receives")
+    for receive in receives[len(sends):]:
+        problems.append(f"rank {dest} receives tag {tag} from rank {source} ({receive.describe()}) that rank "
+                        f"{source} never sends")
+    return problems
 
 
 def world() -> Communicator:

@@ -14,13 +14,16 @@ stage and the final LayerNorm + head + loss with the last. Each rank builds only
 
 Communication, per microbatch and stage boundary (between ranks): forward one activation of b·s·h elements
 (b rows per microbatch; with --sp its sequence slice, b·s·h/tp), backward its gradient, the same size — the
-wrappers below name both directions. Sends and receives are nonblocking: a receive is posted when the schedule
-lists it and completed only when the compute action that reads it starts; a send completes in the background
-(all are finished at the end of the step). On a GPU with an MPI that cannot read device memory, sends are
-staged through host memory and receives land in host buffers, copied to the GPU when the action needs them.
-Once per step the tied token embedding, which the first stage reads for the embedding and the last for the LM
-head, gets the sum of both stages' gradients: one exchange of V·h elements (÷ tp) between those two ranks (none
-when one rank holds both, as in the V schedules).
+wrappers below name both directions. Sends and receives are nonblocking: a receive is posted when the schedule lists
+it and completed only when the compute action that reads it starts; a send completes in the background (all are
+finished at the end of the step). With `--check-collectives` (the communicator's check_arguments) each step first
+checks that every stage's sends and receives pair up — peer, tag, shape, dtype — across the pipeline
+(`collectives.check_messages`: one small all-gather), and each send that its data has the shape its receiver
+expects: a mismatched schedule is one clear error on every rank, not a hang. On a GPU with an MPI that cannot read
+device memory, sends are staged through host memory and receives land in host buffers, copied to the GPU when the
+action needs them. Once per step the tied token embedding, which the first stage reads for the embedding and the
+last for the LM head, gets the sum of both stages' gradients: one exchange of V·h elements (÷ tp) between those two
+ranks (none when one rank holds both, as in the V schedules).
 
 Cost: with per-stage times F, I, W the pipeline idles the schedule's bubble (GPipe and 1F1B: (p−1)(F+I+W) per
 rank, a fraction (p−1)/(m+p−1)); every boundary moves 2·m·b·s·h elements per step; peak activation memory is the
@@ -36,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from collectives import Communicator
+from collectives import CollectiveMismatchError, Communicator, Message, check_messages
 from collectives.backend import Array, HostStaging, get_array_module
 from collectives.communicator import FIRST_COLLECTIVE_TAG, Posted
 from models.layers import distinct_bytes
@@ -189,6 +192,7 @@ class PipelineExecutor:
         self._handed: dict[tuple[str, int, int], Array] = {}  # outputs and input gradients not yet consumed
         self._receiving: dict[tuple[str, int, int], tuple[Posted, Array]] = {}
         self._sending: list[tuple[Posted, Array]] = []
+        self._check_messages(self.actions)
         start = time.perf_counter()
         self.timeline, self.peak_saved_bytes = Timeline(started=start), 0
         for action in self.actions:
@@ -257,28 +261,57 @@ class PipelineExecutor:
     def _backward_weights(self, action: Action) -> None:
         self.model.backward_weights(self._saved.pop((action.stage, action.microbatch)))
 
+    def _peer_and_tag(self, action: Action) -> tuple[int, int]:
+        """The rank a SEND or RECV action exchanges with and its message's tag (named by the receiving stage)."""
+        stage, microbatch, count = action.stage, action.microbatch, len(self._batches)
+        if action.kind == SEND_F:
+            return self._rank_of(stage + 1), _tag(stage + 1, microbatch, False, count)
+        if action.kind == SEND_B:
+            return self._rank_of(stage - 1), _tag(stage - 1, microbatch, True, count)
+        if action.kind == RECV_F:
+            return self._rank_of(stage - 1), _tag(stage, microbatch, False, count)
+        return self._rank_of(stage + 1), _tag(stage, microbatch, True, count)
+
+    def _check_messages(self, actions: Sequence[Action]) -> None:
+        """With check_arguments: every rank's sends and receives of this step pair up (see the module docstring)."""
+        if not self.comm.check_arguments:
+            return
+        messages = [Message("send" if action.kind in (SEND_F, SEND_B) else "recv", *self._peer_and_tag(action),
+                            self.activation_shape, self.dtype.name)
+                    for action in actions if action.kind in (SEND_F, SEND_B, RECV_F, RECV_B)]
+        check_messages(self.comm, messages, "the pipeline's messages")
+
     def _send(self, action: Action) -> None:
         stage, microbatch = action.stage, action.microbatch
+        peer, tag = self._peer_and_tag(action)
         if action.kind == SEND_F:
             data = self._handed.pop(("input", stage + 1, microbatch))
-            tag = _tag(stage + 1, microbatch, False, len(self._batches))
-            request = send_forward(data, self.comm, self._rank_of(stage + 1), tag)
+            self._check_outgoing(data, peer, tag)
+            request = send_forward(data, self.comm, peer, tag)
         else:
             data = self._handed.pop(("doutput", stage - 1, microbatch))
-            tag = _tag(stage - 1, microbatch, True, len(self._batches))
-            request = send_backward(data, self.comm, self._rank_of(stage - 1), tag)
+            self._check_outgoing(data, peer, tag)
+            request = send_backward(data, self.comm, peer, tag)
         self._sending.append((request, data))
+
+    def _check_outgoing(self, data: Array, peer: int, tag: int) -> None:
+        """With check_arguments: the data has the shape and dtype its receiver's buffer has."""
+        if self.comm.check_arguments and (tuple(data.shape), data.dtype) != (self.activation_shape, self.dtype):
+            sending, expected = (Message("send", peer, tag, tuple(data.shape), data.dtype.name),
+                                 Message("recv", self.comm.rank, tag, self.activation_shape, self.dtype.name))
+            raise CollectiveMismatchError(
+                f"pipeline rank {self.comm.rank} would send rank {peer} tag {tag} as {sending.describe()}; its "
+                f"receiver expects {expected.describe()} (check_arguments, MPIPARALLEL_CHECK=1)")
 
     def _receive(self, action: Action) -> None:
         stage, microbatch = action.stage, action.microbatch
         buffer = (np if self.receives_on_host else self.xp).empty(self.activation_shape, self.dtype)
+        peer, tag = self._peer_and_tag(action)
         if action.kind == RECV_F:
-            tag = _tag(stage, microbatch, False, len(self._batches))
-            request = recv_forward(buffer, self.comm, self._rank_of(stage - 1), tag)
+            request = recv_forward(buffer, self.comm, peer, tag)
             self._receiving["input", stage, microbatch] = (request, buffer)
         else:
-            tag = _tag(stage, microbatch, True, len(self._batches))
-            request = recv_backward(buffer, self.comm, self._rank_of(stage + 1), tag)
+            request = recv_backward(buffer, self.comm, peer, tag)
             self._receiving["doutput", stage, microbatch] = (request, buffer)
 
     def forward_only(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float) -> float:
@@ -296,6 +329,7 @@ class PipelineExecutor:
         self._batches, self._normalizer, self._loss = microbatches, normalizer, 0.0
         self._on_forward = lambda saved: None
         self._saved, self._handed, self._receiving, self._sending = {}, {}, {}, []
+        self._check_messages(forward_actions)
         for action in forward_actions:
             self._complete_receive_for(action)
             self._run(action)

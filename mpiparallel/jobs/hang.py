@@ -127,7 +127,8 @@ def _where_is(rank: int, groups: dict[Group, dict[int, list[dict[str, Any]]]], n
 
 def waits_on(rank: int, groups: dict[Group, dict[int, list[dict[str, Any]]]], missing: list[int]) -> list[int]:
     """The ranks `rank` waits for: the peers of the step (or message) it sits in; where the call shows no step
-    (MPI's own algorithms), the members that have not entered it or left no dump. Empty: it waits for nobody."""
+    (MPI's own algorithms), the members that have not entered it, or else every other member. Empty: it is in
+    no call and waits for nobody."""
     found = _blocked_in(rank, groups)
     if found is None:
         return []
@@ -136,8 +137,9 @@ def waits_on(rank: int, groups: dict[Group, dict[int, list[dict[str, Any]]]], mi
     if peers or group.point_to_point:
         return sorted(peers)
     entered = {member: calls[-1]["seq"] if calls else -1 for member, calls in groups[group].items()}
-    return sorted(member for member in group.members
-                  if member != rank and (member in missing or entered.get(member, -1) < call["seq"]))
+    others = [member for member in group.members if member != rank]
+    behind = [member for member in others if member in missing or entered.get(member, -1) < call["seq"]]
+    return behind or others
 
 
 def holding_up(dumps: dict[int, dict[str, Any]], world: int) -> tuple[dict[int, list[int]], list[list[int]]]:
@@ -195,8 +197,8 @@ def _summary(dumps: dict[int, dict[str, Any]], world: int, groups: dict[Group, d
         lines.append(f"held up by rank {rank}: {state}; rank{'s' if len(waiting) > 1 else ''} {ranks} "
                      f"{'wait' if len(waiting) > 1 else 'waits'} on it, directly or through each other")
     for ranks in deadlocked:
-        lines.append(f"deadlock: ranks {', '.join(map(str, ranks))} each wait in a call on another of them, and "
-                     f"none waits on a rank outside: calls that do not pair up (see below)")
+        lines.append(f"ranks {', '.join(map(str, ranks))} wait in calls on one another and on no rank outside them: "
+                     f"their calls do not pair up, or their messages do not arrive")
     return lines
 
 

@@ -269,6 +269,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     unreachable: list[multi_host.LostHost] = []
     stalls: list[Stall] = []
     flight_asked: list[float] = []  # when the ranks were asked for their flight records
+    flight_dir = stall.flight_dir if stall is not None else None
     ending = threading.Lock()  # held by the first of the heartbeats and the stall watchdog to end the job
     monitor = watchdog = None
     if cluster is not None:
@@ -277,6 +278,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
                 return False
             if ending.acquire(blocking=False):
                 unreachable.append(multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds))
+                flight_asked.append(_collect_flight_records(pids, flight_dir))  # the survivors, waiting on it
                 _end_job(process, pids)
             return True
 
@@ -285,8 +287,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     if stall is not None and stall.timeout > 0:
         def end_stalled(found: Stall) -> None:
             if ending.acquire(blocking=False):
-                asked = _collect_flight_records(pids, stall.flight_dir)
-                stalls.append(found.with_flight_records(_held_up_by(stall.flight_dir, asked)))
+                asked = _collect_flight_records(pids, flight_dir)
+                stalls.append(found.with_flight_records(_held_up_by(flight_dir, asked)))
                 flight_asked.append(asked)
                 _end_job(process, pids)
 
@@ -330,8 +332,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
             thread.stop()
     if stalls:  # one line, in place of all that mpiexec and the ranks said about their ends, then the records
         print(stalls[0].message(), file=sys.stderr, flush=True)
-        print(_flight_report(stall.flight_dir if stall is not None else None, flight_asked[0]), file=sys.stderr,
-              flush=True)
+        print(_flight_report(flight_dir, flight_asked[0]), file=sys.stderr, flush=True)
         if stall is not None:
             stall.log(stalls[0])
         return JobOutcome(ExitCode.STALL, lost_ranks=stalls[0].behind, stall=stalls[0])
@@ -339,6 +340,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
                                   if status != 0 and not stopped else ())
     if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
         print("\n".join(host.message() for host in lost), file=sys.stderr, flush=True)
+        if flight_asked:  # a host unreachable: what the ranks still running were waiting in
+            print(_flight_report(flight_dir, flight_asked[0]), file=sys.stderr, flush=True)
     elif status != 0 and stopped:  # ended on purpose: the ranks' own lines say how; no rank was lost
         sys.stderr.buffer.write(b"".join(line for line in held or [] if not _FAILURE_DETAIL.match(line)))
     elif status != 0:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_harness import mpiexec_path
+from mpi_harness import RankFailure, mpiexec_path, run_on_ranks
 from processes import ended, processes_under, start_job
 
 from collectives import flight
@@ -87,7 +87,7 @@ def test_a_rank_that_skips_a_collective_is_named_with_where_it_is_instead(tmp_pa
     assert "receiving from rank 1" in report, report
     assert "world {0,1,2}: rank 0 waits in all_reduce #3 (ring, float64, 1000 elements, step 0" in report, report
     assert "rank 1 waits in all_reduce #3" in report, report
-    assert "deadlock: ranks 0, 1, 2 each wait in a call on another of them" in report, report
+    assert "ranks 0, 1, 2 wait in calls on one another and on no rank outside them: their calls do not pair up" in report, report
 
 
 def test_a_size_mismatch_is_named_with_both_sizes(tmp_path):
@@ -138,7 +138,7 @@ def test_a_send_never_received_is_named_with_where_the_receiver_is(tmp_path):
     report = "\n".join(lines)
     assert "world messages {0,1}: rank 0 waits in send #0 (p2p, float64, 262144 elements, tag 7, sending to rank 1, " \
         "waited on" in report, report
-    assert "deadlock: ranks 0, 1 each wait in a call on another of them" in report, report
+    assert "ranks 0, 1 wait in calls on one another and on no rank outside them: their calls do not pair up" in report, report
     assert "rank 1 posted no receive for it: it is in world {0,1} all_reduce #2" in report, report
     assert "rank 0 never entered #2" in report, report
 
@@ -188,7 +188,7 @@ def test_with_the_recorder_off_the_same_hang_names_nothing(tmp_path):
     lines = _hang("skip", 3, tmp_path, env={"MPIPARALLEL_FLIGHT": "0"})
     report = "\n".join(lines)
     assert "rank 2 never entered" not in report and "waits in" not in report, report
-    assert "deadlock" not in report and "held up" not in report, report
+    assert "on one another" not in report and "held up" not in report, report
     assert "every communicator agrees" in report
 
 
@@ -253,3 +253,38 @@ def test_a_rank_hung_under_the_pipeline_is_singled_out_by_the_flight_records(tmp
     assert re.search(r"pp messages \{0,1,2\}: rank 0 waits in recv #\d+ \(p2p, float32, \d+ elements, tag \d+, "
                      r"receiving from rank 1, waited on", stderr), stderr
     assert event["behind"] == [1] and event["behind_by"] == "flight records", event
+
+
+PIPELINE = "workers.pipeline_checks:broken_step"
+
+
+def test_checked_pipeline_messages_name_a_send_nobody_receives_on_every_rank():
+    """`--check-collectives` under --pp: a schedule that lost a receive is one error on both ranks, before any
+    message moves; unchecked, the same schedule fails somewhere else with a KeyError that names no message."""
+    assert run_on_ranks(2, PIPELINE, breakage="none") == ["no error", "no error"]
+    for message in run_on_ranks(2, PIPELINE, breakage="dropped_receive"):
+        assert message == ("the pipeline's messages on pp do not pair up (check_arguments, MPIPARALLEL_CHECK=1):\n"
+                           "  rank 0 sends rank 1 tag 4 (2×8×16 float64) that rank 1 never receives"), message
+    with pytest.raises(RankFailure, match=r"KeyError: \('input', 1, 0\)"):
+        run_on_ranks(2, PIPELINE, breakage="dropped_receive", checked=False, timeout=60)
+
+
+def test_checked_pipeline_messages_name_sizes_that_differ_on_every_rank():
+    """Rank 1 expects activations twice as long as rank 0 sends: every mismatched message named on both ranks;
+    unchecked, the run fails later in the loss with a broadcasting error."""
+    for message in run_on_ranks(2, PIPELINE, breakage="longer_buffer"):
+        assert "rank 0 sends rank 1 tag 4 as 2×8×16 float64; rank 1 receives it into 2×16×16 float64" in message
+        assert "rank 1 sends rank 0 tag 1 as 2×16×16 float64; rank 0 receives it into 2×8×16 float64" in message
+    with pytest.raises(RankFailure, match="operands could not be broadcast"):
+        run_on_ranks(2, PIPELINE, breakage="longer_buffer", checked=False, timeout=60)
+
+
+def test_a_checked_send_whose_data_differs_from_what_its_receiver_expects_is_one_error():
+    """The plans agree (both ranks expect 2×16×16) but the data is 2×8×16: the sending rank raises before the
+    message moves, and the job ends (the harness aborts it, as `train` does); unchecked, a broadcasting error in
+    the last stage's loss."""
+    with pytest.raises(RankFailure, match="pipeline rank 0 would send rank 1 tag 4 as 2×8×16 float64; its receiver "
+                                          "expects 2×16×16 float64"):
+        run_on_ranks(2, PIPELINE, breakage="short_data", timeout=60)
+    with pytest.raises(RankFailure, match="operands could not be broadcast"):
+        run_on_ranks(2, PIPELINE, breakage="short_data", checked=False, timeout=60)
