@@ -1,8 +1,9 @@
 """The flight recorder (`collectives.flight`) and the hang analysis (`mpiparallel debug hang`): jobs hung on
 purpose — a rank that skips a collective, a size mismatch, a send never received, a rank stopped inside a
-collective — under a bare
-mpiexec with SIGUSR2, and under the self-launching parent's stall watchdog; the analysis names the rank, the call
-and the peer each time. With the recorder off, the same dumps name nothing (the last test)."""
+collective — under a bare mpiexec with SIGUSR2, and under the self-launching parent's stall watchdog (a hung
+pipeline rank too, which only the records single out); the analysis names the rank, the call and the peer each
+time. With the recorder off, the same dumps name nothing. `--check-collectives` turns a size mismatch, and a
+pipeline schedule whose messages do not pair up, into one clear error (unchecked: a hang or an error far away)."""
 
 from __future__ import annotations
 
