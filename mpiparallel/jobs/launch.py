@@ -126,6 +126,7 @@ def ensure_world_size(ranks: int | None, argv: Sequence[str], hostfile: Path | N
     """
     if launched_by_mpi():
         _register_pid()
+        check_world_is_the_launchers(world_size())
     elif hostfile is not None:
         _relaunch_on_hosts(ranks, argv, hostfile, stall)
     if ranks is None:
@@ -138,6 +139,34 @@ def ensure_world_size(ranks: int | None, argv: Sequence[str], hostfile: Path | N
     if size != ranks:
         raise ConfigError(f"-n {ranks} asks for {ranks} ranks, but this job was started with {size}; "
                           f"leave out -n under mpiexec/srun, or give the same number")
+
+
+def launcher_world(environ: Mapping[str, str] = os.environ) -> int | None:
+    """How many ranks the launcher says it started (None where it says nothing)."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        if environ.get(name):
+            return int(environ[name])
+    return None
+
+
+def check_world_is_the_launchers(size: int, environ: Mapping[str, str] = os.environ) -> None:
+    """A launcher that started several ranks whose MPI sees a world of 1 in each: the MPI library did not reach the
+    launcher's process-management interface, so each process runs the whole job alone — Open MPI under `srun
+    --mpi=pmi2` does exactly that, and exits 0 (measured). One error, from the launcher's rank 0 (every process
+    is rank 0 of its own world, so MPI cannot pick one); the others exit with the same status, silently."""
+    started = launcher_world(environ)
+    if size != 1 or started is None or started <= 1:
+        return
+    if launcher_rank(environ) != 0:
+        raise SystemExit(ConfigError.exit_code)
+    slurm = "SLURM_STEP_NUM_TASKS" in environ and not any(name in environ for name in ("PMI_SIZE",
+                                                                                        "OMPI_COMM_WORLD_SIZE"))
+    fix = ("Give srun the --mpi of the MPI library: --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH (`srun "
+           "--mpi=list` shows what this Slurm offers)" if slurm else
+           "Start the ranks with the mpiexec of the MPI library mpi4py was built against "
+           "(`python -c 'from mpi4py import MPI; print(MPI.Get_library_version())'`)")
+    raise ConfigError(f"the launcher started {started} ranks, but MPI gives each a world of 1: every one would "
+                      f"run the whole job alone. {fix}")
 
 
 def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None,

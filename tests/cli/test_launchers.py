@@ -1,0 +1,57 @@
+"""What the ranks learn from their launcher before MPI starts: how many share a node (each rank's BLAS threads),
+and a launch whose MPI gives every rank a world of its own (Open MPI under `srun --mpi=pmi2`: every task trains
+alone and exits 0, measured) — one clear error instead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpiparallel.process import limit_blas_threads, local_rank_count, slurm_tasks_on_this_node
+
+SRUN_TASK = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "0",
+             "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize("counts, tasks", [("2(x2)", 2), ("4", 4), ("3,1", 3), ("1(x3),2", 2)])
+def test_an_srun_steps_tasks_per_node_are_read_from_its_compressed_list(counts, tasks):
+    assert slurm_tasks_on_this_node({"SLURM_STEP_TASKS_PER_NODE": counts}) == tasks
+
+
+def test_a_node_shares_its_cores_among_the_ranks_every_launcher_says_it_runs():
+    """hydra's and Open MPI's own counts first (an mpiexec inside an allocation), then srun's step, then what the
+    allocation asked for; a batch shell (no step) alone is one process."""
+    assert local_rank_count({"MPI_LOCALNRANKS": "3", **SRUN_TASK}) == 3
+    assert local_rank_count({"OMPI_COMM_WORLD_LOCAL_SIZE": "5"}) == 5
+    assert local_rank_count(SRUN_TASK) == 2
+    assert local_rank_count({"SLURM_NTASKS_PER_NODE": "8"}) == 8
+    assert local_rank_count({"SLURM_TASKS_PER_NODE": "8", "SLURM_JOB_ID": "1"}) == 1
+    cores = len(os.sched_getaffinity(0))
+    assert limit_blas_threads(None, environ=dict(SRUN_TASK), load=0.0) == max(1, cores // 2)
+
+
+def _as_srun_task(rank: int) -> dict[str, str]:
+    """This process's environment as a task of a 2-task srun step whose MPI did not reach Slurm's PMI."""
+    clean = {name: value for name, value in os.environ.items()
+             if not name.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "MPIPARALLEL_RANK"))}
+    return {**clean, **SRUN_TASK, "SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2"}
+
+
+def test_a_launch_that_gives_every_rank_a_world_of_one_is_one_clear_error(tmp_path):
+    """Each process is MPI's singleton (what Open MPI makes of an srun step it cannot reach), as srun's task 0 and
+    task 1: task 0 says what is wrong and how to fix it, task 1 exits with the same status in silence; neither
+    trains."""
+    command = [sys.executable, "-m", "mpiparallel", "train", "--steps", "1", "--n-layer", "1"]
+    first = subprocess.run(command, cwd=tmp_path, env=_as_srun_task(0), capture_output=True, text=True, timeout=120)
+    assert first.returncode == 2, first.stderr
+    assert first.stderr.strip() == (
+        "Error: the launcher started 2 ranks, but MPI gives each a world of 1: every one would run the whole job "
+        "alone. Give srun the --mpi of the MPI library: --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH (`srun "
+        "--mpi=list` shows what this Slurm offers)"), first.stderr
+    assert "step" not in first.stdout, first.stdout
+    second = subprocess.run(command, cwd=tmp_path, env=_as_srun_task(1), capture_output=True, text=True, timeout=120)
+    assert (second.returncode, second.stdout, second.stderr) == (2, "", "")
