@@ -13,6 +13,16 @@ the sum is formed (n DP ranks, G = P = the parameters' bytes, Adam keeping two m
     ZeRO-3      as ZeRO-2, plus an all-gather of each unit's params before its forward and again before its
                 backward: + 2(n−1)/n·P per microbatch                P/n + G/n + 2P/n
 
+Hybrid sharding (HSDP, `--dp-shard N`; PyTorch FSDP's HYBRID_SHARD, torchtitan's dp_replicate × dp_shard): the
+ZeRO stages shard over a group of N ranks (`comm`, one node when N·tp·cp is its rank count) and the dp/N = r
+groups hold replicas; after the reduce-scatter inside the group, each rank all-reduces its shard of the gradients
+with the ranks holding the same shard in the other groups (`replicas`). Parameters are gathered inside the group
+only. Per rank and step (Ψ = G = P):
+
+    inside the group    as the stage above with n = N (ZeRO-3: (N−1)/N·Ψ reduce-scatter + 2(N−1)/N·Ψ gathers)
+    across the groups   2(r−1)/r·Ψ/N: the replicas' all-reduce of one shard — the only traffic between groups
+    memory              as the stage with n = N: the sharded states are N times smaller, not dp times
+
 The stages are four classes, each extending the one before by what it shards, so that a reader can compare them
 method by method: `DataParallel` (plain: whole gradients all-reduced), `ZeRO1` (flat parameter buffers, the
 optimizer on this rank's slices, reduce-scatter then all-gather), `ZeRO2` (gradient slices accumulated every
@@ -145,22 +155,27 @@ class DataParallel(ParameterHooks):
     `axes` are the mesh axes `comm` spans (("dp",), or ("dp", "cp") when context-parallel ranks also sum their
     gradients): every parameter's placement gains `Partial` on them (each rank's gradient is its tokens' share);
     ZeRO's optimizer pieces carry `FlatShard` on them instead. `select` (default: all) picks the parameters
-    this engine reduces, for models whose parameters are summed over different groups (experts).
+    this engine reduces, for models whose parameters are summed over different groups (experts). `replicas`
+    (ZeRO only): hybrid sharding's other shard groups — the ranks holding this rank's shard there, with which
+    each reduced gradient shard is summed (placement `Partial` on `replica_axis` until then).
     """
 
     zero = 0
 
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True,
                  algo: str = "auto", axes: tuple[str, ...] = (DP_AXIS,),
-                 select: Callable[[Parameter], bool] | None = None) -> None:
+                 select: Callable[[Parameter], bool] | None = None, replicas: Communicator | None = None,
+                 replica_axis: str = "dp_replicate") -> None:
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb must be positive, got {bucket_mb}")
         self.model, self.comm, self.overlap, self.algo, self.axes = model, comm, overlap, algo, axes
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         self.units = [[param for param in params if select is None or select(param)]
                       for params in model.unit_parameters()]
+        summed_over = axes + ((replica_axis,) if self.replicas is not None else ())
         for params in self.units:
             for param in params:
-                param.placement |= {axis: PARTIAL for axis in axes}
+                param.placement |= {axis: PARTIAL for axis in summed_over}
         self.buckets = build_buckets(self.units, int(bucket_mb * 2**20), comm.size)
         first = self.buckets[0].params[0]
         self.xp = get_array_module(first.data)
@@ -391,6 +406,17 @@ class ZeRO1(DataParallel):
         for shard in self.grad_shards:
             shard[...] = 0
 
+    def finish_gradients(self) -> None:
+        """Every reduce-scatter finished (`DataParallel`'s); with hybrid sharding each reduced shard is then
+        summed with its replicas in the other shard groups — one all-reduce of Ψ/N per rank, the only bytes that
+        leave the group."""
+        super().finish_gradients()
+        if self.replicas is not None:
+            handles = [collectives.all_reduce_async(shard, self.replicas, "sum", self.algo, out=shard)
+                       for shard in self.grad_shards]
+            for handle in handles:
+                handle.wait()
+
     def after_update(self) -> None:
         """All-gather the updated parameter shards into the full parameters."""
         handles = [collectives.all_gather_async(shard, self.comm, self.algo, out=flat)
@@ -602,6 +628,10 @@ def data_parallel(model: Any, comm: Communicator, zero: int = 0, **options: Any)
     """The engine of ZeRO stage `zero` (0: plain data parallelism) over `comm`; `options` as `DataParallel`'s."""
     if zero not in ZERO_STAGES:
         raise ConfigError(f"--zero must be one of {ZERO_STAGES}, got {zero}")
+    replicas = options.get("replicas")
+    if zero == 0 and replicas is not None and replicas.size > 1:
+        raise ConfigError("--dp-shard shards ZeRO's states over groups of ranks: give --zero 1, 2 or 3 (plain data "
+                          "parallelism shards nothing)")
     return STAGES[zero](model, comm, **options)
 
 
@@ -683,7 +713,10 @@ def data_parallel_engines(model: Any, mesh: Mesh, zero: int = 0, bucket_mb: floa
     (placement `Held` on "dp"), so the experts are summed only over the ranks holding the same ones (expert_dp,
     ×cp), in their own engine."""
     options = {"zero": zero, "bucket_mb": bucket_mb, "overlap": overlap}
-    comm, axes = (mesh.dp, ("dp",)) if mesh.shape.cp == 1 else (mesh.dp_cp, ("dp", "cp"))
+    comm, axes = mesh.shard_group(), ("dp",) if mesh.shape.cp == 1 else ("dp", "cp")
+    if mesh.shape.hybrid:  # ZeRO inside each shard group, its shards summed over the groups
+        axes = ("dp_shard",) if mesh.shape.cp == 1 else ("dp_shard", "cp")
+        return DataParallelGroups([data_parallel(model, comm, axes=axes, replicas=mesh.dp_replicate, **options)])
     if mesh.shape.ep == 1:
         return DataParallelGroups([data_parallel(model, comm, axes=axes, **options)])
     for name, param in model.params.items():

@@ -14,7 +14,12 @@ cluster, the same node) and pipeline stages are the farthest apart (they exchang
   tokens of the same sequences, DP ranks different sequences);
 - `ep` and `expert_dp`: expert parallelism splits each DP group into dp/ep groups of ep consecutive DP ranks
   (`ep`: the all-to-all of tokens to experts); `expert_dp` joins the ranks that hold the same experts, whose
-  expert gradients are summed.
+  expert gradients are summed;
+- `dp_shard` and `dp_replicate` (hybrid sharding, `--dp-shard N`): ZeRO shards over groups of N consecutive DP
+  ranks (`dp_shard`; `dp_shard_cp` with cp, whose ranks shard with them) and the groups hold replicas, summed over
+  `dp_replicate` (the ranks with the same shard in every group). dp = dp_replicate·N, the DP coordinate being
+  dp_replicate_i·N + dp_shard_i: a shard group is N·cp·tp consecutive world ranks — one node when that is the
+  node's rank count.
 
 Nodes. The world communicator knows the node of every rank (`collectives.topology`); `describe` shows it and
 says which axes keep every group inside one node, and `topology_warning` flags a tensor-parallel group (and so
@@ -23,7 +28,7 @@ its sequence-parallel exchanges) that spans nodes: the chattiest axis on the slo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from mpi4py import MPI
 
@@ -45,6 +50,16 @@ class MeshShape:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_shard: int | None = None  # hybrid sharding: ZeRO shards over groups of this many DP ranks (None: all of dp)
+
+    @property
+    def dp_replicate(self) -> int:
+        """The shard groups, each a replica of the sharded state (1 without hybrid sharding)."""
+        return (self.dp or 1) // (self.dp_shard or self.dp or 1)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.dp_replicate > 1
 
     def resolve(self, world_size: int) -> MeshShape:
         """The shape with dp filled in, after checking that it tiles `world_size` ranks."""
@@ -63,7 +78,15 @@ class MeshShape:
                               f"ranks does not match the {world_size} ranks running")
         if dp % self.ep:
             raise ConfigError(f"--ep {self.ep} must divide the data-parallel size {dp}")
-        return MeshShape(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+        dp_shard = dp if self.dp_shard is None else self.dp_shard
+        if dp_shard < 1 or dp % dp_shard:
+            divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+            raise ConfigError(f"--dp-shard {dp_shard} must divide the data-parallel size {dp} (dp = dp_replicate × "
+                              f"dp_shard; the divisors of {dp}: {divisors})")
+        if dp_shard < dp and self.ep > 1:
+            raise ConfigError("--dp-shard with --ep is not supported yet: experts shard over their own expert_dp "
+                              "groups; leave out --dp-shard (ZeRO over all of dp) or --ep")
+        return MeshShape(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, dp_shard=dp_shard)
 
 
 @dataclass(frozen=True)
@@ -105,6 +128,11 @@ class Mesh:
         self.expert_dp = self._split((c.pp, c.cp, c.tp, c.dp % ep), c.dp // ep, "expert_dp")
         self.expert_dp_cp = self._split((c.pp, c.tp, c.dp % ep), (c.dp // ep) * self.shape.cp + c.cp,
                                         "expert_dp_cp")
+        shards = self.shape.dp_shard or self.shape.dp
+        group, inside = divmod(c.dp, shards)
+        self.dp_shard = self._split((c.pp, c.cp, c.tp, group), inside, "dp_shard")
+        self.dp_shard_cp = self._split((c.pp, c.tp, group), inside * self.shape.cp + c.cp, "dp_shard_cp")
+        self.dp_replicate = self._split((c.pp, c.cp, c.tp, inside), group, "dp_replicate")
         self.world.label = self.world.label or "world"
 
     def _split(self, color: tuple[int, ...], key: int, label: str) -> Communicator:
@@ -118,10 +146,39 @@ class Mesh:
         ep = self.shape.ep
         return {"ep": self.coordinates.dp % ep, "expert_dp": self.coordinates.dp // ep}
 
+    def dp_coordinates(self) -> dict[str, int]:
+        """This rank's coordinates on the two axes hybrid sharding splits dp into: dp = dp_replicate·N + dp_shard."""
+        shards = self.shape.dp_shard or self.shape.dp
+        return {"dp_replicate": self.coordinates.dp // shards, "dp_shard": self.coordinates.dp % shards}
+
+    def coordinates_for(self, placement: dict) -> dict[str, int]:
+        """This rank's coordinate on every axis that decides whether it holds the copy of a piece so placed that
+        counts once (`models.parameter.counts_once`): the mesh's axes, and the axes that expert parallelism and
+        hybrid sharding split dp into where the placement names them — dp itself then described by those two."""
+        found = asdict(self.coordinates)
+        split = {axis: coordinate for axis, coordinate in (self.expert_coordinates() | self.dp_coordinates()).items()
+                 if axis in placement}
+        if "dp_shard" in split:
+            del found["dp"]
+        return found | split
+
     def communicators(self) -> dict[str, Communicator]:
-        """Axis name -> Communicator, for per-axis byte counts ("dp_cp": the gradient sums when cp > 1)."""
+        """Axis name -> Communicator, for per-axis byte counts ("dp_cp": the gradient sums when cp > 1; with
+        hybrid sharding, the shard groups' and the replicas' communicators)."""
         axes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "ep": self.ep}
-        return axes | {"dp_cp": self.dp_cp} if self.shape.cp > 1 else axes
+        if self.shape.cp > 1:
+            axes["dp_cp"] = self.dp_cp
+        if self.shape.hybrid:
+            axes |= {"dp_shard_cp" if self.shape.cp > 1 else "dp_shard": self.shard_group(),
+                     "dp_replicate": self.dp_replicate}
+        return axes
+
+    def shard_group(self) -> Communicator:
+        """The ranks ZeRO shards the dense parameters' states over: the dp (×cp) ranks, or with hybrid sharding
+        those of this rank's shard group."""
+        if self.shape.hybrid:
+            return self.dp_shard if self.shape.cp == 1 else self.dp_shard_cp
+        return self.dp if self.shape.cp == 1 else self.dp_cp
 
     def describe(self) -> str:
         """A table of every world rank's coordinates and node (for --show-mesh), and which axes stay in nodes."""
@@ -133,9 +190,12 @@ class Mesh:
         for rank in range(self.world.size):
             c = coordinates_of(rank, s)
             lines.append(f"  {rank:>4}  {c.pp:>4}  {c.dp:>4}  {c.cp:>4}  {c.tp:>4}  {c.dp % s.ep:>4}  {nodes[rank]:>4}")
+        if s.hybrid:
+            lines.append(f"hybrid sharding: ZeRO shards over dp_shard groups of {plural(s.dp_shard, 'DP rank')} "
+                         f"(dp_shard = dp mod {s.dp_shard}), {s.dp_replicate} replicas summed over dp_replicate")
         spanning = axes_spanning_nodes(s, nodes)
-        axes = ("tp", "cp", "dp", "pp", "ep")
-        inside = [axis for axis in axes if getattr(s, axis) > 1 and axis not in spanning]
+        axes = ("tp", "cp", "dp", "pp", "ep") + (("dp_shard", "dp_replicate") if s.hybrid else ())
+        inside = [axis for axis in axes if _axis_size(s, axis) > 1 and axis not in spanning]
         lines.append(f"inside a node: {', '.join(inside) or 'no axis'}; across nodes: "
                      f"{', '.join(a for a in axes if a in spanning) or 'no axis'}")
         return "\n".join(lines)
@@ -158,4 +218,12 @@ def axes_spanning_nodes(shape: MeshShape, nodes: tuple[int, ...]) -> set[str]:
             groups.setdefault((axis, others), set()).add(node)
         if shape.ep > 1:  # ep groups: ep consecutive dp ranks
             groups.setdefault(("ep", (c.pp, c.cp, c.tp, c.dp // shape.ep)), set()).add(node)
+        if shape.hybrid:  # shard groups: dp_shard consecutive dp ranks; replicas: one in each group
+            group, inside = divmod(c.dp, shape.dp_shard)
+            groups.setdefault(("dp_shard", (c.pp, c.cp, c.tp, group)), set()).add(node)
+            groups.setdefault(("dp_replicate", (c.pp, c.cp, c.tp, inside)), set()).add(node)
     return {axis for (axis, _), members in groups.items() if len(members) > 1}
+
+
+def _axis_size(shape: MeshShape, axis: str) -> int:
+    return shape.dp_replicate if axis == "dp_replicate" else getattr(shape, axis)

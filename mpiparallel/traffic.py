@@ -9,7 +9,9 @@ gradient buckets an engine reduces:
 
     dp    DP all-reduce once per step: AR(G); ZeRO-1: RS(G) + AG(G); ZeRO-2: m·RS(G) + AG(G);
           ZeRO-3: m·(RS(G) + each bucket's all-gathers per microbatch); under a pipeline schedule ZeRO-2 and
-          ZeRO-3 reduce once per step and gather once: RS(G) + AG(G)           (`mpiparallel.data_parallel`)
+          ZeRO-3 reduce once per step and gather once: RS(G) + AG(G)           (`mpiparallel.data_parallel`);
+          with hybrid sharding the same on the shard group (dp_shard), and on dp_replicate AR(G/N), each
+          rank's shard summed with its replicas
     tp    per microbatch: 4 AR(S) per block (2 forward, 2 backward; SP: AG + RS in their place; with MoE only
           attention's 2, the experts being replicated over TP), one more forward's worth with --recompute full;
           AR(S) for the embedding and for the head's input; the vocab-parallel cross-entropy's AR of b·s and
@@ -185,6 +187,15 @@ def data_parallel_bytes(engine: Any, microbatches: int, itemsize: int, hooked: b
         else:
             total += microbatches * (reduce_scatter + engine.gathers_per_microbatch(index) * all_gather)
     return total
+
+
+def replica_bytes(engine: Any, itemsize: int, comm: Any = None) -> float:
+    """Hybrid sharding: one engine's bytes per step on its replicas' communicator (or `comm`, seen
+    `AcrossNodes`): each bucket's reduced shard, padded/N elements at the gradient dtype, all-reduced once."""
+    comm = engine.replicas if comm is None else comm
+    grad_size = getattr(getattr(engine, "grad_dtype", None), "itemsize", itemsize)
+    return sum(collective_bytes("all_reduce", bucket.padded // engine.comm.size * grad_size, comm)
+               for bucket in engine.buckets)
 
 
 def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_bytes: float,

@@ -14,6 +14,10 @@ run:
   the formula's, as train prints them.
 - heartbeat: the cost of the lost-host heartbeat on a healthy step: the same training launched with and without
   it on 2 hosts of 2, alternating, --rounds times each; median step times and their ratio.
+- hsdp: ZeRO-3 over all 4 ranks of 2 hosts of 2 against hybrid sharding with a shard group per host
+  (`--dp-shard 2`), at each of --hsdp-rates, alternating, --rounds times each: median step times, and per step the
+  bytes that crossed the hosts' links — the veth counters (both hosts, both directions, ÷ steps) beside the
+  ledger's inter-node bytes summed over the ranks and the formulas'.
 
 Each part makes its clusters under names unique to this process and takes them down at the end, even on failure.
 The machine is shared: read the figures as noisy.
@@ -49,7 +53,9 @@ ACROSS = re.compile(r"(\w+) (\d+\.\d+) MB \(formula (\d+\.\d+) MB, ratio (\S+)\)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["collectives", "tp", "heartbeat", "all"], default="all")
+    parser.add_argument("--part", choices=["collectives", "tp", "heartbeat", "hsdp", "all"], default="all")
+    parser.add_argument("--hsdp-rates", default="200mbit,800mbit,10gbit",
+                        help="link rates (tc tbf) of the hsdp part, comma-separated")
     parser.add_argument("--link-rate", default="800mbit", help="tc tbf rate of every host's link")
     parser.add_argument("--sizes", default="64K,1M,8M", help="collective sizes in bytes (K, M suffixes)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first is not timed)")
@@ -72,6 +78,8 @@ def main() -> int:
             report["tp"] = tensor_parallel_placement(args, environment, corpus)
         if args.part in ("heartbeat", "all"):
             report["heartbeat"] = heartbeat_cost(args, environment, corpus, Path(scratch))
+        if args.part in ("hsdp", "all"):
+            report["hsdp"] = hybrid_sharding(args, environment, corpus, Path(scratch))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
@@ -184,6 +192,64 @@ def heartbeat_cost(args: argparse.Namespace, environment: dict[str, str], corpus
           f"{received[0]} heartbeats received")
     print(f"on / off: {on / off:.3f}")
     return {"off_s": times["off"], "on_s": times["on"], "ratio": on / off, "heartbeats": received[0]}
+
+
+# -- ZeRO-3 across hosts against hybrid sharding ------------------------------------------------------------------
+
+HSDP_RUNS = {"ZeRO-3 over 4": ["--zero", "3"], "HSDP 2 x 2": ["--zero", "3", "--dp-shard", "2"]}
+
+
+def hybrid_sharding(args: argparse.Namespace, environment: dict[str, str], corpus: Path, scratch: Path) -> dict:
+    print(f"## ZeRO-3 over all ranks against hybrid sharding (a shard group per host): train -n 4 --dp 4 "
+          f"--microbatches 2, {' '.join(MODEL)} on 2 hosts of 2; median step time of steps 2..{args.steps}, "
+          f"{args.rounds} runs each, alternating; bytes across hosts per step")
+    report = {}
+    for rate in args.hsdp_rates.split(","):
+        rows: dict[str, dict] = {label: {"step_s": [], "veth_bytes": [], "ledger_bytes": [], "formula_bytes": []}
+                                 for label in HSDP_RUNS}
+        with made_cluster(2, 2, rate) as cluster:
+            for round_index in range(args.rounds):
+                order = list(HSDP_RUNS) if round_index % 2 == 0 else list(reversed(HSDP_RUNS))
+                for label in order:
+                    _hsdp_run(cluster, environment, corpus, args.steps, scratch, label, round_index, rows[label])
+        print(f"links shaped to {rate}:")
+        for label, row in rows.items():
+            print(f"  {label:<14} step {statistics.median(row['step_s']) * 1e3:8.1f} ms   across hosts per step: "
+                  f"veth {statistics.median(row['veth_bytes']) / 1e6:7.3f} MB, ledger "
+                  f"{statistics.median(row['ledger_bytes']) / 1e6:7.3f} MB (formula "
+                  f"{statistics.median(row['formula_bytes']) / 1e6:7.3f} MB)")
+        zero3, hybrid = (statistics.median(rows[label]["step_s"]) for label in HSDP_RUNS)
+        print(f"  HSDP / ZeRO-3: {hybrid / zero3:.2f}x the step time")
+        report[rate] = rows
+    return report
+
+
+def _hsdp_run(cluster: namespace_cluster.Cluster, environment: dict[str, str], corpus: Path, steps: int,
+              scratch: Path, label: str, round_index: int, row: dict) -> None:
+    """One run of `label`; appends its median step time and its bytes across the hosts per step to `row`."""
+    log = scratch / f"hsdp-{cluster.name}-{label.split()[0]}-{round_index}.jsonl"
+    before = sum(_veth_bytes(host) for host in cluster.hosts)
+    command = [sys.executable, "-m", "mpiparallel", "train", "-n", "4", "--hostfile", str(cluster.hostfile),
+               "--dp", "4", "--microbatches", "2", *HSDP_RUNS[label], *MODEL, "--steps", str(steps), "--data",
+               str(corpus), "--log-json", str(log)]
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=3000)
+    if finished.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{finished.stdout}\n{finished.stderr}")
+    # every host's veth counts what its ranks sent and received: half of the sum is what crossed
+    crossed = (sum(_veth_bytes(host) for host in cluster.hosts) - before) / 2
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    row["step_s"].append(step_time(log))
+    row["veth_bytes"].append(crossed / len(records))  # setup's few bytes spread over the steps
+    across = [(float(counted), float(formula)) for line in finished.stdout.splitlines() if " across nodes: " in line
+              for _, counted, formula, _ in ACROSS.findall(line)]  # every rank's line, the last step
+    row["ledger_bytes"].append(sum(counted for counted, _ in across) * 1e6)
+    row["formula_bytes"].append(sum(formula for _, formula in across) * 1e6)
+
+
+def _veth_bytes(host: str) -> int:
+    """Bytes through host's veth, both directions (its bridge-side end carries the host's name)."""
+    statistics_folder = Path(f"/sys/class/net/{host}/statistics")
+    return sum(int((statistics_folder / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
 
 
 def _drain(sink: socket.socket, received: list[int]) -> None:

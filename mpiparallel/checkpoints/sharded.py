@@ -44,7 +44,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -195,9 +195,8 @@ def _overlaps(runs: list[tuple[int, int, int]], lo: int, size: int) -> list[tupl
 
 def writes_copy(placement: Mapping[str, Placement], mesh: Mesh) -> bool:
     """Whether this rank writes its copy of a piece so placed: the copy that counts once (`counts_once`), on the
-    mesh's axes and, for experts, on the two axes expert parallelism splits dp into."""
-    expert = {axis: coordinate for axis, coordinate in mesh.expert_coordinates().items() if axis in placement}
-    return counts_once(placement, asdict(mesh.coordinates) | expert)
+    mesh's axes and on those expert parallelism or hybrid sharding split dp into (`Mesh.coordinates_for`)."""
+    return counts_once(placement, mesh.coordinates_for(placement))
 
 
 def parameter_pieces(sources: Iterable[Any], ranks: Mapping[str, tuple[int, int]],

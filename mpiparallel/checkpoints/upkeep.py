@@ -114,9 +114,12 @@ def folder_bytes(folder: str | Path) -> int:
 
 
 def mesh_words(mesh: Mapping[str, Any]) -> str:
-    """A saved mesh in a few words: "4 ranks: dp 2 × tp 2" (axes of size 1 left out, ZeRO when on)."""
+    """A saved mesh in a few words: "4 ranks: dp 2 × tp 2" (axes of size 1 left out, ZeRO when on, and its shard
+    groups with hybrid sharding: "zero 3 sharded over 2")."""
     axes = [f"{axis} {mesh[axis]}" for axis in ("dp", "tp", "pp", "cp", "ep") if mesh.get(axis, 1) > 1]
     zero = f", zero {mesh['zero']}" if mesh.get("zero") else ""
+    if mesh.get("zero") and mesh.get("dp_shard") and mesh["dp_shard"] < mesh.get("dp", 1):
+        zero += f" sharded over {mesh['dp_shard']}"
     return f"{mesh.get('world_size', '?')} rank{'s' if mesh.get('world_size') != 1 else ''}: " \
            f"{' × '.join(axes) or 'serial'}{zero}"
 

@@ -518,6 +518,10 @@ def deepseek_options(command: Callable) -> Callable:
                    "group) crosses to each target node once, then forwards inside the node.")
 @click.option("--zero", type=click.IntRange(0, 3), default=default("zero"),
               help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+@click.option("--dp-shard", type=click.IntRange(min=1), default=default("dp_shard"),
+              help="Hybrid sharding (HSDP): ZeRO shards over groups of N consecutive DP ranks — a node when "
+                   "N·tp·cp is its rank count — and the dp/N groups hold replicas, summed with one all-reduce of "
+                   "each shard across them. Needs --zero 1, 2 or 3. [default: all of dp]")
 @click.option("--microbatches", type=click.IntRange(min=1), default=default("microbatches"),
               help="Split each DP rank's rows into this many microbatches (gradient accumulation; the pipeline's "
                    "microbatches). [default: pp, so a pipeline is filled]")
@@ -556,6 +560,7 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
       mpiparallel train --init out/ --data corpus.txt --steps 100 --log-json log.jsonl
       mpiparallel train -n 2 --zero 3 --microbatches 2 --memory-report
       mpiparallel train -n 4 --tp 2 --sp --show-mesh
+      mpiparallel train -n 4 --zero 3 --dp-shard 2 --show-mesh
       mpiparallel train -n 4 --pp 4 --schedule zbv --microbatches 8 --n-layer 8
       mpiparallel train -n 4 --cp 2 --tp 2 --cp-attention ulysses
       mpiparallel train -n 4 --experts 8 --top-k 2 --ep 4

@@ -73,6 +73,8 @@ TRAIN_NEEDS: tuple[Needs, ...] = (
     _moe("--moe-seq-aux-coef", "moe_seq_aux_coef"),
     Needs("--mtp-weight", "mtp_weight", "--mtp-depth 1 or more (the multi-token-prediction losses it weighs)",
           lambda o: o["mtp_depth"] > 0 or o["init"] is not None),
+    Needs("--dp-shard", "dp_shard", "--zero 1, 2 or 3 (it says over how many ranks ZeRO shards)",
+          lambda o: o["zero"] > 0),
 )
 
 

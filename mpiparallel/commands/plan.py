@@ -140,6 +140,9 @@ def _choice_options(function: Any) -> Any:
                for axis in ("dp", "tp", "pp", "cp", "ep")]
     options += [
         click.option("--zero", type=click.IntRange(0, 3), default=None, help="Fix the ZeRO stage."),
+        click.option("--dp-shard", type=click.IntRange(min=1), default=None,
+                     help="Fix hybrid sharding's shard group (train --dp-shard; the search tries a node's DP "
+                          "ranks with ZeRO)."),
         click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Fix the microbatches."),
         click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Fix the pipeline schedule."),
         click.option("--virtual-stages", type=click.IntRange(min=1), default=None,
@@ -228,7 +231,7 @@ def plan(ctx: click.Context, **options: Any) -> None:
     batch = options["batch_size"] or (4 * options["gpus"] if options["params"] else 8)
     choices = planner.Choices(batch, **{name: options[name] for name in (
         "dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "schedule", "recompute", "sp", "cp_attention",
-        "virtual_stages", "ep_dispatch")})
+        "virtual_stages", "ep_dispatch", "dp_shard")})
     if options["html_path"] is not None:
         _write_page(options["html_path"], model, cluster, precision, batch)
         return

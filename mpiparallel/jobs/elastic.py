@@ -88,12 +88,15 @@ class JobMesh:
         return ["-n", str(self.ranks), *axes, *microbatches]
 
 
-def survivor_dp(survivors: int, axes: dict[str, int], batch_size: int, microbatches: int) -> int | None:
+def survivor_dp(survivors: int, axes: dict[str, int], batch_size: int, microbatches: int,
+                dp_shard: int | None = None) -> int | None:
     """The largest dp for `survivors` ranks with the model axes kept: dp·tp·cp·pp ≤ survivors, dp divides the
-    global batch into DP shares that split into `microbatches`, and ep divides dp. None if none fits."""
+    global batch into DP shares that split into `microbatches`, and ep divides dp — and with hybrid sharding
+    (`dp_shard`), so does the shard group: a lost node takes whole replicas with it. None if none fits."""
     model = axes["tp"] * axes["cp"] * axes["pp"]
     for dp in range(survivors // model, 0, -1):
-        if batch_size % dp == 0 and (batch_size // dp) % microbatches == 0 and dp % axes["ep"] == 0:
+        if batch_size % dp == 0 and (batch_size // dp) % microbatches == 0 and dp % axes["ep"] == 0 \
+                and dp % (dp_shard or 1) == 0:
             return dp
     return None
 
@@ -104,7 +107,8 @@ def survivors_mesh(survivors: int, mesh: JobMesh, options: dict[str, Any], check
     there is none."""
     if survivors < options["min_ranks"]:
         return f"{plural(survivors, 'rank')} left, and --min-ranks is {options['min_ranks']}"
-    dp = survivor_dp(survivors, mesh.axes, options["batch_size"], mesh.microbatches or mesh.axes["pp"])
+    dp = survivor_dp(survivors, mesh.axes, options["batch_size"], mesh.microbatches or mesh.axes["pp"],
+                     options.get("dp_shard"))
     if dp is not None and dp * mesh.model_parallel >= options["min_ranks"]:
         return JobMesh(dp * mesh.model_parallel, {**mesh.axes, "dp": dp}, mesh.microbatches)
     return planned_mesh(survivors, options, checkpoint, ranks_per_host, _why_not_kept(survivors, mesh, dp, options))

@@ -103,6 +103,19 @@ class Layout:
     """Stages per rank of the interleaved schedule (Megatron's v)."""
     ep_dispatch: str = "flat"
     """The EP all-to-all: "flat" (one copy per expert) or "hierarchical" (node-limited two-hop)."""
+    dp_shard: int = 0
+    """Hybrid sharding (`train --dp-shard`): ZeRO shards over groups of this many DP ranks, replicated across the
+    dp/dp_shard groups; 0 (or dp): over all of dp."""
+
+    @property
+    def shard_ranks(self) -> int:
+        """The DP ranks one dense parameter's ZeRO states are sharded over."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """The shard groups holding copies of the sharded states (1 without hybrid sharding)."""
+        return self.dp // self.shard_ranks
 
     @property
     def chunks(self) -> int:
@@ -123,7 +136,8 @@ class Layout:
         schedule = f" {self.schedule}" if self.pp > 1 else ""
         if self.pp > 1 and self.schedule == "interleaved" and self.virtual_stages != 2:
             schedule += f" v{self.virtual_stages}"
-        return f"{' '.join(parts)} z{self.zero} m{self.microbatches}{schedule} rc-{self.recompute}"
+        zero = f"z{self.zero}" + (f"/{self.dp_shard}" if self.replicas > 1 else "")
+        return f"{' '.join(parts)} {zero} m{self.microbatches}{schedule} rc-{self.recompute}"
 
 
 @dataclass(frozen=True)
@@ -144,3 +158,4 @@ class Choices:
     cp_attention: str | None = None
     virtual_stages: int | None = None
     ep_dispatch: str | None = None
+    dp_shard: int | None = None

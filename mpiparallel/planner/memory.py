@@ -23,12 +23,13 @@ from .shapes import Model, held_parameters, scaled_unit_parameters
 def model_state_bytes(layout: Layout, precision: Precision, dense: float,
                       experts: float) -> tuple[float, float, float]:
     """Bytes of the weights, gradients and optimizer state of `dense` parameters and `experts` routed experts'
-    parameters, each sharded from its ZeRO stage up (3, 2, 1) over dp, or dp/ep for the experts."""
+    parameters, each sharded from its ZeRO stage up (3, 2, 1) over dp (a shard group of dp_shard ranks with
+    hybrid sharding), or dp/ep for the experts."""
 
     def sharded(per_parameter: float, stage: int) -> float:
         if layout.zero < stage:
             return (dense + experts) * per_parameter
-        return per_parameter * (dense / layout.dp + experts / (layout.dp // layout.ep))
+        return per_parameter * (dense / layout.shard_ranks + experts / (layout.dp // layout.ep))
 
     return sharded(precision.weights, 3), sharded(precision.gradients, 2), sharded(precision.optimizer, 1)
 

@@ -169,11 +169,27 @@ def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp
             eps, zeros, schedules, microbatch_counts, pick("recompute", list(RECOMPUTE)), sps, attentions):
         if (choices.batch_size // dp) % m or ep > 1 and dp % ep:
             continue
-        for virtual, dispatch in itertools.product(pick("virtual_stages", [2]) if schedule == "interleaved" else [2],
-                                                   _dispatches(model, tp, cp, ep, per_node, choices.ep_dispatch)):
-            layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention, virtual, dispatch)
+        for virtual, dispatch, dp_shard in itertools.product(
+                pick("virtual_stages", [2]) if schedule == "interleaved" else [2],
+                _dispatches(model, tp, cp, ep, per_node, choices.ep_dispatch),
+                _shard_groups(dp, tp, cp, ep, zero, per_node, choices.dp_shard)):
+            layout = Layout(dp, tp, pp, cp, ep, zero, m, schedule, recompute, sp, attention, virtual, dispatch,
+                            dp_shard)
             if pp == 1 or _valid_schedule(layout, model.n_layer):
                 yield layout
+
+
+def _shard_groups(dp: int, tp: int, cp: int, ep: int, zero: int, per_node: int, fixed: int | None) -> list[int]:
+    """The ZeRO shard groups to try: all of dp (0), and with ZeRO a node's DP ranks (hybrid sharding: only the
+    replicas' all-reduce of one shard crosses nodes), when a node holds several but not all of them. A fixed
+    --dp-shard as train takes it: dividing dp, with ZeRO, not beside EP (0 where it is all of dp)."""
+    if fixed is not None:  # train's rules: it divides dp, and shards only ZeRO's states, not beside EP
+        if fixed == dp:
+            return [0]
+        return [fixed] if dp % fixed == 0 and zero >= 1 and ep == 1 else []
+    node = per_node // (tp * cp)
+    hybrid = zero >= 1 and ep == 1 and 1 <= node < dp and dp % node == 0
+    return [0, node] if hybrid else [0]
 
 
 def _microbatch_candidates(rows: int, pp: int) -> list[int]:

@@ -46,8 +46,9 @@ class Setting:
         return self._rank_experts[rank]
 
     def zero_shards(self, expert: bool) -> int:
-        """Ranks one parameter's ZeRO state is sharded over: dp, or the dp/ep holding a routed expert."""
-        return self.layout.dp // self.layout.ep if expert else self.layout.dp
+        """Ranks one parameter's ZeRO state is sharded over: dp (a shard group with hybrid sharding), or the dp/ep
+        holding a routed expert."""
+        return self.layout.dp // self.layout.ep if expert else self.layout.shard_ranks
 
     def kind_counts(self, units: list[int] | range) -> list[int]:
         """How many units of each cost (embedding, each kind of block, head) are among `units`."""

@@ -155,7 +155,10 @@ def _data_parallel(setting: Setting, dense: float, experts: float = 0.0) -> tupl
     """Seconds, bytes sent and the last bucket's seconds of the gradient reductions: the dense parameters' over
     dp×cp, the routed experts' over the dp/ep×cp ranks holding the same experts (ep apart, train's expert_dp)."""
     layout = setting.layout
-    seconds, sent, last_bucket = _reduction(setting, dense, layout.dp * layout.cp, layout.tp)
+    seconds, sent, last_bucket = _reduction(setting, dense, layout.shard_ranks * layout.cp, layout.tp)
+    if layout.replicas > 1 and layout.zero >= 1:  # hybrid sharding: each shard summed over the other groups
+        more = _replica_reduction(setting, dense, layout.replicas, layout.shard_ranks * layout.cp * layout.tp)
+        seconds, sent = seconds + more[0], sent + more[1]
     if experts:
         more = _reduction(setting, experts, layout.dp // layout.ep * layout.cp, layout.tp * layout.cp * layout.ep)
         seconds, sent, last_bucket = seconds + more[0], sent + more[1], max(last_bucket, more[2])
@@ -182,6 +185,20 @@ def _reduction(setting: Setting, count: float, ranks: int, stride: int) -> tuple
         sent += buckets * per_bucket * collective_bytes_sent(name, bucket, ranks)
         last_bucket = one if last_bucket == 0 else last_bucket
     return seconds, sent, last_bucket
+
+
+def _replica_reduction(setting: Setting, count: float, replicas: int, stride: int) -> tuple[float, float]:
+    """Hybrid sharding's all-reduce of each rank's reduced gradient shard (1/(N·cp) of each bucket) over the
+    `replicas` shard groups, `stride` ranks apart: seconds and bytes sent."""
+    layout, precision = setting.layout, setting.precision
+    if precision.gradients == 0 or count <= 0:
+        return 0.0, 0.0
+    link, nodes = group_link(stride, replicas, setting.cluster), group_nodes(stride, replicas, setting.cluster)
+    grad_bytes = count * precision.gradients
+    buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+    shard = grad_bytes / buckets / (layout.shard_ranks * layout.cp)
+    return (buckets * collective_seconds("all_reduce", shard, replicas, link, nodes),
+            buckets * collective_bytes_sent("all_reduce", shard, replicas))
 
 
 def _optimizer_seconds(setting: Setting, dense: float, experts: float = 0.0) -> float:

@@ -104,7 +104,7 @@ def memory_report(trainer: Trainer) -> str:
     """Bytes this rank holds, measured from the arrays, next to what the ZeRO arithmetic predicts."""
     model, mesh, settings = trainer.model, trainer.mesh, trainer.settings
     held = trainer.engine.memory(trainer.optimizer) | {"activations": trainer.passes.activation_bytes}
-    n = mesh.dp.size
+    n = mesh.shard_group().size  # the ranks ZeRO shards over: dp (×cp), or a hybrid shard group
     sizes = {"tp": mesh.tp.size}  # from the placements: this rank's shard of every parameter
     count = sum(math.prod(local_shape(p.full_shape, p.placement, sizes)) for p in model.parameters())
     moments = moment_dtype(settings.optimizer)
@@ -114,7 +114,8 @@ def memory_report(trainer: Trainer) -> str:
     precision = (f"{model.compute_dtype.name} compute{' (FP8 GEMMs)' if model.fp8 != 'none' else ''}, "
                  f"{model.grad_dtype.name} gradients, {model.master_dtype.name} master, "
                  f"{moments or model.master_dtype.name} moments")
-    lines = [f"rank {mesh.world.rank} (zero {settings.mesh.zero}, dp {n}; {precision}): "
+    sharding = f"dp {mesh.shape.dp}" + (f", sharded over {mesh.shape.dp_shard}" if mesh.shape.hybrid else "")
+    lines = [f"rank {mesh.world.rank} (zero {settings.mesh.zero}, {sharding}; {precision}): "
              f"{count:,} parameters, {sum(per_parameter.values()):.2f} bytes per parameter "
              f"({' + '.join(f'{size:g}' for size in per_parameter.values())})"]
     for kind, measured in held.items():
@@ -179,6 +180,10 @@ def traffic_by_axis(trainer: Trainer, counted: dict[str, int], across_nodes: boo
             predicted[axis] = (predicted.get(axis) or 0.0) + traffic.data_parallel_bytes(
                 engine, trainer.microbatches, shape.itemsize, hooked=trainer.passes.hooked,
                 comm=mesh.communicators()[axis])
+        if engine.replicas is not None:  # hybrid sharding: the shards summed over the groups
+            axis = axis_of[id(engine.replicas)]
+            predicted[axis] = (predicted.get(axis) or 0.0) + traffic.replica_bytes(
+                engine, shape.itemsize, mesh.communicators()[axis])
     if trainer.schedule is not None:
         wte = model.params.get(TIED_WEIGHT) if config.head_reads_embedding else None  # ZeRO-3 may have freed it
         tied = 0 if wte is None else shape.gradient_bytes * math.prod(

@@ -70,7 +70,8 @@ def build_mesh(settings: TrainSettings, world: Any) -> Mesh:
     layout = settings.mesh
     if settings.debug.check_collectives:
         world = Communicator(world, check_arguments=True)
-    mesh = Mesh(world, MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep))
+    mesh = Mesh(world, MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                                 dp_shard=layout.dp_shard))
     if layout.sp and mesh.shape.tp == 1:
         raise ConfigError("--sp (sequence parallelism) works inside a tensor-parallel group: give --tp > 1")
     return mesh

@@ -72,6 +72,7 @@ class MeshSettings:
     ep_dispatch: str = "flat"  # "hierarchical": DeepSeek-V3's two-hop node-limited dispatch (`collectives.two_hop`)
     sp: bool = False
     zero: int = 0
+    dp_shard: int | None = None  # hybrid sharding: ZeRO shards over groups of this many DP ranks (None: all of dp)
     microbatches: int | None = None
     schedule: str = "1f1b"
     virtual_stages: int | None = None  # None: 2 for interleaved, else 1 (as `mpiparallel schedule`)

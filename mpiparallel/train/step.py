@@ -25,7 +25,6 @@ model's tallies), so the step has no branches for them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -122,10 +121,8 @@ class Trainer:
         if unscale != 1.0:
             for piece in self.engine.optimizer_parameters():
                 piece.grad *= unscale
-        coordinates, expert = asdict(self.mesh.coordinates), self.mesh.expert_coordinates()
-
-        def counts(piece: Any) -> bool:  # experts also name the two axes dp splits into under EP
-            return counts_once(piece.placement, coordinates | {a: c for a, c in expert.items() if a in piece.placement})
+        def counts(piece: Any) -> bool:  # experts and hybrid sharding also name the two axes they split dp into
+            return counts_once(piece.placement, self.mesh.coordinates_for(piece.placement))
 
         return optim.clip_grad_norm(self.engine.optimizer_parameters(), self.settings.optimizer.grad_clip,
                                     lambda local: sum_over(self.mesh.world, local), counts=counts)
