@@ -127,7 +127,9 @@ def _cluster_options(function: Any) -> Any:
                           "(dense attention, pipeline scatter/gather, DP after backward) or FlashAttention + FSDP "
                           "(as Llama 3 describes)."),
         click.option("--machine", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                     help="Rates and α, β, γ measured by `plan --calibrate` (one machine; --gpus ranks on it)."),
+                     help="Rates and α, β, γ measured by `plan --calibrate` (one machine; --gpus ranks on it; an "
+                          "explicit --gpus-per-node and --inter-bandwidth/--inter-latency cut it into hosts with a "
+                          "shaped link, as `mpiparallel cluster up --link-rate` does)."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -224,7 +226,7 @@ def plan(ctx: click.Context, **options: Any) -> None:
                              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT})
     precision = planner.precision_with(options["precision"] or ("float32" if options["machine"] else "mixed"),
                                        options["optimizer"], options["bytes_per_param"], options["weights_only"])
-    explicit = {name for name in ("gpu_memory", "gpus_per_node")
+    explicit = {name for name in ("gpu_memory", "gpus_per_node", "inter_bandwidth", "inter_latency")
                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
     measurement = _gemm_measurement(options)
     cluster = _cluster(options, explicit, measurement)
@@ -411,10 +413,11 @@ def _cluster(options: dict[str, Any], explicit: set[str] = frozenset(), measurem
 
     if options["machine"] is not None:
         try:
-            return load_machine(options["machine"], options["gpus"],
-                                options["gpu_memory"] if "gpu_memory" in explicit else None)
+            machine = load_machine(options["machine"], options["gpus"],
+                                   options["gpu_memory"] if "gpu_memory" in explicit else None)
         except (OSError, ValueError, KeyError) as error:
             raise ConfigError(f"cannot read the machine file {options['machine']}: {error}") from None
+        return _as_hosts(machine, options, explicit)
     efficiency = options["efficiency"]
     return Cluster(gpus=options["gpus"], gpu_memory=options["gpu_memory"],
                    gpus_per_node=min(options["gpus_per_node"], options["gpus"]),
@@ -425,6 +428,21 @@ def _cluster(options: dict[str, Any], explicit: set[str] = frozenset(), measurem
                    matmul_flops=options["peak_flops"] * efficiency,
                    elementwise_bytes=options["memory_bandwidth"] * efficiency, software=software,
                    peak_flops=options["peak_flops"])
+
+
+def _as_hosts(machine: Any, options: dict[str, Any], explicit: set[str]) -> Any:
+    """A calibrated machine cut into hosts, as `mpiparallel cluster` makes them on it: an explicit
+    --gpus-per-node says how many ranks a host holds (they still share the machine's cores), an explicit
+    --inter-bandwidth and --inter-latency what one rank gets of a host's (shaped) link."""
+    from collectives.cost_model import CostModel
+
+    if "gpus_per_node" in explicit:
+        machine = replace(machine, gpus_per_node=min(options["gpus_per_node"], machine.gpus))
+    if explicit & {"inter_bandwidth", "inter_latency"}:
+        latency = options["inter_latency"] * 1e-6 if "inter_latency" in explicit else machine.inter.alpha
+        beta = 1 / (options["inter_bandwidth"] * 1e9) if "inter_bandwidth" in explicit else machine.inter.beta
+        machine = replace(machine, inter=CostModel(latency, beta, machine.intra.gamma))
+    return machine
 
 
 def _answers(model: Any, cluster: Any, precision: Any, choices: Any, options: dict[str, Any]) -> dict[str, Any]:

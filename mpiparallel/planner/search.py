@@ -188,7 +188,7 @@ def _shard_groups(dp: int, tp: int, cp: int, ep: int, zero: int, per_node: int, 
             return [0]
         return [fixed] if dp % fixed == 0 and zero >= 1 and ep == 1 else []
     node = per_node // (tp * cp)
-    hybrid = zero >= 1 and ep == 1 and 1 <= node < dp and dp % node == 0
+    hybrid = zero >= 1 and ep == 1 and 2 <= node < dp and dp % node == 0  # a group of 1 would shard nothing
     return [0, node] if hybrid else [0]
 
 

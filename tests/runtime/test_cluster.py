@@ -157,6 +157,31 @@ def test_train_across_two_hosts_sees_two_real_nodes_and_sends_dp_bytes_over_the_
         assert link_bytes(host) - before[host] >= 2 * dp_across
 
 
+def test_hybrid_sharding_with_a_shard_group_per_host_sends_only_the_replicas_all_reduce_across(cluster, tmp_path):
+    """`--zero 3 --dp-shard 2` on 2 hosts of 2: the shard groups stay inside the hosts (0 bytes across, as their
+    formula says), the replicas' all-reduce of each shard is all that crosses — equal to its formula, and to what
+    the veth counters saw at least."""
+    made = cluster(nodes=2, ranks_per_node=2)
+    before = {host: link_bytes(host) for host in made.hosts}
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the same text again and again. " * 400)
+    result = mpiparallel("train", "-n", "4", "--hostfile", str(made.hostfile), *TRAIN, "--zero", "3", "--dp-shard",
+                         "2", "--show-mesh", "--data", str(corpus), "--log-json", str(tmp_path / "log.jsonl"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "inside a node: dp_shard; across nodes: dp, dp_replicate" in result.stdout, result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank") and " across nodes: " in line]
+    assert len(lines) == 4, result.stdout
+    for line in lines:
+        axes = {axis: (float(counted), ratio) for axis, counted, _, ratio in ACROSS.findall(line)}
+        assert axes["dp_shard"] == (0.0, "1.0000") and axes["dp_replicate"][1] == "1.0000", line
+        assert axes["dp_replicate"][0] > 0, line
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    across = sum(record["inter_node_bytes"]["dp_replicate"] for record in records)
+    assert all(record["inter_node_bytes"]["dp_shard"] == 0 for record in records)
+    for host in made.hosts:  # each host's two ranks sent that much each over its link, and received as much
+        assert link_bytes(host) - before[host] >= 2 * across
+
+
 def test_tp_across_hosts_is_warned_about_and_its_bytes_across_equal_the_formula(cluster, tmp_path):
     made = cluster(nodes=4, ranks_per_node=1)
     corpus = tmp_path / "corpus.txt"

@@ -1,8 +1,9 @@
 """Hybrid sharding (`train --dp-shard N`, HSDP): ZeRO shards inside groups of N consecutive DP ranks, the dp/N
 groups hold replicas summed with one all-reduce of each shard. Every stage equals the serial model in float64
-(GPT-2 and llama, with tp + SP, pp and cp beside it, gradient clipping counting each shard once); the bytes on the
-shard groups and between the replicas equal the formulas; a checkpoint saved with one N resumes with another, with
-none, and on a mesh without ZeRO, and each replica is written once; bad values are one clear error."""
+(GPT-2, llama, Mixtral, DeepSeek-V3; with tp + SP, pp and cp beside it; gradient clipping counting each shard
+once); the bytes on the shard groups and between the replicas equal the formulas; a checkpoint saved with one N
+resumes with another, with none, and on a mesh without ZeRO, and each replica is written once; the planner times
+and picks it; bad values are one clear error."""
 
 from __future__ import annotations
 
@@ -33,9 +34,24 @@ LLAMA = [
 ]
 
 
-@pytest.mark.parametrize("family, configs", [("gpt2", GPT2), ("llama", LLAMA)])
+FAMILIES = {
+    "gpt2": {},
+    "llama": {"arch": "llama", "n_kv_head": 1},
+    # Mixtral's experts (no EP: replicated over dp, sharded with the dense parameters); aux loss off, as in
+    # test_composition (its token sets differ between the serial and a parallel run)
+    "mixtral": {"arch": "llama", "n_kv_head": 1, "ffn_hidden": 24, "experts": 4, "top_k": 2, "moe_aux_coef": 0.0},
+    # DeepSeek-V3: latent attention, a dense first block, DeepSeekMoE with a shared expert and the selection bias
+    "deepseek_v3": {"arch": "deepseek_v3", "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+                    "v_head_dim": 3, "ffn_hidden": 24, "experts": 4, "top_k": 2, "moe_ffn_hidden": 6,
+                    "first_k_dense": 1, "moe_bias_rate": 0.01},
+}
+ONE_OF_EACH = [{"dp": 4, "zero": 3, "dp_shard": 2, "microbatches": 2}, {"dp": 4, "zero": 1, "dp_shard": 2}]
+
+
+@pytest.mark.parametrize("family, configs", [("gpt2", GPT2), ("llama", LLAMA), ("mixtral", ONE_OF_EACH),
+                                             ("deepseek_v3", ONE_OF_EACH)])
 def test_every_zero_stage_with_hybrid_sharding_equals_serial(tmp_path, family, configs):
-    common = COMMON | ({"arch": "llama", "n_kv_head": 1} if family == "llama" else {})
+    common = COMMON | FAMILIES[family]
     reference = serial_training(common, tmp_path)
     for result in parallel_training(4, common, configs, reference, timeout=400):
         assert_equals_serial(result, common["steps"], 1e-9)
@@ -152,3 +168,35 @@ def test_the_planner_shards_inside_a_node_and_picks_hsdp_where_the_link_between_
     fast_gain = (evaluate(model, fast, precision, Layout(dp=8, zero=3), 8).step_s
                  / evaluate(model, fast, precision, Layout(dp=8, zero=3, dp_shard=4), 8).step_s)
     assert over_all.step_s / hybrid.step_s > 1.05 and fast_gain < 1.01, (over_all.step_s / hybrid.step_s, fast_gain)
+
+
+MACHINE = {"alpha": 1e-5, "beta": 1.85e-10, "gamma": 1.4e-11, "matmul_flops": 4e10, "elementwise_bytes": 3.4e9,
+           "ranks": 4, "cores": 2, "memory_bytes": 25e9, "compute_efficiency": 1.0}
+"""A calibrated machine's file (`plan --calibrate`), with this machine's figures rounded."""
+
+
+def _planned(machine: str, *options: str) -> tuple[float, str]:
+    """The fastest layout's predicted step and label."""
+    result = run_with_timeout([sys.executable, "-m", "mpiparallel", "plan", "--machine", machine, "--gpus", "4",
+                               "--dp", "4", "--zero", "3", "--microbatches", "2", "--recompute", "none",
+                               "--n-layer", "2", "--n-embd", "256", "--n-head", "4", "--seq-len", "128",
+                               "--vocab-size", "256", "--batch-size", "8", "--precision", "float32", "--json",
+                               *options], timeout=120)
+    assert result.returncode == 0, result.stderr
+    fastest = json.loads(result.stdout)["layouts"][0]
+    return fastest["step_s"], fastest["label"]
+
+
+def test_plan_cuts_a_calibrated_machine_into_hosts_with_a_shaped_link(tmp_path):
+    """`plan --machine FILE --gpus-per-node 2 --inter-bandwidth B`: the namespace cluster's 2 hosts of 2 on this
+    machine, each rank's share of a 200 Mbit/s link between them — ZeRO-3 over the 4 ranks is timed slower than
+    on one host, and hybrid sharding with a group per host faster than it, which the search then picks
+    (docs/clusters.md has both beside the measurement)."""
+    machine = tmp_path / "machine.json"
+    machine.write_text(json.dumps(MACHINE))
+    one_host, _ = _planned(str(machine), "--dp-shard", "4")
+    hosts = ("--gpus-per-node", "2", "--inter-bandwidth", "0.0125", "--inter-latency", "50")
+    zero3, label = _planned(str(machine), *hosts, "--dp-shard", "4")
+    hybrid, picked = _planned(str(machine), *hosts)  # searched: the planner picks a shard group per host
+    assert zero3 > 2 * one_host and hybrid < 0.75 * zero3, (one_host, zero3, hybrid)
+    assert " z3 " in label and " z3/2 " in picked, (label, picked)
