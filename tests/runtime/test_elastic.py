@@ -166,6 +166,9 @@ def test_the_survivors_mesh_keeps_the_model_axes_and_a_dp_that_divides_the_batch
     assert survivor_dp(4, axes | {"ep": 2}, batch_size=12, microbatches=1) == 4
     assert survivor_dp(3, axes | {"ep": 2}, batch_size=12, microbatches=1) == 2  # 3 is no multiple of ep 2
     assert survivor_dp(1, axes | {"tp": 2}, batch_size=4, microbatches=1) is None
+    # hybrid sharding: a lost host takes whole shard groups with it; the survivors keep the group's size
+    assert survivor_dp(6, axes, batch_size=12, microbatches=1, dp_shard=4) == 4  # 6 is no multiple of 4
+    assert survivor_dp(3, axes, batch_size=12, microbatches=1, dp_shard=4) is None
 
 
 def test_a_host_lost_from_a_2_host_cluster_leaves_dp1_tp2_on_the_other_equal_to_the_uninterrupted_run(
