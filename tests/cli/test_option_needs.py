@@ -33,6 +33,7 @@ CASES = {  # option: (the option given, with whatever else it takes; what it nee
     "--first-k-dense": ([*DEEPSEEK, "--first-k-dense", "1"], ["--experts", "4"]),
     "--moe-seq-aux-coef": ([*DEEPSEEK, "--moe-seq-aux-coef", "0.001"], ["--experts", "4"]),
     "--mtp-weight": ([*DEEPSEEK, "--mtp-weight", "0.3"], ["--mtp-depth", "1"]),
+    "--dp-shard": (["--dp-shard", "2"], ["--zero", "3"]),
 }
 
 
