@@ -711,19 +711,21 @@ def data_parallel_engines(model: Any, mesh: Mesh, zero: int = 0, bucket_mb: floa
     """The dp axis of a training mesh: gradients summed over dp, and over cp too (those ranks saw other tokens of
     the same sequences). With expert parallelism dp splits into (expert_dp, ep): each EP rank holds other experts
     (placement `Held` on "dp"), so the experts are summed only over the ranks holding the same ones (expert_dp,
-    ×cp), in their own engine."""
+    ×cp), in their own engine. With hybrid sharding both engines shard inside this rank's shard group (the
+    experts over its ranks holding the same experts, expert_dp_shard) and sum their shards over dp_replicate."""
     options = {"zero": zero, "bucket_mb": bucket_mb, "overlap": overlap}
-    comm, axes = mesh.shard_group(), ("dp",) if mesh.shape.cp == 1 else ("dp", "cp")
-    if mesh.shape.hybrid:  # ZeRO inside each shard group, its shards summed over the groups
-        axes = ("dp_shard",) if mesh.shape.cp == 1 else ("dp_shard", "cp")
-        return DataParallelGroups([data_parallel(model, comm, axes=axes, replicas=mesh.dp_replicate, **options)])
+    cp = ("cp",) if mesh.shape.cp > 1 else ()
+    comm, axes = mesh.shard_group(), ("dp", *cp)
+    if mesh.shape.hybrid:  # ZeRO inside each shard group, its shards summed over the groups (dp_replicate)
+        comm, axes = mesh.shard_group(), ("dp_shard", *cp)
+        options["replicas"] = mesh.dp_replicate
     if mesh.shape.ep == 1:
         return DataParallelGroups([data_parallel(model, comm, axes=axes, **options)])
     for name, param in model.params.items():
         if expert_index(name) is not None:
             param.placement[DP_AXIS] = HELD
-    expert_comm = mesh.expert_dp if mesh.shape.cp == 1 else mesh.expert_dp_cp
-    expert_axes = ("expert_dp",) if mesh.shape.cp == 1 else ("expert_dp", "cp")
+    expert_comm = mesh.expert_shard_group()
+    expert_axes = ("expert_dp_shard" if mesh.shape.hybrid else "expert_dp", *cp)
     return DataParallelGroups([
         data_parallel(model, comm, axes=axes, select=lambda param: expert_index(param.name) is None, **options),
         data_parallel(model, expert_comm, axes=expert_axes, select=lambda param: expert_index(param.name) is not None,

@@ -83,9 +83,9 @@ class MeshShape:
             divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
             raise ConfigError(f"--dp-shard {dp_shard} must divide the data-parallel size {dp} (dp = dp_replicate × "
                               f"dp_shard; the divisors of {dp}: {divisors})")
-        if dp_shard < dp and self.ep > 1:
-            raise ConfigError("--dp-shard with --ep is not supported yet: experts shard over their own expert_dp "
-                              "groups; leave out --dp-shard (ZeRO over all of dp) or --ep")
+        if dp_shard < dp and dp_shard % self.ep:
+            raise ConfigError(f"--dp-shard {dp_shard} must be a multiple of --ep {self.ep}: the experts' states shard "
+                              f"inside a shard group too, so an EP group must lie inside one")
         return MeshShape(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, dp_shard=dp_shard)
 
 
@@ -133,6 +133,10 @@ class Mesh:
         self.dp_shard = self._split((c.pp, c.cp, c.tp, group), inside, "dp_shard")
         self.dp_shard_cp = self._split((c.pp, c.tp, group), inside * self.shape.cp + c.cp, "dp_shard_cp")
         self.dp_replicate = self._split((c.pp, c.cp, c.tp, inside), group, "dp_replicate")
+        # the experts' shard group: the ranks of this shard group that hold the same experts (every ep-th)
+        self.expert_dp_shard = self._split((c.pp, c.cp, c.tp, group, c.dp % ep), inside // ep, "expert_dp_shard")
+        self.expert_dp_shard_cp = self._split((c.pp, c.tp, group, c.dp % ep), (inside // ep) * self.shape.cp + c.cp,
+                                              "expert_dp_shard_cp")
         self.world.label = self.world.label or "world"
 
     def _split(self, color: tuple[int, ...], key: int, label: str) -> Communicator:
@@ -171,6 +175,9 @@ class Mesh:
         if self.shape.hybrid:
             axes |= {"dp_shard_cp" if self.shape.cp > 1 else "dp_shard": self.shard_group(),
                      "dp_replicate": self.dp_replicate}
+        experts = self.expert_shard_group()
+        if self.shape.ep > 1 and experts.size > 1:  # the experts' own gradient reductions
+            axes[experts.label] = experts
         return axes
 
     def shard_group(self) -> Communicator:
@@ -179,6 +186,13 @@ class Mesh:
         if self.shape.hybrid:
             return self.dp_shard if self.shape.cp == 1 else self.dp_shard_cp
         return self.dp if self.shape.cp == 1 else self.dp_cp
+
+    def expert_shard_group(self) -> Communicator:
+        """The ranks ZeRO shards a routed expert's states over: those holding the same experts (expert_dp, ×cp),
+        or with hybrid sharding those of them in this rank's shard group."""
+        if self.shape.hybrid:
+            return self.expert_dp_shard if self.shape.cp == 1 else self.expert_dp_shard_cp
+        return self.expert_dp if self.shape.cp == 1 else self.expert_dp_cp
 
     def describe(self) -> str:
         """A table of every world rank's coordinates and node (for --show-mesh), and which axes stay in nodes."""

@@ -29,7 +29,7 @@ def model_state_bytes(layout: Layout, precision: Precision, dense: float,
     def sharded(per_parameter: float, stage: int) -> float:
         if layout.zero < stage:
             return (dense + experts) * per_parameter
-        return per_parameter * (dense / layout.shard_ranks + experts / (layout.dp // layout.ep))
+        return per_parameter * (dense / layout.shard_ranks + experts / (layout.shard_ranks // layout.ep))
 
     return sharded(precision.weights, 3), sharded(precision.gradients, 2), sharded(precision.optimizer, 1)
 

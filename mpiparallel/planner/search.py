@@ -181,14 +181,15 @@ def _inner_choices(model: Model, choices: Choices, dp: int, tp: int, pp: int, cp
 
 def _shard_groups(dp: int, tp: int, cp: int, ep: int, zero: int, per_node: int, fixed: int | None) -> list[int]:
     """The ZeRO shard groups to try: all of dp (0), and with ZeRO a node's DP ranks (hybrid sharding: only the
-    replicas' all-reduce of one shard crosses nodes), when a node holds several but not all of them. A fixed
-    --dp-shard as train takes it: dividing dp, with ZeRO, not beside EP (0 where it is all of dp)."""
+    replicas' all-reduce of one shard crosses nodes), when a node holds several but not all of them and whole EP
+    groups. A fixed --dp-shard as train takes it: dividing dp, with ZeRO, a multiple of ep (0 where it is all of
+    dp)."""
     if fixed is not None:  # train's rules: it divides dp, and shards only ZeRO's states, not beside EP
         if fixed == dp:
             return [0]
-        return [fixed] if dp % fixed == 0 and zero >= 1 and ep == 1 else []
+        return [fixed] if dp % fixed == 0 and zero >= 1 and fixed % ep == 0 else []
     node = per_node // (tp * cp)
-    hybrid = zero >= 1 and ep == 1 and 2 <= node < dp and dp % node == 0  # a group of 1 would shard nothing
+    hybrid = zero >= 1 and 2 <= node < dp and dp % node == 0 and node % ep == 0  # a group of 1 would shard nothing
     return [0, node] if hybrid else [0]
 
 

@@ -48,7 +48,7 @@ class Setting:
     def zero_shards(self, expert: bool) -> int:
         """Ranks one parameter's ZeRO state is sharded over: dp (a shard group with hybrid sharding), or the dp/ep
         holding a routed expert."""
-        return self.layout.dp // self.layout.ep if expert else self.layout.shard_ranks
+        return self.layout.shard_ranks // self.layout.ep if expert else self.layout.shard_ranks
 
     def kind_counts(self, units: list[int] | range) -> list[int]:
         """How many units of each cost (embedding, each kind of block, head) are among `units`."""

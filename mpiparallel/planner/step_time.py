@@ -156,12 +156,19 @@ def _data_parallel(setting: Setting, dense: float, experts: float = 0.0) -> tupl
     dp×cp, the routed experts' over the dp/ep×cp ranks holding the same experts (ep apart, train's expert_dp)."""
     layout = setting.layout
     seconds, sent, last_bucket = _reduction(setting, dense, layout.shard_ranks * layout.cp, layout.tp)
-    if layout.replicas > 1 and layout.zero >= 1:  # hybrid sharding: each shard summed over the other groups
-        more = _replica_reduction(setting, dense, layout.replicas, layout.shard_ranks * layout.cp * layout.tp)
+    hybrid = layout.replicas > 1 and layout.zero >= 1  # each shard then summed over the other groups
+    if hybrid:
+        more = _replica_reduction(setting, dense, layout.replicas, layout.shard_ranks * layout.cp * layout.tp,
+                                  layout.shard_ranks * layout.cp)
         seconds, sent = seconds + more[0], sent + more[1]
     if experts:
-        more = _reduction(setting, experts, layout.dp // layout.ep * layout.cp, layout.tp * layout.cp * layout.ep)
+        holders = layout.shard_ranks // layout.ep  # the ranks of a shard group holding the same experts
+        more = _reduction(setting, experts, holders * layout.cp, layout.tp * layout.cp * layout.ep)
         seconds, sent, last_bucket = seconds + more[0], sent + more[1], max(last_bucket, more[2])
+        if hybrid:
+            more = _replica_reduction(setting, experts, layout.replicas, layout.shard_ranks * layout.cp * layout.tp,
+                                      holders * layout.cp)
+            seconds, sent = seconds + more[0], sent + more[1]
     return seconds, sent, last_bucket
 
 
@@ -187,16 +194,18 @@ def _reduction(setting: Setting, count: float, ranks: int, stride: int) -> tuple
     return seconds, sent, last_bucket
 
 
-def _replica_reduction(setting: Setting, count: float, replicas: int, stride: int) -> tuple[float, float]:
-    """Hybrid sharding's all-reduce of each rank's reduced gradient shard (1/(N·cp) of each bucket) over the
-    `replicas` shard groups, `stride` ranks apart: seconds and bytes sent."""
-    layout, precision = setting.layout, setting.precision
+def _replica_reduction(setting: Setting, count: float, replicas: int, stride: int,
+                       shards: int) -> tuple[float, float]:
+    """Hybrid sharding's all-reduce of each rank's reduced gradient shard (1/`shards` of each bucket: N·cp, or
+    the N/ep·cp holders of an expert) over the `replicas` shard groups, `stride` ranks apart: seconds and bytes
+    sent."""
+    precision = setting.precision
     if precision.gradients == 0 or count <= 0:
         return 0.0, 0.0
     link, nodes = group_link(stride, replicas, setting.cluster), group_nodes(stride, replicas, setting.cluster)
     grad_bytes = count * precision.gradients
     buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
-    shard = grad_bytes / buckets / (layout.shard_ranks * layout.cp)
+    shard = grad_bytes / buckets / shards
     return (buckets * collective_seconds("all_reduce", shard, replicas, link, nodes),
             buckets * collective_bytes_sent("all_reduce", shard, replicas))
 

@@ -45,11 +45,15 @@ FAMILIES = {
                     "v_head_dim": 3, "ffn_hidden": 24, "experts": 4, "top_k": 2, "moe_ffn_hidden": 6,
                     "first_k_dense": 1, "moe_bias_rate": 0.01},
 }
-ONE_OF_EACH = [{"dp": 4, "zero": 3, "dp_shard": 2, "microbatches": 2}, {"dp": 4, "zero": 1, "dp_shard": 2}]
+ONE_OF_EACH = [{"dp": 4, "zero": 3, "dp_shard": 2, "microbatches": 2}, {"dp": 4, "zero": 1, "dp_shard": 2},
+               {"dp": 4, "zero": 2, "dp_shard": 2, "microbatches": 2}]
+WITH_EXPERTS = [*ONE_OF_EACH,  # EP inside each shard group: the experts' states shard and replicate with it
+                {"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2, "microbatches": 2},
+                {"dp": 4, "ep": 2, "zero": 1, "dp_shard": 2}]
 
 
-@pytest.mark.parametrize("family, configs", [("gpt2", GPT2), ("llama", LLAMA), ("mixtral", ONE_OF_EACH),
-                                             ("deepseek_v3", ONE_OF_EACH)])
+@pytest.mark.parametrize("family, configs", [("gpt2", GPT2), ("llama", LLAMA + ONE_OF_EACH[2:]),
+                                             ("mixtral", WITH_EXPERTS), ("deepseek_v3", WITH_EXPERTS)])
 def test_every_zero_stage_with_hybrid_sharding_equals_serial(tmp_path, family, configs):
     common = COMMON | FAMILIES[family]
     reference = serial_training(common, tmp_path)
@@ -62,6 +66,7 @@ HSDP_MESHES = [
     "--dp 4 --zero 1 --dp-shard 2",
     "--pp 2 --dp 2 --zero 2 --dp-shard 1 --microbatches 2",
     "--cp 2 --dp 2 --zero 3 --dp-shard 1",
+    "--experts 4 --top-k 2 --dp 4 --ep 2 --zero 3 --dp-shard 2",
 ]
 ROW = r"(\w+) ([\d.]+) MB \(formula ([\d.]+) MB, ratio ([\d.]+)\)"
 
@@ -107,7 +112,7 @@ def test_show_mesh_and_the_memory_report_say_how_the_states_are_sharded():
 @pytest.mark.parametrize("options, fragment", [
     (["--zero", "3", "--dp-shard", "3"], "--dp-shard 3 must divide the data-parallel size 4"),
     (["--dp-shard", "2"], "--dp-shard needs --zero 1, 2 or 3"),
-    (["--zero", "1", "--dp-shard", "2", "--experts", "4", "--ep", "2"], "--dp-shard with --ep is not supported yet"),
+    (["--zero", "1", "--dp-shard", "2", "--experts", "4", "--ep", "4"], "--dp-shard 2 must be a multiple of --ep 4"),
 ])
 def test_bad_hybrid_sharding_settings_are_one_clear_error(options, fragment):
     result = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", "--n-layer", "1",
