@@ -76,6 +76,7 @@ class JobMesh:
     axes: dict[str, int]
     microbatches: int | None = None
     planner: dict[str, Any] | None = None
+    dp_shard: int | None = None  # the planner's shard group, where the run asked for hybrid sharding
 
     @property
     def model_parallel(self) -> int:
@@ -85,7 +86,8 @@ class JobMesh:
         """The train options that start a job on this mesh (appended to the command line: the last one wins)."""
         axes = [word for axis in AXES for word in (f"--{axis}", str(self.axes[axis]))]
         microbatches = ["--microbatches", str(self.microbatches)] if self.microbatches else []
-        return ["-n", str(self.ranks), *axes, *microbatches]
+        dp_shard = ["--dp-shard", str(self.dp_shard)] if self.dp_shard else []
+        return ["-n", str(self.ranks), *axes, *microbatches, *dp_shard]
 
 
 def survivor_dp(survivors: int, axes: dict[str, int], batch_size: int, microbatches: int,
@@ -169,7 +171,8 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
                 give_up(f"{what}; {chosen}")
             mesh, restarts, redone = chosen, restarts + 1, redone + reached - resumed_at
             words = {"world_size": mesh.ranks, **mesh.axes, "zero": options["zero"],
-                     **({"microbatches": mesh.microbatches} if mesh.microbatches else {})}
+                     **({"microbatches": mesh.microbatches} if mesh.microbatches else {}),
+                     **({"dp_shard": mesh.dp_shard or options["dp_shard"]} if options.get("dp_shard") else {})}
             say(f"elastic: {what}; {_planner_words(mesh)}restart {restarts}/{options['max_restarts']} on "
                 f"{mesh_words(words)} (global batch {options['batch_size']} kept{_microbatch_words(mesh)}), from "
                 + _resumed_words(options["checkpoint_dir"], resumed_at)
@@ -220,9 +223,10 @@ def planned_mesh(survivors: int, options: dict[str, Any], checkpoint: Path | Non
     except ValueError as error:
         return f"{why}, and the planner cannot model this run: {error}"
     precision = run_precision(options)
+    hybrid = bool(options.get("dp_shard"))  # the planner picks the shard group; without --dp-shard, none
     choices = planner.Choices(options["batch_size"], zero=options["zero"], recompute=options["recompute"],
                               sp=options["sp"], schedule=options["schedule"], cp_attention=options["cp_attention"],
-                              virtual_stages=options["virtual_stages"])
+                              virtual_stages=options["virtual_stages"], dp_shard=None if hybrid else 0)
     considered = 0
     for world in range(survivors, options["min_ranks"] - 1, -1):
         cluster, cost_model = rank_cluster(world, min(ranks_per_host, world), options["device"])
@@ -233,7 +237,8 @@ def planned_mesh(survivors: int, options: dict[str, Any], checkpoint: Path | Non
             best = runnable[0]
             return JobMesh(world, {axis: getattr(best.layout, axis) for axis in AXES}, best.layout.microbatches,
                            {"why": why, "step_s": best.step_s, "memory_bytes": best.max_memory,
-                            "memory_per_rank": cluster.gpu_memory, "considered": considered, "cost_model": cost_model})
+                            "memory_per_rank": cluster.gpu_memory, "considered": considered, "cost_model": cost_model},
+                           best.layout.shard_ranks if hybrid else None)
     worlds = plural(survivors, "rank") if survivors == options["min_ranks"] else \
         f"{options['min_ranks']} to {survivors} ranks"
     if considered == 0:

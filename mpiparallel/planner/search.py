@@ -184,8 +184,8 @@ def _shard_groups(dp: int, tp: int, cp: int, ep: int, zero: int, per_node: int, 
     replicas' all-reduce of one shard crosses nodes), when a node holds several but not all of them and whole EP
     groups. A fixed --dp-shard as train takes it: dividing dp, with ZeRO, a multiple of ep (0 where it is all of
     dp)."""
-    if fixed is not None:  # train's rules: it divides dp, and shards only ZeRO's states, not beside EP
-        if fixed == dp:
+    if fixed is not None:  # train's rules: it divides dp, shards only ZeRO's states, holds whole EP groups
+        if fixed in (0, dp):  # 0: all of dp, whatever dp is (elastic's planner without --dp-shard)
             return [0]
         return [fixed] if dp % fixed == 0 and zero >= 1 and fixed % ep == 0 else []
     node = per_node // (tp * cp)

@@ -121,6 +121,22 @@ def test_a_lost_rank_is_replaced_by_a_smaller_dp_and_the_run_equals_the_uninterr
     assert worst(after, last_loss_per_step(records(tmp_path / "reference.jsonl"))) <= 1e-9
 
 
+def test_hybrid_sharding_loses_a_rank_and_goes_on_with_whole_shard_groups_equal_to_the_uninterrupted_run(
+        tmp_path, tokens):
+    """`--zero 3 --dp-shard 2`, global batch 12, rank 2 lost: dp 3 would divide the batch but not into shard groups
+    of 2, so the survivors run dp 2 (one group); the final losses equal the uninterrupted hybrid run's."""
+    hybrid = ["--zero", "3", "--dp-shard", "2", "--batch-size", "12"]
+    status, stdout, stderr, log, _ = elastic_run(tmp_path, tokens, *hybrid)
+    assert status == 0, (stdout, stderr)
+    [restart] = [record for record in records(log) if record.get("event") == "restart"]
+    assert restart["mesh"]["world_size"] == 2 and restart["mesh"]["dp"] == 2, restart
+    straight = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, *hybrid, "--data",
+                                 tokens, "--steps", str(LONGER), "--log-json", str(tmp_path / "straight.jsonl")],
+                                timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    assert worst(last_loss_per_step(records(log)), last_loss_per_step(records(tmp_path / "straight.jsonl"))) <= 1e-9
+
+
 def test_a_rank_lost_again_after_the_restart_is_replaced_again(tmp_path, tokens):
     """LONGER steps: the second loss must come while the relaunched job still trains (a quiet machine runs
     this model's steps in milliseconds)."""
