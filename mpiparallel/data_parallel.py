@@ -717,7 +717,7 @@ def data_parallel_engines(model: Any, mesh: Mesh, zero: int = 0, bucket_mb: floa
     cp = ("cp",) if mesh.shape.cp > 1 else ()
     comm, axes = mesh.shard_group(), ("dp", *cp)
     if mesh.shape.hybrid:  # ZeRO inside each shard group, its shards summed over the groups (dp_replicate)
-        comm, axes = mesh.shard_group(), ("dp_shard", *cp)
+        axes = ("dp_shard", *cp)
         options["replicas"] = mesh.dp_replicate
     if mesh.shape.ep == 1:
         return DataParallelGroups([data_parallel(model, comm, axes=axes, **options)])

@@ -228,7 +228,7 @@ def _hsdp_run(cluster: namespace_cluster.Cluster, environment: dict[str, str], c
               scratch: Path, label: str, round_index: int, row: dict) -> None:
     """One run of `label`; appends its median step time and its bytes across the hosts per step to `row`."""
     log = scratch / f"hsdp-{cluster.name}-{label.split()[0]}-{round_index}.jsonl"
-    before = sum(_veth_bytes(host) for host in cluster.hosts)
+    before = sum(namespace_cluster.link_bytes(host) for host in cluster.hosts)
     command = [sys.executable, "-m", "mpiparallel", "train", "-n", "4", "--hostfile", str(cluster.hostfile),
                "--dp", "4", "--microbatches", "2", *HSDP_RUNS[label], *MODEL, "--steps", str(steps), "--data",
                str(corpus), "--log-json", str(log)]
@@ -236,7 +236,7 @@ def _hsdp_run(cluster: namespace_cluster.Cluster, environment: dict[str, str], c
     if finished.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{finished.stdout}\n{finished.stderr}")
     # every host's veth counts what its ranks sent and received: half of the sum is what crossed
-    crossed = (sum(_veth_bytes(host) for host in cluster.hosts) - before) / 2
+    crossed = (sum(namespace_cluster.link_bytes(host) for host in cluster.hosts) - before) / 2
     records = [json.loads(line) for line in log.read_text().splitlines()]
     row["step_s"].append(step_time(log))
     row["veth_bytes"].append(crossed / len(records))  # setup's few bytes spread over the steps
@@ -244,12 +244,6 @@ def _hsdp_run(cluster: namespace_cluster.Cluster, environment: dict[str, str], c
               for _, counted, formula, _ in ACROSS.findall(line)]  # every rank's line, the last step
     row["ledger_bytes"].append(sum(counted for counted, _ in across) * 1e6)
     row["formula_bytes"].append(sum(formula for _, formula in across) * 1e6)
-
-
-def _veth_bytes(host: str) -> int:
-    """Bytes through host's veth, both directions (its bridge-side end carries the host's name)."""
-    statistics_folder = Path(f"/sys/class/net/{host}/statistics")
-    return sum(int((statistics_folder / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
 
 
 def _drain(sink: socket.socket, received: list[int]) -> None:

@@ -359,6 +359,13 @@ def heal(name: str, node: str) -> None:
     _run("ip", "link", "set", node, "up")
 
 
+def link_bytes(node: str) -> int:
+    """Bytes through a host's veth since it was made, both directions (its bridge-side end carries its name):
+    what really crossed the host's link, headers included, to compare with the ledgers' inter-node bytes."""
+    statistics = Path(f"/sys/class/net/{node}/statistics")
+    return sum(int((statistics / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
+
+
 def link_is_up(node: str) -> bool:
     """Whether the bridge side of host `node`'s link is up (not cut)."""
     flags = re.search(r"<([^>]*)>", _run("ip", "-o", "link", "show", node, check=False).stdout)

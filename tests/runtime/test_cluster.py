@@ -39,12 +39,6 @@ def mpiparallel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
     return run_with_timeout([sys.executable, "-m", "mpiparallel", *args], timeout)
 
 
-def link_bytes(host: str) -> int:
-    """Bytes that crossed host's veth (received + sent on the bridge side)."""
-    statistics = Path(f"/sys/class/net/{host}/statistics")
-    return sum(int((statistics / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
-
-
 # -- making hosts -------------------------------------------------------------------------------------------------
 
 def test_up_makes_hosts_with_their_own_names_and_addresses_on_a_free_subnet_and_down_leaves_nothing(cluster):
@@ -137,7 +131,7 @@ ACROSS = re.compile(r"(\w+) (\d+\.\d+) MB \(formula (\d+\.\d+) MB, ratio (\S+)\)
 def test_train_across_two_hosts_sees_two_real_nodes_and_sends_dp_bytes_over_the_link_as_the_formula_says(
         cluster, tmp_path):
     made = cluster(nodes=2, ranks_per_node=2)
-    before = {host: link_bytes(host) for host in made.hosts}
+    before = {host: namespace_cluster.link_bytes(host) for host in made.hosts}
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the same text again and again. " * 400)
     result = mpiparallel("train", "-n", "4", "--hostfile", str(made.hostfile), *TRAIN, "--dp", "2", "--tp", "2",
@@ -154,7 +148,7 @@ def test_train_across_two_hosts_sees_two_real_nodes_and_sends_dp_bytes_over_the_
     dp_across = record["inter_node_bytes"]["dp"]
     assert dp_across > 0 and record["inter_node_bytes"]["tp"] == 0
     for host in made.hosts:  # two ranks per host sent that much each, over its own link
-        assert link_bytes(host) - before[host] >= 2 * dp_across
+        assert namespace_cluster.link_bytes(host) - before[host] >= 2 * dp_across
 
 
 def test_hybrid_sharding_with_a_shard_group_per_host_sends_only_the_replicas_all_reduce_across(cluster, tmp_path):
@@ -162,7 +156,7 @@ def test_hybrid_sharding_with_a_shard_group_per_host_sends_only_the_replicas_all
     formula says), the replicas' all-reduce of each shard is all that crosses — equal to its formula, and to what
     the veth counters saw at least."""
     made = cluster(nodes=2, ranks_per_node=2)
-    before = {host: link_bytes(host) for host in made.hosts}
+    before = {host: namespace_cluster.link_bytes(host) for host in made.hosts}
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the same text again and again. " * 400)
     result = mpiparallel("train", "-n", "4", "--hostfile", str(made.hostfile), *TRAIN, "--zero", "3", "--dp-shard",
@@ -179,7 +173,7 @@ def test_hybrid_sharding_with_a_shard_group_per_host_sends_only_the_replicas_all
     across = sum(record["inter_node_bytes"]["dp_replicate"] for record in records)
     assert all(record["inter_node_bytes"]["dp_shard"] == 0 for record in records)
     for host in made.hosts:  # each host's two ranks sent that much each over its link, and received as much
-        assert link_bytes(host) - before[host] >= 2 * across
+        assert namespace_cluster.link_bytes(host) - before[host] >= 2 * across
 
 
 def test_tp_across_hosts_is_warned_about_and_its_bytes_across_equal_the_formula(cluster, tmp_path):

@@ -8,6 +8,7 @@ and picks it; bad values are one clear error."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -74,8 +75,6 @@ ROW = r"(\w+) ([\d.]+) MB \(formula ([\d.]+) MB, ratio ([\d.]+)\)"
 @pytest.mark.parametrize("options", HSDP_MESHES)
 def test_the_shard_groups_and_the_replicas_send_what_their_formulas_say(options):
     """The ledger's bytes per axis beside `traffic`'s formulas: ZeRO's on the shard group, AR(G/N) on dp_replicate."""
-    import re
-
     command = [sys.executable, "-m", "mpiparallel", "train", "-n", "4", "--n-layer", "2", "--n-embd", "32",
                "--n-head", "4", "--seq-len", "32", "--batch-size", "8", "--steps", "2", *options.split()]
     result = run_with_timeout(command, timeout=120)
