@@ -29,20 +29,33 @@ def cluster() -> None:
               help="Slots per host in the hostfile.")
 @click.option("--link-rate", default=None, metavar="RATE",
               help="Shape every host's outgoing link to this rate with tc tbf (tc's units: 800mbit, 1gbit, 50mbps).")
+@click.option("--scheduler", type=click.Choice(["none", "slurm"]), default="none", show_default=True,
+              help="slurm: also start a Slurm of the cluster's own (munged, slurmctld, one slurmd per host) and "
+                   "print the SLURM_CONF that points srun, sbatch and sinfo at it. Needs Debian's slurm-wlm, munge "
+                   "and libpmix-dev.")
 @name_option
-def up(nodes: int, ranks_per_node: int, link_rate: str | None, name: str) -> None:
+def up(nodes: int, ranks_per_node: int, link_rate: str | None, scheduler: str, name: str) -> None:
     """Make NODES hosts (network namespaces with their own address and host name on one bridge), write a hostfile
-    and a launcher script, and print how to use them. A cluster of the same name is removed first."""
+    and a launcher script, and print how to use them. A cluster of the same name is removed first.
+
+    \b
+    Example, a Slurm cluster:
+      mpiparallel cluster up --nodes 2 --ranks-per-node 2 --scheduler slurm
+      export SLURM_CONF=/run/mpiparallel-clusters/mpiparallel/slurm/slurm.conf
+      srun -N 2 -n 4 --mpi=pmi2 mpiparallel train --dp 2 --tp 2 --steps 3 --show-mesh
+      mpiparallel cluster down
+    """
     from ..jobs import namespace_cluster
 
-    made = namespace_cluster.up(name, nodes, ranks_per_node, link_rate)
+    made = namespace_cluster.up(name, nodes, ranks_per_node, link_rate, scheduler)
     click.echo(namespace_cluster.usage(made))
 
 
 @cluster.command()
 @name_option
 def status(name: str) -> None:
-    """Print the hosts, their addresses, whether their links are up or cut, and their processes."""
+    """Print the hosts, their addresses, whether their links are up or cut, and their processes (and, with a
+    Slurm, its view of the nodes and its queue)."""
     from ..jobs import namespace_cluster
 
     click.echo(namespace_cluster.status(name))

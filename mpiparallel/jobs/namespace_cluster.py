@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from . import slurm_cluster
 
 DEFAULT_NAME = "mpiparallel"
 STATE_VARIABLE = "MPIPARALLEL_CLUSTERS"
@@ -78,6 +79,7 @@ class Cluster:
     ranks_per_node: int
     link_rate: str | None
     folder: str
+    scheduler: str = "none"
 
     @property
     def bridge(self) -> str:
@@ -193,21 +195,32 @@ def pick_subnet(name: str, used: Sequence[ipaddress.IPv4Network]) -> ipaddress.I
 
 # -- up, down and the rest --------------------------------------------------------------------------------------
 
-def up(name: str, nodes: int, ranks_per_node: int, link_rate: str | None = None) -> Cluster:
-    """Make the cluster (removing a stale one of the same name first) and write its hostfile and launcher."""
+SCHEDULERS = ("none", "slurm")
+
+
+def up(name: str, nodes: int, ranks_per_node: int, link_rate: str | None = None, scheduler: str = "none") -> Cluster:
+    """Make the cluster (removing a stale one of the same name first) and write its hostfile and launcher; with
+    `scheduler="slurm"` start a Slurm of its own on the hosts (`slurm_cluster`)."""
     check_name(name)
     if not 1 <= nodes <= MAX_NODES:
         raise ClusterError(f"--nodes {nodes}: between 1 and {MAX_NODES}")
     if ranks_per_node < 1:
         raise ClusterError(f"--ranks-per-node {ranks_per_node}: at least 1")
+    if scheduler not in SCHEDULERS:
+        raise ClusterError(f"--scheduler {scheduler}: one of {', '.join(SCHEDULERS)}")
     check_machine(shaping=link_rate is not None)
+    if scheduler == "slurm":
+        slurm_cluster.check_packages()
     down(name)
     folder = state_root() / name
-    cluster = Cluster(name, str(pick_subnet(name, addresses_in_use())), nodes, ranks_per_node, link_rate, str(folder))
+    cluster = Cluster(name, str(pick_subnet(name, addresses_in_use())), nodes, ranks_per_node, link_rate, str(folder),
+                      scheduler)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "cluster.json").write_text(json.dumps(asdict(cluster), indent=2) + "\n")  # first: `down` finds it
     try:
         _make_network(cluster)
+        if scheduler == "slurm":
+            slurm_cluster.start(cluster)
     except BaseException:
         down(name)
         raise
@@ -290,6 +303,9 @@ def down(name: str) -> list[str]:
     """Remove everything cluster `name` made: its processes, namespaces, links and folder. Returns what it removed."""
     check_name(name)
     removed = []
+    folder = state_root() / name
+    if (daemons := slurm_cluster.stop(folder)):
+        removed.append(f"{daemons} Slurm daemons")
     for namespace in namespaces_of(name):
         end_processes(namespace)
         _run("ip", "netns", "del", namespace, check=False)
@@ -297,7 +313,6 @@ def down(name: str) -> list[str]:
     for link in links_of(name):  # the veths went with their namespaces; the bridge and any stray remain
         _run("ip", "link", "del", link, check=False)
         removed.append(f"link {link}")
-    folder = state_root() / name
     if folder.is_dir():
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(f"folder {folder}")
@@ -385,6 +400,8 @@ def status(name: str) -> str:
             continue
         link = "up" if link_is_up(host) else "cut"
         lines.append(f"  {host:<16} {cluster.address(host):<15} link {link:<4} {len(processes_in(host))} processes")
+    if cluster.scheduler == "slurm":
+        lines += slurm_cluster.status_lines(cluster)
     lines.append(f"hostfile {cluster.hostfile}")
     lines.append(f"launcher {cluster.launcher}")
     return "\n".join(lines)
@@ -402,5 +419,6 @@ def usage(cluster: Cluster) -> str:
         "run on it:",
         f"  mpiparallel train -n {ranks} --hostfile {cluster.hostfile} --show-mesh",
         f"  mpiexec {' '.join(cluster.mpiexec_options())} -n {ranks} python -m mpiparallel ...",
+        *(slurm_cluster.usage_lines(cluster) if cluster.scheduler == "slurm" else []),
         f"take it down: mpiparallel cluster down --name {cluster.name}",
     ])

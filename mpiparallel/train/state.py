@@ -118,8 +118,9 @@ def _description(trainer: Trainer, steps_done: int, batches: data.TokenBatches,
 
 def checkpoint_to_resume(settings: TrainSettings, mesh: Mesh) -> str | None:
     """The training checkpoint --resume / --resume-from continues from (None without them), the same on every
-    rank: rank 0 chooses, so that the folder may change meanwhile. One clear error when there is none, or when it
-    is at --steps already."""
+    rank: rank 0 chooses, so that the folder may change meanwhile. None too when --resume finds no checkpoint in
+    the folder yet (the run starts at step 0 and says so). One clear error when --resume-from names none, or when
+    the checkpoint is at --steps already."""
     output = settings.output
     if not output.resume and output.resume_from is None:
         return None
@@ -128,6 +129,8 @@ def checkpoint_to_resume(settings: TrainSettings, mesh: Mesh) -> str | None:
         if mesh.world.rank != 0:
             return None
         path = _resume_path(output.checkpoint_dir, output.resume_from)
+        if path is None:
+            return None
         step = TrainingCheckpoint(path).step
         if step >= settings.data.steps:
             raise ConfigError(f"the checkpoint {path} is at step {step} already, and --steps {settings.data.steps} "
@@ -137,9 +140,11 @@ def checkpoint_to_resume(settings: TrainSettings, mesh: Mesh) -> str | None:
     return mesh.world.broadcast_object(on_every_rank(mesh.world, choose), root=0)
 
 
-def _resume_path(directory: str | None, resume_from: str | None) -> Path:
-    """--resume: the newest complete checkpoint of `directory`; --resume-from STEP: that step's; --resume-from
-    DIR: a step folder, or a checkpoint directory's newest."""
+def _resume_path(directory: str | None, resume_from: str | None) -> Path | None:
+    """--resume: the newest complete checkpoint of `directory`, or None where it holds none yet (a new run: so that
+    one script serves the first submission of a batch job and every requeue, even one whose first save was cut
+    short); --resume-from STEP: that step's;
+    --resume-from DIR: a step folder, or a checkpoint directory's newest."""
     if resume_from is not None and not resume_from.isdigit():
         return sharded.find_checkpoint(resume_from)
     if not directory:
@@ -151,11 +156,7 @@ def _resume_path(directory: str | None, resume_from: str | None) -> Path:
             raise ConfigError(f"--resume-from {resume_from}: {folder} is not a complete checkpoint; complete ones: "
                               f"{', '.join(f'step {step}' for step in steps) or 'none'}")
         return folder
-    latest = sharded.latest_training_checkpoint(directory)
-    if latest is None:
-        raise ConfigError(f"--resume: {directory} holds no complete training checkpoint (no step-*/manifest.json); "
-                          f"leave out --resume to start a new run")
-    return latest
+    return sharded.latest_training_checkpoint(directory)
 
 
 def load_model_state(path: str, model: Transformer, mesh: Mesh, data_identity: dict[str, Any]) -> TrainingCheckpoint:
@@ -201,6 +202,7 @@ class Resume:
     def __init__(self, settings: TrainSettings, mesh: Mesh, data_identity: dict[str, Any]) -> None:
         self.path, self.mesh, self.data_identity = checkpoint_to_resume(settings, mesh), mesh, data_identity
         self.saved: TrainingCheckpoint | None = None
+        self.new_run_in = settings.output.checkpoint_dir if settings.output.resume and self.path is None else None
         self.zero = settings.mesh.zero
 
     @property
@@ -217,6 +219,8 @@ class Resume:
 
     def story(self) -> str | None:
         """The log line of a resumed run: from which step and folder, saved on which mesh, run on which now."""
+        if self.new_run_in is not None:
+            return f"--resume: no complete checkpoint in {self.new_run_in} yet, so a new run starts at step 0"
         if self.saved is None:
             return None
         now = {"world_size": self.mesh.world.size, **asdict(self.mesh.shape), "zero": self.zero}

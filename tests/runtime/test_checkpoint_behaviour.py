@@ -58,12 +58,20 @@ def test_a_checkpoint_folder_alone_saves_once_after_the_last_step(tmp_path, toke
     assert "saved checkpoint step 3 (" in result.stdout and str(step_folder(tmp_path / "ck", 3)) in result.stdout
 
 
-def test_resume_without_a_checkpoint_is_an_error(tmp_path, tokens):
+def test_resume_in_a_folder_without_checkpoints_starts_a_new_run_and_says_so(tmp_path, tokens):
+    """One batch script serves the first submission and every requeue: --resume with nothing complete to resume
+    from (no folder, an empty one, one whose only save was cut short) is a new run, named in the log; the same
+    command again resumes from what the first saved."""
     (tmp_path / "empty").mkdir()
-    for folder in ("empty", "missing"):
-        output = train_error(*TINY, "--data", tokens, "--steps", "2", "--checkpoint-dir", str(tmp_path / folder),
-                             "--resume")
-        assert "holds no complete training checkpoint" in output and "leave out --resume" in output
+    (tmp_path / "cut" / "step-00000001").mkdir(parents=True)  # a save cut short: no manifest
+    for folder in ("empty", "missing", "cut"):
+        result = train(*TINY, "--data", tokens, "--steps", "2", "--checkpoint-dir", str(tmp_path / folder),
+                       "--resume")
+        assert (f"--resume: no complete checkpoint in {tmp_path / folder} yet, so a new run starts at step 0"
+                in result.stdout), result.stdout
+        assert (tmp_path / folder / "step-00000002" / MANIFEST).is_file()
+    again = train(*TINY, "--data", tokens, "--steps", "3", "--checkpoint-dir", str(tmp_path / "empty"), "--resume")
+    assert "resumed from step 2 of" in again.stdout and "new run" not in again.stdout
 
 
 def test_resume_past_steps_is_an_error(saved_run, tokens):
