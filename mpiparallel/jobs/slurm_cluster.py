@@ -53,6 +53,11 @@ SLURMD_TIMEOUT_S = 30
 noticed no sooner, and srun waits for that)."""
 
 
+CRED_EXPIRE_S = 10
+"""A job step credential's lifetime, which is also how long a requeued job waits before it may start again (Slurm's
+default 120 s; a requeue here resumes ~12 s after the job stopped)."""
+
+
 def folder(cluster: Cluster) -> Path:
     return Path(cluster.folder) / "slurm"
 
@@ -102,7 +107,7 @@ SlurmdPort={SLURMD_PORT}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={base / 'munge.socket'}
+AuthInfo=socket={base / 'munge.socket'},cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={base / 'state'}
 SlurmdSpoolDir={base / 'spool'}/%n
 TmpFS={base / 'tmp'}/%n
@@ -137,10 +142,25 @@ TASK_PROLOG = """#!/bin/sh
 """
 
 
+SOCKET_PATH_LIMIT = 107
+"""The longest path a Unix socket may have (sun_path, 108 bytes with its NUL). slurmd names each job step's socket
+SPOOL/NODE_JOB.STEP; past the limit every task launch fails with srun's 'Unspecified error' (measured)."""
+
+
+def check_folder_length(cluster: Cluster) -> None:
+    """One clear error where the cluster's folder is too long a path for Slurm's step sockets."""
+    longest = max(len(f"{folder(cluster) / 'spool' / host / host}_4294967294.4294967294") for host in cluster.hosts)
+    if longest > SOCKET_PATH_LIMIT:
+        raise ConfigError(f"--scheduler slurm: the cluster's folder {cluster.folder} is too long a path for Slurm's "
+                          f"step sockets ({longest} characters of at most {SOCKET_PATH_LIMIT}): set "
+                          f"MPIPARALLEL_CLUSTERS to a shorter folder (the default, /run/mpiparallel-clusters, fits)")
+
+
 def start(cluster: Cluster) -> None:
     """Write the configuration, start munged, slurmctld and one slurmd per host, and wait until every node is
     idle (one error with the logs' last lines otherwise)."""
     check_packages()
+    check_folder_length(cluster)
     base = folder(cluster)
     for sub in ("state", *(f"spool/{host}" for host in cluster.hosts), *(f"tmp/{host}" for host in cluster.hosts)):
         (base / sub).mkdir(parents=True, exist_ok=True)

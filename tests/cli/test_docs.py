@@ -13,7 +13,8 @@ Each block runs in a fresh folder (with links to the checkout's scripts/ and tes
 user's machine), its commands one after another with bash (`mpiparallel` and `python` are this interpreter's). A
 command must exit with status 0, and every output line the page shows under it must be found in what it printed
 (stdout and stderr), in the page's order, each within one line of output: runs of spaces compare as one, and `…`
-stands for what the page leaves out (lines, or the rest of a line). Numbers must be equal as
+stands for what the page leaves out (lines, or the rest of a line). A command `export NAME=VALUE` sets NAME for
+the block's later commands too, as in one shell. Numbers must be equal as
 written, unless the comment line just before the block says otherwise. Such a comment holds directives, joined by
 `;`:
 
@@ -54,6 +55,7 @@ DIRECTIVE = re.compile(r"^<!--\s*doc-test:\s*(.*?)\s*-->$")
 NUMBER = r"[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?"  # 7,242 and 2.00e-05 too
 NUMBER_ALONE = re.compile(rf"(?<![\w.]){NUMBER}(?![\w])")  # not the digits of "dp2", "1f1b" or "v1.2"
 ELLIPSIS = "…"
+EXPORT = re.compile(r"export (\w+)=(\S+)")
 
 
 @dataclass
@@ -237,6 +239,8 @@ def run_block(block: Block) -> None:
         for name, text in block.files.items():
             (folder / name).write_text(text)
         for command in commands:
+            if exported := EXPORT.fullmatch(command.text):  # the block's later commands see it, as in one shell
+                environment[exported.group(1)] = exported.group(2)
             try:
                 finished = run_with_timeout(["bash", "-c", command.text], timeout, merge_output=True, cwd=folder,
                                             env=environment)

@@ -51,3 +51,14 @@ def ledger_against_formulas(algorithms: list[str], block: int) -> dict:
     async_inter_node = world.ledger.inter_node_sent("all_reduce")
     return {"nodes": list(world.nodes), "half_nodes": list(half.nodes), "world": _check(world, algorithms, block),
             "half": _check(half, algorithms, block), "async_inter_node": async_inter_node}
+
+
+def placement() -> dict:
+    """Where the launcher put this rank: its host name, the node MPI groups it in, and the ranks its launcher's
+    variables say share its node (what the BLAS threads are divided by)."""
+    import socket
+
+    from mpiparallel import process
+
+    world = Communicator(MPI.COMM_WORLD)
+    return {"host": socket.gethostname(), "node": world.nodes[world.rank], "local_ranks": process.local_rank_count()}

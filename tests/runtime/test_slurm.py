@@ -1,0 +1,168 @@
+"""Slurm on the namespace hosts (`mpiparallel cluster up --scheduler slurm`): a real Slurm — munged, slurmctld,
+one slurmd per host, Debian's packages — and the project's commands under its `srun` and `sbatch`, unchanged.
+
+What is checked: the cluster's Slurm sees its hosts as idle nodes and `down` stops every daemon and leaves no file;
+`srun --mpi=pmi2` with MPICH starts ranks that MPI sees on two real nodes, whose launcher variables give each node's
+rank count, whose mesh trains the serial model's numbers in float64, and whose dp bytes cross the links as the
+formula says; a launch that gives every rank a world of 1 is one error naming the fix; `sbatch
+scripts/slurm_train.sh`, signalled ahead of its time limit, saves, requeues itself and resumes, and ends equal to
+the uninterrupted run.
+
+Needs root, network namespaces and Debian's slurm-wlm, munge and libpmix-dev (.ci/run installs them; with CI=true a
+missing one fails). About 70 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from clusters import assert_no_processes_on
+from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
+from safetensors.numpy import load_file
+
+from mpiparallel.jobs import namespace_cluster, slurm_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def slurm(made: namespace_cluster.Cluster, *command: str, timeout: float = 300,
+          cwd: Path | None = None, **variables: str) -> subprocess.CompletedProcess:
+    """A Slurm command (srun, sbatch, scontrol …) pointed at the cluster's own Slurm."""
+    return run_with_timeout(list(command), timeout, env={**slurm_cluster.environment(made), **variables}, cwd=cwd)
+
+
+def test_up_starts_a_slurm_whose_nodes_are_the_hosts_and_down_stops_every_daemon(cluster):
+    made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
+    assert slurm_cluster.node_states(made) == {host: "idle" for host in made.hosts}
+    assert len(slurm_cluster.own_processes(made.folder)) == 2 + len(made.hosts)  # munged, slurmctld, slurmds
+    status = namespace_cluster.status(made.name)
+    assert f"slurm ({slurm_cluster.conf_path(made)}): {made.hosts[0]} idle, {made.hosts[1]} idle" in status
+    assert "no jobs" in status
+    placed = slurm(made, "srun", "-N", "2", "-n", "4", "hostname")
+    assert placed.returncode == 0, placed.stderr
+    assert sorted(placed.stdout.split()) == sorted(made.hosts * 2)  # srun places two tasks on each host
+
+    down = run_with_timeout([sys.executable, "-m", "mpiparallel", "cluster", "down", "--name", made.name], 120)
+    assert down.returncode == 0 and "removed 4 Slurm daemons" in down.stdout, down.stdout + down.stderr
+    assert not slurm_cluster.own_processes(made.folder) and not Path(made.folder).exists()
+
+
+COMMON = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "batch_size": 4, "steps": 3, "dtype": "float64",
+          "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}
+TRAIN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8", "--steps", "1",
+         "--dtype", "float64"]
+SRUN_MPICH = ["srun", "-N", "2", "-n", "4", "--mpi=pmi2"]
+
+
+def test_srun_with_mpich_places_ranks_on_real_nodes_that_train_the_serial_models_numbers(cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
+    env = {"SLURM_CONF": str(slurm_cluster.conf_path(made))}
+    placed = run_on_ranks(4, "workers.topology_checks:placement", launcher=SRUN_MPICH, env=env)
+    assert [rank["host"] for rank in placed] == [made.hosts[0]] * 2 + [made.hosts[1]] * 2
+    assert [rank["node"] for rank in placed] == [0, 0, 1, 1]
+    assert all(rank["local_ranks"] == 2 for rank in placed)  # srun's own variables: 2 BLAS-thread shares a node
+
+    (tmp_path / "serial").mkdir()
+    reference = serial_training(COMMON, tmp_path / "serial")
+    configs = [{"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "sp": True, "zero": 1}]
+    for result in parallel_training(4, COMMON, configs, reference, launcher=SRUN_MPICH, env=env):
+        assert_equals_serial(result, COMMON["steps"], 1e-9)
+
+
+def test_train_under_srun_sees_two_nodes_and_sends_dp_bytes_over_the_links_as_the_formula_says(cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
+    before = {host: namespace_cluster.link_bytes(host) for host in made.hosts}
+    result = slurm(made, *SRUN_MPICH, sys.executable, "-m", "mpiparallel", "train", *TRAIN, "--dp", "2", "--tp", "2",
+                   "--show-mesh", "--log-json", str(tmp_path / "log.jsonl"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "nodes: 2 nodes of 2, 2 ranks (MPI's shared-memory nodes)" in result.stdout
+    assert "inside a node: tp; across nodes: dp" in result.stdout
+    record = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    assert record["inter_node_bytes"]["tp"] == 0 and record["inter_node_bytes"]["dp"] > 0
+    for host in made.hosts:  # the TaskProlog's UCX settings: two ranks' dp bytes each went over the host's veth
+        assert namespace_cluster.link_bytes(host) - before[host] >= 2 * record["inter_node_bytes"]["dp"]
+    assert_no_processes_on(made, within_s=10)
+
+
+def test_srun_without_the_mpi_plugin_gives_worlds_of_one_and_that_is_one_error_naming_the_fix(cluster):
+    """Without --mpi=pmi2 MPICH's ranks find no process manager and each starts a world of its own: unchecked,
+    each would train the whole job alone."""
+    made = cluster(nodes=2, ranks_per_node=1, scheduler="slurm")
+    result = slurm(made, "srun", "-N", "2", "-n", "2", "--mpi=none", sys.executable, "-m", "mpiparallel", "train",
+                   *TRAIN)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert sum(line.startswith("Error") for line in output.splitlines()) == 1, output
+    assert "the launcher started 2 ranks, but MPI gives each a world of 1" in output and "--mpi=pmi2" in output
+    assert "Traceback" not in output
+
+
+# -- sbatch, a signal ahead of the time limit, the requeue ------------------------------------------------------
+
+BATCH = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+         "--microbatches", "2", "--steps", "150", "--checkpoint-every", "100", "--eval-every", "0", "--dtype",
+         "float64", "--lr-schedule", "constant", "--warmup-steps", "0"]
+
+
+def submit(made: namespace_cluster.Cluster, folder: Path, *options: str) -> int:
+    """sbatch scripts/slurm_train.sh on both hosts, run from `folder`; returns the job's id."""
+    folder.mkdir()
+    result = slurm(made, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "2", *options,
+                   str(ROOT / "scripts" / "slurm_train.sh"), *BATCH, "--save", str(folder / "model"), cwd=folder,
+                   MPI="pmi2", TP="2", CHECKPOINTS=str(folder / "ck"))
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.strip().split(";")[0])
+
+
+def job_field(made: namespace_cluster.Cluster, job: int, field: str) -> str:
+    shown = slurm(made, "scontrol", "show", "job", str(job), timeout=60).stdout
+    return next((word.split("=", 1)[1] for word in shown.split() if word.startswith(f"{field}=")), "")
+
+
+def wait_for(condition, what: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.25)
+
+
+def losses(log: Path) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in map(json.loads, log.read_text().splitlines())
+            if "loss" in record and "step" in record}
+
+
+def test_sbatch_signalled_before_its_limit_saves_requeues_itself_and_resumes_to_the_uninterrupted_run(
+        cluster, tmp_path):
+    made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
+    whole = submit(made, tmp_path / "whole")
+    wait_for(lambda: job_field(made, whole, "JobState") == "COMPLETED", "the uninterrupted job")
+
+    cut = submit(made, tmp_path / "cut")
+    log = tmp_path / "cut" / f"train-{cut}.jsonl"
+    wait_for(lambda: log.exists() and len(losses(log)) >= 20, "20 steps of the job to signal")
+    signalled = slurm(made, "scancel", "--batch", "--signal=USR1", str(cut), timeout=60)  # what --signal=B:USR1@T does
+    assert signalled.returncode == 0, signalled.stderr
+    wait_for(lambda: job_field(made, cut, "Restarts") == "1" and job_field(made, cut, "JobState") == "COMPLETED",
+             "the requeued job to finish")
+
+    output = (tmp_path / "cut" / f"mpiparallel-{cut}.out").read_text()
+    assert "slurm_train.sh: SIGUSR1: the ranks save and stop" in output
+    assert f"slurm_train.sh: requeueing job {cut} to continue from the checkpoint" in output
+    stopped = int(output.split("stopped by SIGUSR1 after step ")[1].split("/")[0])
+    assert 20 <= stopped < 150
+    assert f"resumed from step {stopped} of {tmp_path / 'cut' / 'ck'}" in output
+    assert output.count("slurm_train.sh: job") == 2 and "restart 1, device cpu" in output
+
+    reference, resumed = losses(tmp_path / "whole" / f"train-{whole}.jsonl"), losses(log)
+    assert sorted(resumed) == list(range(1, 151)) == sorted(reference)
+    assert max(abs(resumed[step] - reference[step]) / abs(reference[step]) for step in reference) <= 1e-9
+    expected, got = load_file(tmp_path / "whole" / "model" / "model.safetensors"), \
+        load_file(tmp_path / "cut" / "model" / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert np.max(np.abs(got[name] - tensor)) <= 1e-9 * np.max(np.abs(tensor)), name
