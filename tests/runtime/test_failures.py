@@ -39,12 +39,12 @@ KILLS_UNDER_LOAD = int(os.environ.get("MPIPARALLEL_TEST_KILLS_UNDER_LOAD", "5"))
 """How many times the kill is repeated with the CPU busy (more to hunt a race)."""
 
 
-def kill_rank_1_mid_training(log: Path) -> tuple[int, str]:
+def kill_rank_1_mid_training(log: Path, python: str = sys.executable) -> tuple[int, str]:
     """Start `train` on 3 ranks, SIGKILL rank 1 once training is under way, and check that the job ends within
     ENDS_WITHIN seconds, non-zero, with one line that names rank 1 and no other rank. Returns rank 1's PID and
-    the job's output."""
+    the job's output. `python`: the interpreter (another environment's, for another MPI)."""
     command = ["train", "-n", "3", *TINY, "--batch-size", "6", "--steps", "100000", "--log-json", str(log)]
-    job = subprocess.Popen([sys.executable, "-m", "mpiparallel", *command], stdout=subprocess.PIPE,
+    job = subprocess.Popen([python, "-m", "mpiparallel", *command], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     # bounded: a 120 s deadline to start, communicate(timeout=ENDS_WITHIN) after the kill, killpg in `finally`
@@ -66,7 +66,7 @@ def kill_rank_1_mid_training(log: Path) -> tuple[int, str]:
     lost = [line for line in (out + err).splitlines() if " was lost: " in line]
     assert len(lost) == 1 and lost[0].startswith(f"mpiparallel: rank 1 (pid {victim}) was lost: "), (victim, out + err)
     assert lost[0].count(" was lost: ") == 1, lost  # no rank that mpiexec killed afterwards
-    assert "BAD TERMINATION" not in out + err and "Traceback" not in out + err
+    assert "BAD TERMINATION" not in out + err and "prterun" not in out + err and "Traceback" not in out + err
     return victim, out + err
 
 
@@ -279,8 +279,9 @@ PLANTED_FAILURE = textwrap.dedent("""
     # sitecustomize: imported at the start of every Python process; only the ranks plant the failure
     import os
 
-    if "PMI_RANK" in os.environ:
+    if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:  # MPICH's and Open MPI's launchers
         from collectives.communicator import Communicator
+        from mpiparallel.jobs.launch import launcher_rank
 
         calls = 0
 
@@ -288,7 +289,7 @@ PLANTED_FAILURE = textwrap.dedent("""
             def replacement(self, *args, **kwargs):
                 global calls
                 calls += 1
-                if os.environ["PMI_RANK"] == "1" and calls == 5:
+                if launcher_rank() == 1 and calls == 5:
                     raise RuntimeError("planted failure on rank 1")
                 return original(self, *args, **kwargs)
             return replacement
@@ -307,19 +308,27 @@ PLANTED_FAILURE = textwrap.dedent("""
     (["bench", "all_reduce", "-b", "1K", "-e", "64K", "--iters", "2", "-w", "1"], True),
 ], ids=["train-tp", "train-pp", "bench", "verify", "train-tp-self-launched", "bench-self-launched"])
 def test_an_exception_on_one_rank_ends_the_job_with_that_ranks_message(tmp_path, command, self_launched):
+    raise_on_rank_1(tmp_path, command, self_launched)
+
+
+def raise_on_rank_1(tmp_path: Path, command: list[str], self_launched: bool, python: str = sys.executable,
+                    mpiexec: str | None = None, env: dict[str, str] | None = None) -> str:
+    """Run `command` on 2 ranks (self-launched, or under `mpiexec`) with the failure planted in rank 1, and check
+    that the job ends soon with status 1 and rank 1's message once; returns the output."""
     (tmp_path / "sitecustomize.py").write_text(PLANTED_FAILURE)
     # the checkout under test goes on the path too: sitecustomize runs before Python adds the working directory,
     # so without it the import below would find whatever copy of the project pip installed last (or none)
     checkout = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(filter(None, [str(tmp_path), checkout, os.environ.get("PYTHONPATH")]))
-    launch = [sys.executable, "-m", "mpiparallel", *command, "-n", "2"] if self_launched else \
-        [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpiparallel", *command]
+    launch = [python, "-m", "mpiparallel", *command, "-n", "2"] if self_launched else \
+        [mpiexec or mpiexec_path(), "-n", "2", python, "-m", "mpiparallel", *command]
     start = time.monotonic()
-    finished = run_with_timeout(launch, 60, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+    finished = run_with_timeout(launch, 60, env={**(env or os.environ), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
     output = finished.stdout + finished.stderr
     assert finished.returncode == ExitCode.CRASH and time.monotonic() - start < ENDS_WITHIN + 5, output
     assert output.count("mpiparallel: rank 1 failed: RuntimeError: planted failure on rank 1") == 1, output
     assert output.count("failed:") == 1 and "was lost" not in output and "Traceback" not in output, output
+    return output
 
 
 def test_an_mpi_error_on_a_survivor_says_that_another_rank_probably_died(tmp_path):

@@ -6,7 +6,8 @@ What is checked: the cluster's Slurm sees its hosts as idle nodes and `down` sto
 rank count, whose mesh trains the serial model's numbers in float64, and whose dp bytes cross the links as the
 formula says; a launch that gives every rank a world of 1 is one error naming the fix; `sbatch
 scripts/slurm_train.sh`, signalled ahead of its time limit, saves, requeues itself and resumes, and ends equal to
-the uninterrupted run.
+the uninterrupted run. And Open MPI: under `srun --mpi=pmix` the same training equal to serial, under pmi2 the
+world-of-1 error.
 
 Needs root, network namespaces and Debian's slurm-wlm, munge and libpmix-dev (.ci/run installs them; with CI=true a
 missing one fails). About 70 s on 2 cores.
@@ -57,6 +58,7 @@ COMMON = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "batch_size": 
 TRAIN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8", "--steps", "1",
          "--dtype", "float64"]
 SRUN_MPICH = ["srun", "-N", "2", "-n", "4", "--mpi=pmi2"]
+SRUN_OPEN_MPI = ["srun", "-N", "2", "-n", "4", "--mpi=pmix"]
 
 
 def test_srun_with_mpich_places_ranks_on_real_nodes_that_train_the_serial_models_numbers(cluster, tmp_path):
@@ -100,6 +102,28 @@ def test_srun_without_the_mpi_plugin_gives_worlds_of_one_and_that_is_one_error_n
     assert sum(line.startswith("Error") for line in output.splitlines()) == 1, output
     assert "the launcher started 2 ranks, but MPI gives each a world of 1" in output and "--mpi=pmi2" in output
     assert "Traceback" not in output
+
+
+def test_srun_with_open_mpi_over_pmix_trains_the_serial_models_numbers_and_pmi2_is_the_world_of_one_error(
+        cluster, open_mpi, tmp_path):
+    """Open MPI reaches Slurm through PMIx (Slurm's pmix plugin, libpmix from Debian); through pmi2 each of its
+    ranks is a world of its own and would exit 0 having trained alone (measured): one error instead."""
+    made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
+    env = {"SLURM_CONF": str(slurm_cluster.conf_path(made)), "OMPI_MCA_mpi_yield_when_idle": "1"}
+    placed = run_on_ranks(4, "workers.topology_checks:placement", launcher=SRUN_OPEN_MPI, env=env,
+                          python=open_mpi.python)
+    assert [rank["node"] for rank in placed] == [0, 0, 1, 1] and all(rank["local_ranks"] == 2 for rank in placed)
+    (tmp_path / "serial").mkdir()
+    reference = serial_training(COMMON, tmp_path / "serial")
+    for result in parallel_training(4, COMMON, [{"dp": 2, "tp": 2, "sp": True, "zero": 1}], reference,
+                                    launcher=SRUN_OPEN_MPI, env=env, python=open_mpi.python):
+        assert_equals_serial(result, COMMON["steps"], 1e-9)
+
+    result = slurm(made, "srun", "-N", "2", "-n", "2", "--mpi=pmi2", open_mpi.python, "-m", "mpiparallel", "train",
+                   *TRAIN)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and output.count("Error") == 1, output
+    assert "MPI gives each a world of 1" in output and "(Open MPI v5.0" in output and "--mpi=pmix" in output
 
 
 # -- sbatch, a signal ahead of the time limit, the requeue ------------------------------------------------------

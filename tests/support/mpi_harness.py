@@ -65,13 +65,14 @@ def run_with_timeout(command: list[str], timeout: float, merge_output: bool = Fa
 
 def run_on_ranks(n: int, target: str, timeout: float = 120, env: dict[str, str] | None = None,
                  mpiexec_options: Sequence[str] = (), launcher: Sequence[str] | None = None,
-                 **kwargs: Any) -> list[Any]:
+                 python: str | None = None, **kwargs: Any) -> list[Any]:
     """Call `target` ("module:function") on `n` ranks with `kwargs`; return the per-rank results.
     `mpiexec_options` say where the ranks start (a hostfile and launcher; default: this machine); `launcher`
-    replaces `mpiexec … -n N` whole (`srun -N 2 -n 4 --mpi=pmi2`: it must start `n` ranks)."""
+    replaces `mpiexec … -n N` whole (`srun -N 2 -n 4 --mpi=pmi2`: it must start `n` ranks); `python` is the
+    ranks' interpreter (default this one; another environment's for another MPI)."""
     with tempfile.TemporaryDirectory(prefix="mpitest-") as results_dir:
         start = [*launcher] if launcher is not None else [mpiexec_path(), *mpiexec_options, "-n", str(n)]
-        command = [*start, sys.executable, str(WORKER), results_dir, target, json.dumps(kwargs)]
+        command = [*start, python or sys.executable, str(WORKER), results_dir, target, json.dumps(kwargs)]
         try:
             finished = run_with_timeout(command, timeout, merge_output=True,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -120,11 +121,12 @@ def serial_training(common: dict[str, Any], directory: Path) -> str:
 
 def parallel_training(ranks: int, common: dict[str, Any], configs: list[dict[str, Any]], reference: str,
                       timeout: float = 300, mpiexec_options: Sequence[str] = (), launcher: Sequence[str] | None = None,
-                      env: dict[str, str] | None = None) -> list[dict]:
+                      env: dict[str, str] | None = None, python: str | None = None) -> list[dict]:
     """Train every configuration (options on top of `common`) on `ranks` ranks in one launch; per configuration
     its options, log records and worst relative errors of losses and saved weights against `reference`."""
     return run_on_ranks(ranks, f"{TRAINING_CHECKS}:matches_serial", timeout=timeout, mpiexec_options=mpiexec_options,
-                        launcher=launcher, env=env, common=common, configs=configs, reference=reference)[0]
+                        launcher=launcher, env=env, python=python, common=common, configs=configs,
+                        reference=reference)[0]
 
 
 def assert_equals_serial(result: dict, steps: int, tolerance: float = 1e-9) -> None:

@@ -26,7 +26,8 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 
 
 def rank_pid(job: int, rank: int) -> int:
-    """The PID of `rank` among the processes `job` started (its launcher variable PMI_RANK, read from /proc)."""
+    """The PID of `rank` among the processes `job` started (its launcher variable, MPICH's PMI_RANK or Open MPI's
+    OMPI_COMM_WORLD_RANK, read from /proc)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -35,7 +36,8 @@ def rank_pid(job: int, rank: int) -> int:
             command = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"PMI_RANK={rank}".encode() in environment and b"mpiparallel" in command and \
+        told = {f"PMI_RANK={rank}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
+        if told & set(environment) and b"mpiparallel" in command and \
                 _descends_from(int(entry.name), job):
             return int(entry.name)
     raise AssertionError(f"no rank {rank} under process {job}")
