@@ -820,10 +820,11 @@ def world_size() -> int:
 
 
 def mpi_library() -> str:
-    """The MPI library's name and version: the first line of MPI_Get_library_version (starts MPI)."""
+    """The MPI library's name and version: the first line of MPI_Get_library_version (starts MPI), without the
+    NUL that Open MPI's string ends with."""
     from mpi4py import MPI
 
-    return " ".join(MPI.Get_library_version().splitlines()[0].split())
+    return " ".join(MPI.Get_library_version().replace("\0", "").splitlines()[0].split())
 
 
 def _running_mpi() -> ModuleType | None:

@@ -281,5 +281,6 @@ def usage_lines(cluster: Cluster) -> list[str]:
         "use it:",
         f"  export SLURM_CONF={conf_path(cluster)}",
         f"  srun -N {cluster.nodes} -n {ranks} --mpi=pmi2 mpiparallel train --dp {ranks} --show-mesh   # MPICH",
-        f"  sbatch -N {cluster.nodes} --ntasks-per-node {cluster.ranks_per_node} scripts/slurm_train.sh --device cpu",
+        f"  MPI=pmi2 sbatch -N {cluster.nodes} --ntasks-per-node {cluster.ranks_per_node} scripts/slurm_train.sh "
+        f"--n-layer 4 --n-embd 128 --n-head 4",
     ]
