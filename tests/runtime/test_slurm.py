@@ -16,6 +16,7 @@ missing one fails). About 70 s on 2 cores.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -133,12 +134,19 @@ BATCH = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
          "float64", "--lr-schedule", "constant", "--warmup-steps", "0"]
 
 
-def submit(made: namespace_cluster.Cluster, folder: Path, *options: str) -> int:
-    """sbatch scripts/slurm_train.sh on both hosts, run from `folder`; returns the job's id."""
+def submit(made: namespace_cluster.Cluster, folder: Path, open_mpi) -> int:
+    """sbatch scripts/slurm_train.sh on both hosts, run from `folder`, its ranks under Open MPI (srun --mpi=pmix,
+    the script's default: MPICH's ranks, under an srun inside sbatch, twice spun in MPI_Init for good — see
+    docs/clusters.md); returns the job's id."""
     folder.mkdir()
-    result = slurm(made, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "2", *options,
+    shims = folder / "bin"  # the script runs `mpiparallel`: this environment's, whose MPI is Open MPI
+    shims.mkdir()
+    (shims / "mpiparallel").write_text(f'#!/bin/sh\nexec "{open_mpi.python}" -m mpiparallel "$@"\n')
+    (shims / "mpiparallel").chmod(0o755)
+    result = slurm(made, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "2",
                    str(ROOT / "scripts" / "slurm_train.sh"), *BATCH, "--save", str(folder / "model"), cwd=folder,
-                   MPI="pmi2", TP="2", CHECKPOINTS=str(folder / "ck"))
+                   TP="2", CHECKPOINTS=str(folder / "ck"), OMPI_MCA_mpi_yield_when_idle="1",
+                   PATH=os.pathsep.join([str(shims), os.environ["PATH"]]))
     assert result.returncode == 0, result.stderr
     return int(result.stdout.strip().split(";")[0])
 
@@ -161,12 +169,12 @@ def losses(log: Path) -> dict[int, float]:
 
 
 def test_sbatch_signalled_before_its_limit_saves_requeues_itself_and_resumes_to_the_uninterrupted_run(
-        cluster, tmp_path):
+        cluster, open_mpi, tmp_path):
     made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
-    whole = submit(made, tmp_path / "whole")
+    whole = submit(made, tmp_path / "whole", open_mpi)
     wait_for(lambda: job_field(made, whole, "JobState") == "COMPLETED", "the uninterrupted job")
 
-    cut = submit(made, tmp_path / "cut")
+    cut = submit(made, tmp_path / "cut", open_mpi)
     log = tmp_path / "cut" / f"train-{cut}.jsonl"
     wait_for(lambda: log.exists() and len(losses(log)) >= 20, "20 steps of the job to signal")
     signalled = slurm(made, "scancel", "--batch", "--signal=USR1", str(cut), timeout=60)  # what --signal=B:USR1@T does
