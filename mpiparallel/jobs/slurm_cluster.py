@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -202,7 +203,7 @@ def _start_munge(base: Path) -> None:
     _wait_for(lambda: (base / "munge.socket").exists(), "munged made no socket", base / "munged.log")
 
 
-def _wait_for(ready, failure: str, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
+def _wait_for(ready: Callable[[], bool], failure: str, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if time.monotonic() > deadline:
@@ -242,21 +243,21 @@ def own_processes(cluster_folder: str | Path) -> list[int]:
 
 
 def stop(cluster_folder: str | Path, deadline_s: float = 10.0) -> int:
-    """End every daemon of the cluster's Slurm (SIGTERM, then SIGKILL for what is left after `deadline_s`).
-    Returns how many there were."""
-    pids = own_processes(cluster_folder)
-    for number, wait_s in ((signal.SIGTERM, deadline_s), (signal.SIGKILL, deadline_s)):
+    """End every daemon of the cluster's Slurm: SIGTERM (slurmctld saves its state), then SIGKILL for any left
+    after `deadline_s`. Returns how many there were."""
+    found = own_processes(cluster_folder)
+    for number in (signal.SIGTERM, signal.SIGKILL):
         for pid in own_processes(cluster_folder):
             try:
                 os.kill(pid, number)
             except ProcessLookupError:
                 pass
-        give_up = time.monotonic() + wait_s
-        while own_processes(cluster_folder) and time.monotonic() < give_up:
+        give_up = time.monotonic() + deadline_s
+        while (left := own_processes(cluster_folder)) and time.monotonic() < give_up:
             time.sleep(0.05)
-        if not own_processes(cluster_folder):
+        if not left:
             break
-    return len(pids)
+    return len(found)
 
 
 def status_lines(cluster: Cluster) -> list[str]:
