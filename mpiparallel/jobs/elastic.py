@@ -26,7 +26,7 @@ ends the run with its status: those are not losses.
 On one machine the relaunch starts ranks in the same slots (the lost rank's slot is given up). On a cluster of
 `mpiparallel cluster` (`--hostfile` of `cluster up`), the relaunch starts on the hosts left: a hostfile without
 the lost hosts, written in the parent's own folder, in place of the cluster's. Other hostfiles are refused (no
-heartbeat tells which host was lost).
+heartbeat tells which host was lost). Inside a Slurm allocation it is srun on the nodes left (`slurm_launch`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..errors import ExitCode
 from ..text import plural
 from ..train.reports import CONTINUE_LOG, PROGRESS
 from . import hosts as multi_host
-from . import launch
+from . import launch, slurm_launch
 from .namespace_cluster import cluster_of_hostfile
 from .stall import StallWatch
 
@@ -138,9 +138,9 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
                 options["microbatches"])
     restarts = redone = 0
     extra: list[str] = []
-    cluster = cluster_of_hostfile(hostfile) if hostfile is not None else None
-    hosts = multi_host.read_hostfile(hostfile) if cluster is not None else []
-    placement = cluster.mpiexec_options() if cluster is not None else []
+    cluster: launch.Hosts | None = cluster_of_hostfile(hostfile) if hostfile is not None else slurm_launch.current()
+    hosts = multi_host.read_hostfile(hostfile) if hostfile is not None else cluster.hosts if cluster else []
+    placement = cluster.mpiexec_options() if hostfile is not None and cluster is not None else []
     with tempfile.TemporaryDirectory(prefix="mpiparallel-elastic-") as folder:
         progress = Path(folder) / "progress"
         while True:
@@ -165,6 +165,8 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
                 give_up(f"{what}; --max-restarts {options['max_restarts']} used up")
             if cluster is not None:
                 hosts = [host for host in hosts if host.name not in {lost.host for lost in outcome.lost}]
+            if isinstance(cluster, slurm_launch.Allocation):  # srun on the nodes left
+                cluster = cluster.without([lost.host for lost in outcome.lost])
             chosen = survivors_mesh(mesh.ranks - lost, mesh, options, latest,
                                     max(host.slots for host in hosts) if hosts else mesh.ranks - lost)
             if isinstance(chosen, str):
@@ -180,7 +182,7 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
             _log_restart(options["log_json"], reached, outcome, words, mesh.planner)
             extra = [*mesh.options(), *(["--resume-from", str(latest)] if latest else [])]
             progress.unlink(missing_ok=True)
-            if cluster is not None:
+            if placement:
                 placement = _without_lost_hosts(placement, hosts, Path(folder) / f"hostfile-{restarts}")
 
 

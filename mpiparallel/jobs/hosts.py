@@ -116,7 +116,7 @@ def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ, stop: th
     if not target:
         return None
     address, _, port = target.rpartition(":")
-    message = f"{socket.gethostname()} {rank} {os.getpid()}".encode()
+    message = f"{this_host(environ)} {rank} {os.getpid()}".encode()
     stop = stop or threading.Event()
 
     def beat() -> None:
@@ -133,6 +133,22 @@ def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ, stop: th
     return thread
 
 
+def say_farewell(rank: int, environ: Mapping[str, str] = os.environ) -> None:
+    """On a rank that ends through `run_guarded`: tell the parent, so that the silence that follows is not taken
+    for a lost host (where the rank could not register in the parent's folder: another machine). Sent twice: a
+    datagram may be lost."""
+    target = environ.get(HEARTBEAT)
+    if not target:
+        return
+    address, _, port = target.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+        for _ in range(2):
+            try:
+                sender.sendto(f"{this_host(environ)} {rank} {os.getpid()} ended".encode(), (address, int(port)))
+            except OSError:
+                return
+
+
 def heartbeat_timeout(environ: Mapping[str, str] = os.environ) -> float:
     value = environ.get(TIMEOUT_VARIABLE, "").strip()
     try:
@@ -146,7 +162,8 @@ def heartbeat_timeout(environ: Mapping[str, str] = os.environ) -> float:
 
 class HeartbeatMonitor(threading.Thread):
     """In the parent: receives the ranks' heartbeats and calls `unreachable(host, seconds)` for a host none of
-    whose ranks was heard for `timeout` seconds (a host counts once one of its ranks was heard). The call returns
+    whose ranks was heard for `timeout` seconds (a host counts once one of its ranks was heard; one whose every rank
+    heard said farewell, `say_farewell`, is done, not lost). The call returns
     True when it ended the job (the monitor stops), False when the silence was expected (the host's ranks ended on
     their own): the host is then no longer watched."""
 
@@ -158,17 +175,23 @@ class HeartbeatMonitor(threading.Thread):
         self.target = f"{address}:{self.socket.getsockname()[1]}"
         self.timeout, self.unreachable = timeout, unreachable
         self.last_heard: dict[str, float] = {}
+        self.heard: dict[str, set[int]] = {}  # host -> the ranks heard from it
+        self.ended: dict[str, set[int]] = {}  # host -> its ranks that said they ended
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             try:
-                data = self.socket.recv(256)
-                self.last_heard[data.split()[0].decode()] = time.monotonic()
-            except (OSError, IndexError, UnicodeError):
+                host, rank, *said = self.socket.recv(256).decode().split()[:4]
+                self.last_heard[host] = time.monotonic()
+                self.heard.setdefault(host, set()).add(int(rank))
+                if said[1:] == ["ended"]:
+                    self.ended.setdefault(host, set()).add(int(rank))
+            except (OSError, ValueError, UnicodeError):
                 pass
             now = time.monotonic()
-            silent = [(now - heard, host) for host, heard in self.last_heard.items() if now - heard > self.timeout]
+            silent = [(now - heard, host) for host, heard in self.last_heard.items()
+                      if now - heard > self.timeout and not self.heard[host] <= self.ended.get(host, set())]
             if silent and not self.stopped.is_set():
                 seconds, host = max(silent)
                 if self.unreachable(host, seconds):
@@ -179,6 +202,10 @@ class HeartbeatMonitor(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
+
+    def ranks_heard(self, host: str) -> tuple[int, ...]:
+        """The ranks whose heartbeats came from `host`."""
+        return tuple(sorted(self.heard.get(host, ())))
 
 
 # -- what was lost ------------------------------------------------------------------------------------------------
@@ -220,9 +247,15 @@ def ended_on_their_own(host: str, pids: Path, ranks: Mapping[int, tuple[int, str
     return bool(on_host) and all(ranks.get(pid, (0, ""))[1] for pid in on_host)
 
 
+def this_host(environ: Mapping[str, str] = os.environ) -> str:
+    """This host's name as the job knows it: Slurm's node name under srun (a host name may be longer, a domain
+    added), else the host name."""
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def note_rank_host(folder: Path) -> None:
     """On a rank: write PID.host with this host's name (the parent groups ranks by host with it)."""
-    (folder / f"{os.getpid()}{RANK_HOST_SUFFIX}").write_text(socket.gethostname())
+    (folder / f"{os.getpid()}{RANK_HOST_SUFFIX}").write_text(this_host())
 
 
 def host_notes(pids: Path) -> dict[str, list[str]]:

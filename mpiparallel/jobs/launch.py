@@ -55,7 +55,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
@@ -64,10 +64,14 @@ import click
 
 from ..errors import ConfigError, ExitCode, signal_exit_code
 from . import hosts as multi_host
+from . import slurm_launch
 from .stall import Stall, StallWatch, StallWatchdog
 
 if TYPE_CHECKING:
     from .namespace_cluster import Cluster
+
+    Hosts = Cluster | slurm_launch.Allocation
+    """Where a job of several hosts runs: a cluster of `mpiparallel cluster` (hostfile) or a Slurm allocation."""
 
 RANK_PIDS = "MPIPARALLEL_RANK_PIDS"
 """Set by the self-launching parent: a folder where each rank writes a file named by its PID holding its rank."""
@@ -217,16 +221,23 @@ def check_world_is_the_launchers(size: int, environ: Mapping[str, str] = os.envi
                       f"run the whole job alone. {fix}")
 
 
-def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None,
+def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Hosts | None = None,
               stall: StallWatch | None = None) -> NoReturn:
+    if cluster is None and not placement:  # inside a Slurm job, srun starts the ranks on its nodes
+        cluster = slurm_launch.current()
     raise SystemExit(run_job(ranks, argv, placement, cluster, stall=stall).status)
 
 
-def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Cluster | None = None,
+def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Hosts | None = None,
             environ: Mapping[str, str] | None = None, stall: StallWatch | None = None) -> JobOutcome:
-    """Start `ranks` copies of this program with `argv` under mpiexec (`placement`: where), supervise them
-    (`supervise`, with the stall watchdog `stall`) and return how the job ended; `environ` adds variables for the
-    ranks."""
+    """Start `ranks` copies of this program with `argv` under mpiexec (`placement`: where), or under srun in a Slurm
+    `Allocation`, supervise them (`supervise`, with the stall watchdog `stall`) and return how the job ended;
+    `environ` adds variables for the ranks."""
+    if isinstance(cluster, slurm_launch.Allocation):
+        cluster.check_ranks(ranks)
+        open_mpi = mpi4py_uses_open_mpi()
+        return _supervised(cluster.command(ranks, argv, open_mpi), cluster.environment(open_mpi), ranks, cluster,
+                           environ, stall)
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
@@ -237,13 +248,18 @@ def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), clus
         raise ConfigError(f"--hostfile starts ranks through MPICH's mpiexec, but {mpiexec} is Open MPI's: start "
                           f"them yourself (mpirun --hostfile FILE), or with srun on a cluster of `mpiparallel "
                           f"cluster up --scheduler slurm`")
+    return _supervised(relaunch_command(mpiexec, ranks, argv, placement), {**os.environ, **launcher}, ranks, cluster,
+                       environ, stall)
+
+
+def _supervised(command: list[str], launcher: Mapping[str, str], ranks: int, cluster: Hosts | None,
+                environ: Mapping[str, str] | None, stall: StallWatch | None) -> JobOutcome:
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="mpiparallel-ranks-") as pids:
         terminal = "1" if sys.stdout.isatty() else "0"
-        return supervise(relaunch_command(mpiexec, ranks, argv, placement),
-                         {**os.environ, **launcher, **(environ or {}), RELAUNCHED: "1", RANK_PIDS: pids,
-                          TERMINAL: terminal}, Path(pids), ranks, cluster, stall)
+        return supervise(command, {**launcher, **(environ or {}), RELAUNCHED: "1", RANK_PIDS: pids,
+                                   TERMINAL: terminal}, Path(pids), ranks, cluster, stall)
 
 
 def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path, stall: StallWatch | None
@@ -276,6 +292,9 @@ whatever hydra and MPI open, and a small file table (a descriptor N makes the ke
 WATCH_SOCKET = "watch.sock"
 """The Unix socket in the RANK_PIDS folder that every rank connects to and keeps open until it ends."""
 
+_heartbeat: list[threading.Thread | None] = []
+"""This rank's heartbeat thread, once started (None: the parent asked for none)."""
+
 _connection_to_parent: list[socket.socket] = []
 """This rank's connection to the self-launching parent: held, never used again, so that it closes when the
 process's files close (at its death, whatever the cause)."""
@@ -294,7 +313,10 @@ def _register_pid(ending: str = "") -> None:
         if not _connection_to_parent:
             multi_host.note_rank_host(Path(folder))
             _connect_to_parent(Path(folder) / WATCH_SOCKET)
-            multi_host.start_heartbeat(launcher_rank())
+    if not _heartbeat:  # on a host of its own too, where the parent's folder is not
+        _heartbeat.append(multi_host.start_heartbeat(launcher_rank()))
+    elif ending:  # its heartbeats stop now, and that is no loss
+        multi_host.say_farewell(launcher_rank())
 
 
 def _connect_to_parent(path: Path) -> None:
@@ -342,13 +364,14 @@ class JobOutcome:
 
 
 def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ranks: int,
-              cluster: Cluster | None = None, stall: StallWatch | None = None) -> JobOutcome:
-    """Run mpiexec, passing its output on, and return how it ended. If the job failed because a rank ended
-    without reporting anything, say which (hydra's banner about it is replaced by that line); on a `cluster`, if
-    a whole host was lost, say which host and ranks instead (hydra's and the survivors' error lines are then
-    dropped); if no rank made progress for `stall.timeout` seconds, end the job and say which rank is behind
-    (`stall.py`). Ctrl-C reaches mpiexec (it is in our process group), which ends the ranks; a SIGINT, SIGTERM or
-    SIGUSR1 to this process alone is passed on (`_pass_signal_on`); a job so ended lost no rank."""
+              cluster: Hosts | None = None, stall: StallWatch | None = None) -> JobOutcome:
+    """Run mpiexec (or srun), passing its output on, and return how it ended. If the job failed because a rank
+    ended without reporting anything, say which (hydra's banner about it is replaced by that line); on a `cluster`
+    (or in a Slurm allocation), if a whole host was lost, say which host and ranks instead (hydra's, srun's and
+    the survivors' error lines are then dropped); if no rank made progress for `stall.timeout` seconds, end the
+    job and say which rank is behind (`stall.py`). Ctrl-C reaches mpiexec (it is in our process group), which
+    ends the ranks; a SIGINT, SIGTERM or SIGUSR1 to this process alone is passed on (`_pass_signal_on`); a job so
+    ended lost no rank."""
     unreachable: list[multi_host.LostHost] = []
     stalls: list[Stall] = []
     flight_asked: list[float] = []  # when the ranks were asked for their flight records
@@ -360,12 +383,17 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
             if multi_host.ended_on_their_own(host, pids, _registered(pids)):
                 return False
             if ending.acquire(blocking=False):
-                unreachable.append(multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds))
+                lost = multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds)
+                if not lost.ranks:  # its ranks registered on a machine of their own: the heartbeats said them
+                    lost = replace(lost, ranks=monitor.ranks_heard(host))
+                unreachable.append(lost)
                 flight_asked.append(_collect_flight_records(pids, flight_dir))  # the survivors, waiting on it
-                _end_job(process, pids)
+                _end_job(process, pids, cluster)
             return True
 
-        monitor = multi_host.HeartbeatMonitor(cluster.bridge_address, multi_host.heartbeat_timeout(environ), give_up)
+        address = cluster.heartbeat_address if isinstance(cluster, slurm_launch.Allocation) else \
+            cluster.bridge_address
+        monitor = multi_host.HeartbeatMonitor(address, multi_host.heartbeat_timeout(environ), give_up)
         environ = {**environ, multi_host.HEARTBEAT: monitor.target}
     if stall is not None and stall.timeout > 0:
         def end_stalled(found: Stall) -> None:
@@ -373,7 +401,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
                 asked = _collect_flight_records(pids, flight_dir)
                 stalls.append(found.with_flight_records(_held_up_by(flight_dir, asked)))
                 flight_asked.append(asked)
-                _end_job(process, pids)
+                _end_job(process, pids, cluster)
 
         try:
             watchdog = StallWatchdog(pids, ranks, stall.timeout, end_stalled)
@@ -539,9 +567,12 @@ def _pass_signal_on(number: int, process: subprocess.Popen, pids: Path, first: b
             pass
 
 
-def _end_job(process: subprocess.Popen, pids: Path) -> None:
+def _end_job(process: subprocess.Popen, pids: Path, cluster: Hosts | None = None) -> None:
     """End a job that cannot end by itself: every rank, every host's proxy (below its launcher shell or mpiexec),
-    mpiexec."""
+    mpiexec; in a Slurm allocation srun first ends its step's tasks, wherever they run."""
+    if isinstance(cluster, slurm_launch.Allocation):
+        cluster.end_step(process)
+        time.sleep(multi_host.ENDING_GRACE_S)  # srun waits for the lost node's tasks: it is not to be waited for
     multi_host.end_processes([*_registered(pids), *_launcher_shells(pids), process.pid], f"{RANK_PIDS}={pids}")
     process.kill()
 
@@ -723,9 +754,10 @@ _OPEN_MPI_NOISE = (b"[warn] Epoll ",)
 rank 1 with PID 4242 … exited on signal 9`), and its event library may warn as ranks close their pipes."""
 
 _FAILURE_DETAIL = re.compile(rb"^(\[mpiexec@|\[proxy:|\[[^\] ]+:\d+ *:\d+:\d+\]|"
-                             rb"mpiparallel: rank \d+ failed: MPI error)")
+                             rb"mpiparallel: rank \d+ failed: MPI error|srun: |slurmstepd)")
 """Lines that describe a failure from below: hydra's (`[mpiexec@host] … assert (!closed) failed`), UCX's
-(`[host:pid :0:tid] …`) and a survivor's MPI error. On a cluster they wait: a lost host explains them all."""
+(`[host:pid :0:tid] …`), srun's and slurmstepd's (`srun: error: ex-0: tasks 0-1: Killed`) and a survivor's MPI
+error. On a cluster they wait: a lost host explains them all."""
 
 
 def _pieces(source: BinaryIO) -> Iterator[bytes]:

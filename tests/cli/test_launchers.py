@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from mpiparallel.errors import ConfigError
+from mpiparallel.jobs import slurm_launch
 from mpiparallel.process import limit_blas_threads, local_rank_count, slurm_tasks_on_this_node
 
 SRUN_TASK = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "0",
@@ -57,3 +59,57 @@ def test_a_launch_that_gives_every_rank_a_world_of_one_is_one_clear_error(tmp_pa
     assert "step" not in first.stdout, first.stdout
     second = subprocess.run(command, cwd=tmp_path, env=_as_srun_task(1), capture_output=True, text=True, timeout=120)
     assert (second.returncode, second.stdout, second.stderr) == (2, "", "")
+
+
+# -- `-n N` inside a Slurm allocation: srun starts the ranks ----------------------------------------------------
+
+ALLOCATION = slurm_launch.Allocation("7", ("n-0", "n-1"), (2, 2))
+
+
+@pytest.mark.parametrize("compressed, counts", [("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("3,1", [3, 1]), ("", [])])
+def test_slurms_compressed_per_node_counts_expand_to_one_per_node(compressed, counts):
+    assert slurm_launch.expand_counts(compressed) == counts
+
+
+def test_the_srun_line_asks_for_the_pmi_of_the_mpi_that_mpi4py_loads_unless_slurm_mpi_type_says():
+    mpich = ALLOCATION.command(4, ["train", "--dp", "4"], open_mpi=False, environ={})
+    assert mpich == ["srun", "--ntasks=4", "--mpi=pmi2", "--kill-on-bad-exit=1", sys.executable, "-m", "mpiparallel",
+                     "train", "--dp", "4"]
+    assert "--mpi=pmix" in ALLOCATION.command(4, ["train"], open_mpi=True, environ={})
+    assert not any(word.startswith("--mpi") for word in ALLOCATION.command(4, ["train"], True,
+                                                                           {"SLURM_MPI_TYPE": "pmix_v4"}))
+
+
+def test_a_relaunch_names_the_nodes_left_overlaps_the_lost_step_and_drops_the_allocations_stale_shape():
+    left = ALLOCATION.without(["n-1"])
+    assert (left.nodes, left.tasks_per_node, left.tasks) == (("n-0",), (2,), 2)
+    assert left.command(2, ["train"], open_mpi=False, environ={})[1:5] == [
+        "--ntasks=2", "--nodes=1", "--nodelist=n-0", "--overlap"]
+    shape = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n-[0-1]", "SLURM_TASKS_PER_NODE": "2(x2)",
+             "SLURM_JOB_ID": "7", "PATH": "/bin"}
+    assert left.environment(False, shape) == {"SLURM_JOB_ID": "7", "PATH": "/bin"}
+    assert ALLOCATION.environment(False, shape) == shape  # the first launch: the allocation as it is
+
+
+def test_open_mpis_ranks_yield_when_a_node_runs_more_of_them_than_it_has_cpus():
+    crowded = ALLOCATION.environment(True, {"SLURM_JOB_CPUS_PER_NODE": "1(x2)"})
+    assert crowded["OMPI_MCA_mpi_yield_when_idle"] == "1" and crowded["OMPI_MCA_btl"] == "^ofi"
+    assert "OMPI_MCA_mpi_yield_when_idle" not in ALLOCATION.environment(True, {"SLURM_JOB_CPUS_PER_NODE": "2(x2)"})
+
+
+def test_more_ranks_than_the_allocation_has_tasks_is_one_error_naming_both_ways_out():
+    with pytest.raises(ConfigError, match=re.escape(
+            "-n 5 asks for more ranks than Slurm job 7 has tasks: 4 on 2 nodes (n-0,n-1); ask salloc/sbatch for "
+            "-n 5, or set MPIPARALLEL_LAUNCHER=mpiexec")):
+        ALLOCATION.check_ranks(5)
+    ALLOCATION.check_ranks(4)
+
+
+def test_outside_slurm_or_with_mpiexec_asked_for_there_is_no_allocation_and_srun_outside_one_is_an_error():
+    assert slurm_launch.current({}) is None
+    assert slurm_launch.current({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n-[0-1]",
+                                 "MPIPARALLEL_LAUNCHER": "mpiexec"}) is None
+    with pytest.raises(ConfigError, match="MPIPARALLEL_LAUNCHER=srun needs a Slurm allocation"):
+        slurm_launch.current({"MPIPARALLEL_LAUNCHER": "srun"})
+    with pytest.raises(ConfigError, match="MPIPARALLEL_LAUNCHER='ssh': srun or mpiexec"):
+        slurm_launch.current({"MPIPARALLEL_LAUNCHER": "ssh"})

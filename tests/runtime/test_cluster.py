@@ -374,6 +374,31 @@ def test_a_rank_that_stops_beating_makes_its_host_unreachable_and_the_others_are
     assert heard[0][1] > 2.0
 
 
+def test_a_host_whose_ranks_said_farewell_is_done_not_lost_and_the_heartbeats_say_which_ranks_a_host_ran():
+    """Where ranks cannot register in the parent's folder (srun on other machines), their farewell datagram is all
+    that tells a host that finished from one that died; a host one of whose ranks said nothing is still lost."""
+    heard: list[str] = []
+    monitor = multi_host.HeartbeatMonitor("127.0.0.1", 2.0, lambda host, seconds: heard.append(host) or False)
+    monitor.start()
+    target = {multi_host.HEARTBEAT: monitor.target}
+    port = int(monitor.target.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        for _ in range(3):
+            for rank in (0, 1):
+                other.sendto(f"done-host {rank} 42".encode(), ("127.0.0.1", port))
+            other.sendto(b"half-host 2 43", ("127.0.0.1", port))
+            other.sendto(b"half-host 3 44", ("127.0.0.1", port))
+            time.sleep(multi_host.HEARTBEAT_INTERVAL_S)
+    for rank in (0, 1):
+        multi_host.say_farewell(rank, {**target, "SLURMD_NODENAME": "done-host"})
+    multi_host.say_farewell(2, {**target, "SLURMD_NODENAME": "half-host"})
+    time.sleep(4.0)
+    monitor.stop()
+    monitor.join(timeout=10)
+    assert heard == ["half-host"]
+    assert monitor.ranks_heard("half-host") == (2, 3) and monitor.ranks_heard("done-host") == (0, 1)
+
+
 def test_a_host_whose_launcher_shell_never_noted_its_end_was_lost_with_its_ranks(tmp_path):
     for pid, rank, host in ((101, 0, "h-0"), (102, 1, "h-0"), (103, 2, "h-1"), (104, 3, "h-1")):
         (tmp_path / str(pid)).write_text(f"{rank} ")

@@ -25,8 +25,10 @@ from pathlib import Path
 import numpy as np
 from clusters import assert_no_processes_on
 from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
+from processes import ended, start_job, wait_for_steps
 from safetensors.numpy import load_file
 
+from mpiparallel.errors import ExitCode
 from mpiparallel.jobs import namespace_cluster, slurm_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,3 +200,73 @@ def test_sbatch_signalled_before_its_limit_saves_requeues_itself_and_resumes_to_
     assert expected.keys() == got.keys()
     for name, tensor in expected.items():
         assert np.max(np.abs(got[name] - tensor)) <= 1e-9 * np.max(np.abs(tensor)), name
+
+
+# -- a node lost under Slurm: one line and exit 6, or --elastic on the nodes left --------------------------------
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
+        "float64", "--vocab-size", "257", "--threads", "1", "--steps", "300"]
+
+
+def salloc_train(made: namespace_cluster.Cluster, folder: Path, *options: str, no_kill: bool = False,
+                 **variables: str) -> subprocess.Popen:
+    """`train -n 4` inside `salloc -N 2 -n 4` (its parent in the root namespace, as on a login node; its ranks
+    started by srun on the two hosts), logging to folder/log.jsonl."""
+    tokens = folder / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 257, 2000))
+    return start_job(["salloc", *(["--no-kill"] if no_kill else []), "-N", "2", "-n", "4", sys.executable, "-m",
+                      "mpiparallel", "train", "-n", "4", *TINY, "--data", str(tokens), "--log-json",
+                      str(folder / "log.jsonl"), *options], cwd=folder, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True, env={**slurm_cluster.environment(made), **variables})
+
+
+def test_a_node_killed_under_salloc_is_named_by_the_heartbeats_in_one_line_with_exit_6(cluster, tmp_path):
+    """Slurm alone notices a crashed node after SlurmdTimeout (30 s here; srun ended 41.5 s after the kill,
+    measured) and MPICH's survivors wait in their collective until then; the heartbeats name it after 10 s."""
+    made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
+    job = salloc_train(made, tmp_path, "--dp", "4", "--steps", "100000")
+    wait_for_steps(tmp_path / "log.jsonl", 10, job)
+    killed = time.monotonic()
+    namespace_cluster.kill(made.name, made.hosts[1])
+    status, _, stderr = ended(job, timeout=120)
+    print(f"node killed under salloc: the job ended {time.monotonic() - killed:.1f} s later")
+    assert status == ExitCode.UNREACHABLE_HOST, stderr
+    assert f"mpiparallel: host {made.hosts[1]} (ranks 2, 3) is unreachable: no heartbeat for 10 s" in stderr
+    said = [line for line in stderr.splitlines() if line.startswith(("srun:", "slurmstepd", "mpiparallel: rank"))]
+    assert not said and "Traceback" not in stderr, stderr  # srun's and the survivors' lines give way to the one
+    assert_no_processes_on(made, within_s=20)
+
+
+def test_elastic_in_a_no_kill_allocation_relaunches_on_the_node_left_equal_to_the_uninterrupted_run(
+        cluster, tmp_path):
+    """dp 2 × tp 2 on two Slurm nodes; the second node killed mid-run: the parent names it (heartbeats), srun
+    starts dp 1 × tp 2 on the node left (same global batch) from the newest checkpoint, and every step's loss
+    equals the uninterrupted run's — itself `train -n 4` in an allocation, srun placing it on both nodes."""
+    made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
+    (tmp_path / "straight").mkdir()
+    straight = salloc_train(made, tmp_path / "straight", "--dp", "2", "--tp", "2", "--show-mesh")
+    status, stdout, stderr = ended(straight, timeout=300)
+    assert status == 0, stderr
+    assert "nodes: 2 nodes of 2, 2 ranks (MPI's shared-memory nodes)" in stdout
+    assert "inside a node: tp; across nodes: dp" in stdout
+
+    (tmp_path / "cut").mkdir()
+    log = tmp_path / "cut" / "log.jsonl"
+    job = salloc_train(made, tmp_path / "cut", "--dp", "2", "--tp", "2", "--checkpoint-dir",
+                       str(tmp_path / "cut" / "ck"), "--checkpoint-every", "5", "--elastic", no_kill=True,
+                       MPIPARALLEL_HEARTBEAT_TIMEOUT="4")
+    wait_for_steps(log, 20, job)
+    namespace_cluster.kill(made.name, made.hosts[1])
+    status, _, stderr = ended(job, timeout=300)
+    assert status == 0, stderr
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    [restart] = [event for event in events if event.get("event") == "restart"]
+    assert restart["lost"] == [{"host": made.hosts[1], "ranks": [2, 3]}], restart
+    assert (restart["mesh"]["world_size"], restart["mesh"]["dp"], restart["mesh"]["tp"]) == (2, 1, 2)
+    assert f"elastic: lost host {made.hosts[1]} (ranks 2, 3) after step {restart['step']}" in stderr
+    assert restart["step"] < 300, "the node was lost after the run ended"
+    final = {event["step"]: event["loss"] for event in events if "loss" in event}
+    reference = losses(tmp_path / "straight" / "log.jsonl")
+    assert sorted(final) == sorted(reference) == list(range(1, 301))
+    assert max(abs(final[step] - reference[step]) / abs(reference[step]) for step in reference) <= 1e-9
+    assert_no_processes_on(made, within_s=20)
