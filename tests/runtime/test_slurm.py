@@ -110,7 +110,8 @@ def test_srun_without_the_mpi_plugin_gives_worlds_of_one_and_that_is_one_error_n
 def test_srun_with_open_mpi_over_pmix_trains_the_serial_models_numbers_and_pmi2_is_the_world_of_one_error(
         cluster, open_mpi, tmp_path):
     """Open MPI reaches Slurm through PMIx (Slurm's pmix plugin, libpmix from Debian); through pmi2 each of its
-    ranks is a world of its own and would exit 0 having trained alone (measured): one error instead."""
+    ranks is a world of its own and would exit 0 having trained alone (measured): one error instead. And its
+    mpirun inside salloc places the ranks on the allocation's nodes."""
     made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
     env = {"SLURM_CONF": str(slurm_cluster.conf_path(made)), "OMPI_MCA_mpi_yield_when_idle": "1"}
     placed = run_on_ranks(4, "workers.topology_checks:placement", launcher=SRUN_OPEN_MPI, env=env,
@@ -127,6 +128,16 @@ def test_srun_with_open_mpi_over_pmix_trains_the_serial_models_numbers_and_pmi2_
     output = result.stdout + result.stderr
     assert result.returncode == 2 and output.count("Error") == 1, output
     assert "MPI gives each a world of 1" in output and "(Open MPI v5.0" in output and "--mpi=pmix" in output
+
+    # Open MPI's own mpirun inside an allocation: its runtime asks Slurm for the nodes and their slots (with the
+    # oversubscribing policy a bare mpirun needs here, it put all four ranks on the first node: left out)
+    inside = ["salloc", "-N", "2", "-n", "4", open_mpi.mpiexec, "-n", "4"]
+    within = {name: value for name, value in open_mpi.environment(**env).items()
+              if name != "PRTE_MCA_rmaps_default_mapping_policy"}
+    placed = run_on_ranks(4, "workers.topology_checks:placement", launcher=inside, python=open_mpi.python,
+                          env=within)
+    assert [rank["host"] for rank in placed] == [made.hosts[0]] * 2 + [made.hosts[1]] * 2
+    assert [rank["node"] for rank in placed] == [0, 0, 1, 1] and all(rank["local_ranks"] == 2 for rank in placed)
 
 
 # -- sbatch, a signal ahead of the time limit, the requeue ------------------------------------------------------
