@@ -8,6 +8,8 @@ has to open it. Nothing in the core imports this package; the command line (`mpi
 - `elastic`: `train --elastic`, relaunching the survivors from the newest checkpoint on a mesh that fits.
 - `hosts`: hostfiles, the launch line across hosts, and what was lost when a host dies or drops off the network.
 - `namespace_cluster`: hosts made of network namespaces on one machine (`mpiparallel cluster`), to test all this.
+- `slurm_cluster`: a Slurm of the namespace hosts' own (`cluster up --scheduler slurm`).
+- `slurm_launch`: `-n N` inside a Slurm allocation: srun starts the ranks; a lost node; `--elastic` on the nodes left.
 
 Rank-side counterparts live with the loop they serve: `train.progress` (what a rank reports) and
 `train.preemption` (SIGTERM/SIGUSR1 ending a run at a step boundary).
