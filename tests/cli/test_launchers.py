@@ -1,6 +1,7 @@
 """What the ranks learn from their launcher before MPI starts: how many share a node (each rank's BLAS threads),
 and a launch whose MPI gives every rank a world of its own (Open MPI under `srun --mpi=pmi2`: every task trains
-alone and exits 0, measured) — one clear error instead."""
+alone and exits 0, measured) — one clear error instead. And what `-n N` does inside a Slurm allocation: the srun
+line it runs, the relaunch on the nodes left, too many ranks for the allocation."""
 
 from __future__ import annotations
 

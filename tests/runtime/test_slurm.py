@@ -7,10 +7,12 @@ rank count, whose mesh trains the serial model's numbers in float64, and whose d
 formula says; a launch that gives every rank a world of 1 is one error naming the fix; `sbatch
 scripts/slurm_train.sh`, signalled ahead of its time limit, saves, requeues itself and resumes, and ends equal to
 the uninterrupted run. And Open MPI: under `srun --mpi=pmix` the same training equal to serial, under pmi2 the
-world-of-1 error.
+world-of-1 error, its mpirun inside salloc on the allocation's nodes. A node killed under `train -n 4` in an
+allocation: one line from the heartbeats and exit 6; with `salloc --no-kill … --elastic`, the run goes on on the
+node left and equals the uninterrupted one.
 
 Needs root, network namespaces and Debian's slurm-wlm, munge and libpmix-dev (.ci/run installs them; with CI=true a
-missing one fails). About 70 s on 2 cores.
+missing one fails). About 2 minutes on 2 cores.
 """
 
 from __future__ import annotations
