@@ -16,12 +16,12 @@ where every process is on this machine):
   `assert (!closed) failed`) is replaced by one line naming the host and its ranks.
 - Cut off (its link down: its processes live on, but no packet passes). MPI over TCP then waits as long as TCP
   retransmits (minutes): no rank fails, nothing ends. So every rank sends a heartbeat, a UDP datagram of a few
-  bytes every HEARTBEAT_INTERVAL_S from a thread of its own that never touches MPI, to the parent (at the bridge
-  address); a host none of whose ranks was heard for the timeout (MPIPARALLEL_HEARTBEAT_TIMEOUT, default
-  DEFAULT_TIMEOUT_S) is unreachable. The parent then says so in one line, ends the ranks and proxies of every
-  host (it knows their PIDs) and mpiexec, and exits: the job ends at most the timeout plus ENDING_GRACE_S after
-  the cut (plus up to one interval). The thread costs the ranks two wake-ups a second; a step is not measurably
-  slower (docs/clusters.md measures it).
+  bytes every HEARTBEAT_INTERVAL_S from a small process of its own that never touches MPI (`start_heartbeat`),
+  to the parent (at the bridge address); a host none of whose ranks was heard for the timeout
+  (MPIPARALLEL_HEARTBEAT_TIMEOUT, default DEFAULT_TIMEOUT_S) is unreachable. The parent then says so in one line,
+  ends the ranks and proxies of every host (it knows their PIDs) and mpiexec, and exits: the job ends at most the
+  timeout plus ENDING_GRACE_S after the cut (plus up to one interval). The heartbeat costs each rank's host two
+  wake-ups a second; a step is not measurably slower (docs/clusters.md measures it).
 
 `LostHost` is the structured account (host, ranks, PIDs, cause) that the one line prints and a supervisor can
 act on: which host to leave out, which ranks to replace.
@@ -32,6 +32,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -108,29 +110,36 @@ def resolvable(name: str) -> bool:
 
 # -- heartbeats -----------------------------------------------------------------------------------------------
 
-def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ, stop: threading.Event | None = None
-                    ) -> threading.Thread | None:
-    """On a rank: send `HOST RANK PID` to the parent every HEARTBEAT_INTERVAL_S from a daemon thread (which ends
-    with the process, or when `stop` is set), if the parent asked for heartbeats."""
+_BEATING = """
+import os, socket, sys, time
+address, port, message, rank_pid, interval = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), \
+    int(sys.argv[4]), float(sys.argv[5])
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+    while os.getppid() == rank_pid:
+        try:
+            sender.sendto(message, (address, port))
+        except OSError:
+            pass
+        time.sleep(interval)
+"""
+"""The heartbeat process: beats while the rank that started it lives (it is reparented when the rank dies)."""
+
+
+def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ) -> subprocess.Popen | None:
+    """On a rank: send `HOST RANK PID` to the parent every HEARTBEAT_INTERVAL_S, if the parent asked for
+    heartbeats. From a small process of its own, not a thread: a rank stuck inside MPI holding Python's lock (MPICH
+    spinning in MPI_Init, Open MPI's survivors of a lost peer, both seen) would starve a thread, and its live host
+    would fall silent beside the dead one — which of the two the parent named was then a matter of milliseconds.
+    The heartbeat says that the host and the rank's process are there; whether the rank makes progress is the
+    stall watchdog's question (`stall.py`)."""
     target = environ.get(HEARTBEAT)
     if not target:
         return None
     address, _, port = target.rpartition(":")
-    message = f"{this_host(environ)} {rank} {os.getpid()}".encode()
-    stop = stop or threading.Event()
-
-    def beat() -> None:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
-            while not stop.is_set():
-                try:
-                    sender.sendto(message, (address, int(port)))
-                except OSError:  # no route while the link is down: the silence is the message
-                    pass
-                stop.wait(HEARTBEAT_INTERVAL_S)
-
-    thread = threading.Thread(target=beat, name="mpiparallel-heartbeat", daemon=True)
-    thread.start()
-    return thread
+    message = f"{this_host(environ)} {rank} {os.getpid()}"
+    return subprocess.Popen([sys.executable, "-S", "-I", "-c", _BEATING, address, port, message, str(os.getpid()),
+                             str(HEARTBEAT_INTERVAL_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # holding no pipe of the rank's: its end shows at once
 
 
 def say_farewell(rank: int, environ: Mapping[str, str] = os.environ) -> None:

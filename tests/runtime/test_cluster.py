@@ -360,16 +360,15 @@ def test_a_rank_that_stops_beating_makes_its_host_unreachable_and_the_others_are
     monitor = multi_host.HeartbeatMonitor("127.0.0.1", 2.0,
                                           lambda host, seconds: heard.append((host, seconds)) or True)
     monitor.start()
-    stop = threading.Event()
-    beating = multi_host.start_heartbeat(0, {multi_host.HEARTBEAT: monitor.target}, stop)  # this host, throughout
+    beating = multi_host.start_heartbeat(0, {multi_host.HEARTBEAT: monitor.target})  # this host, throughout
     assert beating is not None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
         for _ in range(4):  # a host that beats for a while, then falls silent
             other.sendto(b"silent-host 1 4242", ("127.0.0.1", int(monitor.target.rsplit(":", 1)[1])))
             time.sleep(multi_host.HEARTBEAT_INTERVAL_S)
     monitor.join(timeout=30)
-    stop.set()
-    beating.join(timeout=5)
+    beating.kill()
+    beating.wait(timeout=5)
     assert [host for host, _ in heard] == ["silent-host"]
     assert heard[0][1] > 2.0
 
