@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from processes import kill_leftover_jobs  # noqa: E402
+from processes import kill_leftover_jobs, segments_made_since  # noqa: E402
 
 from collectives.flight import FOLDER_VARIABLE as FLIGHT_FOLDER_VARIABLE  # noqa: E402
 from mpiparallel.data.prepare import CACHE_VARIABLE  # noqa: E402
@@ -45,3 +46,13 @@ def no_job_outlives_its_test():
     """A job a test started with `processes.start_job` and left running (a failed assertion) is killed here."""
     yield
     kill_leftover_jobs()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """The shared-memory files that ranks killed by the tests left in /dev/shm (`processes.LEFT_SEGMENTS`) are
+    removed when the session ends: only those made during it that no process holds."""
+    started = time.time()
+    yield
+    for path in segments_made_since(started):
+        path.unlink(missing_ok=True)
