@@ -9,7 +9,8 @@ Algorithms live one family per module (ring, recursive, bruck, pairwise, tree), 
 communication steps with its α-β-γ cost in the docstring; `api` checks arguments and dispatches; `cost_model`
 picks an algorithm for algo="auto"; `native` is the MPI library's own collective (algo="mpi"), the reference.
 `nccl` runs NVIDIA's NCCL on CuPy arrays with the same meaning, the GPU reference (`from collectives import nccl`;
-it imports CuPy only when a communicator is built).
+it imports CuPy only when a communicator is built). `faults`: under an MPI with ULFM, a failed peer makes every
+survivor's collective raise `PeerFailure` instead of waiting.
 """
 
 from typing import Any
@@ -20,6 +21,7 @@ _NAMES = {
             "reduce_scatter", "reduce_scatter_async", "world"),
     "blocks": ("OPS",),
     "communicator": ("CollectiveHandle", "Communicator", "Ledger"),
+    "faults": ("PeerFailure",),
 }
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
 

@@ -29,6 +29,10 @@ that is running (`all_reduce`, `reduce_scatter`, ..., or `p2p` for direct calls)
 another node are counted a second time apart (`ledger.inter_node_sent()`). A communicator knows the node of each
 of its ranks (`nodes`, `topology`: see `collectives.topology`), found when it is built: one small all-gather.
 
+Failures. Under an MPI with fault tolerance (ULFM), an MPI call that fails because a peer died, or because another
+rank revoked the communicator on seeing that, revokes every communicator of this process and raises
+`faults.PeerFailure`, on every survivor; `shrink()` then gives the survivors' communicator (see `faults`).
+
 Settings. A communicator carries the two settings the collectives run with, `check_arguments` and
 `segment_bytes` (see `Communicator`); the algorithms read them from the communicator they are given, never
 from the environment.
@@ -42,7 +46,9 @@ from collections import defaultdict
 from collections.abc import Callable, Generator
 from typing import Any
 
+from . import faults
 from .backend import Array, HostStaging, as_words
+from .faults import raising_peer_failure
 from .flight import Call, FlightRecorder, recorded_calls
 from .mpi import MPI
 from .topology import NodeLayout, emulated_inter_node_link, node_labels
@@ -229,6 +235,7 @@ class Communicator:
         members = world_ranks(comm)
         self.flight = FlightRecorder(recorded_calls(), members=members, rank=self.rank)
         self.p2p_flight = FlightRecorder(recorded_calls(), members=members, rank=self.rank, point_to_point=True)
+        faults.hold(self)  # revoked with the others when a peer fails (`faults`)
 
     @classmethod
     def of(cls, comm: MPI.Comm | Communicator) -> Communicator:
@@ -248,6 +255,7 @@ class Communicator:
 
     # -- point to point ---------------------------------------------------------------------------------
 
+    @raising_peer_failure
     def send(self, x: Array, dest: int, tag: int = 0) -> None:
         """Blocking send of a contiguous array's bytes."""
         staging = HostStaging()
@@ -255,6 +263,7 @@ class Communicator:
         self.comm.Send(_byte_buffer(staging.outgoing(x)), dest, tag)
         self.ledger.record(self.ledger.operation, x.nbytes, 0, self._inter_node(x.nbytes, dest))
 
+    @raising_peer_failure
     def recv(self, out: Array, source: int, tag: int = 0) -> Array:
         """Blocking receive into the contiguous array `out` (its size must match the message); returns it."""
         staging = HostStaging()
@@ -268,6 +277,7 @@ class Communicator:
         self.run_step(Step(x, dest, out, source), tag)
         return out
 
+    @raising_peer_failure
     def isend(self, x: Array, dest: int, tag: int = 0) -> MPI.Request:
         """Nonblocking send; keep `x` unchanged until the request completes."""
         self._delay(x.nbytes, dest)
@@ -275,6 +285,7 @@ class Communicator:
         self.ledger.record(self.ledger.operation, x.nbytes, 0, self._inter_node(x.nbytes, dest))
         return request
 
+    @raising_peer_failure
     def irecv(self, out: Array, source: int, tag: int = 0) -> MPI.Request:
         """Nonblocking receive into `out` (host arrays, or device arrays with CUDA-aware MPI)."""
         if HostStaging.needed(out):
@@ -308,11 +319,13 @@ class Communicator:
             call.source, call.tag, call.background = source, tag, True
         return Posted(self.irecv(out, source, tag), call)
 
+    @raising_peer_failure
     def barrier(self) -> None:
         self.comm.Barrier()
 
     # -- small agreements: MPI's own collectives on Python objects, kept in the flight recorder -----------------
 
+    @raising_peer_failure
     def allgather_objects(self, value: Any) -> list[Any]:
         """Every rank's `value` (any picklable object), in rank order (for agreements: an error, a choice)."""
         call = self.flight.open("allgather_objects", "mpi", "object", 1, 0)
@@ -321,6 +334,7 @@ class Communicator:
             call.close()
         return gathered
 
+    @raising_peer_failure
     def broadcast_object(self, value: Any, root: int = 0) -> Any:
         """`root`'s `value` (any picklable object) on every rank."""
         call = self.flight.open("broadcast_object", "mpi", "object", 1, 0, root)
@@ -329,6 +343,7 @@ class Communicator:
             call.close()
         return value
 
+    @raising_peer_failure
     def split(self, color: int, key: int = 0, label: str = "") -> Communicator:
         """Sub-communicator of the ranks with the same `color`, ordered by `key` (MPI_Comm_split); `label` names
         it in the flight recorder's dumps (a mesh axis)."""
@@ -336,6 +351,14 @@ class Communicator:
                            segment_bytes=self.segment_bytes, node=self.node)
         sub.label = label
         return sub
+
+    def shrink(self) -> Communicator:
+        """After a `faults.PeerFailure`: the survivors' communicator (MPI_Comm_shrink, an agreement on who is left
+        that itself tolerates failures), with this one's settings and label; its ranks keep their order."""
+        survivors = Communicator(self.comm.Shrink(), check_arguments=self.check_arguments,
+                                 segment_bytes=self.segment_bytes, node=self.node)
+        survivors.label = self.label
+        return survivors
 
     def _emulated_step(self, send: Array | None, dest: int, recv: Array | None, source: int, tag: int) -> None:
         """One step over the emulated slow link: the receive posted first, the send delayed if it crosses nodes,
@@ -345,7 +368,7 @@ class Communicator:
         if send is not None:
             self._delay(send.nbytes, dest)
             requests.append(self.comm.Isend([send, MPI.BYTE], dest, tag))
-        while not MPI.Request.Testall(requests):
+        while not faults.test_all(requests):
             time.sleep(EMULATED_POLL_SECONDS)
 
     def _inter_node(self, nbytes: int, dest: int) -> int:
@@ -365,6 +388,7 @@ class Communicator:
         self._next_tag = (self._next_tag + 1) % _COLLECTIVE_TAG_SPAN
         return tag
 
+    @raising_peer_failure
     def run_step(self, step: Step, tag: int) -> None:
         """Execute one step with blocking MPI calls and record its bytes."""
         send = None if step.send is None else as_words(step.send)
@@ -402,23 +426,27 @@ class Communicator:
             return
         comm, byte, remote = self.comm, MPI.BYTE, self.remote
         sent = received = messages = inter_node = 0
-        for step in steps:
-            send, recv = step.send, step.recv
-            if send is None:
-                if recv is not None:
-                    comm.Recv([recv, byte], step.source, tag)
+        try:
+            for step in steps:
+                send, recv = step.send, step.recv
+                if send is None:
+                    if recv is not None:
+                        comm.Recv([recv, byte], step.source, tag)
+                        received += recv.nbytes
+                    continue
+                if recv is None:
+                    comm.Send([send, byte], step.dest, tag)
+                else:
+                    comm.Sendrecv([send, byte], step.dest, tag, [recv, byte], step.source, tag)
                     received += recv.nbytes
-                continue
-            if recv is None:
-                comm.Send([send, byte], step.dest, tag)
-            else:
-                comm.Sendrecv([send, byte], step.dest, tag, [recv, byte], step.source, tag)
-                received += recv.nbytes
-            if send.nbytes:
-                sent += send.nbytes
-                messages += 1
-                if remote is not None and remote[step.dest]:
-                    inter_node += send.nbytes
+                if send.nbytes:
+                    sent += send.nbytes
+                    messages += 1
+                    if remote is not None and remote[step.dest]:
+                        inter_node += send.nbytes
+        except MPI.Exception as error:
+            faults.raise_if_peer_failed(error, name)
+            raise
         ledger = self.ledger  # Ledger.record, inlined: a call costs a visible share of a small collective
         ledger.sent[name] += sent
         ledger.received[name] += received
@@ -437,6 +465,7 @@ class Communicator:
         finally:
             ledger.operation = previous
 
+    @raising_peer_failure
     def start(self, steps: Steps, name: str, result: Any, call: Call | None = None) -> CollectiveHandle:
         """Start an algorithm with nonblocking calls; the handle's `wait()` returns `result` at the end. `call`,
         its flight-recorder record, is in the background until that wait."""
@@ -458,15 +487,19 @@ class Communicator:
 class Posted:
     """A point-to-point message in flight: its MPI request and its flight-recorder call (None: recording off)."""
 
-    __slots__ = ("request", "call")
+    __slots__ = ("request", "call", "__weakref__")
 
     def __init__(self, request: MPI.Request, call: Call | None) -> None:
         self.request, self.call = request, call
+        faults.track(self)
+
+    def pending_requests(self) -> list[MPI.Request]:
+        return [self.request]
 
     def wait(self) -> None:
         if self.call is not None:
             self.call.background = False  # waited on: from now on this message holds the rank up
-        self.request.Wait()
+        faults.wait_all([self.request])
         if self.call is not None:
             self.call.close()
 
@@ -476,7 +509,7 @@ class Posted:
         for message in posted:
             if message.call is not None:
                 message.call.background = False
-        MPI.Request.Waitall([message.request for message in posted])
+        faults.wait_all([message.request for message in posted])
         for message in posted:
             if message.call is not None:
                 message.call.close()
@@ -498,7 +531,11 @@ class CollectiveHandle:
         self._requests: list[MPI.Request] = []
         self._staging = HostStaging()
         self._done = False
+        faults.track(self)
         self._post_next()
+
+    def pending_requests(self) -> list[MPI.Request]:
+        return self._requests
 
     def _post_next(self) -> None:
         step = next(self._steps, None)
@@ -524,7 +561,7 @@ class CollectiveHandle:
     def test(self) -> bool:
         """Make progress; True once the collective has completed."""
         while not self._done:
-            if not MPI.Request.Testall(self._requests):
+            if not faults.test_all(self._requests):
                 return False
             self._advance()
         return True
@@ -534,7 +571,7 @@ class CollectiveHandle:
         if self._call is not None:
             self._call.background = False  # from now on it holds this rank up
         while not self._done:
-            MPI.Request.Waitall(self._requests)
+            faults.wait_all(self._requests)
             self._advance()
         return self._result
 

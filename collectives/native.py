@@ -21,6 +21,7 @@ import numpy as np
 from .arguments import unaliased
 from .backend import Array, HostStaging, as_words, like, needs_words, round_to_bfloat16, to_host
 from .blocks import finish_average
+from .faults import raising_peer_failure
 from .mpi import MPI
 
 MPI_OP_NAMES = {"sum": "SUM", "avg": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
@@ -72,6 +73,7 @@ def _into(out: Array, values: np.ndarray) -> None:
     out[...] = like(out, values)
 
 
+@raising_peer_failure
 def mpi_all_reduce(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
     if needs_words(x.dtype):
         _into(out, _reduced_in_float64(_gathered(x, comm), op, comm.Get_size()))
@@ -81,6 +83,7 @@ def mpi_all_reduce(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
         finish_average(out, comm.Get_size())
 
 
+@raising_peer_failure
 def mpi_reduce_scatter(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
     if needs_words(x.dtype):
         rank, block = comm.Get_rank(), out.size
@@ -92,14 +95,17 @@ def mpi_reduce_scatter(x: Array, out: Array, comm: MPI.Comm, op: str) -> None:
         finish_average(out, comm.Get_size())
 
 
+@raising_peer_failure
 def mpi_all_gather(x: Array, out: Array, comm: MPI.Comm) -> None:
     _run(comm.Allgather, x, out)
 
 
+@raising_peer_failure
 def mpi_all_to_all(x: Array, out: Array, comm: MPI.Comm) -> None:
     _run(comm.Alltoall, x, out)
 
 
+@raising_peer_failure
 def mpi_all_to_allv(x: Array, send_counts: list[int], out: Array, recv_counts: list[int],
                     comm: MPI.Comm) -> None:
     staging = HostStaging()
@@ -107,12 +113,14 @@ def mpi_all_to_allv(x: Array, send_counts: list[int], out: Array, recv_counts: l
     staging.finish()
 
 
+@raising_peer_failure
 def mpi_broadcast(buf: Array, comm: MPI.Comm, root: int) -> None:
     staging = HostStaging()
     comm.Bcast(_typed(buf, staging, incoming=comm.Get_rank() != root), root)
     staging.finish()
 
 
+@raising_peer_failure
 def mpi_reduce(x: Array, out: Array, comm: MPI.Comm, root: int, op: str) -> None:
     if needs_words(x.dtype):
         rows = _gathered(x, comm, root)

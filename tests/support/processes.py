@@ -112,6 +112,11 @@ def _kill_group(job: subprocess.Popen) -> tuple[str, str]:
         return "", "(its output did not close within 30 s)"
 
 
+def end_job(job: subprocess.Popen) -> str:
+    """End a job that may still run (SIGKILL to its group); what it printed (its stdout)."""
+    return (_kill_group(job) if job.poll() is None else job.communicate(timeout=30))[0] or ""
+
+
 def wait_for_steps(log: Path, steps: int, job: subprocess.Popen, timeout: float = 120) -> None:
     """Until the JSON log holds `steps` lines; the job ending first, or `timeout` seconds, fail (the job killed)."""
     deadline = time.monotonic() + timeout
