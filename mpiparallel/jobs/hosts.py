@@ -111,9 +111,13 @@ def resolvable(name: str) -> bool:
 # -- heartbeats -----------------------------------------------------------------------------------------------
 
 _BEATING = """
-import os, socket, sys, time
+import ctypes, os, socket, sys, time
 address, port, message, rank_pid, interval = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), \
     int(sys.argv[4]), float(sys.argv[5])
+try:
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: ended with the rank, not up to a beat later
+except (OSError, AttributeError):
+    pass
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
     while os.getppid() == rank_pid:
         try:
@@ -122,7 +126,9 @@ with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
             pass
         time.sleep(interval)
 """
-"""The heartbeat process: beats while the rank that started it lives (it is reparented when the rank dies)."""
+"""The heartbeat process: beats while the rank that started it lives, and is killed by the kernel when the rank
+ends (a job's hosts show no process of it once its ranks are gone); the parent check covers a rank that ended
+before the request."""
 
 
 def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ) -> subprocess.Popen | None:

@@ -292,8 +292,8 @@ whatever hydra and MPI open, and a small file table (a descriptor N makes the ke
 WATCH_SOCKET = "watch.sock"
 """The Unix socket in the RANK_PIDS folder that every rank connects to and keeps open until it ends."""
 
-_heartbeat: list[threading.Thread | None] = []
-"""This rank's heartbeat thread, once started (None: the parent asked for none)."""
+_heartbeat: list[subprocess.Popen | None] = []
+"""This rank's heartbeat process, once started (None: the parent asked for none)."""
 
 _connection_to_parent: list[socket.socket] = []
 """This rank's connection to the self-launching parent: held, never used again, so that it closes when the
@@ -382,6 +382,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         def give_up(host: str, seconds: float) -> bool:
             if multi_host.ended_on_their_own(host, pids, _registered(pids)):
                 return False
+            if isinstance(cluster, slurm_launch.Allocation) and \
+                    host in slurm_launch.nodes_whose_tasks_ended(list(held or ())):
+                return False
             if ending.acquire(blocking=False):
                 lost = multi_host.lost_host(host, "unreachable", pids, _registered(pids), seconds)
                 if not lost.ranks:  # its ranks registered on a machine of their own: the heartbeats said them
@@ -419,14 +422,14 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
 
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(number, stop)
+    banner: list[bytes] = []
+    open_mpi_banner: list[bytes] = []
+    held: list[bytes] | None = [] if cluster is not None else None  # read by give_up: set before the monitor
     watcher = Endings(pids, ranks)
     watcher.start()
     for thread in (monitor, watchdog):
         if thread is not None:
             thread.start()
-    banner: list[bytes] = []
-    open_mpi_banner: list[bytes] = []
-    held: list[bytes] | None = [] if cluster is not None else None
     relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner, held)),
               threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer, None, held,
                                                     open_mpi_banner))]

@@ -157,6 +157,17 @@ class Allocation:
             time.sleep(SECOND_SIGNAL_AFTER_S)
 
 
+_TASKS_ENDED = re.compile(r"^srun: error: (\S+): tasks? [0-9,-]+: ")
+
+
+def nodes_whose_tasks_ended(srun_said: Sequence[bytes]) -> set[str]:
+    """The nodes whose tasks srun reported ended (`srun: error: NODE: tasks 0-1: Killed`): srun kills the other
+    tasks at once when one fails (--kill-on-bad-exit), and a node whose ranks it killed falls silent beside the lost
+    one, within a heartbeat of it — its silence is no loss (the parent cannot tell the two apart by the last beat
+    heard: seen, the live node was named). A node that crashed gets no such line until Slurm declares it down."""
+    return {match[1] for line in srun_said if (match := _TASKS_ENDED.match(line.decode(errors="replace")))}
+
+
 def current(environ: Mapping[str, str] = os.environ) -> Allocation | None:
     """The allocation `-n N` should start its ranks in: inside a Slurm job, unless MPIPARALLEL_LAUNCHER says
     mpiexec; None outside Slurm."""

@@ -114,3 +114,9 @@ def test_outside_slurm_or_with_mpiexec_asked_for_there_is_no_allocation_and_srun
         slurm_launch.current({"MPIPARALLEL_LAUNCHER": "srun"})
     with pytest.raises(ConfigError, match="MPIPARALLEL_LAUNCHER='ssh': srun or mpiexec"):
         slurm_launch.current({"MPIPARALLEL_LAUNCHER": "ssh"})
+
+
+def test_the_nodes_whose_tasks_srun_ended_are_read_from_its_lines_and_a_node_failure_is_not_one():
+    said = [b"srun: error: c1-0: tasks 0-1: Killed\n", b"srun: error: c1-2: task 5: Exited with exit code 1\n",
+            b"srun: error: Node failure on c1-1\n", b"slurmstepd-c1-0: error: *** STEP 2.0 ON c1-0 CANCELLED ***\n"]
+    assert slurm_launch.nodes_whose_tasks_ended(said) == {"c1-0", "c1-2"}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -247,7 +248,10 @@ def test_a_node_killed_under_salloc_is_named_by_the_heartbeats_in_one_line_with_
     status, _, stderr = ended(job, timeout=120)
     print(f"node killed under salloc: the job ended {time.monotonic() - killed:.1f} s later")
     assert status == ExitCode.UNREACHABLE_HOST, stderr
-    assert f"mpiparallel: host {made.hosts[1]} (ranks 2, 3) is unreachable: no heartbeat for 10 s" in stderr
+    # 10 s, the default bound, or a second more: srun's own kill of the other node's ranks silenced them too, and
+    # that node was passed over first (`slurm_launch.nodes_whose_tasks_ended`)
+    assert re.search(rf"mpiparallel: host {made.hosts[1]} \(ranks 2, 3\) is unreachable: no heartbeat for 1[01] s",
+                     stderr), stderr
     said = [line for line in stderr.splitlines() if line.startswith(("srun:", "slurmstepd", "mpiparallel: rank"))]
     assert not said and "Traceback" not in stderr, stderr  # srun's and the survivors' lines give way to the one
     assert_no_processes_on(made, within_s=20)
