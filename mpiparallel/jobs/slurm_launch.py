@@ -17,7 +17,10 @@ exit status 6 (ExitCode.UNREACHABLE_HOST). The parent then ends the step the way
 within a second (srun kills every task of the step it can reach, at once: 0.03 s measured), and srun itself after
 ENDING_GRACE_S (it would wait for the lost node's tasks until Slurm gives the node up). The heartbeats go to the
 address this machine uses to reach the allocation's first node (its NodeAddr), so the parent may sit on a
-compute node (the batch shell) or a login node (salloc).
+compute node (the batch shell) or a login node (salloc). One trap: srun notices the lost node's task daemon gone
+and kills the other nodes' tasks at once (--kill-on-bad-exit), so they fall silent within a heartbeat of the lost
+node, and the last beat heard cannot tell which was first; a node srun reported ending the tasks of
+(`nodes_whose_tasks_ended`) is passed over.
 
 Elastic. `train --elastic` relaunches on the nodes left: `srun --nodes K --nodelist LEFT --overlap`. --overlap,
 because until Slurm declares the lost node down the old step still holds the CPUs of the nodes left, and a new step
