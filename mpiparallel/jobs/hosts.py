@@ -142,10 +142,15 @@ def start_heartbeat(rank: int, environ: Mapping[str, str] = os.environ) -> subpr
     if not target:
         return None
     address, _, port = target.rpartition(":")
-    message = f"{this_host(environ)} {rank} {os.getpid()}"
-    return subprocess.Popen([sys.executable, "-S", "-I", "-c", _BEATING, address, port, message, str(os.getpid()),
-                             str(HEARTBEAT_INTERVAL_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # holding no pipe of the rank's: its end shows at once
+    beating = [sys.executable, "-S", "-I", "-c", _BEATING, address, port, _beat(rank, environ), str(os.getpid()),
+               str(HEARTBEAT_INTERVAL_S)]
+    # holding no pipe of the rank's, so that the rank's end shows at once to whatever reads its output
+    return subprocess.Popen(beating, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _beat(rank: int, environ: Mapping[str, str], said: str = "") -> str:
+    """A heartbeat's words, `HOST RANK PID`, and `ended` in a farewell (`HeartbeatMonitor.run` reads them)."""
+    return f"{this_host(environ)} {rank} {os.getpid()} {said}".rstrip()
 
 
 def say_farewell(rank: int, environ: Mapping[str, str] = os.environ) -> None:
@@ -159,7 +164,7 @@ def say_farewell(rank: int, environ: Mapping[str, str] = os.environ) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
         for _ in range(2):
             try:
-                sender.sendto(f"{this_host(environ)} {rank} {os.getpid()} ended".encode(), (address, int(port)))
+                sender.sendto(_beat(rank, environ, "ended").encode(), (address, int(port)))
             except OSError:
                 return
 
@@ -178,9 +183,9 @@ def heartbeat_timeout(environ: Mapping[str, str] = os.environ) -> float:
 class HeartbeatMonitor(threading.Thread):
     """In the parent: receives the ranks' heartbeats and calls `unreachable(host, seconds)` for a host none of
     whose ranks was heard for `timeout` seconds (a host counts once one of its ranks was heard; one whose every rank
-    heard said farewell, `say_farewell`, is done, not lost). The call returns
-    True when it ended the job (the monitor stops), False when the silence was expected (the host's ranks ended on
-    their own): the host is then no longer watched."""
+    heard said farewell, `say_farewell`, is done, not lost). The call returns True when it ended the job (the
+    monitor stops), False when the silence was expected (the host's ranks ended on their own): the host is then no
+    longer watched."""
 
     def __init__(self, address: str, timeout: float, unreachable: Callable[[str, float], bool]) -> None:
         super().__init__(name="mpiparallel-heartbeats", daemon=True)
