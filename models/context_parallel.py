@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,6 +63,7 @@ import numpy as np
 from collectives import Communicator, all_gather, all_to_all, reduce_scatter
 from collectives.backend import Array, HostStaging, get_array_module
 
+from .axes import ContextAxis
 from .layers import (
     QUERY_BLOCK,
     CausalSelfAttention,
@@ -583,13 +583,32 @@ def context_parallel_attention(variant: str, qkv: Any, projection: Any, n_head: 
     raise ValueError(f"unknown context-parallel attention {variant!r}; valid: {', '.join(VARIANTS)}")
 
 
-@dataclass(frozen=True)
-class ContextParallelGroup:
-    """What a model needs to run context-parallel: the CP communicator and the attention variant."""
+class ContextParallel(ContextAxis):
+    """Context parallelism over a CP group, as the model asks for it (`models.axes`): applied with
+    `Transformer(config, …).parallelize(ContextParallel(cp_comm, variant))`, every attention is `variant`'s over
+    the group and the model takes this rank's two zigzag chunks of every sequence (`zigzag_shard`), their global
+    positions from `positions`. Nothing else in the model changes: every other layer works token by token."""
 
-    comm: Communicator
-    variant: str = "ring"
+    def __init__(self, comm: Any, variant: str = "ring") -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown context-parallel attention {variant!r}; valid: {', '.join(VARIANTS)}")
+        self.comm, self.variant = Communicator.of(comm), variant
+        self.rank, self.size = self.comm.rank, self.comm.size
 
-    def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"unknown context-parallel attention {self.variant!r}; valid: {', '.join(VARIANTS)}")
+    def attention(self, qkv: Any, projection: Any, heads: int, **settings: Any) -> Layer:
+        return context_parallel_attention(self.variant, qkv, projection, heads, self.comm, **settings)
+
+    def latent_attention(self, *layers: Any, **settings: Any) -> Layer:
+        # the latent variants build on this module's chunks and ring: imported here, where both are loaded
+        from .latent_context_parallel import GatheredLatentAttention, RingLatentAttention, UlyssesLatentAttention
+
+        variant = {"ring": RingLatentAttention, "all-gather": GatheredLatentAttention,
+                   "ulysses": UlyssesLatentAttention}[self.variant]
+        return variant(*layers, comm=self.comm, **settings)
+
+    def positions(self, length: int) -> Array:
+        return zigzag_positions(length * self.size, self.rank, self.size)
+
+    def check_tokens(self, length: int) -> None:
+        if length % 2:
+            raise ValueError(f"context parallelism holds two equal chunks per rank: {length} local tokens")

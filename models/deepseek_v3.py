@@ -1,6 +1,6 @@
 """The DeepSeek-V3 family (`GPTConfig.arch` "deepseek_v3") as choices of the one transformer: its parameters,
-its checks, and the block the model builds from them (`DeepSeekV3Blocks`, mixed into
-`models.transformer.Transformer`, so the tensor-parallel model's layer factories apply to it as to every family).
+its checks, and the block the model builds from them (`block`, with `models.transformer.Transformer`'s layer
+factories, so every parallel axis applies to it as to every family).
 
 A block is the llama block (RMSNorm, residual adds) with two parts replaced:
 
@@ -31,10 +31,9 @@ import math
 from typing import Any
 
 from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
-from .latent_attention import LatentAttention, LowRankProjection
-from .latent_context_parallel import GatheredLatentAttention, RingLatentAttention, UlyssesLatentAttention
+from .latent_attention import LowRankProjection
 from .layers import Block, Linear, LMHead, RMSNorm
-from .moe import MixtureOfExperts, MoEBlock, expert_bias_name
+from .moe import MoEBlock, expert_bias_name
 from .multi_token import MultiTokenPrediction, PredictionModule
 from .rotary import softmax_scale_correction
 
@@ -164,82 +163,67 @@ def parameter_counts(config: Any, mtp_depth: int = 1) -> dict[str, int]:
     return {"total": total, "activated": activated, "mtp": mtp}
 
 
-class DeepSeekV3Blocks:
-    """The DeepSeek-V3 block, built with the model's layer factories (`models.transformer.Transformer` and its
-    tensor-parallel subclass): `_narrowed`, `_norm`, `_row_parallel`, `_mlp`, `_expert`, `_local_heads`,
-    `_local_experts`, and `_enter_attention` (identity in the serial model; the tensor-parallel model enters its
-    group there once for the whole attention, whose up-projections hold this rank's heads and whose o_proj is
-    row-parallel)."""
+def block(model: Any, i: int, prefix: str | None = None) -> Block:
+    """Block i, built by `model`'s layer factories (`models.transformer.Transformer`, which asks its axes: tensor
+    parallelism enters the whole latent attention once, its up-projections hold this rank's heads, its o_proj is
+    row-parallel). `prefix` names the block's parameters: transformer.h.{i} by default, an MTP module's otherwise;
+    the MTP modules' MoE chooses with no selection bias and adds no balance loss."""
+    config, main = model.config, prefix is None
+    prefix = prefix or f"transformer.h.{i}"
+    attention = model.tp.enter_attention(_latent_attention(model, f"{prefix}.attn"))
+    if config.is_moe_layer(i):
+        kind, mlp = MoEBlock, _deepseek_moe(model, i, f"{prefix}.mlp", balanced=main)
+    else:
+        kind, mlp = Block, model.mlp(f"{prefix}.mlp")
+    return kind(model.norm(f"{prefix}.ln_1"), attention, model.norm(f"{prefix}.ln_2"), mlp,
+                recompute_full=model.recompute == "full")
 
-    def _deepseek_block(self, i: int, prefix: str | None = None) -> Block:
-        """Block i (`prefix` names its parameters: transformer.h.{i} by default, an MTP module's otherwise; the
-        MTP modules' MoE chooses with no selection bias and adds no balance loss)."""
-        config, main = self.config, prefix is None
-        prefix = prefix or f"transformer.h.{i}"
-        attention = self._enter_attention(self._latent_attention(f"{prefix}.attn"))
-        if config.is_moe_layer(i):
-            block, mlp = MoEBlock, self._deepseek_moe(i, f"{prefix}.mlp", balanced=main)
-        else:
-            block, mlp = Block, self._mlp(f"{prefix}.mlp")
-        return block(self._norm(f"{prefix}.ln_1"), attention, self._norm(f"{prefix}.ln_2"), mlp,
-                     recompute_full=self.recompute == "full")
 
-    def _output_head(self) -> Any:
-        """The head unit: the final norm, the head and its cross-entropy, and the MTP modules when mtp_depth > 0."""
-        head = LMHead(self._norm("transformer.ln_f"), self._cross_entropy())
-        config = self.config
-        if not config.is_deepseek or not config.mtp_depth:
-            return head
-        modules = [PredictionModule(self._norm(f"{mtp_prefix(k)}.enorm"), self._norm(f"{mtp_prefix(k)}.hnorm"),
-                                    self._plain_linear(f"{mtp_prefix(k)}.eh_proj"),
-                                    self._deepseek_block(config.n_layer, mtp_prefix(k)),
-                                    self._norm(f"{mtp_prefix(k)}.shared_head.norm"), self._cross_entropy())
-                   for k in range(config.mtp_depth)]
-        return MultiTokenPrediction(head, modules, self._embedding(), config.mtp_weight,
-                                    None if self.context is None else self.context.comm)
+def multi_token_head(model: Any, head: LMHead) -> MultiTokenPrediction:
+    """The head unit with the `mtp_depth` multi-token-prediction modules after the main head."""
+    config = model.config
+    modules = [PredictionModule(model.norm(f"{mtp_prefix(k)}.enorm"), model.norm(f"{mtp_prefix(k)}.hnorm"),
+                                _plain_linear(model, f"{mtp_prefix(k)}.eh_proj"),
+                                block(model, config.n_layer, mtp_prefix(k)),
+                                model.norm(f"{mtp_prefix(k)}.shared_head.norm"), model.tp.cross_entropy(model))
+               for k in range(config.mtp_depth)]
+    return MultiTokenPrediction(head, modules, model.tp.embedding(model), config.mtp_weight, model.cp.comm)
 
-    def _enter_attention(self, attention: Any) -> Any:
-        return attention
 
-    def _latent_attention(self, prefix: str) -> LatentAttention:
-        config = self.config
-        if config.q_lora_rank is None:
-            query = self._plain_linear(f"{prefix}.q_proj")
-        else:
-            query = LowRankProjection(self._plain_linear(f"{prefix}.q_a_proj"),
-                                      self._latent_norm(f"{prefix}.q_a_layernorm"),
-                                      self._plain_linear(f"{prefix}.q_b_proj"))
-        scale = softmax_scale_correction(config.rope_scaling) / query_head_dim(config) ** 0.5
-        layers = (query, self._plain_linear(f"{prefix}.kv_a_proj_with_mqa"),
-                  self._latent_norm(f"{prefix}.kv_a_layernorm"), self._plain_linear(f"{prefix}.kv_b_proj"),
-                  self._row_parallel(f"{prefix}.o_proj"), self._local_heads(), config.qk_nope_head_dim,
-                  config.qk_rope_head_dim, config.v_head_dim, self.rope, config.rope_interleave)
-        settings = {"softmax_scale": scale, "query_block": self.query_block,
-                    "keep_probabilities": self.recompute != "selective"}
-        if self.context is None:
-            return LatentAttention(*layers, **settings)
-        variant = {"ring": RingLatentAttention, "all-gather": GatheredLatentAttention,
-                   "ulysses": UlyssesLatentAttention}[self.context.variant]
-        return variant(*layers, comm=self.context.comm, **settings)
+def _latent_attention(model: Any, prefix: str) -> Any:
+    config = model.config
+    if config.q_lora_rank is None:
+        query = _plain_linear(model, f"{prefix}.q_proj")
+    else:
+        query = LowRankProjection(_plain_linear(model, f"{prefix}.q_a_proj"),
+                                  _latent_norm(model, f"{prefix}.q_a_layernorm"),
+                                  _plain_linear(model, f"{prefix}.q_b_proj"))
+    scale = softmax_scale_correction(config.rope_scaling) / query_head_dim(config) ** 0.5
+    return model.cp.latent_attention(
+        query, _plain_linear(model, f"{prefix}.kv_a_proj_with_mqa"), _latent_norm(model, f"{prefix}.kv_a_layernorm"),
+        _plain_linear(model, f"{prefix}.kv_b_proj"), model.tp.row_parallel(model, f"{prefix}.o_proj"),
+        model.tp.heads(config.n_head), config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
+        model.rope, config.rope_interleave, softmax_scale=scale, query_block=model.query_block,
+        keep_probabilities=model.recompute != "selective")
 
-    def _latent_norm(self, prefix: str) -> Any:
-        """The RMSNorm of a compressed query or KV latent (eps `LATENT_NORM_EPS`; statistics kept wide)."""
-        return self._narrowed(RMSNorm(self.params[f"{prefix}.weight"], LATENT_NORM_EPS), statistics=("rstd",))
 
-    def _plain_linear(self, prefix: str) -> Any:
-        """A bias-free linear of this rank's weight as it is held (whole, or its heads' columns under TP)."""
-        return self._narrowed(Linear(self.params[f"{prefix}.weight"]))
+def _latent_norm(model: Any, prefix: str) -> Any:
+    """The RMSNorm of a compressed query or KV latent (eps `LATENT_NORM_EPS`; statistics kept wide)."""
+    return model.narrowed(RMSNorm(model.params[f"{prefix}.weight"], LATENT_NORM_EPS), statistics=("rstd",))
 
-    def _deepseek_moe(self, i: int, prefix: str, balanced: bool = True) -> DeepSeekMoE:
-        config = self.config
-        router = SigmoidRouter(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.n_group,
-                               config.topk_group, config.moe_renormalize, config.routed_scaling_factor,
-                               config.moe_capacity_factor, config.moe_seq_aux_coef if balanced else 0.0,
-                               aux_weight=1.0 / self.moe_token_sets,
-                               expert_bias=self.expert_biases[expert_bias_name(i)] if balanced else None)
-        routed = MixtureOfExperts(router, [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()],
-                                  self.ep_comm, fp8_dispatch=self.fp8 != "none", ep_dispatch=self.ep_dispatch,
-                                  traffic=self.expert_traffic)
-        shared = self._expert(f"{prefix}.shared_experts") if config.n_shared_experts else None
-        return DeepSeekMoE(routed, shared)
 
+def _plain_linear(model: Any, prefix: str) -> Any:
+    """A bias-free linear of this rank's weight as it is held (whole, or its heads' columns under TP)."""
+    return model.narrowed(Linear(model.params[f"{prefix}.weight"]))
+
+
+def _deepseek_moe(model: Any, i: int, prefix: str, balanced: bool = True) -> DeepSeekMoE:
+    config = model.config
+    router = SigmoidRouter(model.params[f"{prefix}.router.weight"], config.moe_top_k, config.n_group,
+                           config.topk_group, config.moe_renormalize, config.routed_scaling_factor,
+                           config.moe_capacity_factor, config.moe_seq_aux_coef if balanced else 0.0,
+                           aux_weight=1.0 / model.moe_token_sets,
+                           expert_bias=model.expert_biases[expert_bias_name(i)] if balanced else None)
+    routed = model.ep.mixture(router, model.held_experts(prefix), fp8_dispatch=model.fp8 != "none")
+    shared = model.expert(f"{prefix}.shared_experts") if config.n_shared_experts else None
+    return DeepSeekMoE(routed, shared)

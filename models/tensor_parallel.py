@@ -93,14 +93,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 
+from .axes import TensorAxis
 from .layers import PLAIN_GEMMS, ConcatenatedLinear, Gemms, Layer, Saved
-from .moe import expert_placement
-from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes, shard_tensor
+from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes
 from .precision import narrow, widen
 from .transformer import GPTConfig, Transformer
 
@@ -437,98 +435,90 @@ def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
     key_value_replicas(config.kv_heads, tp)
 
 
-# -- the model -----------------------------------------------------------------------------------------------
+# -- the axis: what the model asks of tensor parallelism ------------------------------------------------------
 
-class TensorParallelTransformer(Transformer):
-    """The model over a TP group: `models.transformer.Transformer` with parallel layers in place of the serial ones.
-
-    Built by the serial constructor: only the initial parameters (this rank's shards) and the layer factories
-    differ; forward, backward (over any range of units), the hook calls and state loading are inherited.
+class TensorParallel(TensorAxis):
+    """Tensor parallelism over a TP group, as the model asks for it (`models.axes`): applied with
+    `Transformer(config, …).parallelize(TensorParallel(tp_comm))`, the model holds this rank's shards and its
+    linears, embedding and cross-entropy are the parallel layers above; forward, backward (over any range of
+    units) and state loading are the serial model's.
 
     `forward` returns the same loss on every rank of the group (every rank holds the whole batch's tokens);
     `parameters()` and `state_dict()` are this rank's shards (`Parameter.placement` says how each was cut);
-    `full_state_dict` gathers the serial tensors. The initial values are the serial model's (drawn whole from
-    `models.transformer.initial_value`, then cut), so every tp starts from, and computes, the same numbers. `algo`
-    picks the algorithm of every TP collective ("ring" makes the byte counts exactly the textbook's).
+    `full_state_dict` gathers the serial tensors. The initial values are the serial model's, cut, so every tp
+    starts from, and computes, the same numbers. `algo` picks the algorithm of every TP collective ("ring" makes
+    the byte counts exactly the textbook's).
 
     With SP the LayerNorms' gradients are partial sums over the group (placement `Partial` on "tp"): sum them
     once per optimizer step, after the last microbatch's backward (`reduce_partial_gradients`).
     """
 
-    key_value_group: Communicator | None = None
-
-    def __init__(self, config: GPTConfig, tp_comm: Any, sequence_parallel: bool = False, algo: str = "auto",
-                 **serial: Any) -> None:
-        """`serial`: the serial model's arguments (seed, dtype, xp, recompute, units, context, …)."""
+    def __init__(self, tp_comm: Any, sequence_parallel: bool = False, algo: str = "auto") -> None:
         self.group = TensorParallelGroup(tp_comm, sequence_parallel, algo)
-        self.comm, tp = self.group.comm, self.group.size
-        check_tensor_parallel_shape(config, tp)
-        self.key_value_copies = key_value_replicas(config.kv_heads, tp)
+        self.comm, self.rank, self.size = self.group.comm, self.group.rank, self.group.size
+        self.sequence_shards = self.size if sequence_parallel else 1
+        self.key_value_copies = 1
+
+    def fit(self, config: GPTConfig) -> None:
+        check_tensor_parallel_shape(config, self.size)
+        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
+        self.vocab_size = config.vocab_size
+        self.key_value_copies = key_value_replicas(config.kv_heads, self.size)
         # the ranks that hold the same KV heads sum those heads' weight gradients (None: no copies)
-        self.key_value_group = (self.comm.split(self.group.rank // self.key_value_copies, self.group.rank)
+        self.key_value_group = (self.comm.split(self.rank // self.key_value_copies, self.rank)
                                 if self.key_value_copies > 1 else None)
-        super().__init__(config, **serial)
-        self.sequence_shards = tp if sequence_parallel else 1
+
+    def placement(self, name: str) -> dict[str, Placement]:
+        return tensor_parallel_placement(name, self.group.sequence_parallel, self.key_value_copies)
+
+    def check_tokens(self, length: int) -> None:
+        if length % self.sequence_shards:
+            raise ValueError(f"sequence parallelism splits the sequence over tp ranks: sequence length {length} "
+                             f"must be divisible by tp ({self.sequence_shards})")
+
+    def embedding(self, model: Any) -> VocabParallelEmbedding:
+        token = model.params["transformer.wte.weight"]
+        return VocabParallelEmbedding(token, model.params.get("transformer.wpe.weight"), self.group,
+                                      self._vocab_start(token))
+
+    def cross_entropy(self, model: Any) -> VocabParallelCrossEntropy:
+        head = model.head_weight()
+        return VocabParallelCrossEntropy(head, self.group, self._vocab_start(head), self.vocab_size)
 
     def _vocab_start(self, table: Parameter) -> int:
         """The first vocabulary row of this rank's shard of a [vocab, n_embd] table (wte or lm_head)."""
-        return self.group.rank * table.data.shape[0]
+        return self.rank * table.data.shape[0]
 
-    def _embedding(self) -> VocabParallelEmbedding:
-        token = self.params["transformer.wte.weight"]
-        return VocabParallelEmbedding(token, self.params.get("transformer.wpe.weight"), self.group,
-                                      self._vocab_start(token))
+    def column_parallel(self, layer: Layer) -> ColumnParallelLayer:
+        return ColumnParallelLayer(layer, self.group)
 
-    def _cross_entropy(self) -> VocabParallelCrossEntropy:
-        head = self._head_weight()
-        return VocabParallelCrossEntropy(head, self.group, self._vocab_start(head), self.config.vocab_size)
+    def row_parallel(self, model: Any, prefix: str) -> RowParallelLinear:
+        return RowParallelLinear(*model.weight_and_bias(prefix), self.group, gemms=model.gemms)
 
-    def _initial_parameter(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
-        """This rank's shard of the serial initial value (cut on the host: only the shard reaches the device)."""
-        placement = tensor_parallel_placement(name, self.group.sequence_parallel, self.key_value_copies)
-        placement |= expert_placement(name, self._ep_size())
-        shard = shard_tensor(full, placement, self.axis_ranks())
-        return self._parameter(name, xp.asarray(shard), placement, full.shape)
-
-    def axis_ranks(self) -> dict[str, tuple[int, int]]:
-        return {TP_AXIS: (self.group.rank, self.group.size)}
-
-    def _column_parallel(self, prefix: str) -> ColumnParallelLayer:
-        return ColumnParallelLayer(self._linear(prefix), self.group)
-
-    def _row_parallel(self, prefix: str) -> RowParallelLinear:
-        return RowParallelLinear(*self._weight_and_bias(prefix), self.group, gemms=self.gemms)
-
-    def _concatenated(self, prefixes: list[str], key_value: bool = False) -> ColumnParallelLayer:
+    def concatenated(self, model: Any, prefixes: list[str], key_value: bool = False) -> ColumnParallelLayer:
         """Column-parallel projections of one input (entering the group once); KV heads held on several ranks sum
         their weight gradients over those ranks."""
-        weights = [self.params[f"{prefix}.weight"] for prefix in prefixes]
+        weights = [model.params[f"{prefix}.weight"] for prefix in prefixes]
         groups = [None] * len(weights)
         if key_value:
             groups[-2:] = [self.key_value_group] * 2
-        return ColumnParallelLayer(self._narrowed(ConcatenatedLinear(weights, groups, gemms=self.gemms)), self.group)
+        return ColumnParallelLayer(model.narrowed(ConcatenatedLinear(weights, groups, gemms=model.gemms)),
+                                   self.group)
 
-    def _local_heads(self) -> int:
-        return self.config.n_head // self.group.size
-
-    def _enter_attention(self, attention: Any) -> ColumnParallelLayer:
+    def enter_attention(self, attention: Layer) -> ColumnParallelLayer:
         """DeepSeek-V3's latent attention enters the group once, as a whole: its replicated down-projections and
         this rank's heads of its up-projections all read the one input; its o_proj is row-parallel."""
         return ColumnParallelLayer(attention, self.group)
 
-    def _local_kv_heads(self) -> int:
-        return max(self.config.kv_heads // self.group.size, 1)
+    def heads(self, n_head: int) -> int:
+        return n_head // self.size
 
-    def generate(self, *args: Any, **kwargs: Any) -> Array:
-        raise NotImplementedError("sample from the serial model: "
-                                  "Transformer(config).load_state_dict(full_state_dict(...))")
-
-    def logits(self, tokens: Array) -> Array:
-        raise NotImplementedError("the vocab-parallel head never gathers the logits; use the serial model")
+    def kv_heads(self, n_kv_head: int) -> int:
+        return max(n_kv_head // self.size, 1)
 
 
-def full_state_dict(model: TensorParallelTransformer, comm: Any = None) -> dict[str, Array]:
+def full_state_dict(model: Transformer, comm: Any = None) -> dict[str, Array]:
     """The serial model's state dict (names and shapes of `Transformer.state_dict()`, vocabulary padding dropped),
     gathered on every rank of the TP group `comm` (default: the model's): one all-gather per sharded tensor."""
     tensors = {name: param.data for name, param in model.params.items()}
-    return gather_over_model_axes(tensors, model.params, {TP_AXIS: model.comm if comm is None else comm})
+    return gather_over_model_axes(tensors, model.params, {TP_AXIS: model.tp.comm if comm is None else comm})

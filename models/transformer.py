@@ -34,11 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from collectives import Communicator
 from collectives.backend import BFLOAT16, Array, get_array_module, like, to_host
 
 from . import deepseek_v3
-from .context_parallel import ContextParallelGroup, context_parallel_attention, zigzag_positions
+from .axes import Axis, ContextAxis, ExpertAxis, PipelineAxis, TensorAxis
 from .families import MOE_KEYS
 from .fp8 import fp8_gemms
 from .layers import (
@@ -48,27 +47,16 @@ from .layers import (
     QUERY_BLOCK,
     RECOMPUTE_MODES,
     Block,
-    CausalSelfAttention,
     ConcatenatedLinear,
-    Embedding,
-    HeadCrossEntropy,
     KVCache,
     LayerNorm,
     Linear,
+    LMHead,
     RMSNorm,
     Saved,
     SwiGLU,
 )
-from .moe import (
-    ExpertTraffic,
-    MixtureOfExperts,
-    MoEBlock,
-    Router,
-    expert_bias_name,
-    expert_index,
-    expert_placement,
-    local_experts,
-)
+from .moe import MixtureOfExperts, MoEBlock, Router, expert_bias_name, expert_index
 from .parameter import Parameter, seeded_normal, shard_tensor
 from .precision import Narrowed, dtype_named, is_narrow, narrow
 from .rotary import RotaryEmbedding
@@ -343,52 +331,87 @@ class ParameterHooks:
 NO_HOOKS = ParameterHooks()
 
 
-class Transformer(deepseek_v3.DeepSeekV3Blocks):
+class Transformer:
     """The serial model of every family (GPT-2, Llama, Mixtral, DeepSeek-V3: `GPTConfig.arch`) with hand-written
     backward.
 
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
-    `query_block` the attention's query block length; neither changes the numbers. `units` (default: all) are
-    the units this process holds — a pipeline stage builds only its own layers and parameters; the others are
-    None in `units`/`blocks`. `context` makes attention context-parallel: the model then takes this CP rank's
-    two zigzag chunks of every sequence (`models.context_parallel.zigzag_shard`) and computes their share.
+    `query_block` the attention's query block length; neither changes the numbers. Mixture of experts
+    (config.n_experts > 0): `moe_token_sets` is how many local token sets (microbatches × DP·CP ranks) one
+    optimizer step averages the aux losses over — each set's aux loss enters the objective divided by it. The
+    expert biases are state in `expert_biases` (by checkpoint name), not parameters.
 
-    Mixture of experts (config.n_experts > 0): `moe_token_sets` is how many local token sets (microbatches ×
-    DP·CP ranks) one optimizer step averages the aux losses over — each set's aux loss enters the objective
-    divided by it. `ep_comm` (an EP group of n ranks) makes this rank hold and run only its E/n experts
-    (`models.moe.local_experts`, placement `Held` on "ep"), the tokens moving to them by all-to-allv, or with
-    `ep_dispatch="hierarchical"` by DeepSeek-V3's node-limited two-hop dispatch (`collectives.two_hop`); the
-    layers count what they exchange in `expert_traffic` (`models.moe.ExpertTraffic`). The expert biases are
-    state in `expert_biases` (by checkpoint name), not parameters.
+    Parallel axes enter through `parallelize` (`models.axes`): a pipeline stage holds only its units (the others
+    are None in `units`/`blocks`), tensor parallelism its shards, context parallelism takes this CP rank's two
+    zigzag chunks of every sequence, expert parallelism holds and runs only this rank's experts.
     """
 
-    key_value_group: Communicator | None = None  # TP ranks holding the same KV heads (the TP model's)
     loss_scale: float = 1.0  # float16's loss scaling: forward returns, and backward differentiates, S·objective
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
-                 recompute: str = "none", query_block: int = QUERY_BLOCK, units: Any = None,
-                 context: ContextParallelGroup | None = None, ep_comm: Any = None, moe_token_sets: int = 1,
-                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none",
-                 ep_dispatch: str = "flat") -> None:
+                 recompute: str = "none", query_block: int = QUERY_BLOCK, moe_token_sets: int = 1,
+                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none") -> None:
         if moe_token_sets < 1:
             raise ValueError(f"moe_token_sets must be at least 1, got {moe_token_sets}")
-        self.config, self.context = config, context
-        self.ep_comm = None if ep_comm is None else Communicator.of(ep_comm)
-        self.ep_dispatch = ep_dispatch
-        self.expert_traffic = None if self.ep_comm is None else ExpertTraffic(self.ep_comm.size)
-        self.moe_token_sets = moe_token_sets
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.config, self.moe_token_sets = config, moe_token_sets
+        self.recompute, self.query_block = recompute, query_block
         self._set_precision(dtype, compute_dtype, grad_dtype, fp8)
-        self._hold(units)
-        self.params = {name: self._initial_parameter(name, initial_value(name, shape, config, seed, dtype), xp)
+        self.pp, self.tp, self.cp, self.ep = PipelineAxis(), TensorAxis(), ContextAxis(), ExpertAxis()
+        self._build(lambda name, shape: xp.asarray(initial_value(name, shape, config, seed, dtype)))
+
+    def parallelize(self, *axes: Axis) -> Transformer:
+        """Split this serial model over `axes` (`models.axes`: at most one each of pp, tp, cp, ep): each takes
+        its place (`model.pp`, `.tp`, `.cp`, `.ep`) and the layers are rebuilt, every parameter this rank's piece
+        of the serial value held now — so a parallel model starts from the serial model's numbers, and weights
+        loaded afterwards are cut the same way. Returns the model."""
+        if self.parallel_axes():
+            raise ValueError(f"parallelize a serial model once: this one is already split over "
+                             f"{', '.join(axis.name for axis in self.parallel_axes())}")
+        names = [axis.name for axis in axes]
+        if len(set(names)) != len(names) or not set(names) <= {"pp", "tp", "cp", "ep"}:
+            raise ValueError(f"parallelize takes at most one axis each of pp, tp, cp, ep; got {names}")
+        for axis in axes:
+            axis.fit(self.config)
+        serial = {name: param.master if param.master is not None else param.data
+                  for name, param in self.params.items()}
+        for axis in axes:
+            setattr(self, axis.name, axis)
+        self._build(lambda name, shape: serial[name])
+        return self
+
+    def parallel_axes(self) -> list[Axis]:
+        """The axes this model is split over, in the order its parameters are cut."""
+        return [axis for axis in (self.pp, self.tp, self.cp, self.ep) if axis.parallel]
+
+    # -- construction: the layer factories, each asking the axis that owns its choice ----------------------------
+
+    def _build(self, serial_value: Any) -> None:
+        """Hold this rank's units and parameters (`serial_value(name, shape)`: the serial tensor, cut here) and
+        build the layers from them."""
+        count = self.unit_count
+        self.local_units = tuple(sorted(set(self.pp.held_units(count))))
+        if not self.local_units or not all(0 <= unit < count for unit in self.local_units):
+            raise ValueError(f"units must be a non-empty subset of 0 … {count - 1}, got {self.local_units}")
+        self.params = {name: self._held_parameter(name, serial_value(name, shape))
                        for name, shape in self.local_parameter_shapes().items()}
-        self._assemble(recompute, query_block)
+        self.expert_biases = self._initial_expert_biases()
+        config, local, last = self.config, set(self.local_units), count - 1
+        rope_dim = config.qk_rope_head_dim if config.is_deepseek else config.head_dim
+        self.rope = RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling) if config.is_llama else None
+        self.embedding = self.tp.embedding(self) if 0 in local else None
+        self.blocks = [self._block(i) if i + 1 in local else None for i in range(config.n_layer)]
+        self.head = self._output_head() if last in local else None
+        self.units = [self.embedding, *self.blocks, self.head]
 
-    # -- construction (the tensor-parallel model overrides `_initial_parameter` and the layer factories) ---------
-
-    def _initial_parameter(self, name: str, full: np.ndarray, xp: Any) -> Parameter:
-        """The parameter `name` from its serial initial value, as this process holds it (the experts: placement
-        `Held` on "ep")."""
-        return self._parameter(name, xp.asarray(full), expert_placement(name, self._ep_size()))
+    def _held_parameter(self, name: str, serial: Array) -> Parameter:
+        """The parameter `name` as this rank holds it: each axis's placement, the serial tensor cut along the
+        axes that shard it (a copy: the serial tensor is not kept)."""
+        placement: dict[str, Any] = {}
+        for axis in (self.pp, self.tp, self.ep):
+            placement |= axis.placement(name)
+        return self._parameter(name, shard_tensor(serial, placement, self.axis_ranks()), placement, serial.shape)
 
     def _set_precision(self, dtype: Any, compute_dtype: Any, grad_dtype: Any, fp8: str = "none") -> None:
         """The master dtype (`dtype`: the weights as initialized and updated), the compute dtype of the working
@@ -412,48 +435,20 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
                              master=value)
         return Parameter(name, value.astype(self.compute_dtype, copy=False), placement, full_shape, self.grad_dtype)
 
-    def _narrowed(self, layer: Any, statistics: tuple[str, ...] = ()) -> Any:
+    def narrowed(self, layer: Any, statistics: tuple[str, ...] = ()) -> Any:
         """`layer` run in float32 on narrow tensors when the compute dtype is narrow (`models.precision.Narrowed`)."""
         return Narrowed(layer, self.compute_dtype, statistics) if is_narrow(self.compute_dtype) else layer
-
-    def _hold(self, units: Any) -> None:
-        count = self.config.n_layer + 2
-        self.local_units = tuple(range(count)) if units is None else tuple(sorted(set(units)))
-        if not self.local_units or not all(0 <= unit < count for unit in self.local_units):
-            raise ValueError(f"units must be a non-empty subset of 0 … {count - 1}, got {units}")
 
     def local_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """`parameter_shapes` of the parameters the local units read (of the experts, only this EP rank's), in
         checkpoint order."""
-        local, experts = set(self.local_units), self._local_experts()
+        local, experts = set(self.local_units), self.ep.held_experts(self.config.n_experts)
         return {name: shape for name, shape in parameter_shapes(self.config).items()
                 if local & set(self.units_of(name)) and expert_index(name) in (None, *experts)}
 
     def units_of(self, name: str) -> tuple[int, ...]:
         """The units that read parameter (or expert bias) `name` (`units_using`)."""
         return units_using(name, self.config.n_layer, self.config.head_reads_embedding)
-
-    def _ep_size(self) -> int:
-        return 1 if self.ep_comm is None else self.ep_comm.size
-
-    def _local_experts(self) -> range:
-        rank = 0 if self.ep_comm is None else self.ep_comm.rank
-        return local_experts(self.config.n_experts, rank, self._ep_size())
-
-    def _assemble(self, recompute: str, query_block: int) -> None:
-        if recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-        self.recompute, self.query_block = recompute, query_block
-        local, last = set(self.local_units), self.config.n_layer + 1
-        self.expert_biases = self._initial_expert_biases()
-        config = self.config
-        rope_dim = config.qk_rope_head_dim if config.is_deepseek else config.head_dim
-        self.rope = RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling) if config.is_llama else None
-        self.embedding = self._embedding() if 0 in local else None
-        self.blocks = [self._block(i) if i + 1 in local else None for i in range(config.n_layer)]
-        self.head = self._output_head() if last in local else None
-        self.units = [self.embedding, *self.blocks, self.head]
-        self.sequence_shards = 1  # how many pieces the sequence is cut into between the layers (SP: tp)
 
     def _initial_expert_biases(self) -> dict[str, Array]:
         """Zero expert biases for the local blocks, with the parameters' array library and dtype."""
@@ -462,103 +457,84 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
         return {name: xp.zeros(shape, like_params.dtype) for name, shape in expert_bias_shapes(self.config).items()
                 if local & set(self.units_of(name))}
 
-    def _embedding(self) -> Any:
-        return Embedding(self.params["transformer.wte.weight"], self.params.get("transformer.wpe.weight"))
-
-    def _head_weight(self) -> Parameter:
+    def head_weight(self) -> Parameter:
         """The LM head's [vocab, n_embd] weight: the token embedding when tied, else lm_head.weight."""
         return self.params["transformer.wte.weight" if self.config.tied else "lm_head.weight"]
 
-    def _cross_entropy(self) -> Any:
-        return self._narrowed(HeadCrossEntropy(self._head_weight()))
-
     def _block(self, i: int) -> Block:
         if self.config.is_deepseek:
-            return self._deepseek_block(i)
-        prefix = f"transformer.h.{i}"
+            return deepseek_v3.block(self, i)
+        prefix, tp = f"transformer.h.{i}", self.tp
         if self.config.is_llama:
-            attention = self._attention(self._concatenated([f"{prefix}.attn.{name}_proj" for name in "qkv"], True),
-                                        self._row_parallel(f"{prefix}.attn.o_proj"))
+            qkv = tp.concatenated(self, [f"{prefix}.attn.{name}_proj" for name in "qkv"], key_value=True)
+            attention = self._attention(qkv, tp.row_parallel(self, f"{prefix}.attn.o_proj"))
         else:
-            attention = self._attention(self._column_parallel(f"{prefix}.attn.c_attn"),
-                                        self._row_parallel(f"{prefix}.attn.c_proj"))
+            attention = self._attention(tp.column_parallel(self.linear(f"{prefix}.attn.c_attn")),
+                                        tp.row_parallel(self, f"{prefix}.attn.c_proj"))
         if self.config.n_experts:
             block, mlp = MoEBlock, self._mixture_of_experts(i)
         else:
-            block, mlp = Block, self._mlp(f"{prefix}.mlp")
-        return block(self._norm(f"{prefix}.ln_1"), attention, self._norm(f"{prefix}.ln_2"), mlp,
+            block, mlp = Block, self.mlp(f"{prefix}.mlp")
+        return block(self.norm(f"{prefix}.ln_1"), attention, self.norm(f"{prefix}.ln_2"), mlp,
                      recompute_full=self.recompute == "full")
 
-    def _mlp(self, prefix: str) -> MLP:
-        """GPT-2's c_fc, GELU, c_proj, or llama's [gate | up], SwiGLU, down (column- then row-parallel)."""
-        if self.config.is_llama:
-            return MLP(self._concatenated([f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
-                       self._row_parallel(f"{prefix}.down_proj"), self._narrowed(SwiGLU()))
-        return MLP(self._column_parallel(f"{prefix}.c_fc"), self._row_parallel(f"{prefix}.c_proj"),
-                   self._narrowed(GELU()))
+    def _attention(self, qkv: Any, projection: Any) -> Any:
+        """Causal self-attention of this rank's heads (`tp`), over the whole sequence or its CP chunks (`cp`)."""
+        return self.cp.attention(qkv, projection, self.tp.heads(self.config.n_head),
+                                 n_kv_head=self.tp.kv_heads(self.config.kv_heads), rope=self.rope,
+                                 query_block=self.query_block, keep_probabilities=self.recompute != "selective")
 
-    def _expert(self, prefix: str) -> MLP:
+    def _output_head(self) -> Any:
+        """The head unit: the final norm, the head and its cross-entropy (and DeepSeek-V3's MTP modules)."""
+        head = LMHead(self.norm("transformer.ln_f"), self.tp.cross_entropy(self))
+        if self.config.is_deepseek and self.config.mtp_depth:
+            return deepseek_v3.multi_token_head(self, head)
+        return head
+
+    def mlp(self, prefix: str) -> MLP:
+        """GPT-2's c_fc, GELU, c_proj, or llama's [gate | up], SwiGLU, down (column- then row-parallel)."""
+        tp = self.tp
+        if self.config.is_llama:
+            return MLP(tp.concatenated(self, [f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
+                       tp.row_parallel(self, f"{prefix}.down_proj"), self.narrowed(SwiGLU()))
+        return MLP(tp.column_parallel(self.linear(f"{prefix}.c_fc")), tp.row_parallel(self, f"{prefix}.c_proj"),
+                   self.narrowed(GELU()))
+
+    def expert(self, prefix: str) -> MLP:
         """One expert: the family's MLP, unsplit (experts are whole on the rank that holds them)."""
         if self.config.is_llama:
-            return MLP(self._narrowed(ConcatenatedLinear([self.params[f"{prefix}.gate_proj.weight"],
-                                                          self.params[f"{prefix}.up_proj.weight"]],
-                                                         gemms=self.gemms)),
-                       self._linear(f"{prefix}.down_proj"), self._narrowed(SwiGLU()))
-        return MLP(self._linear(f"{prefix}.c_fc"), self._linear(f"{prefix}.c_proj"), self._narrowed(GELU()))
+            return MLP(self.narrowed(ConcatenatedLinear([self.params[f"{prefix}.gate_proj.weight"],
+                                                         self.params[f"{prefix}.up_proj.weight"]],
+                                                        gemms=self.gemms)),
+                       self.linear(f"{prefix}.down_proj"), self.narrowed(SwiGLU()))
+        return MLP(self.linear(f"{prefix}.c_fc"), self.linear(f"{prefix}.c_proj"), self.narrowed(GELU()))
 
-    def _attention(self, qkv: Any, projection: Any) -> Any:
-        """Causal self-attention over the whole sequence, or with a CP group over its zigzag chunks."""
-        keep = self.recompute != "selective"
-        heads = {"n_kv_head": self._local_kv_heads(), "rope": self.rope}
-        if self.context is None:
-            return CausalSelfAttention(qkv, projection, self._local_heads(), self.query_block, keep_probabilities=keep,
-                                       **heads)
-        return context_parallel_attention(self.context.variant, qkv, projection, self._local_heads(),
-                                          self.context.comm, query_block=self.query_block, keep_probabilities=keep,
-                                          **heads)
+    def held_experts(self, prefix: str) -> list[MLP]:
+        """The routed experts of the MoE layer `prefix` that this rank holds (`ep`)."""
+        return [self.expert(f"{prefix}.experts.{e}") for e in self.ep.held_experts(self.config.n_experts)]
 
     def _mixture_of_experts(self, i: int) -> MixtureOfExperts:
         config, prefix = self.config, f"transformer.h.{i}.mlp"
         router = Router(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.moe_renormalize,
                         config.moe_capacity_factor, config.moe_aux_coef, aux_weight=1.0 / self.moe_token_sets,
                         expert_bias=self.expert_biases[expert_bias_name(i)])
-        experts = [self._expert(f"{prefix}.experts.{e}") for e in self._local_experts()]
-        return MixtureOfExperts(router, experts, self.ep_comm, fp8_dispatch=self.fp8 != "none",
-                                ep_dispatch=self.ep_dispatch, traffic=self.expert_traffic)
+        return self.ep.mixture(router, self.held_experts(prefix), fp8_dispatch=self.fp8 != "none")
 
-    def _weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter | None]:
+    def weight_and_bias(self, prefix: str) -> tuple[Parameter, Parameter | None]:
         """A layer's weight and its bias (None where the family has none: llama)."""
         return self.params[f"{prefix}.weight"], self.params.get(f"{prefix}.bias")
 
-    def _norm(self, prefix: str) -> Any:
+    def norm(self, prefix: str) -> Any:
         """The family's norm: LayerNorm (GPT-2) or RMSNorm (llama)."""
         if self.config.is_llama:
             norm = RMSNorm(self.params[f"{prefix}.weight"], self.config.rms_norm_eps)
         else:
-            norm = LayerNorm(*self._weight_and_bias(prefix))
-        return self._narrowed(norm, statistics=("rstd",))  # the statistics stay float32
+            norm = LayerNorm(*self.weight_and_bias(prefix))
+        return self.narrowed(norm, statistics=("rstd",))  # the statistics stay float32
 
-    def _linear(self, prefix: str) -> Any:
+    def linear(self, prefix: str) -> Any:
         """A linear inside a block: the model's GEMMs (FP8 with --fp8), at the compute dtype."""
-        return self._narrowed(Linear(*self._weight_and_bias(prefix), gemms=self.gemms))
-
-    def _column_parallel(self, prefix: str) -> Any:
-        return self._linear(prefix)
-
-    def _concatenated(self, prefixes: list[str], key_value: bool = False) -> Any:
-        """Bias-free projections of one input side by side (llama's q, k, v; gate and up). `key_value`: the
-        last two are KV projections (tensor parallelism may replicate their heads)."""
-        return self._narrowed(ConcatenatedLinear([self.params[f"{prefix}.weight"] for prefix in prefixes],
-                                                 gemms=self.gemms))
-
-    def _row_parallel(self, prefix: str) -> Any:
-        return self._linear(prefix)
-
-    def _local_heads(self) -> int:
-        return self.config.n_head
-
-    def _local_kv_heads(self) -> int:
-        return self.config.kv_heads
+        return self.narrowed(Linear(*self.weight_and_bias(prefix), gemms=self.gemms))
 
     # -- parameters ------------------------------------------------------------------------------------------
 
@@ -587,19 +563,13 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
         length = tokens.shape[-1]
         if length > self.config.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
-        if length % self.sequence_shards:
-            raise ValueError(f"sequence parallelism splits the sequence over tp ranks: sequence length {length} "
-                             f"must be divisible by tp ({self.sequence_shards})")
-        if self.context is not None and length % 2:
-            raise ValueError(f"context parallelism holds two equal chunks per rank: {length} local tokens")
+        for axis in (self.tp, self.cp):
+            axis.check_tokens(length)
 
     def positions(self, length: int) -> Array | None:
-        """The global positions of `length` local tokens: None (0 … length−1) without context parallelism,
-        else this CP rank's two zigzag chunks of a sequence of length·cp."""
-        if self.context is None:
-            return None
-        comm = self.context.comm
-        return zigzag_positions(length * comm.size, comm.rank, comm.size)
+        """The global positions of `length` local tokens: None (0 … length−1) unless context parallelism holds
+        other positions (`ContextAxis.positions`)."""
+        return self.cp.positions(length)
 
     # -- forward and backward over a range of units ------------------------------------------------------------
 
@@ -702,6 +672,7 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
 
     def logits(self, tokens: Array) -> Array:
         """Next-token logits (B, T, vocab) for token ids (B, T); no loss, nothing kept."""
+        self._require_whole_vocabulary("the logits")
         x, _ = self.forward(tokens, units=range(self.unit_count - 1))
         return self.head.logits(x)
 
@@ -715,6 +686,7 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
         the context reaches `window` positions (default n_positions; give the training sequence length, as
         positions beyond it never had their embedding trained), the cache is rebuilt from its most recent half.
         """
+        self._require_whole_vocabulary("sampling")
         rng = rng or np.random.default_rng()
         window = min(window or self.config.n_positions, self.config.n_positions)
         context = [int(t) for t in prompt]
@@ -733,6 +705,11 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
             pending = [token]
         return np.array(generated, dtype=np.int64)
 
+    def _require_whole_vocabulary(self, what: str) -> None:
+        if self.tp.parallel:
+            raise NotImplementedError(f"{what}: the vocab-parallel head never gathers the logits; use the serial "
+                                      f"model, Transformer(config).load_state_dict(full_state_dict(...))")
+
     def _next_logits(self, tokens: list[int], caches: list[KVCache]) -> np.ndarray:
         """Feed `tokens` through the cached model; return the next-token logits as a NumPy vector."""
         xp = get_array_module(self.params["transformer.wte.weight"].data)
@@ -750,7 +727,7 @@ class Transformer(deepseek_v3.DeepSeekV3Blocks):
 
     def axis_ranks(self) -> dict[str, tuple[int, int]]:
         """Mesh axis -> (this rank's coordinate, axis size) for the axes that shard this model's parameters."""
-        return {}
+        return {self.tp.name: (self.tp.rank, self.tp.size)}
 
     def load_state_dict(self, tensors: dict[str, Array]) -> None:
         """Copy in full (serial) tensors by name, each cut to this rank's shard; names may omit `transformer.`.

@@ -4,7 +4,7 @@ order a schedule prescribes (`mpiparallel.schedules`: GPipe, 1F1B, interleaved, 
 The model is a row of units — embedding, n_layer blocks, head — and `stage_units` cuts it into pp·V stages
 (chunks): the blocks as evenly as possible, earlier stages taking the extra one, the embedding with the first
 stage and the final LayerNorm + head + loss with the last. Each rank builds only the units of its stages
-(`Transformer(…, units=…)`), and `PipelineExecutor` runs its list of actions:
+(`PipelineStages`, the axis the model is split over), and `PipelineExecutor` runs its list of actions:
 
     F(s, m)   forward of stage s on microbatch m (`Transformer.forward(x, units=…)`), its saved state kept for backward
     I(s, m)   input-gradient pass: d(stage input), which the previous stage waits for
@@ -42,8 +42,9 @@ import numpy as np
 from collectives import CollectiveMismatchError, Communicator, Message, check_messages
 from collectives.backend import Array, HostStaging, get_array_module
 from collectives.communicator import FIRST_COLLECTIVE_TAG, Posted
+from models.axes import PipelineAxis
 from models.layers import distinct_bytes
-from models.parameter import HELD, PARTIAL
+from models.parameter import HELD, PARTIAL, Placement
 from models.transformer import NO_HOOKS, Transformer
 
 from .errors import ConfigError
@@ -66,7 +67,7 @@ TIED_WEIGHT = "transformer.wte.weight"
 
 
 def local_units(schedule: Schedule, rank: int, n_layer: int) -> list[int]:
-    """Every unit this pipeline rank holds (for `Transformer(…, units=…)`)."""
+    """Every unit this pipeline rank holds (`PipelineStages.held_units`)."""
     stages = stage_units(n_layer, schedule.num_stages)
     return sorted(unit for stage in schedule.stages_of(rank) for unit in stages[stage])
 
@@ -111,13 +112,27 @@ def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> Pos
     return comm.post_send(dinput, dest, tag)
 
 
-def place_on_pipeline(model: Transformer, schedule: Schedule) -> None:
-    """The pp placement: each stage's parameters are held by its rank alone; a tied token embedding, read by the
-    first stage and the last, holds a partial gradient on both (summed by `sum_tied_gradient`) unless one rank
-    holds both (an untied llama head is the last stage's own)."""
-    shared = schedule.stage_ranks[0] != schedule.stage_ranks[-1] and model.config.head_reads_embedding
-    for name, param in model.params.items():
-        param.placement[PP_AXIS] = PARTIAL if shared and name == TIED_WEIGHT else HELD
+class PipelineStages(PipelineAxis):
+    """The pp axis as the model asks for it (`models.axes`): applied with
+    `Transformer(config, …).parallelize(PipelineStages(schedule, rank))`, the model holds only the units of this
+    rank's stages (`local_units`). Each stage's parameters are held by its rank alone (placement `Held` on "pp");
+    a tied token embedding, read by the first stage and the last, holds a partial gradient on both (summed by
+    `sum_tied_gradient`) unless one rank holds both (an untied llama head is the last stage's own)."""
+
+    def __init__(self, schedule: Schedule, rank: int) -> None:
+        self.schedule, self.rank, self.size = schedule, rank, schedule.pp
+        self.shares_embedding = False
+
+    def fit(self, config: Any) -> None:
+        self.units = local_units(self.schedule, self.rank, config.n_layer)
+        ends_apart = self.schedule.stage_ranks[0] != self.schedule.stage_ranks[-1]
+        self.shares_embedding = ends_apart and config.head_reads_embedding
+
+    def held_units(self, unit_count: int) -> tuple[int, ...]:
+        return tuple(self.units)
+
+    def placement(self, name: str) -> dict[str, Placement]:
+        return {PP_AXIS: PARTIAL if self.shares_embedding and name == TIED_WEIGHT else HELD}
 
 
 def sum_tied_gradient(model: Transformer, comm: Communicator, first: int, last: int) -> None:

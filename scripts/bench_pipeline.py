@@ -44,7 +44,7 @@ def measure_bubbles(args: argparse.Namespace) -> None:
 
     from collectives import Communicator
     from models.transformer import GPTConfig, Transformer
-    from mpiparallel.pipeline_parallel import PipelineExecutor, local_units
+    from mpiparallel.pipeline_parallel import PipelineExecutor, PipelineStages
     from mpiparallel.process import keep_freed_memory
     from mpiparallel.schedules import bubble_formula, build_schedule, simulate
 
@@ -60,7 +60,7 @@ def measure_bubbles(args: argparse.Namespace) -> None:
     for name in args.schedules:
         virtual = 2 if name == "interleaved" else 1
         schedule = build_schedule(name, comm.size, args.microbatches, virtual)
-        model = Transformer(config, seed=0, units=local_units(schedule, comm.rank, config.n_layer))
+        model = Transformer(config, seed=0).parallelize(PipelineStages(schedule, comm.rank))
         executor = PipelineExecutor(model, schedule, comm, (rows, args.seq, args.embd), np.float32)
         bubbles, spans = [], []
         for step in range(args.warmup + args.steps):

@@ -48,14 +48,14 @@ class ExpertBalance:
         self.last_traffic: dict[str, Any] | None = None
 
     def new_step(self) -> RouterTally:
-        if self.model.expert_traffic is not None:  # what the forwards since the last step sent (validation) is not
-            self.model.expert_traffic.take()       # in this step's bytes
+        if self.model.ep.traffic is not None:  # what the forwards since the last step sent (validation) is not
+            self.model.ep.traffic.take()       # in this step's bytes
         return RouterTally(self)
 
     def balance(self, tally: RouterTally) -> dict[str, Any]:
         config, mesh = self.model.config, self.mesh
-        if self.model.expert_traffic is not None:  # the counts of the ep byte formula (`traffic.expert_parallel_bytes`)
-            self.last_traffic = self.model.expert_traffic.take()
+        if self.model.ep.traffic is not None:  # the counts of the ep byte formula (`traffic.expert_parallel_bytes`)
+            self.last_traffic = self.model.ep.traffic.take()
         if config.moe_bias_rate > 0:
             for layer, stats in tally.layers.items():
                 counts = self._over_token_sets(sum_array_over(mesh.dp_cp, stats.assignments))

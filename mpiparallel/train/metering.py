@@ -71,7 +71,7 @@ class StepMeter:
 
     def __init__(self, mesh: Mesh, model: Transformer, tracer: Any = NO_TRACER) -> None:
         self.mesh, self.tracer = mesh, tracer
-        self.key_value_group = model.key_value_group  # KV heads replicated over tp: part of tp's traffic
+        self.key_value_group = model.tp.key_value_group  # KV heads replicated over tp: part of tp's traffic
         self.across_nodes = mesh.world.topology.spans_nodes
 
     def start(self) -> Clock:
@@ -167,7 +167,7 @@ def traffic_by_axis(trainer: Trainer, counted: dict[str, int], across_nodes: boo
             config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) if config.is_deepseek else 0)
     partial = sum(piece.grad.nbytes for piece in trainer.engine.optimizer_parameters()
                   if isinstance(piece.placement.get("tp"), Partial))
-    key_value_group = None if across_nodes else model.key_value_group  # KV heads held by several TP ranks
+    key_value_group = None if across_nodes else model.tp.key_value_group  # KV heads held by several TP ranks
     predicted: dict[str, float | None] = {
         "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial, key_value_group),
         "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp) if not across_nodes
@@ -198,13 +198,12 @@ def traffic_by_axis(trainer: Trainer, counted: dict[str, int], across_nodes: boo
 def expert_parallel_formula(trainer: Trainer, across_nodes: bool) -> float | None:
     """`traffic.expert_parallel_bytes` on the last step's counts of this rank's MoE layers (None without EP)."""
     model, counts = trainer.model, getattr(trainer.experts, "last_traffic", None)
-    if model.ep_comm is None or counts is None:
+    if not model.ep.parallel or counts is None:
         return None
     channels, itemsize = model.config.n_embd, model.compute_dtype.itemsize
     dispatch_row = channels + 4 * math.ceil(channels / 128) if model.fp8 != "none" else channels * itemsize
-    return traffic.expert_parallel_bytes(counts, model.ep_dispatch, model.ep_comm, channels * itemsize, dispatch_row,
-                                         counts["value_bytes"], model.config.n_experts // model.ep_comm.size,
-                                         across_nodes)
+    return traffic.expert_parallel_bytes(counts, model.ep.dispatch, model.ep.comm, channels * itemsize, dispatch_row,
+                                         counts["value_bytes"], model.config.n_experts // model.ep.size, across_nodes)
 
 
 # -- MFU's denominator -----------------------------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """Where each parallel axis enters training: mesh → schedule → model → engines → optimizer, in axis order.
 
-    axis   enters at                                                   placement (what a rank holds)
-    mesh   `build_mesh`: world = dp·tp·pp·cp, ep divides dp            `mpiparallel.mesh`
-    pp     `pipeline_schedule`: the stages and their order             `pipeline_parallel.place_on_pipeline`
-    tp,sp  `build_model`: this rank's shards of every weight           `models.tensor_parallel` placement
-    cp     `build_model`: attention over the CP ring (zigzag chunks)   replicated (the gradients are summed with dp)
-    ep     `build_model`: this rank's E/ep experts                     `models.moe.expert_placement`
-    dp     `data_parallel_engines`: gradients summed over dp (×cp),   `data_parallel.data_parallel_engines`
-           experts over expert_dp (×cp); ZeRO shards
+The model is built serially, then every axis that changes what it is made of enters the same way: an axis object
+(`models.axes`) handed to `Transformer.parallelize`, which rebuilds the layers asking each axis its part.
+Data parallelism changes no layer — every replica runs the same model — so it enters after: its engines take the
+built model's parameters over and run as hooks around each unit.
+
+    axis   object (its module)                                    changes                       placement
+    pp     `PipelineStages` (mpiparallel.pipeline_parallel)       the units this rank holds     Held on "pp"
+    tp,sp  `TensorParallel` (models.tensor_parallel)              linears, embedding, head,     Sharded / Partial
+                                                                  heads: this rank's shards     on "tp"
+    cp     `ContextParallel` (models.context_parallel)            the attention, positions      replicated
+    ep     `ExpertParallel` (models.expert_parallel)              the experts held, dispatch    Held on "ep"
+    dp     `data_parallel_engines` (mpiparallel.data_parallel)    nothing in the model: owns    ZeRO segments
+                                                                  the parameters, sums grads
     —      `build_optimizer`: over what the engines hand it (ZeRO: this rank's segments)
 
 Every check that a mesh and a model fit together is here, each one clear `ConfigError` on every rank.
@@ -22,9 +27,11 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
-from models.context_parallel import ContextParallelGroup
+from models.axes import Axis
+from models.context_parallel import ContextParallel
+from models.expert_parallel import ExpertParallel
 from models.layers import GPU_QUERY_BLOCK, QUERY_BLOCK
-from models.tensor_parallel import TensorParallelTransformer, check_tensor_parallel_shape
+from models.tensor_parallel import TensorParallel, check_tensor_parallel_shape
 from models.transformer import GPTConfig, Transformer
 
 from .. import optim
@@ -32,7 +39,7 @@ from ..checkpoints import hugging_face
 from ..data_parallel import DataParallelGroups, data_parallel_engines
 from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh, MeshShape
-from ..pipeline_parallel import check_tag_space, local_units, place_on_pipeline, stage_units
+from ..pipeline_parallel import PipelineStages, check_tag_space, stage_units
 from ..schedules import Schedule, build_schedule, default_microbatches, default_virtual_stages
 from .settings import ModelSettings, OptimizerSettings, TrainSettings, moment_dtype
 
@@ -133,13 +140,11 @@ def query_block(model: ModelSettings) -> int:
 
 def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule: Schedule | None,
                 xp: Any = np) -> Transformer:
-    """This rank's model: the serial Transformer, or with --tp its tensor-parallel version (this rank's shards of
-    the same weights), holding only this pipeline rank's stages and EP rank's experts; every parameter's
-    placement records the mesh."""
-    tp = mesh.shape.tp
-    if settings.mesh.sp and settings.data.seq_len % tp:
-        raise ConfigError(f"--sp splits the sequence over the {tp} tensor-parallel ranks: --seq-len "
-                          f"{settings.data.seq_len} must be divisible by {tp}")
+    """This rank's model: the serial Transformer, then split over every axis of the mesh that splits it
+    (`model_axes`, `Transformer.parallelize`); every parameter's placement records the mesh."""
+    if settings.mesh.sp and settings.data.seq_len % mesh.shape.tp:
+        raise ConfigError(f"--sp splits the sequence over the {mesh.shape.tp} tensor-parallel ranks: --seq-len "
+                          f"{settings.data.seq_len} must be divisible by {mesh.shape.tp}")
     if settings.model.fp8 != "none" and settings.model.compute_dtype != "bfloat16":
         raise ConfigError(f"--fp8 {settings.model.fp8} needs --compute-dtype bfloat16 (DeepSeek-V3's recipe: "
                           f"what is not FP8 is bfloat16), got --compute-dtype "
@@ -147,37 +152,48 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
     check_experts(config, mesh)
     on_every_rank(mesh.world, lambda: check_ep_dispatch(settings, mesh, config))
     check_sequence_balance(settings, mesh, config)
-    units = None if schedule is None else local_units(schedule, mesh.pp.rank, config.n_layer)
-    common = {"seed": settings.model.seed, "dtype": np.dtype(settings.model.dtype), "xp": xp,
-              "recompute": settings.model.recompute, "query_block": query_block(settings.model),
-              "compute_dtype": settings.model.compute_dtype,
-              "grad_dtype": settings.model.grad_dtype, "fp8": settings.model.fp8, "units": units,
-              "context": context(settings, mesh, config)}
-    if config.n_experts:  # the token sets one step averages the aux loss over, and this rank's EP group
-        token_sets = microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (
-            tp if settings.mesh.sp else 1)
-        common |= {"moe_token_sets": token_sets, "ep_comm": mesh.ep if mesh.shape.ep > 1 else None,
-                   "ep_dispatch": settings.mesh.ep_dispatch}
-    if tp == 1:
-        model = Transformer(config, **common)
-    else:
-        try:
-            check_tensor_parallel_shape(config, tp)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        model = TensorParallelTransformer(config, mesh.tp, sequence_parallel=settings.mesh.sp, **common)
-    if schedule is not None:
-        place_on_pipeline(model, schedule)
+    axes = model_axes(settings, mesh, config, schedule)
+    model = Transformer(config, seed=settings.model.seed, dtype=np.dtype(settings.model.dtype), xp=xp,
+                        recompute=settings.model.recompute, query_block=query_block(settings.model),
+                        compute_dtype=settings.model.compute_dtype, grad_dtype=settings.model.grad_dtype,
+                        fp8=settings.model.fp8, moe_token_sets=moe_token_sets(settings, mesh, config))
+    model.parallelize(*axes)
     if settings.model.init:
         model.load_state_dict(hugging_face.load_pretrained(settings.model.init)[1])
     return model
 
 
-def context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextParallelGroup | None:
-    """The CP group and attention variant (None without --cp), after the checks that give one clear message."""
+def model_axes(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule: Schedule | None) -> list[Axis]:
+    """The axes that split this rank's model, in the mesh's order (`models.axes`), after the checks that give one
+    clear message each: this pipeline rank's stages, its tensor-parallel shards (with SP: its sequence slice
+    between the layers), its context-parallel attention, its experts."""
+    axes: list[Axis] = []
+    if schedule is not None:
+        axes.append(PipelineStages(schedule, mesh.pp.rank))
+    if mesh.shape.tp > 1:
+        try:
+            check_tensor_parallel_shape(config, mesh.shape.tp)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        axes.append(TensorParallel(mesh.tp, sequence_parallel=settings.mesh.sp))
+    if mesh.shape.cp > 1:
+        axes.append(context(settings, mesh, config))
+    if mesh.shape.ep > 1:
+        axes.append(ExpertParallel(mesh.ep, settings.mesh.ep_dispatch))
+    return axes
+
+
+def moe_token_sets(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> int:
+    """The token sets one step averages the MoE aux loss over: microbatches × dp × cp (× tp with SP)."""
+    if not config.n_experts:
+        return 1
+    return microbatch_count(settings, mesh) * mesh.shape.dp * mesh.shape.cp * (
+        mesh.shape.tp if settings.mesh.sp else 1)
+
+
+def context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextParallel:
+    """The CP axis with its attention variant, after the checks that give one clear message."""
     cp, tp, variant = mesh.shape.cp, mesh.shape.tp, settings.mesh.cp_attention
-    if cp == 1:
-        return None
     if settings.data.seq_len % (2 * cp):
         raise ConfigError(f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {2 * cp}")
@@ -191,7 +207,7 @@ def context(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> ContextPa
     if variant == "ulysses" and kv_heads % cp and cp % kv_heads:
         raise ConfigError(f"--cp-attention ulysses shares the KV heads out over --cp {cp} ranks: the {kv_heads} KV "
                           f"head(s) per tensor-parallel rank and cp must divide one another")
-    return ContextParallelGroup(mesh.cp, variant)
+    return ContextParallel(mesh.cp, variant)
 
 
 def check_experts(config: GPTConfig, mesh: Mesh) -> None:

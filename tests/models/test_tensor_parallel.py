@@ -16,7 +16,7 @@ from mpi_harness import run_on_ranks
 
 from models.parameter import gather_tensor, shard_tensor
 from models.tensor_parallel import (
-    TensorParallelTransformer,
+    TensorParallel,
     check_tensor_parallel_shape,
     full_state_dict,
     tensor_parallel_placement,
@@ -190,7 +190,8 @@ def test_one_rank_tensor_parallel_model_is_the_serial_model():
     config = GPTConfig(vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     tokens = np.random.default_rng(0).integers(0, 61, (2, 9))
     serial = Transformer(config, seed=3, dtype=np.float64)
-    model = TensorParallelTransformer(config, MPI.COMM_SELF, seed=3, dtype=np.float64, sequence_parallel=True)
+    model = Transformer(config, seed=3, dtype=np.float64).parallelize(
+        TensorParallel(MPI.COMM_SELF, sequence_parallel=True))
     (loss, saved), (serial_loss, serial_saved) = model.forward(tokens[:, :-1], tokens[:, 1:]), serial.forward(
         tokens[:, :-1], tokens[:, 1:])
     assert loss == pytest.approx(serial_loss, rel=TOLERANCE)

@@ -46,13 +46,14 @@ def fp8_dispatch(n_embd: int = 256, tokens_per_rank: int = 96, seed: int = 0) ->
     gradients, the rows this rank's dispatch sent and received off-rank, and the all-to-allv bytes of the forward
     (dispatch in FP8, combine in bfloat16)."""
     from collectives import Communicator
+    from models.expert_parallel import ExpertParallel
     from models.transformer import GPTConfig, Transformer
 
     comm = Communicator(MPI.COMM_WORLD)
     config = GPTConfig(vocab_size=64, n_positions=16, n_embd=n_embd, n_layer=1, n_head=4, arch="llama", n_kv_head=4,
                        ffn_hidden=128, n_experts=4, moe_top_k=2)
     common = {"seed": seed, "compute_dtype": "bfloat16", "fp8": "blockwise"}
-    layer = Transformer(config, ep_comm=comm, **common).blocks[0].mlp
+    layer = Transformer(config, **common).parallelize(ExpertParallel(comm)).blocks[0].mlp
     whole = Transformer(config, **common).blocks[0].mlp
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((comm.size, tokens_per_rank, n_embd)).astype(layer.experts[0].expand.dtype)

@@ -13,6 +13,7 @@ from moe_oracle import copy_experts, forcing_inputs, forcing_weight, loop_refere
 
 import collectives as C
 from collectives.backend import get_array_module
+from models.expert_parallel import ExpertParallel
 from models.moe import MixtureOfExperts, expert_index, local_experts
 from models.transformer import GPTConfig, Transformer
 
@@ -178,8 +179,8 @@ def model_against_serial(recompute: str) -> dict[str, Any]:
         loss, saved = serial.forward(inputs[row:row + 1], targets[row:row + 1], normalizer=inputs.size)
         serial_loss += loss
         serial.backward(saved)
-    model = _perturbed(Transformer(config, seed=SEED, dtype=np.float64, ep_comm=comm, moe_token_sets=comm.size,
-                                   recompute=recompute, xp=parallel_array_module()))
+    model = _perturbed(Transformer(config, seed=SEED, dtype=np.float64, moe_token_sets=comm.size, recompute=recompute,
+                                   xp=parallel_array_module()).parallelize(ExpertParallel(comm)))
     rows = slice(comm.rank, comm.rank + 1)
     loss, saved = model.forward(inputs[rows], targets[rows], normalizer=inputs.size)
     model.backward(saved)

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from collectives import CollectiveMismatchError, Communicator
 from models.transformer import GPTConfig, Transformer
-from mpiparallel.pipeline_parallel import PipelineExecutor, local_units, place_on_pipeline
+from mpiparallel.pipeline_parallel import PipelineExecutor, PipelineStages
 from mpiparallel.schedules import RECV_F, build_schedule
 
 ROWS, SEQ, EMBD = 2, 8, 16
@@ -25,8 +25,7 @@ def broken_step(breakage: str, checked: bool = True) -> str:
     comm.label = "pp"
     config = GPTConfig(vocab_size=64, n_positions=4 * SEQ, n_embd=EMBD, n_layer=2, n_head=2)
     schedule = build_schedule("1f1b", comm.size, 2)
-    model = Transformer(config, dtype=np.float64, units=local_units(schedule, comm.rank, config.n_layer))
-    place_on_pipeline(model, schedule)
+    model = Transformer(config, dtype=np.float64).parallelize(PipelineStages(schedule, comm.rank))
     seq = 2 * SEQ if breakage == "short_data" or (breakage == "longer_buffer" and comm.rank == 1) else SEQ
     executor = PipelineExecutor(model, schedule, comm, (ROWS, seq, EMBD), np.float64)
     if breakage == "dropped_receive" and comm.rank == 1:

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 import collectives as C
-from models.tensor_parallel import TensorParallelTransformer
-from models.transformer import GPTConfig
+from models.tensor_parallel import TensorParallel
+from models.transformer import GPTConfig, Transformer
 
 
 def held_bytes(configs: list[dict[str, Any]], rows: int, length: int, recompute: str) -> list[dict[str, Any]]:
@@ -20,8 +20,8 @@ def held_bytes(configs: list[dict[str, Any]], rows: int, length: int, recompute:
     tokens = np.random.default_rng(3).integers(0, 32, (rows, length))
     for fields in configs:
         for sequence_parallel in (False, True):
-            model = TensorParallelTransformer(GPTConfig(**fields), C.world(), dtype=np.float32,
-                                              sequence_parallel=sequence_parallel, recompute=recompute)
+            model = Transformer(GPTConfig(**fields), dtype=np.float32, recompute=recompute).parallelize(
+                TensorParallel(C.world(), sequence_parallel))
             _, saved = model.forward(tokens, tokens)
             found.append({"parameters": sum(int(param.data.nbytes) for param in model.parameters()),
                           "activations": saved.nbytes(),

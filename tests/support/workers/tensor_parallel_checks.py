@@ -11,7 +11,7 @@ import numpy as np
 import collectives as C
 from models.layers import Saved, block_activation_elements
 from models.parameter import gather_tensor, reduce_partial_gradients
-from models.tensor_parallel import TensorParallelTransformer, full_state_dict
+from models.tensor_parallel import TensorParallel, full_state_dict
 from models.transformer import GPTConfig, ParameterHooks, Transformer
 from mpiparallel.mesh import Mesh, MeshShape
 from mpiparallel.optim import AdamW
@@ -50,8 +50,8 @@ def _compare_one(tp: int, dp: int, sequence_parallel: bool, vocab_size: int, ste
     config = tiny_config(vocab_size)
     batch_size, length = 2 * dp, 8
     serial = Transformer(config, seed=SEED, dtype=np.float64)
-    model = TensorParallelTransformer(config, mesh.tp, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
-                                      xp=parallel_array_module())
+    model = Transformer(config, seed=SEED, dtype=np.float64, xp=parallel_array_module()).parallelize(
+        TensorParallel(mesh.tp, sequence_parallel))
     initial = full_state_dict(model)
     report = {"initial_weights_exact": all(np.array_equal(host(initial[n]), v) for n, v in serial.state_dict().items()),
               "losses": [], "loss_error": 0.0, "grad_error": 0.0, "weight_error": 0.0,
@@ -123,8 +123,8 @@ def ledger_and_memory(sequence_parallel: bool, batch_size: int = 2, length: int 
     LayerNorms keep for backward, next to the serial model's."""
     config = tiny_config()
     tp_comm = C.world()
-    model = TensorParallelTransformer(config, tp_comm, seed=SEED, dtype=np.float64, sequence_parallel=sequence_parallel,
-                                      algo="ring")
+    model = Transformer(config, seed=SEED, dtype=np.float64).parallelize(
+        TensorParallel(tp_comm, sequence_parallel, algo="ring"))
     tokens, targets = batch(config, batch_size, length, step=0)
     hooks = LedgerByUnit(tp_comm)
     tp_comm.ledger.reset()
@@ -153,7 +153,7 @@ def _layer_norm_bytes(saved: Saved) -> int:
 def checkpoint_round_trip() -> dict[str, Any]:
     """load_state_dict cuts full tensors into this rank's shards; full_state_dict gathers them back unchanged."""
     config = tiny_config(vocab_size=61)
-    model = TensorParallelTransformer(config, C.world(), seed=SEED, dtype=np.float64)
+    model = Transformer(config, seed=SEED, dtype=np.float64).parallelize(TensorParallel(C.world()))
     other = Transformer(config, seed=SEED + 1, dtype=np.float64).state_dict()
     model.load_state_dict({name.removeprefix("transformer."): value for name, value in other.items()})
     gathered = full_state_dict(model)
@@ -166,10 +166,10 @@ def errors(indivisible_heads: dict[str, int]) -> dict[str, str]:
     do not divide by tp, and with sequence parallelism a sequence of 7 tokens."""
     messages = {}
     try:
-        TensorParallelTransformer(GPTConfig(**indivisible_heads), C.world(), dtype=np.float64)
+        Transformer(GPTConfig(**indivisible_heads), dtype=np.float64).parallelize(TensorParallel(C.world()))
     except ValueError as error:
         messages["heads"] = str(error)
-    model = TensorParallelTransformer(tiny_config(), C.world(), dtype=np.float64, sequence_parallel=True)
+    model = Transformer(tiny_config(), dtype=np.float64).parallelize(TensorParallel(C.world(), sequence_parallel=True))
     tokens, targets = batch(tiny_config(), 2, 7, step=0)
     try:
         model.forward(tokens, targets)
@@ -178,10 +178,10 @@ def errors(indivisible_heads: dict[str, int]) -> dict[str, str]:
     return messages
 
 
-def _perturbed(config: GPTConfig, sequence_parallel: bool, **options: Any) -> TensorParallelTransformer:
+def _perturbed(config: GPTConfig, sequence_parallel: bool, **options: Any) -> Transformer:
     """The TP model with every weight moved off its ones/zeros init (the same move on every rank)."""
-    model = TensorParallelTransformer(config, C.world(), seed=SEED, dtype=np.float64,
-                                      sequence_parallel=sequence_parallel, **options)
+    model = Transformer(config, seed=SEED, dtype=np.float64, **options).parallelize(
+        TensorParallel(C.world(), sequence_parallel))
     serial = Transformer(config, seed=SEED, dtype=np.float64)
     moved = {name: value + 0.05 * np.random.default_rng(len(name)).standard_normal(value.shape)
              for name, value in serial.state_dict().items()}
@@ -189,8 +189,8 @@ def _perturbed(config: GPTConfig, sequence_parallel: bool, **options: Any) -> Te
     return model
 
 
-def _gathered_gradients(model: TensorParallelTransformer) -> dict[str, np.ndarray]:
-    return {p.name: host(gather_tensor(p.grad, p.placement, {"tp": model.comm}, p.full_shape))
+def _gathered_gradients(model: Transformer) -> dict[str, np.ndarray]:
+    return {p.name: host(gather_tensor(p.grad, p.placement, {"tp": model.tp.comm}, p.full_shape))
             for p in model.parameters()}
 
 
@@ -198,14 +198,14 @@ def _worst(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
     return worst(relative_error(got[name], value) for name, value in want.items())
 
 
-def _one_at_a_time(model: TensorParallelTransformer, pieces: list, normalizer: int) -> tuple[float, dict]:
+def _one_at_a_time(model: Transformer, pieces: list, normalizer: int) -> tuple[float, dict]:
     model.zero_grad()
     loss = 0.0
     for tokens, targets in pieces:
         piece_loss, saved = model.forward(tokens, targets, normalizer)
         loss += piece_loss
         model.backward(saved)
-    reduce_partial_gradients(model.parameters(), {"tp": model.comm})
+    reduce_partial_gradients(model.parameters(), {"tp": model.tp.comm})
     return loss, _gathered_gradients(model)
 
 
@@ -226,7 +226,7 @@ def stateless(sequence_parallel: bool) -> dict[str, Any]:
             model.backward_input(forwards[i][1])
         for i in reversed(order):
             model.backward_weights(forwards[i][1])
-        reduce_partial_gradients(model.parameters(), {"tp": model.comm})
+        reduce_partial_gradients(model.parameters(), {"tp": model.tp.comm})
         loss = sum(loss for loss, _ in forwards)
         report[f"in_flight_{count}_{order}"] = worst([relative_error(loss, want_loss),
                                                        _worst(_gathered_gradients(model), want)])
@@ -236,7 +236,7 @@ def stateless(sequence_parallel: bool) -> dict[str, Any]:
         boundary, first = model.forward(tokens, units=range(cut))
         loss, second = model.forward(boundary, targets, units=range(cut, model.unit_count))
         model.backward(first, model.backward(second))
-        reduce_partial_gradients(model.parameters(), {"tp": model.comm})
+        reduce_partial_gradients(model.parameters(), {"tp": model.tp.comm})
         report[f"ranges_cut_at_{cut}"] = worst([relative_error(loss, want_loss),
                                                  _worst(_gathered_gradients(model), want)])
     report["saved_bytes"], report["formula_bytes"] = {}, {}
