@@ -42,6 +42,7 @@ import numpy as np
 
 from collectives.backend import Array, get_array_module
 
+from .config import check_groups
 from .layers import Layer, Saved, row_sums
 from .moe import MixtureOfExperts, Router, sortable
 
@@ -133,20 +134,6 @@ class SigmoidRouter(Router):
         dscores *= scores
         dscores *= 1.0 - scores
         return dscores
-
-
-def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
-    """Group-limited routing's shape rules, one ValueError naming the broken one."""
-    if n_group < 1 or n_experts % n_group:
-        raise ValueError(f"n_group ({n_group}) must be at least 1 and divide the routed experts ({n_experts})")
-    if not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be between 1 and n_group ({n_group}), got {topk_group}")
-    if n_group > 1 and n_experts // n_group < 2:
-        raise ValueError(f"a group's score is the sum of its 2 best experts: n_group ({n_group}) leaves "
-                         f"{n_experts // n_group} expert(s) per group")
-    if top_k > topk_group * (n_experts // n_group):
-        raise ValueError(f"top_k ({top_k}) exceeds the experts of the topk_group ({topk_group}) kept groups "
-                         f"({topk_group * (n_experts // n_group)})")
 
 
 class DeepSeekMoE(Layer):

@@ -30,112 +30,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .deepseek_moe import DeepSeekMoE, SigmoidRouter, check_groups
+from .config import DEEPSEEK_V3
+from .deepseek_moe import DeepSeekMoE, SigmoidRouter
 from .latent_attention import LowRankProjection
 from .layers import Block, Linear, LMHead, RMSNorm
-from .moe import MoEBlock, expert_bias_name
+from .moe import MoEBlock
 from .multi_token import MultiTokenPrediction, PredictionModule
 from .rotary import softmax_scale_correction
+from .shapes import expert_bias_name, mtp_prefix, parameter_shapes, query_head_dim
 
-ARCH = "deepseek_v3"
+ARCH = DEEPSEEK_V3
 LATENT_NORM_EPS = 1e-6
 """q_a_layernorm's and kv_a_layernorm's eps: fixed, not rms_norm_eps (DeepSeek's code and transformers alike)."""
-LATENT_DIMENSIONS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-
-
-def check_choices(config: Any) -> None:
-    """Raise ValueError naming the first DeepSeek-V3 setting that cannot build a model."""
-    for name in LATENT_DIMENSIONS:
-        if getattr(config, name) < 1:
-            raise ValueError(f"deepseek_v3 needs {name} >= 1, got {getattr(config, name)}")
-    if config.n_kv_head not in (0, config.n_head):
-        raise ValueError("multi-head latent attention has no KV heads to group: n_kv_head is a llama setting")
-    if config.q_lora_rank is not None and config.q_lora_rank < 1:
-        raise ValueError(f"q_lora_rank must be >= 1, or None for one query projection; got {config.q_lora_rank}")
-    if config.qk_rope_head_dim % 2:
-        raise ValueError(f"RoPE rotates channel pairs: qk_rope_head_dim ({config.qk_rope_head_dim}) must be even")
-    if config.mtp_depth < 0 or (config.mtp_depth and config.mtp_weight <= 0):
-        raise ValueError(f"mtp_depth must be >= 0 and mtp_weight > 0 with it, got {config.mtp_depth} and "
-                         f"{config.mtp_weight}")
-    if not 0 <= config.first_k_dense_replace <= config.n_layer:
-        raise ValueError(f"first_k_dense_replace must be between 0 and n_layer ({config.n_layer}), "
-                         f"got {config.first_k_dense_replace}")
-    if config.n_experts:
-        if config.moe_ffn_hidden < 1 or config.n_shared_experts < 0:
-            raise ValueError(f"DeepSeekMoE needs moe_ffn_hidden >= 1 and n_shared_experts >= 0, got "
-                             f"{config.moe_ffn_hidden} and {config.n_shared_experts}")
-        if config.moe_aux_coef:
-            raise ValueError("deepseek_v3 balances its experts with the expert bias (--moe-bias-rate) and the "
-                             "sequence-wise loss (--moe-seq-aux-coef), not the Switch loss: moe_aux_coef must be 0")
-        check_groups(config.n_experts, config.moe_top_k, config.n_group, config.topk_group)
-
-
-def query_head_dim(config: Any) -> int:
-    """d_qk = d_n + d_r: the query and key head width."""
-    return config.qk_nope_head_dim + config.qk_rope_head_dim
-
-
-def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape in checkpoint order (see the module docstring)."""
-    c = config.n_embd
-    shapes = {"transformer.wte.weight": (config.vocab_size, c)}
-    for i in range(config.n_layer):
-        block = f"transformer.h.{i}"
-        shapes[f"{block}.ln_1.weight"] = (c,)
-        shapes |= _attention_shapes(config, f"{block}.attn")
-        shapes[f"{block}.ln_2.weight"] = (c,)
-        shapes |= _feed_forward_shapes(config, i, f"{block}.mlp")
-    shapes["transformer.ln_f.weight"] = (c,)
-    if not config.tied:
-        shapes["lm_head.weight"] = (config.vocab_size, c)
-    for k in range(config.mtp_depth):
-        module = mtp_prefix(k)
-        shapes |= {f"{module}.enorm.weight": (c,), f"{module}.hnorm.weight": (c,),
-                   f"{module}.eh_proj.weight": (2 * c, c), f"{module}.ln_1.weight": (c,)}
-        shapes |= _attention_shapes(config, f"{module}.attn")
-        shapes[f"{module}.ln_2.weight"] = (c,)
-        shapes |= _feed_forward_shapes(config, config.n_layer, f"{module}.mlp")
-        shapes[f"{module}.shared_head.norm.weight"] = (c,)
-    return shapes
-
-
-def mtp_prefix(k: int) -> str:
-    """Our name prefix of multi-token-prediction module k (0-based: it predicts k + 2 tokens ahead)."""
-    return f"transformer.mtp.{k}"
-
-
-def _attention_shapes(config: Any, prefix: str) -> dict[str, tuple[int, ...]]:
-    c, heads, rank = config.n_embd, config.n_head, config.kv_lora_rank
-    queries = heads * query_head_dim(config)
-    if config.q_lora_rank is None:
-        shapes = {f"{prefix}.q_proj.weight": (c, queries)}
-    else:
-        shapes = {f"{prefix}.q_a_proj.weight": (c, config.q_lora_rank),
-                  f"{prefix}.q_a_layernorm.weight": (config.q_lora_rank,),
-                  f"{prefix}.q_b_proj.weight": (config.q_lora_rank, queries)}
-    return shapes | {
-        f"{prefix}.kv_a_proj_with_mqa.weight": (c, rank + config.qk_rope_head_dim),
-        f"{prefix}.kv_a_layernorm.weight": (rank,),
-        f"{prefix}.kv_b_proj.weight": (rank, heads * (config.qk_nope_head_dim + config.v_head_dim)),
-        f"{prefix}.o_proj.weight": (heads * config.v_head_dim, c),
-    }
-
-
-def _swiglu_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.gate_proj.weight": (c, width), f"{prefix}.up_proj.weight": (c, width),
-            f"{prefix}.down_proj.weight": (width, c)}
-
-
-def _feed_forward_shapes(config: Any, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
-    c = config.n_embd
-    if not config.is_moe_layer(layer):
-        return _swiglu_shapes(prefix, c, config.ffn_width)
-    shapes = {f"{prefix}.router.weight": (c, config.n_experts)}
-    for e in range(config.n_experts):
-        shapes |= _swiglu_shapes(f"{prefix}.experts.{e}", c, config.moe_ffn_hidden)
-    if config.n_shared_experts:
-        shapes |= _swiglu_shapes(f"{prefix}.shared_experts", c, config.n_shared_experts * config.moe_ffn_hidden)
-    return shapes
 
 
 def parameter_counts(config: Any, mtp_depth: int = 1) -> dict[str, int]:
@@ -187,7 +93,7 @@ def multi_token_head(model: Any, head: LMHead) -> MultiTokenPrediction:
                                 block(model, config.n_layer, mtp_prefix(k)),
                                 model.norm(f"{mtp_prefix(k)}.shared_head.norm"), model.tp.cross_entropy(model))
                for k in range(config.mtp_depth)]
-    return MultiTokenPrediction(head, modules, model.tp.embedding(model), config.mtp_weight, model.cp.comm)
+    return MultiTokenPrediction(head, modules, model.tp.embedding(model), config.mtp_weight, model.cp)
 
 
 def _latent_attention(model: Any, prefix: str) -> Any:

@@ -43,11 +43,10 @@ from typing import Any
 
 import numpy as np
 
+from .config import MOE_KEYS
 from .rotary import rope_type
 
 LLAMA_TYPES = ("llama", "mixtral", "deepseek_v3")
-MOE_KEYS = ("n_experts", "moe_top_k", "moe_renormalize", "moe_aux_coef", "moe_capacity_factor", "moe_bias_rate")
-"""Our config.json keys of a mixture-of-experts model (GPT-2 and Mixtral alike)."""
 
 _LAYER_NAMES = (  # ours after transformer.h.{i}., Hugging Face's after model.layers.{i}., transposed?
     ("ln_1.weight", "input_layernorm.weight", False),

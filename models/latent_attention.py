@@ -23,9 +23,10 @@ Attention runs in blocks of `query_block` query rows, each multiplying only the 
 `models.layers.CausalSelfAttention`); `keep_probabilities=False` (selective recomputation) keeps no softmax
 probabilities and recomputes each block's in backward. The queries come in spans of consecutive positions
 (`query_spans`: one here, a context-parallel rank's two zigzag chunks there), each block seeing the keys from
-position 0 to its own; the keys are the [latent | RoPE key] rows `gather_keys` returns (this rank's own here;
-`models.latent_context_parallel` gathers them from the CP group). `forward_incremental` decodes with a cache of
-the normalized latent and the rotated RoPE key — the compressed cache — and expands the keys and values from it.
+position 0 to its own; the keys are the [latent | RoPE key] rows `gather_keys` returns (this rank's own
+here; `mpiparallel.axes.context_parallel.latent` gathers them from the CP group). `forward_incremental` decodes
+with a cache of the normalized latent and the rotated RoPE key — the compressed cache — and expands the keys and
+values from it.
 
 Saved per layer and microbatch (elements; b·s tokens): the query path's (x, and with the low-rank query its
 down output, norm and up input: b·s·(2·r_q + 2)), the KV path's (x, c's norm, up input: b·s·(2r + 2)), the

@@ -175,8 +175,9 @@ class Layer:
 class Gemms:
     """The three matrix products of a linear layer y = x·W on 2-D operands, at the operands' own dtype: forward
     x·W, the input gradient dy·Wᵀ, the weight gradient xᵀ·dy. The linear layers (`Linear`, `ConcatenatedLinear`,
-    `models.tensor_parallel.RowParallelLinear`) call them and nothing else, so `models.fp8.BlockwiseFp8Gemms`, their
-    E4M3 twin, turns every linear inside the blocks to FP8 on every parallel axis at once."""
+    `mpiparallel.axes.tensor_parallel.RowParallelLinear`) call them and nothing else, so
+    `models.fp8.BlockwiseFp8Gemms`, their E4M3 twin, turns every linear inside the blocks to FP8 on every parallel
+    axis at once."""
 
     name = "none"
 
@@ -508,7 +509,7 @@ class ProjectedAttention(Layer):
     (`projection`) shares, however its heads attend: the input pass runs the output projection's, the layer's
     own `_backward_to_qkv` (d(qkv) from d(merged heads)) and the qkv projection's, then drops what only it
     needed (`input_pass_only`, names in `saved`); the weight pass is the two projections'. The context-parallel
-    variants (`models.context_parallel`) are the other subclasses."""
+    variants (`mpiparallel.axes.context_parallel`) are the other subclasses."""
 
     input_pass_only: tuple[str, ...] = ()
 

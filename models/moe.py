@@ -118,11 +118,6 @@ def expert_index(name: str) -> int | None:
     return None if match is None else int(match.group(1))
 
 
-def expert_bias_name(layer: int) -> str:
-    """The checkpoint name of layer `layer`'s expert bias (state for aux-loss-free balancing, not a parameter)."""
-    return f"transformer.h.{layer}.mlp.router.expert_bias"
-
-
 def local_experts(n_experts: int, ep_rank: int, ep_size: int) -> range:
     """The experts EP rank `ep_rank` holds: expert e lives on rank e // (E/ep)."""
     if n_experts % ep_size:

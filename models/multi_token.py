@@ -55,10 +55,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from collectives import Communicator, all_gather
 from collectives.backend import Array, get_array_module
 
-from .context_parallel import zigzag_shard, zigzag_unsplit
+from .axis import ContextAxis
 from .layers import IGNORED, Layer, LMHead, Saved
 
 
@@ -86,16 +85,17 @@ def tokens_ahead(sequences: Array, k: int) -> tuple[Array, Array]:
 
 class MultiTokenPrediction(Layer):
     """The head unit of a model with MTP: the main `LMHead`, then the `modules` (see the module docstring).
-    `embedding` looks the next tokens up in the shared table; `weight` is λ; `context_comm` the CP group when the
-    model is context-parallel (this rank's targets are its zigzag chunks)."""
+    `embedding` looks the next tokens up in the shared table; `weight` is λ; `context` the model's context axis
+    (`models.axis.ContextAxis`: under context parallelism this rank's targets are only its zigzag chunks, and the
+    tokens k ahead of them are on other ranks)."""
 
     def __init__(self, head: LMHead, modules: list[PredictionModule], embedding: Any, weight: float,
-                 context_comm: Communicator | None = None) -> None:
+                 context: ContextAxis | None = None) -> None:
         if not modules or weight <= 0:
             raise ValueError(f"multi-token prediction needs at least one module and a weight > 0, got "
                              f"{len(modules)} and {weight}")
         self.head, self.modules, self.embedding, self.weight = head, modules, embedding, weight
-        self.context_comm = context_comm
+        self.context = context or ContextAxis()
 
     def logits(self, x: Array) -> Array:
         """Next-token logits of the main head (the modules only train)."""
@@ -130,16 +130,11 @@ class MultiTokenPrediction(Layer):
         """The (B, T) targets of the whole sequences: this rank's own, or under CP every CP rank's zigzag chunks
         all-gathered and put back in order."""
         targets = targets.astype(get_array_module(targets).int64, copy=False)  # room for IGNORED
-        if self.context_comm is None:
-            return targets
-        gathered = all_gather(targets, self.context_comm)  # (cp·B, s/cp): the ranks' pieces in rank order
-        return zigzag_unsplit(gathered.reshape(self.context_comm.size, *targets.shape))
+        return self.context.whole_sequences(targets)
 
     def _here(self, whole: Array) -> Array:
         """This rank's positions of a (B, T) array of the whole sequences (CP: its two zigzag chunks)."""
-        if self.context_comm is None:
-            return whole
-        return zigzag_shard(whole, self.context_comm.rank, self.context_comm.size)
+        return self.context.local_tokens(whole)
 
     def backward_input(self, saved: Saved, dout: None = None) -> Array:
         dx = self.head.backward_input(saved.main)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -37,8 +36,8 @@ import numpy as np
 from collectives.backend import BFLOAT16, Array, get_array_module, like, to_host
 
 from . import deepseek_v3
-from .axes import Axis, ContextAxis, ExpertAxis, PipelineAxis, TensorAxis
-from .families import MOE_KEYS
+from .axis import Axis, ContextAxis, ExpertAxis, PipelineAxis, TensorAxis
+from .config import GPTConfig
 from .fp8 import fp8_gemms
 from .layers import (
     GELU,
@@ -56,226 +55,11 @@ from .layers import (
     Saved,
     SwiGLU,
 )
-from .moe import MixtureOfExperts, MoEBlock, Router, expert_bias_name, expert_index
+from .moe import MixtureOfExperts, MoEBlock, Router, expert_index
 from .parameter import Parameter, seeded_normal, shard_tensor
 from .precision import Narrowed, dtype_named, is_narrow, narrow
 from .rotary import RotaryEmbedding
-
-ARCHITECTURES = ("gpt2", "llama", deepseek_v3.ARCH)
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """The model: its family and shape. Field names follow transformers.GPT2Config; the Llama family's choices
-    are named after LlamaConfig's (`models.families` maps both ways).
-
-    `arch` "gpt2": learned positions, LayerNorm, multi-head attention with biases, a 4·n_embd GELU MLP, the head
-    tied to wte. `arch` "llama": RoPE (`rope_theta`, `rope_scaling` e.g. {"rope_type": "llama3", …}), RMSNorm
-    (`rms_norm_eps`), grouped-query attention with `n_kv_head` KV heads (0: n_head), a SwiGLU MLP `ffn_hidden`
-    wide (0: 8/3·n_embd rounded up to a multiple of 64), no biases, the head untied unless `tie_embeddings`.
-
-    n_experts > 0 replaces every block's MLP by a mixture of that many experts of the family's MLP
-    (`models.moe`; Mixtral for llama): each token goes to the moe_top_k best; moe_renormalize makes its gates sum
-    to 1; moe_aux_coef weighs the Switch load-balancing loss; moe_capacity_factor C caps each expert at
-    ⌈C·K·tokens/E⌉ rows per token set (0: unlimited); moe_bias_rate R > 0 turns on aux-loss-free balancing (the
-    trainer updates the expert biases).
-
-    `arch` "deepseek_v3" (`models.deepseek_v3`): the llama choices with multi-head latent attention (q_lora_rank
-    None: one query projection; kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; RoPE pairs
-    interleaved when rope_interleave) and, from block first_k_dense_replace on, DeepSeekMoE: n_experts routed
-    experts moe_ffn_hidden wide with a sigmoid router (groups: n_group, topk_group; gates × routed_scaling_factor,
-    normalized when moe_renormalize), n_shared_experts shared ones, moe_seq_aux_coef the sequence-wise balance
-    loss's α; moe_bias_rate drives the selection bias (e_score_correction_bias). mtp_depth D > 0 adds D
-    multi-token-prediction modules to the head unit (`models.multi_token`), their losses weighted mtp_weight / D.
-    """
-
-    vocab_size: int = 256
-    n_positions: int = 1024
-    n_embd: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_experts: int = 0
-    moe_top_k: int = 2
-    moe_renormalize: bool = True
-    moe_aux_coef: float = 0.01
-    moe_capacity_factor: float = 0.0
-    moe_bias_rate: float = 0.0
-    arch: str = "gpt2"
-    n_kv_head: int = 0
-    ffn_hidden: int = 0
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    rms_norm_eps: float = 1e-5
-    tie_embeddings: bool | None = None
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = True
-    moe_ffn_hidden: int = 0
-    n_shared_experts: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    first_k_dense_replace: int = 0
-    moe_seq_aux_coef: float = 0.0
-    mtp_depth: int = 0
-    mtp_weight: float = 0.3
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"arch must be one of {ARCHITECTURES}, got {self.arch!r}")
-        if self.n_embd % self.n_head and not self.is_deepseek:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_kv_head < 0 or self.ffn_hidden < 0:
-            raise ValueError(f"n_kv_head and ffn_hidden must be >= 0 (0: the default), got {self.n_kv_head} and "
-                             f"{self.ffn_hidden}")
-        if self.n_head % self.kv_heads:
-            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads}): each KV head "
-                             f"serves an equal group of query heads")
-        if self.arch == "gpt2":
-            self._check_gpt2_choices()
-        elif self.is_deepseek:
-            deepseek_v3.check_choices(self)
-        elif self.head_dim % 2:
-            raise ValueError(f"RoPE rotates channel pairs: the head size n_embd/n_head ({self.head_dim}) must be even")
-        if self.n_experts < 0:
-            raise ValueError(f"n_experts must be >= 0 (0: a dense MLP), got {self.n_experts}")
-        if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
-            raise ValueError(f"moe_top_k must be between 1 and n_experts ({self.n_experts}), got {self.moe_top_k}")
-        for name in ("moe_aux_coef", "moe_capacity_factor", "moe_bias_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    def _check_gpt2_choices(self) -> None:
-        if self.kv_heads != self.n_head:
-            raise ValueError("GPT-2 has multi-head attention: n_kv_head is a llama setting (use arch llama)")
-        if self.ffn_hidden not in (0, 4 * self.n_embd):
-            raise ValueError(f"GPT-2's MLP is 4·n_embd = {4 * self.n_embd} wide: ffn_hidden is a llama setting")
-        if self.tie_embeddings is False:
-            raise ValueError("GPT-2 ties its LM head to the token embedding: --no-tie-embeddings needs arch llama")
-
-    @property
-    def is_llama(self) -> bool:
-        """The llama family's choices (RoPE, RMSNorm, SwiGLU, no biases): llama and deepseek_v3."""
-        return self.arch in ("llama", deepseek_v3.ARCH)
-
-    @property
-    def is_deepseek(self) -> bool:
-        return self.arch == deepseek_v3.ARCH
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether block `layer` has experts (all of a MoE model's but DeepSeek's first_k_dense_replace)."""
-        return bool(self.n_experts) and layer >= self.first_k_dense_replace
-
-    @property
-    def kv_heads(self) -> int:
-        """KV heads: n_kv_head, or n_head (multi-head attention) when 0."""
-        return self.n_kv_head or self.n_head
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def ffn_width(self) -> int:
-        """The MLP's hidden units: 4·n_embd for GPT-2; llama's ffn_hidden, by default 8/3·n_embd rounded up to a
-        multiple of 64 (Llama's rule without its multiplier)."""
-        if not self.is_llama:
-            return 4 * self.n_embd
-        return self.ffn_hidden or 64 * -(-(8 * self.n_embd) // (3 * 64))
-
-    @property
-    def tied(self) -> bool:
-        """Whether the LM head is the token embedding (always for GPT-2; llama only with tie_embeddings)."""
-        return not self.is_llama or bool(self.tie_embeddings)
-
-    @property
-    def head_reads_embedding(self) -> bool:
-        """Whether the head unit reads wte too: a tied head, or multi-token prediction's next-token lookups."""
-        return self.tied or bool(self.mtp_depth)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def moe_settings(self) -> dict[str, Any]:
-        """The MoE keys config.json gains (`MOE_KEYS`); none for a dense model."""
-        return {key: getattr(self, key) for key in MOE_KEYS} if self.n_experts else {}
-
-    def parameter_count(self) -> int:
-        return sum(math.prod(shape) for shape in parameter_shapes(self).values())
-
-
-def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape, in checkpoint order. GPT-2's are GPT2LMHeadModel's names (lm_head.weight
-    is wte, tied); llama's follow the same scheme (`transformer.h.{i}.attn.q_proj.weight`, …, `lm_head.weight`
-    when untied), [in, out] like every linear here — `models.families` maps them to Hugging Face's."""
-    if config.is_deepseek:
-        return deepseek_v3.parameter_shapes(config)
-    if config.is_llama:
-        return _llama_shapes(config)
-    c = config.n_embd
-    shapes = {"transformer.wte.weight": (config.vocab_size, c), "transformer.wpe.weight": (config.n_positions, c)}
-    for i in range(config.n_layer):
-        block = f"transformer.h.{i}"
-        shapes |= {
-            f"{block}.ln_1.weight": (c,), f"{block}.ln_1.bias": (c,),
-            f"{block}.attn.c_attn.weight": (c, 3 * c), f"{block}.attn.c_attn.bias": (3 * c,),
-            f"{block}.attn.c_proj.weight": (c, c), f"{block}.attn.c_proj.bias": (c,),
-            f"{block}.ln_2.weight": (c,), f"{block}.ln_2.bias": (c,),
-        }
-        shapes |= _feed_forward_shapes(config, block, _mlp_shapes)
-    shapes |= {"transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
-    return shapes
-
-
-def _llama_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    c, kv = config.n_embd, config.kv_heads * config.head_dim
-    shapes = {"transformer.wte.weight": (config.vocab_size, c)}
-    for i in range(config.n_layer):
-        block = f"transformer.h.{i}"
-        shapes |= {
-            f"{block}.ln_1.weight": (c,),
-            f"{block}.attn.q_proj.weight": (c, c), f"{block}.attn.k_proj.weight": (c, kv),
-            f"{block}.attn.v_proj.weight": (c, kv), f"{block}.attn.o_proj.weight": (c, c),
-            f"{block}.ln_2.weight": (c,),
-        }
-        shapes |= _feed_forward_shapes(config, block, _swiglu_shapes)
-    shapes["transformer.ln_f.weight"] = (c,)
-    if not config.tied:
-        shapes["lm_head.weight"] = (config.vocab_size, c)
-    return shapes
-
-
-def _feed_forward_shapes(config: GPTConfig, block: str, mlp_shapes: Any) -> dict[str, tuple[int, ...]]:
-    """The block's MLP, or its router and experts."""
-    c, width = config.n_embd, config.ffn_width
-    if not config.n_experts:
-        return mlp_shapes(f"{block}.mlp", c, width)
-    shapes = {f"{block}.mlp.router.weight": (c, config.n_experts)}
-    for e in range(config.n_experts):
-        shapes |= mlp_shapes(f"{block}.mlp.experts.{e}", c, width)
-    return shapes
-
-
-def _mlp_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.c_fc.weight": (c, width), f"{prefix}.c_fc.bias": (width,),
-            f"{prefix}.c_proj.weight": (width, c), f"{prefix}.c_proj.bias": (c,)}
-
-
-def _swiglu_shapes(prefix: str, c: int, width: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.gate_proj.weight": (c, width), f"{prefix}.up_proj.weight": (c, width),
-            f"{prefix}.down_proj.weight": (width, c)}
-
-
-def expert_bias_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The MoE expert biases (aux-loss-free balancing): model state saved with the parameters, but no
-    parameters — no gradient, no weight decay, changed only by `models.moe.update_expert_bias`."""
-    return {expert_bias_name(i): (config.n_experts,) for i in range(config.n_layer) if config.is_moe_layer(i)}
+from .shapes import expert_bias_name, expert_bias_shapes, parameter_shapes
 
 
 def units_using(name: str, n_layer: int, tied: bool = True) -> tuple[int, ...]:
@@ -341,7 +125,7 @@ class Transformer:
     optimizer step averages the aux losses over — each set's aux loss enters the objective divided by it. The
     expert biases are state in `expert_biases` (by checkpoint name), not parameters.
 
-    Parallel axes enter through `parallelize` (`models.axes`): a pipeline stage holds only its units (the others
+    Parallel axes enter through `parallelize` (`models.axis`): a pipeline stage holds only its units (the others
     are None in `units`/`blocks`), tensor parallelism its shards, context parallelism takes this CP rank's two
     zigzag chunks of every sequence, expert parallelism holds and runs only this rank's experts.
     """
@@ -362,7 +146,7 @@ class Transformer:
         self._build(lambda name, shape: xp.asarray(initial_value(name, shape, config, seed, dtype)))
 
     def parallelize(self, *axes: Axis) -> Transformer:
-        """Split this serial model over `axes` (`models.axes`: at most one each of pp, tp, cp, ep): each takes
+        """Split this serial model over `axes` (`models.axis`: at most one each of pp, tp, cp, ep): each takes
         its place (`model.pp`, `.tp`, `.cp`, `.ep`) and the layers are rebuilt, every parameter this rank's piece
         of the serial value held now — so a parallel model starts from the serial model's numbers, and weights
         loaded afterwards are cut the same way. Returns the model."""
@@ -422,8 +206,8 @@ class Transformer:
         self.compute_dtype = dtype_named(compute_dtype or dtype)
         self.grad_dtype = dtype_named(grad_dtype or dtype)
         if fp8 != "none" and self.compute_dtype != BFLOAT16:
-            raise ValueError(f"fp8 {fp8!r} needs bfloat16 compute (--compute-dtype bfloat16), got "
-                             f"{self.compute_dtype.name}")
+            raise ValueError(f"--fp8 {fp8} needs --compute-dtype bfloat16 (DeepSeek-V3's recipe: what is not FP8 is "
+                             f"bfloat16), got --compute-dtype {self.compute_dtype.name}")
         self.fp8 = fp8
         self.gemms = fp8_gemms(fp8) or PLAIN_GEMMS
 

@@ -9,7 +9,7 @@ gradient buckets an engine reduces:
 
     dp    DP all-reduce once per step: AR(G); ZeRO-1: RS(G) + AG(G); ZeRO-2: m·RS(G) + AG(G);
           ZeRO-3: m·(RS(G) + each bucket's all-gathers per microbatch); under a pipeline schedule ZeRO-2 and
-          ZeRO-3 reduce once per step and gather once: RS(G) + AG(G)           (`mpiparallel.data_parallel`);
+          ZeRO-3 reduce once per step and gather once: RS(G) + AG(G)           (`mpiparallel.axes.data_parallel`);
           with hybrid sharding the same on the shard group (dp_shard), and on dp_replicate AR(G/N), each
           rank's shard summed with its replicas
     tp    per microbatch: 4 AR(S) per block (2 forward, 2 backward; SP: AG + RS in their place; with MoE only
@@ -20,7 +20,7 @@ gradient buckets an engine reduces:
           module (DeepSeek-V3) over all s positions: an embedding, a block and a head exchange, the
           cross-entropy's (`models.multi_token`)
     pp    per microbatch and stage boundary to another rank: S forward, S backward; the tied embedding's
-          gradient once per step between the first and last stage's ranks (`mpiparallel.pipeline_parallel`)
+          gradient once per step between the first and last stage's ranks (`mpiparallel.axes.pipeline_parallel`)
     cp    per block and microbatch (MLA: all-gather of its compressed [latent | RoPE key], (c−1)/c·bs·(r + d_r)
           forward, and the reduce-scatter of its gradient, the same backward; Ulysses adds the all-to-alls of q
           and the output, (c−1)/c²·bs·H·(d_n + d_r + d_v) each way; ring sends the same blocks forward and
@@ -28,7 +28,7 @@ gradient buckets an engine reduces:
           ring 2(c−1)/c·bs·h_kv forward and
           2(2c−1)/c·bs·h_kv backward, all-gather 2(c−1)/c and 4(c−1)/c, with h_kv = n_kv·d channels of this TP
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
-          each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`models.context_parallel`);
+          each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`axes.context_parallel`);
           on the head's rank the MTP modules' blocks too, and per microbatch the all-gather of the targets,
           (c−1)/c·b·s int64 ids (`models.multi_token`)
     tp    (llama, tp > n_kv) per block and microbatch besides: the K/V weight gradients summed over the tp/n_kv
@@ -263,7 +263,7 @@ def pipeline_bytes(shape: RunShape, schedule: Any, rank: int, tp: int, tied_weig
     return shape.microbatches * boundaries * s + tied
 
 
-CP_ELEMENTS = {  # (forward, backward) K/V elements of b·s·h_kv one rank sends per block (models.context_parallel)
+CP_ELEMENTS = {  # (forward, backward) K/V elements of b·s·h_kv one rank sends per block (axes.context_parallel)
     "ring": lambda c: (2 * (c - 1) / c, 2 * (2 * c - 1) / c),
     "all-gather": lambda c: (2 * (c - 1) / c, 4 * (c - 1) / c),
 }

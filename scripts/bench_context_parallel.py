@@ -36,9 +36,9 @@ def build(kind: str, comm, args):
     """The attention layer `kind` with weights that are the same on every rank."""
     import numpy as np
 
-    from models import context_parallel as cp
     from models.layers import CausalSelfAttention, Linear
     from models.parameter import Parameter
+    from mpiparallel.axes.context_parallel import attention as cp
 
     rng = np.random.default_rng(0)
     channels = args.embd
@@ -58,7 +58,7 @@ def build(kind: str, comm, args):
 def ring_classes():
     """Ring attention that clocks its attention work (the time between the K/V blocks the ring hands it, waits
     excluded), with the zigzag layout and with a contiguous split (rank r holding chunks 2r and 2r+1)."""
-    from models.context_parallel import RingAttention, causal_chunk_pairs
+    from mpiparallel.axes.context_parallel.attention import RingAttention, causal_chunk_pairs
 
     class ClockedRing(RingAttention):
         compute = 0.0
@@ -113,7 +113,7 @@ def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     from collectives import Communicator
-    from models.context_parallel import zigzag_shard
+    from mpiparallel.axes.context_parallel.attention import zigzag_shard
 
     RINGS["zigzag"], RINGS["contiguous"] = ring_classes()
     comm = Communicator(MPI.COMM_WORLD)

@@ -44,7 +44,7 @@ def measure_bubbles(args: argparse.Namespace) -> None:
 
     from collectives import Communicator
     from models.transformer import GPTConfig, Transformer
-    from mpiparallel.pipeline_parallel import PipelineExecutor, PipelineStages
+    from mpiparallel.axes.pipeline_parallel import PipelineExecutor, PipelineStages
     from mpiparallel.process import keep_freed_memory
     from mpiparallel.schedules import bubble_formula, build_schedule, simulate
 

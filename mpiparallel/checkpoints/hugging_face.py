@@ -37,7 +37,8 @@ import safetensors.numpy
 
 from collectives.backend import to_host
 from models import families
-from models.transformer import MOE_KEYS, GPTConfig, expert_bias_shapes, parameter_shapes
+from models.config import MOE_KEYS
+from models.transformer import GPTConfig, expert_bias_shapes, parameter_shapes
 
 from ..errors import ConfigError
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .hardware import physical_memory
+
 
 def _timed(work, repeats: int, barrier, rounds: int = 5) -> float:
     """Median seconds of one call of `work` over `rounds` rounds, all ranks starting together."""
@@ -97,11 +99,6 @@ def compute_efficiency(shape: dict[str, int], rows: int, matmul_flops: float, el
     cluster = Cluster(gpus=1, gpus_per_node=1, matmul_flops=matmul_flops, elementwise_bytes=elementwise_bytes)
     predicted = evaluate(model, cluster, precision_with("float32"), Layout(), rows).step_s
     return predicted / serial_step_seconds(shape, rows, barrier)
-
-
-def physical_memory() -> int:
-    """This machine's memory in bytes (what the ranks of a CPU machine share)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def calibrate_machine(path: Path, n_embd: int, rows: int = 2048, shape: dict[str, int] | None = None,

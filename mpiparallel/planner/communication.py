@@ -28,7 +28,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from collectives.cost_model import CostModel, choose, predict
-from models.tensor_parallel import key_value_replicas
+from mpiparallel.axes.tensor_parallel import key_value_replicas
 
 from . import deepseek
 from .hardware import Cluster

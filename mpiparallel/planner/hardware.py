@@ -14,6 +14,7 @@ machine as `plan --calibrate` measured it (`load_machine`: the rates per rank wi
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -68,6 +69,11 @@ class Cluster:
 
 # -- a machine measured by `plan --calibrate` --------------------------------------------------------------------
 
+def physical_memory() -> int:
+    """This machine's memory in bytes (what the ranks of a CPU machine share)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def load_machine(path: Path, ranks_per_node: int, memory_per_rank: float | None = None) -> Cluster:
     """A cluster of `ranks_per_node` ranks on one machine from `plan --calibrate`'s file. Its rates were measured
     per rank with every core busy (one rank per core); fewer ranks than cores give each rank more BLAS threads
@@ -76,8 +82,6 @@ def load_machine(path: Path, ranks_per_node: int, memory_per_rank: float | None 
     machine's memory (recorded at calibration; this machine's for older files) shared by the ranks."""
     measured = json.loads(Path(path).read_text())
     if memory_per_rank is None:
-        from .calibrate import physical_memory
-
         memory_per_rank = (measured.get("memory_bytes") or physical_memory()) / ranks_per_node
     cores = measured["cores"]
     share = cores / ranks_per_node

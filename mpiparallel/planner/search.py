@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from models.context_parallel import VARIANTS as CP_ATTENTIONS
-from models.tensor_parallel import check_tensor_parallel_shape
+from mpiparallel.axes.context_parallel.attention import VARIANTS as CP_ATTENTIONS
+from mpiparallel.axes.tensor_parallel import check_tensor_parallel_shape
 
 from ..schedules import SCHEDULES, stage_units
 from ..schedules.build import check_arguments
@@ -110,7 +110,7 @@ def divisors(n: int) -> list[int]:
 def candidate_layouts(model: Model, cluster: Cluster, choices: Choices) -> Iterator[Layout]:
     """Every layout train would accept for this model on `cluster.gpus` ranks, with the fixed choices kept:
     tp inside a node dividing the heads and the MLP width, and dividing the KV heads or a multiple of them
-    (`models.tensor_parallel.check_tensor_parallel_shape`), pp·chunks ≤ layers, 2·cp dividing the sequence
+    (`mpiparallel.axes.tensor_parallel.check_tensor_parallel_shape`), pp·chunks ≤ layers, 2·cp dividing the sequence
     (Ulysses: cp dividing the heads of a TP rank, and dividing their KV heads or a multiple of them), ep
     dividing dp and the experts, microbatches ≥ pp dividing the batch rows of a DP rank, ZeRO ≤ 1 with a
     pipeline."""

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from models.moe import expert_bias_name, update_expert_bias
+from models.moe import update_expert_bias
+from models.shapes import expert_bias_name
 from models.transformer import Transformer
 
 from ..mesh import Mesh

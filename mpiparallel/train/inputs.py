@@ -13,7 +13,7 @@ from models.transformer import GPTConfig
 from .. import data
 from ..checkpoints import hugging_face
 from ..errors import ConfigError, on_every_rank
-from .settings import ModelSettings, TrainSettings
+from .settings import CONFIG_FIELDS, ModelSettings, TrainSettings
 
 
 def open_data(settings: TrainSettings, world: Any) -> tuple[data.Dataset, data.Dataset | None]:
@@ -49,10 +49,9 @@ def model_config(settings: TrainSettings) -> GPTConfig:
         shape = settings.model
         try:
             config = GPTConfig(vocab_size=shape.vocab_size, n_positions=max(shape.n_positions, settings.data.seq_len),
-                               n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head,
-                               n_experts=shape.experts, moe_top_k=shape.top_k, moe_renormalize=shape.moe_renormalize,
-                               moe_aux_coef=switch_aux_coef(shape), moe_capacity_factor=shape.capacity_factor,
-                               moe_bias_rate=shape.moe_bias_rate, **_family_choices(shape))
+                               moe_aux_coef=switch_aux_coef(shape), **_family_choices(shape), **config_fields(
+                                   shape, "n_embd", "n_layer", "n_head", "experts", "top_k", "moe_renormalize",
+                                   "capacity_factor", "moe_bias_rate"))
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if settings.data.seq_len > config.n_positions:
@@ -98,16 +97,20 @@ def deepseek_choices(shape: ModelSettings) -> dict[str, Any]:
     return {"q_lora_rank": shape.q_lora_rank, "kv_lora_rank": shape.kv_lora_rank or max(shape.n_embd // 4, 1),
             "qk_nope_head_dim": nope, "qk_rope_head_dim": shape.qk_rope_head_dim or max(2, nope // 2 // 2 * 2),
             "v_head_dim": shape.v_head_dim or head, "moe_ffn_hidden": shape.moe_ffn_hidden or max(width // 8, 1),
-            "n_shared_experts": shape.shared_experts, "n_group": shape.n_group, "topk_group": shape.topk_group,
-            "routed_scaling_factor": shape.routed_scaling_factor, "first_k_dense_replace": shape.first_k_dense,
-            "moe_seq_aux_coef": shape.moe_seq_aux_coef, "mtp_depth": shape.mtp_depth, "mtp_weight": shape.mtp_weight}
+            } | config_fields(shape, *DEEPSEEK_DEFAULTS)
+
+
+def config_fields(shape: ModelSettings, *names: str) -> dict[str, Any]:
+    """The GPTConfig fields the options `names` set, by the model's names (`settings.CONFIG_FIELDS`)."""
+    return {CONFIG_FIELDS.get(name, name): getattr(shape, name) for name in names}
 
 
 def switch_aux_coef(shape: ModelSettings) -> float:
-    """--moe-aux-coef, by default 0.01 (deepseek_v3: 0; it balances with the bias and the sequence-wise loss)."""
+    """--moe-aux-coef, by default GPTConfig's (deepseek_v3: 0; it balances with the bias and the sequence-wise
+    loss)."""
     if shape.moe_aux_coef is not None:
         return shape.moe_aux_coef
-    return 0.0 if shape.arch == "deepseek_v3" else 0.01
+    return 0.0 if shape.arch == "deepseek_v3" else GPTConfig.moe_aux_coef
 
 
 def tokenizer(settings: TrainSettings, dataset: data.Dataset, config: GPTConfig) -> data.Tokenizer | None:

@@ -23,8 +23,8 @@ from models.precision import model_state_bytes
 from models.transformer import Transformer
 
 from .. import traffic
+from ..axes.pipeline_parallel import TIED_WEIGHT
 from ..mesh import Mesh
-from ..pipeline_parallel import TIED_WEIGHT
 from .settings import moment_dtype
 
 if TYPE_CHECKING:

@@ -1,18 +1,18 @@
 """Where each parallel axis enters training: mesh → schedule → model → engines → optimizer, in axis order.
 
 The model is built serially, then every axis that changes what it is made of enters the same way: an axis object
-(`models.axes`) handed to `Transformer.parallelize`, which rebuilds the layers asking each axis its part.
+(`models.axis`) handed to `Transformer.parallelize`, which rebuilds the layers asking each axis its part.
 Data parallelism changes no layer — every replica runs the same model — so it enters after: its engines take the
 built model's parameters over and run as hooks around each unit.
 
-    axis   object (its module)                                    changes                       placement
-    pp     `PipelineStages` (mpiparallel.pipeline_parallel)       the units this rank holds     Held on "pp"
-    tp,sp  `TensorParallel` (models.tensor_parallel)              linears, embedding, head,     Sharded / Partial
-                                                                  heads: this rank's shards     on "tp"
-    cp     `ContextParallel` (models.context_parallel)            the attention, positions      replicated
-    ep     `ExpertParallel` (models.expert_parallel)              the experts held, dispatch    Held on "ep"
-    dp     `data_parallel_engines` (mpiparallel.data_parallel)    nothing in the model: owns    ZeRO segments
-                                                                  the parameters, sums grads
+    axis   object (its module in mpiparallel/axes/)     changes                             placement
+    pp     `PipelineStages` (pipeline_parallel)          the units this rank holds           Held on "pp"
+    tp,sp  `TensorParallel` (tensor_parallel)            linears, embedding, head, heads:    Sharded / Partial
+                                                         this rank's shards                  on "tp"
+    cp     `ContextParallel` (context_parallel)          the attention, positions            replicated
+    ep     `ExpertParallel` (expert_parallel)            the experts held, their dispatch    Held on "ep"
+    dp     `data_parallel_engines` (data_parallel)       nothing in the model: owns the      ZeRO segments
+                                                         parameters, sums the gradients
     —      `build_optimizer`: over what the engines hand it (ZeRO: this rank's segments)
 
 Every check that a mesh and a model fit together is here, each one clear `ConfigError` on every rank.
@@ -27,19 +27,19 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
-from models.axes import Axis
-from models.context_parallel import ContextParallel
-from models.expert_parallel import ExpertParallel
+from models.axis import Axis
 from models.layers import GPU_QUERY_BLOCK, QUERY_BLOCK
-from models.tensor_parallel import TensorParallel, check_tensor_parallel_shape
 from models.transformer import GPTConfig, Transformer
+from mpiparallel.axes.context_parallel import ContextParallel
+from mpiparallel.axes.expert_parallel import ExpertParallel
+from mpiparallel.axes.tensor_parallel import TensorParallel, check_tensor_parallel_shape
 
 from .. import optim
+from ..axes.data_parallel import DataParallelGroups, data_parallel_engines
+from ..axes.pipeline_parallel import PipelineStages, check_tag_space, stage_units
 from ..checkpoints import hugging_face
-from ..data_parallel import DataParallelGroups, data_parallel_engines
 from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh, MeshShape
-from ..pipeline_parallel import PipelineStages, check_tag_space, stage_units
 from ..schedules import Schedule, build_schedule, default_microbatches, default_virtual_stages
 from .settings import ModelSettings, OptimizerSettings, TrainSettings, moment_dtype
 
@@ -145,18 +145,17 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
     if settings.mesh.sp and settings.data.seq_len % mesh.shape.tp:
         raise ConfigError(f"--sp splits the sequence over the {mesh.shape.tp} tensor-parallel ranks: --seq-len "
                           f"{settings.data.seq_len} must be divisible by {mesh.shape.tp}")
-    if settings.model.fp8 != "none" and settings.model.compute_dtype != "bfloat16":
-        raise ConfigError(f"--fp8 {settings.model.fp8} needs --compute-dtype bfloat16 (DeepSeek-V3's recipe: "
-                          f"what is not FP8 is bfloat16), got --compute-dtype "
-                          f"{settings.model.compute_dtype or settings.model.dtype}")
     check_experts(config, mesh)
     on_every_rank(mesh.world, lambda: check_ep_dispatch(settings, mesh, config))
     check_sequence_balance(settings, mesh, config)
     axes = model_axes(settings, mesh, config, schedule)
-    model = Transformer(config, seed=settings.model.seed, dtype=np.dtype(settings.model.dtype), xp=xp,
-                        recompute=settings.model.recompute, query_block=query_block(settings.model),
-                        compute_dtype=settings.model.compute_dtype, grad_dtype=settings.model.grad_dtype,
-                        fp8=settings.model.fp8, moe_token_sets=moe_token_sets(settings, mesh, config))
+    try:  # the model checks its own choices (precision, FP8); the command line's error is its message
+        model = Transformer(config, seed=settings.model.seed, dtype=np.dtype(settings.model.dtype), xp=xp,
+                            recompute=settings.model.recompute, query_block=query_block(settings.model),
+                            compute_dtype=settings.model.compute_dtype, grad_dtype=settings.model.grad_dtype,
+                            fp8=settings.model.fp8, moe_token_sets=moe_token_sets(settings, mesh, config))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     model.parallelize(*axes)
     if settings.model.init:
         model.load_state_dict(hugging_face.load_pretrained(settings.model.init)[1])
@@ -164,7 +163,7 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
 
 
 def model_axes(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule: Schedule | None) -> list[Axis]:
-    """The axes that split this rank's model, in the mesh's order (`models.axes`), after the checks that give one
+    """The axes that split this rank's model, in the mesh's order (`models.axis`), after the checks that give one
     clear message each: this pipeline rank's stages, its tensor-parallel shards (with SP: its sequence slice
     between the layers), its context-parallel attention, its experts."""
     axes: list[Axis] = []

@@ -1,8 +1,12 @@
-"""Every `mpiparallel train` option, in groups, with its default: the one place the defaults are written.
+"""Every `mpiparallel train` option, in groups, with its default: the one place the defaults are written — the
+model's own choices read theirs from `models.config.GPTConfig`, so each is written once, there.
 
 The command line (`mpiparallel.commands.cli`) reads its defaults from here (`default`), so a script that builds
 `TrainSettings.from_options(...)` and the command that parses flags train the same model. Nothing here imports
 NumPy or MPI: the command line imports it to build its options before any rank starts.
+
+One vocabulary: an option that sets a GPTConfig field has that field's name, except the five the command line
+has always spelled shorter (`CONFIG_FIELDS`: --experts is n_experts, --top-k moe_top_k, …).
 """
 
 from __future__ import annotations
@@ -10,17 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from models.config import GPTConfig
+
+CONFIG_FIELDS = {"experts": "n_experts", "top_k": "moe_top_k", "capacity_factor": "moe_capacity_factor",
+                 "shared_experts": "n_shared_experts", "first_k_dense": "first_k_dense_replace"}
+"""ModelSettings' names that differ from the GPTConfig fields they set (the command line's flags: a contract)."""
+
 
 @dataclass(frozen=True)
 class ModelSettings:
     """The model: its family and shape (or `init`, a Hugging Face directory to start from), seed, precision,
     device, the activation recomputation mode, and a mixture of experts (experts > 0) with its routing settings."""
 
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
+    n_layer: int = GPTConfig.n_layer
+    n_head: int = GPTConfig.n_head
+    n_embd: int = GPTConfig.n_embd
     vocab_size: int | None = None  # None: the data's (data.json), else 256 (bytes)
-    n_positions: int = 1024
+    n_positions: int = GPTConfig.n_positions
     seed: int = 0
     dtype: str = "float32"
     compute_dtype: str | None = None  # None: dtype (mixed precision: bfloat16 or float16)
@@ -31,16 +41,16 @@ class ModelSettings:
     init: str | None = None
     recompute: str = "none"
     query_block: int | None = None  # attention's rows per causal block; None: 64 on a CPU, 1024 on a GPU
-    experts: int = 0
-    top_k: int = 2
-    moe_aux_coef: float | None = None  # None: 0.01, or 0 for deepseek_v3 (which balances otherwise)
-    capacity_factor: float = 0.0
-    moe_renormalize: bool = True
-    moe_bias_rate: float = 0.0
-    arch: str = "gpt2"
+    experts: int = GPTConfig.n_experts
+    top_k: int = GPTConfig.moe_top_k
+    moe_aux_coef: float | None = None  # None: GPTConfig's, or 0 for deepseek_v3 (which balances otherwise)
+    capacity_factor: float = GPTConfig.moe_capacity_factor
+    moe_renormalize: bool = GPTConfig.moe_renormalize
+    moe_bias_rate: float = GPTConfig.moe_bias_rate
+    arch: str = GPTConfig.arch
     n_kv_head: int | None = None
     ffn_hidden: int | None = None
-    rope_theta: float = 10000.0
+    rope_theta: float = GPTConfig.rope_theta
     tie_embeddings: bool | None = None
     q_lora_rank: int | None = None  # deepseek_v3's (None: the defaults `inputs.deepseek_choices` states)
     kv_lora_rank: int | None = None
@@ -48,14 +58,14 @@ class ModelSettings:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     moe_ffn_hidden: int | None = None
-    shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    first_k_dense: int = 0
-    moe_seq_aux_coef: float = 0.0
-    mtp_depth: int = 0
-    mtp_weight: float = 0.3
+    shared_experts: int = 1  # deepseek_v3's one shared expert (GPTConfig's 0 is a model without any)
+    n_group: int = GPTConfig.n_group
+    topk_group: int = GPTConfig.topk_group
+    routed_scaling_factor: float = GPTConfig.routed_scaling_factor
+    first_k_dense: int = GPTConfig.first_k_dense_replace
+    moe_seq_aux_coef: float = GPTConfig.moe_seq_aux_coef
+    mtp_depth: int = GPTConfig.mtp_depth
+    mtp_weight: float = GPTConfig.mtp_weight
 
 
 @dataclass(frozen=True)

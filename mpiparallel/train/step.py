@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from models.context_parallel import zigzag_shard
 from models.parameter import counts_once, reduce_partial_gradients
 from models.precision import has_overflow
+from mpiparallel.axes.context_parallel.attention import zigzag_shard
 
 from .. import data, optim
+from ..axes.pipeline_parallel import PipelineExecutor, sum_tied_gradient
 from ..errors import on_every_rank
-from ..pipeline_parallel import PipelineExecutor, sum_tied_gradient
 from .experts import expert_tallies
 from .metering import NO_TRACER, StepMeter, sum_over
 from .parallelize import Parallel, activation_shape, microbatch_count, microbatch_rows

@@ -14,7 +14,12 @@ def _imports(path: Path) -> list[str]:
     if path.name == "__init__.py":
         package = ".".join(path.relative_to(ROOT).parts[:-1])
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    type_checking = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+                     and getattr(node.test, "id", None) == "TYPE_CHECKING" for inner in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in type_checking:  # for the type checker only: never run
+            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -58,3 +63,61 @@ def test_the_check_sees_relative_imports():
     """The reader resolves `from ..jobs import launch` in mpiparallel/train/x.py to mpiparallel.jobs.launch."""
     path = ROOT / "mpiparallel" / "train" / "step.py"
     assert "mpiparallel.errors.on_every_rank" in _imports(path)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if path.name == "__init__.py" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports (every statement, also inside functions)."""
+    paths = [path for folder in ("collectives", "models", "mpiparallel") for path in (ROOT / folder).rglob("*.py")]
+    modules = {_module_name(path): path for path in paths}
+    graph = {}
+    for name, path in modules.items():
+        imported = {module for module in _imports(path) if module in modules and module != name}
+        # `from package import module` needs the module, not more of the package than is already loading
+        graph[name] = {module for module in imported if not any(other.startswith(module + ".") for other in imported)}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for after in graph[node]:
+            if after not in index:
+                visit(after)
+                low[node] = min(low[node], low[after])
+            elif after in stack:
+                low[node] = min(low[node], index[after])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle():
+    """No module imports, however indirectly or late (inside a function), one that imports it back."""
+    assert _circles(_import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

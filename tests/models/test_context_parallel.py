@@ -1,5 +1,6 @@
-"""Context-parallel attention (models/context_parallel.py): every variant computes full causal attention's numbers
-in float64, sends exactly its stated volume, and under the zigzag layout gives every CP rank the same work.
+"""Context-parallel attention (mpiparallel/axes/context_parallel/attention.py): every variant computes full causal
+attention's numbers in float64, sends exactly its stated volume, and under the zigzag layout gives every CP rank the
+same work.
 
 Two launches (2 and 4 ranks) run every multi-rank check (workers/context_parallel_checks.py); a group of one
 (cp = 1) runs in this process. Byte counts are exact because the ledger checks run the ring all-gather and
@@ -21,7 +22,7 @@ from workers.context_parallel_checks import (
 )
 from workers.errors import worst
 
-from models.context_parallel import (
+from mpiparallel.axes.context_parallel.attention import (
     VARIANTS,
     causal_chunk_pairs,
     context_parallel_attention,

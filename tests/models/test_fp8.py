@@ -292,7 +292,7 @@ def test_every_linear_inside_the_blocks_is_fp8_and_embedding_head_router_and_nor
 
 def test_fp8_needs_bfloat16_compute():
     config = GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4)
-    with pytest.raises(ValueError, match="needs bfloat16 compute"):
+    with pytest.raises(ValueError, match="needs --compute-dtype bfloat16"):
         Transformer(config, fp8="blockwise")
     with pytest.raises(ValueError, match="fp8 recipe"):
         Transformer(config, compute_dtype="bfloat16", fp8="tensorwise")

@@ -15,13 +15,13 @@ from mpi4py import MPI
 from mpi_harness import run_on_ranks
 
 from models.parameter import gather_tensor, shard_tensor
-from models.tensor_parallel import (
+from models.transformer import GPTConfig, Transformer
+from mpiparallel.axes.tensor_parallel import (
     TensorParallel,
     check_tensor_parallel_shape,
     full_state_dict,
     tensor_parallel_placement,
 )
-from models.transformer import GPTConfig, Transformer
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 

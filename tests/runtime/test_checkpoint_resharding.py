@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi_harness import RankFailure, run_on_ranks, run_with_timeout
 
-from models.tensor_parallel import tensor_parallel_placement
+from mpiparallel.axes.tensor_parallel import tensor_parallel_placement
 from mpiparallel.checkpoints.sharded import MANIFEST, TrainingCheckpoint, latest_training_checkpoint, step_folder
 
 CHECKS = "workers.checkpoint_checks"

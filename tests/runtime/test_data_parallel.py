@@ -7,7 +7,7 @@ from mpi_harness import run_on_ranks
 from workers.data_parallel_checks import CONFIG
 
 from models.transformer import GPTConfig, Transformer
-from mpiparallel.data_parallel import build_buckets
+from mpiparallel.axes.data_parallel import build_buckets
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 

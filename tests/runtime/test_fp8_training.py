@@ -12,7 +12,7 @@ token's channels together. What can change:
 - TP: the tiles are the same (every cut dimension here is a multiple of 128), but the row-parallel partial sums
   are rounded to bfloat16 before they are summed (as in the bfloat16 matrix), so the next layer's input differs
   from serial by bfloat16 roundings, and some of its E4M3 roundings flip.
-- a TP shard that cuts a 128-tile of a weight (not here; see models/tensor_parallel.py).
+- a TP shard that cuts a 128-tile of a weight (not here; see mpiparallel/axes/tensor_parallel.py).
 
 The bounds, then. Same tiles and same inputs (DP, ZeRO, PP, EP): the first step's gradients equal serial up to
 float32 summation order, ≤ 1e-5 relative — all but wpe, whose gradient is a bfloat16 sum over the batch in the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from mpi_harness import assert_equals_serial, parallel_training, serial_training, train_error
 
-from mpiparallel.pipeline_parallel import stage_units
+from mpiparallel.axes.pipeline_parallel import stage_units
 
 COMMON = {"n_layer": 8, "n_head": 2, "n_embd": 32, "seq_len": 16, "batch_size": 8, "steps": 3, "dtype": "float64",
           "grad_clip": 0.5, "weight_decay": 0.1, "vocab_size": 257, "lr": 1e-2}

@@ -22,9 +22,9 @@ import pytest
 from mpi_harness import run_on_ranks, run_with_timeout
 
 from collectives.cost_model import CostModel
-from models.tensor_parallel import key_value_replicas
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import traffic
+from mpiparallel.axes.tensor_parallel import key_value_replicas
 from mpiparallel.planner import (
     PRECISIONS,
     Choices,

@@ -130,7 +130,7 @@ def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
     from collectives import Communicator
     from models.transformer import GPTConfig, Transformer
     from mpiparallel import data
-    from mpiparallel.data_parallel import data_parallel
+    from mpiparallel.axes.data_parallel import data_parallel
 
     config = GPTConfig(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     comm = Communicator(MPI.COMM_WORLD)

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 import collectives as C
-from models.context_parallel import context_parallel_attention, zigzag_shard, zigzag_unsplit
 from models.layers import CausalSelfAttention, Linear
 from models.parameter import Parameter
+from mpiparallel.axes.context_parallel.attention import context_parallel_attention, zigzag_shard, zigzag_unsplit
 
 from .arrays import host, parallel_array_module
 from .errors import relative_error, worst

@@ -8,7 +8,7 @@ import collectives as C
 from models.parameter import counts_once
 from models.transformer import GPTConfig, Transformer
 from mpiparallel import data, optim
-from mpiparallel.data_parallel import DataParallel, data_parallel
+from mpiparallel.axes.data_parallel import DataParallel, data_parallel
 
 from .arrays import host, parallel_array_module
 from .errors import relative_error

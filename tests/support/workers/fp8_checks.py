@@ -46,8 +46,8 @@ def fp8_dispatch(n_embd: int = 256, tokens_per_rank: int = 96, seed: int = 0) ->
     gradients, the rows this rank's dispatch sent and received off-rank, and the all-to-allv bytes of the forward
     (dispatch in FP8, combine in bfloat16)."""
     from collectives import Communicator
-    from models.expert_parallel import ExpertParallel
     from models.transformer import GPTConfig, Transformer
+    from mpiparallel.axes.expert_parallel import ExpertParallel
 
     comm = Communicator(MPI.COMM_WORLD)
     config = GPTConfig(vocab_size=64, n_positions=16, n_embd=n_embd, n_layer=1, n_head=4, arch="llama", n_kv_head=4,

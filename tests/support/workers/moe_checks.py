@@ -13,9 +13,9 @@ from moe_oracle import copy_experts, forcing_inputs, forcing_weight, loop_refere
 
 import collectives as C
 from collectives.backend import get_array_module
-from models.expert_parallel import ExpertParallel
 from models.moe import MixtureOfExperts, expert_index, local_experts
 from models.transformer import GPTConfig, Transformer
+from mpiparallel.axes.expert_parallel import ExpertParallel
 
 from .arrays import host, parallel_array_module
 from .errors import relative_error

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from collectives import CollectiveMismatchError, Communicator
 from models.transformer import GPTConfig, Transformer
-from mpiparallel.pipeline_parallel import PipelineExecutor, PipelineStages
+from mpiparallel.axes.pipeline_parallel import PipelineExecutor, PipelineStages
 from mpiparallel.schedules import RECV_F, build_schedule
 
 ROWS, SEQ, EMBD = 2, 8, 16

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 import collectives as C
-from models.tensor_parallel import TensorParallel
 from models.transformer import GPTConfig, Transformer
+from mpiparallel.axes.tensor_parallel import TensorParallel
 
 
 def held_bytes(configs: list[dict[str, Any]], rows: int, length: int, recompute: str) -> list[dict[str, Any]]:

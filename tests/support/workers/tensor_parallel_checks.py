@@ -11,8 +11,8 @@ import numpy as np
 import collectives as C
 from models.layers import Saved, block_activation_elements
 from models.parameter import gather_tensor, reduce_partial_gradients
-from models.tensor_parallel import TensorParallel, full_state_dict
 from models.transformer import GPTConfig, ParameterHooks, Transformer
+from mpiparallel.axes.tensor_parallel import TensorParallel, full_state_dict
 from mpiparallel.mesh import Mesh, MeshShape
 from mpiparallel.optim import AdamW
 

@@ -65,8 +65,8 @@ from models.moe import expert_index
 from models.parameter import HELD, PARTIAL, FlatShard, Parameter
 from models.transformer import ParameterHooks
 
-from .errors import ConfigError
-from .mesh import Mesh
+from ..errors import ConfigError
+from ..mesh import Mesh
 
 ZERO_STAGES = (0, 1, 2, 3)
 DP_AXIS = "dp"

@@ -1,6 +1,6 @@
 """Context parallelism (CP) for multi-head latent attention: ring, all-gather and Ulysses, moving the compressed latent.
 
-A CP rank holds two zigzag chunks of every sequence (`models.context_parallel`: chunks r and 2·cp−1−r of 2·cp, c
+A CP rank holds two zigzag chunks of every sequence (`context_parallel`: chunks r and 2·cp−1−r of 2·cp, c
 tokens each). Its queries must see the keys and values of every earlier position. MLA's keys and values are
 functions of one small vector per token — the normalized latent c (r channels) and the rotated RoPE key (d_r),
 576 numbers in DeepSeek-V3 against 128·(192 + 128) = 40,960 for its expanded per-head K and V — so this variant
@@ -10,7 +10,7 @@ expands the whole sequence's k_nope and v itself with kv_b_proj:
     forward    all-gather of (B, s/cp, r + d_r) → (B, s, r + d_r) in sequence order     (cp−1)/cp·b·s·(r + d_r)
     backward   reduce-scatter of d(B, s, r + d_r) back to the ranks that own the tokens   (cp−1)/cp·b·s·(r + d_r)
 
-(elements sent per rank and layer with the ring algorithms; the K/V variants of `models.context_parallel` send
+(elements sent per rank and layer with the ring algorithms; the K/V variants of `attention` send
 2(cp−1)/cp·b·s·h_kv forward and twice that backward, here h_kv = H·(d_n + d_v) per token once expanded). K and
 V never travel, so their different head widths (d_n + d_r against d_v) need no care on the wire. The price is
 compute: each rank runs kv_b_proj over all s positions (cp times the serial FLOPs of that one projection), and
@@ -36,7 +36,7 @@ Queries and values travel at their own widths (d_n + d_r against d_v); keys neve
 heads) divisible by cp.
 
 Ring (`RingLatentAttention`) passes the same [latent | RoPE key] blocks around the CP ring instead of gathering
-them (`models.context_parallel.RingAttention`'s schedule, its online softmax and causal chunk pairs): each rank
+them (`context_parallel.RingAttention`'s schedule, its online softmax and causal chunk pairs): each rank
 expands the block in hand to its heads' keys and values, attends, and lets it go, so no rank holds more than one
 block's keys at a time; backward passes the blocks around again with their rows' gradients (float32 or wider):
 
@@ -51,8 +51,11 @@ import numpy as np
 
 from collectives import Communicator
 from collectives.backend import Array, get_array_module
+from models.latent_attention import LatentAttention
+from models.layers import Layer, Saved, row_sums
+from models.precision import Narrowed, narrow, narrow_saved, widen, widen_saved
 
-from .context_parallel import (
+from .attention import (
     KEY_VALUE_GRADIENT_TAG,
     HeadsToSequence,
     OnlineSoftmax,
@@ -69,9 +72,6 @@ from .context_parallel import (
     zigzag_split,
     zigzag_unsplit,
 )
-from .latent_attention import LatentAttention
-from .layers import Layer, Saved, row_sums
-from .precision import Narrowed, narrow, narrow_saved, widen, widen_saved
 
 
 class GatheredLatentAttention(LatentAttention):
@@ -170,7 +170,7 @@ class UlyssesLatentAttention(GatheredLatentAttention):
 
 class RingLatentAttention(LatentAttention):
     """MLA with ring attention over the CP group `comm`: the compressed [latent | RoPE key] blocks travel around
-    the ring (`models.context_parallel.RingAttention`'s schedule), and each rank expands every block it holds to
+    the ring (`context_parallel.RingAttention`'s schedule), and each rank expands every block it holds to
     keys and values with kv_b_proj, attends its two chunks to it (the online softmax, the causal chunk pairs) and
     lets it go; backward passes the blocks around again with the gradients of their rows. Per rank and layer
     (elements): forward (cp−1)·b·(s/cp)·(r + d_r), backward (2cp−1)·b·(s/cp)·(r + d_r). Each rank runs kv_b_proj

@@ -2,12 +2,12 @@
 owns. The classes here are the serial answers (one rank, nothing moves); each axis's own module subclasses its
 class and overrides what that axis changes:
 
-    axis  asked for                                  serial answer here   parallel answer
-    pp    the units this rank holds                  `PipelineAxis`       mpiparallel.pipeline_parallel.PipelineStages
-    tp    parameters' shards, the embedding, the     `TensorAxis`         models.tensor_parallel.TensorParallel
+    axis  asked for                                  serial answer here   parallel answer (mpiparallel.axes.…)
+    pp    the units this rank holds                  `PipelineAxis`       pipeline_parallel.PipelineStages
+    tp    parameters' shards, the embedding, the     `TensorAxis`         tensor_parallel.TensorParallel
           head's cross-entropy, linears, heads
-    cp    the attention, the tokens' positions       `ContextAxis`        models.context_parallel.ContextParallel
-    ep    the experts held, how tokens reach them    `ExpertAxis`         models.expert_parallel.ExpertParallel
+    cp    the attention, the tokens' positions       `ContextAxis`        context_parallel.ContextParallel
+    ep    the experts held, how tokens reach them    `ExpertAxis`         expert_parallel.ExpertParallel
 
 A model starts serial (`Transformer(config)`: `model.pp`, `.tp`, `.cp`, `.ep` are these) and
 `model.parallelize(*axes)` puts each axis in its place and rebuilds the layers, every parameter cut from the
@@ -20,7 +20,7 @@ llama's q/k/v with grouped KV heads, DeepSeek's latent attention that enters the
 knows which piece is which while it builds, and an axis written as a rewrite would have to re-learn every
 family's structure from outside. Data parallelism is the one axis that changes no layer: the same model runs on
 every replica and only its gradients are summed, so it takes the built model's parameters over and runs as hooks
-around each unit (`mpiparallel.data_parallel`).
+around each unit (`mpiparallel.axes.data_parallel`).
 
 No communication here.
 """
@@ -28,6 +28,8 @@ No communication here.
 from __future__ import annotations
 
 from typing import Any
+
+from collectives.backend import Array
 
 from .latent_attention import LatentAttention
 from .layers import CausalSelfAttention, ConcatenatedLinear, Embedding, HeadCrossEntropy, Layer
@@ -126,6 +128,14 @@ class ContextAxis(Axis):
     def positions(self, length: int) -> Any:
         """The global positions of `length` local tokens; None: 0 … length−1."""
         return None
+
+    def whole_sequences(self, local: Array) -> Array:
+        """The whole sequences of which `local` (B, local tokens) holds this rank's tokens."""
+        return local
+
+    def local_tokens(self, whole: Array) -> Array:
+        """This rank's tokens of the whole sequences `whole` (B, T): the inverse of `whole_sequences`."""
+        return whole
 
 
 class ExpertAxis(Axis):

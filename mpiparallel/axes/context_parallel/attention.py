@@ -62,9 +62,7 @@ import numpy as np
 
 from collectives import Communicator, all_gather, all_to_all, reduce_scatter
 from collectives.backend import Array, HostStaging, get_array_module
-
-from .axes import ContextAxis
-from .layers import (
+from models.layers import (
     QUERY_BLOCK,
     CausalSelfAttention,
     Layer,
@@ -75,7 +73,7 @@ from .layers import (
     row_sums,
     softmax_backward,
 )
-from .precision import narrow, narrow_saved, widen, widen_saved
+from models.precision import narrow, narrow_saved, widen, widen_saved
 
 VARIANTS = ("ring", "all-gather", "ulysses")
 KEY_VALUE_TAG, KEY_VALUE_GRADIENT_TAG = 1, 2  # the ring's point-to-point tags, below the collectives' tags
@@ -581,34 +579,3 @@ def context_parallel_attention(variant: str, qkv: Any, projection: Any, n_head: 
     if variant == "ulysses":
         return UlyssesAttention(qkv, projection, n_head, comm, algo, query_block, keep_probabilities, **heads)
     raise ValueError(f"unknown context-parallel attention {variant!r}; valid: {', '.join(VARIANTS)}")
-
-
-class ContextParallel(ContextAxis):
-    """Context parallelism over a CP group, as the model asks for it (`models.axes`): applied with
-    `Transformer(config, …).parallelize(ContextParallel(cp_comm, variant))`, every attention is `variant`'s over
-    the group and the model takes this rank's two zigzag chunks of every sequence (`zigzag_shard`), their global
-    positions from `positions`. Nothing else in the model changes: every other layer works token by token."""
-
-    def __init__(self, comm: Any, variant: str = "ring") -> None:
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown context-parallel attention {variant!r}; valid: {', '.join(VARIANTS)}")
-        self.comm, self.variant = Communicator.of(comm), variant
-        self.rank, self.size = self.comm.rank, self.comm.size
-
-    def attention(self, qkv: Any, projection: Any, heads: int, **settings: Any) -> Layer:
-        return context_parallel_attention(self.variant, qkv, projection, heads, self.comm, **settings)
-
-    def latent_attention(self, *layers: Any, **settings: Any) -> Layer:
-        # the latent variants build on this module's chunks and ring: imported here, where both are loaded
-        from .latent_context_parallel import GatheredLatentAttention, RingLatentAttention, UlyssesLatentAttention
-
-        variant = {"ring": RingLatentAttention, "all-gather": GatheredLatentAttention,
-                   "ulysses": UlyssesLatentAttention}[self.variant]
-        return variant(*layers, comm=self.comm, **settings)
-
-    def positions(self, length: int) -> Array:
-        return zigzag_positions(length * self.size, self.rank, self.size)
-
-    def check_tokens(self, length: int) -> None:
-        if length % 2:
-            raise ValueError(f"context parallelism holds two equal chunks per rank: {length} local tokens")

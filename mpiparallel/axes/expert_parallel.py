@@ -1,4 +1,4 @@
-"""Expert parallelism (EP) as the model asks for it (`models.axes`): over an EP group of n ranks, expert e lives on
+"""Expert parallelism (EP) as the model asks for it (`models.axis`): over an EP group of n ranks, expert e lives on
 EP rank e // (E/n) and every MoE layer moves each token to its experts' ranks and back.
 
     Transformer(config, …).parallelize(ExpertParallel(ep_comm))              flat: all-to-allv
@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from collectives import Communicator
-
-from .axes import ExpertAxis
-from .moe import EP_DISPATCHES, ExpertTraffic, MixtureOfExperts, Router, expert_placement, local_experts
-from .parameter import Placement
+from models.axis import ExpertAxis
+from models.moe import EP_DISPATCHES, ExpertTraffic, MixtureOfExperts, Router, expert_placement, local_experts
+from models.parameter import Placement
 
 
 class ExpertParallel(ExpertAxis):

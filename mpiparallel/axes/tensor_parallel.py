@@ -95,12 +95,11 @@ from typing import Any
 
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
-
-from .axes import TensorAxis
-from .layers import PLAIN_GEMMS, ConcatenatedLinear, Gemms, Layer, Saved
-from .parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes
-from .precision import narrow, widen
-from .transformer import GPTConfig, Transformer
+from models.axis import TensorAxis
+from models.layers import PLAIN_GEMMS, ConcatenatedLinear, Gemms, Layer, Saved
+from models.parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes
+from models.precision import narrow, widen
+from models.transformer import GPTConfig, Transformer
 
 TP_AXIS = "tp"
 
@@ -438,7 +437,7 @@ def check_tensor_parallel_shape(config: GPTConfig, tp: int) -> None:
 # -- the axis: what the model asks of tensor parallelism ------------------------------------------------------
 
 class TensorParallel(TensorAxis):
-    """Tensor parallelism over a TP group, as the model asks for it (`models.axes`): applied with
+    """Tensor parallelism over a TP group, as the model asks for it (`models.axis`): applied with
     `Transformer(config, …).parallelize(TensorParallel(tp_comm))`, the model holds this rank's shards and its
     linears, embedding and cross-entropy are the parallel layers above; forward, backward (over any range of
     units) and state loading are the serial model's.

@@ -42,13 +42,13 @@ import numpy as np
 from collectives import CollectiveMismatchError, Communicator, Message, check_messages
 from collectives.backend import Array, HostStaging, get_array_module
 from collectives.communicator import FIRST_COLLECTIVE_TAG, Posted
-from models.axes import PipelineAxis
+from models.axis import PipelineAxis
 from models.layers import distinct_bytes
 from models.parameter import HELD, PARTIAL, Placement
 from models.transformer import NO_HOOKS, Transformer
 
-from .errors import ConfigError
-from .schedules import (
+from ..errors import ConfigError
+from ..schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
@@ -113,7 +113,7 @@ def send_backward(dinput: Array, comm: Communicator, dest: int, tag: int) -> Pos
 
 
 class PipelineStages(PipelineAxis):
-    """The pp axis as the model asks for it (`models.axes`): applied with
+    """The pp axis as the model asks for it (`models.axis`): applied with
     `Transformer(config, …).parallelize(PipelineStages(schedule, rank))`, the model holds only the units of this
     rank's stages (`local_units`). Each stage's parameters are held by its rank alone (placement `Held` on "pp");
     a tied token embedding, read by the first stage and the last, holds a partial gradient on both (summed by
