@@ -1,9 +1,9 @@
 """Two-hop all-to-all: DeepSeek-V3's node-limited expert dispatch and combine, across nodes once per target node.
 
 Expert parallelism over n ranks on N nodes of k ranks sends each token to the ranks of its chosen experts. The flat
-all-to-allv (`models.moe.dispatch_to_experts`) sends one copy per chosen expert, so a token whose K experts lie on
-M other nodes crosses the slow links between nodes once per expert on them. DeepSeek-V3 limits every token to at
-most M nodes and sends it in two hops:
+all-to-allv (`mpiparallel.axes.expert_parallel.dispatch_to_experts`) sends one copy per chosen expert, so a token
+whose K experts lie on M other nodes crosses the slow links between nodes once per expert on them. DeepSeek-V3
+limits every token to at most M nodes and sends it in two hops:
 
 1. across nodes, once per target node, to the rank of that node with the same local rank (its *lane* peer);
 2. inside the target node, from that relay rank to the ranks holding the chosen experts, one row per expert.

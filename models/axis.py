@@ -142,7 +142,7 @@ class ExpertAxis(Axis):
     """Expert parallelism's questions. Serial: every expert here, tokens routed in memory."""
 
     name = "ep"
-    traffic: Any = None  # what the experts' exchanges sent (`models.moe.ExpertTraffic`), where they exchange
+    traffic: Any = None  # what the exchanges sent, where they exchange (`axes.expert_parallel.ExpertTraffic`)
     dispatch = "flat"
 
     def held_experts(self, n_experts: int) -> range:

@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .shapes import parameter_shapes
+from .tensors import parameter_shapes
 
 DEEPSEEK_V3 = "deepseek_v3"
 ARCHITECTURES = ("gpt2", "llama", DEEPSEEK_V3)

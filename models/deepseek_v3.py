@@ -37,7 +37,7 @@ from .layers import Block, Linear, LMHead, RMSNorm
 from .moe import MoEBlock
 from .multi_token import MultiTokenPrediction, PredictionModule
 from .rotary import softmax_scale_correction
-from .shapes import expert_bias_name, mtp_prefix, parameter_shapes, query_head_dim
+from .tensors import expert_bias_name, mtp_prefix, parameter_shapes, query_head_dim
 
 ARCH = DEEPSEEK_V3
 LATENT_NORM_EPS = 1e-6

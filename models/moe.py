@@ -1,5 +1,5 @@
-"""Mixture of experts (MoE): a router sends each token to K of E GPT-2 MLP experts; expert parallelism (EP) puts
-the experts on different ranks and moves the tokens to them and back with all-to-all(v).
+"""Mixture of experts (MoE): a router sends each token to K of E GPT-2 MLP experts, each expert runs one GEMM over
+its tokens, and the gated outputs are summed back per token. No communication here.
 
 The math, for one local token set (one microbatch on one rank: N tokens x_n of h channels), E experts, K choices:
 
@@ -38,45 +38,9 @@ Backward from dy (choosing has no gradient; the chosen probs do):
 Aux-loss-free balancing (DeepSeek-V3): after each optimizer step, `update_expert_bias` moves every expert's
 bias by R·sign(mean(c) − c_e), c_e the assignments to expert e over the step's whole global batch.
 
-Expert parallelism over an EP group of n ranks: expert e lives on EP rank e // (E/n). Each rank routes its own
-tokens and applies capacity before anything moves, counts the rows for every expert, exchanges those counts
-(`plan_dispatch`: one all-to-all of E integers, so every rank can regroup what it will receive), sends the rows
-with all-to-allv, regroups them by local expert (one GEMM per expert again) and sends the outputs back with the
-reverse all-to-allv. Each wrapper does the forward half; its `_backward` twin does the backward half:
-
-    function                 forward                                      backward
-    dispatch_to_experts      all-to-allv rows to their experts' ranks,    un-regroup, reverse all-to-allv
-                             regroup by local expert                      (a combine)
-    combine_from_experts     un-regroup, reverse all-to-allv              all-to-allv, regroup (a dispatch)
-
-Cost per MoE layer, rank and microbatch, with b bytes per element: forward, dispatch sends s·h·b and combine
-r·h·b, where s = kept rows this rank routes to experts on other ranks and r = rows its experts received from
-other ranks; backward moves the same again. So 2·(s + r)·h·b bytes of all-to-allv; with balanced routing and no
-drops, s = r = (n−1)/n·K·N, i.e. 4·(n−1)/n·K·N·h·b. Rows for experts on this rank are copied, not sent. Besides
-(as `all_to_all`): the count exchange, (n−1)/n·E int64 sent in forward (backward reuses the plan), and inside
-each of the four all-to-allv calls its own (n−1) int64 counts. With FP8 (`fp8_dispatch`, `--fp8 blockwise`) the
-forward dispatch sends E4M3 rows with their scales, s·(h + 4·⌈h/128⌉) bytes instead of s·h·2, and the combine
-and both backward exchanges stay at the compute dtype (DeepSeek-V3's choice). Expert parameters are held only
-by their EP rank (placement `Held` on the "ep" axis, `expert_placement`); the router is replicated.
-
-Node-limited dispatch (`ep_dispatch="hierarchical"`, DeepSeek-V3; `collectives.two_hop`): when the EP group spans
-N nodes and the router keeps each token's experts on few of them, a token crosses to each of its nodes once (to
-the rank there with its own local rank), which forwards it to the ranks of the chosen experts. The gates travel
-with the token, the expert side weighs its output rows, and the relay sums a token's rows of one node before
-they cross back, so the combine crosses once per (token, node) too. With D the two-hop dispatch (a copy of each
-token row per kept assignment) and G the gates:
-
-    forward    y  = Dᵀ(G ⊙ experts(D x))                       D: `two_hop_dispatch`, Dᵀ: `two_hop_combine`
-    backward   d(G ⊙ out) = D dy;  d gates = Σ_h out ⊙ D dy, back to their assignments (`two_hop_combine_values`);
-               d out = G ⊙ D dy;  d x += Dᵀ experts'(d out)
-
-Per layer, rank and microbatch it sends across nodes, forward, the U_b tokens (at most one per token and other
-node) with their A_b gates and plan codes, and the rows it relayed back summed; backward the same rows again
-(see `collectives.two_hop` for the formula): per token at most M·h·b bytes each way for M other target nodes,
-against one h·b row per chosen expert on another node for the flat all-to-allv. The numbers are the flat
-dispatch's up to the order of additions (the relay adds a token's rows of its node first). With `fp8_dispatch`
-the token rows travel as E4M3 with their scales over both hops. `ExpertTraffic` counts, per EP peer, the rows
-and values each exchange moves: `mpiparallel.traffic`'s ep formula is evaluated on them.
+Expert parallelism (`mpiparallel.axes.expert_parallel`) puts the experts on different ranks and moves the token
+rows to them and back — all-to-allv, or DeepSeek-V3's two-hop dispatch — in place of `InMemory`'s nothing: the
+routing, the permutation, the experts and the gates here are the same on one rank and on many.
 """
 
 from __future__ import annotations
@@ -90,23 +54,12 @@ from typing import Any
 
 import numpy as np
 
-from collectives import Communicator, all_to_all, all_to_allv
 from collectives.backend import Array, get_array_module, like, to_host
-from collectives.two_hop import (
-    TwoHopPlan,
-    plan_two_hop,
-    two_hop_combine,
-    two_hop_combine_values,
-    two_hop_dispatch,
-    two_hop_dispatch_values,
-)
 
-from .fp8 import pack_rows, quantize_activation, unpack_rows
+from .fp8 import quantize_activation
 from .layers import MLP, Block, Layer, Saved, column_sums, row_sums, softmax_backward
-from .parameter import HELD, Parameter, Placement
+from .parameter import Parameter
 
-EP_AXIS = "ep"
-EP_DISPATCHES = ("flat", "hierarchical")
 _EXPERT_NAME = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
@@ -116,20 +69,6 @@ def expert_index(name: str) -> int | None:
     """The expert a parameter belongs to (`transformer.h.0.mlp.experts.3.c_fc.weight` -> 3), None for others."""
     match = _EXPERT_NAME.search(name)
     return None if match is None else int(match.group(1))
-
-
-def local_experts(n_experts: int, ep_rank: int, ep_size: int) -> range:
-    """The experts EP rank `ep_rank` holds: expert e lives on rank e // (E/ep)."""
-    if n_experts % ep_size:
-        raise ValueError(f"expert parallelism splits the experts evenly: n_experts ({n_experts}) must be divisible "
-                         f"by ep ({ep_size})")
-    share = n_experts // ep_size
-    return range(ep_rank * share, (ep_rank + 1) * share)
-
-
-def expert_placement(name: str, ep_size: int) -> dict[str, Placement]:
-    """How the "ep" axis holds a parameter: an expert's only on its EP rank (`Held`); everything else replicated."""
-    return {EP_AXIS: HELD} if ep_size > 1 and expert_index(name) is not None else {}
 
 
 def expert_capacity(capacity_factor: float, top_k: int, tokens: int, n_experts: int) -> int | None:
@@ -322,109 +261,6 @@ class Router:
         routing.clear()
 
 
-# -- expert-parallel communication: forward above, backward right under it ---------------------------------
-
-@dataclass(frozen=True)
-class DispatchPlan:
-    """Who sends how many rows to whom in one MoE layer of one microbatch (kept for backward)."""
-
-    send_counts: list[int]    # rows this rank sends to each EP rank (sorted by expert, so grouped by destination)
-    recv_counts: list[int]    # rows it receives from each EP rank
-    expert_counts: list[int]  # rows each local expert gets
-    regroup: np.ndarray       # received rows (by source, then expert) -> grouped by local expert, then source
-
-
-def plan_dispatch(counts: Sequence[int], comm: Communicator) -> DispatchPlan:
-    """Exchange the rows per expert (one all-to-all of E int64): each rank learns how many rows each source
-    sends to each of its local experts, and so how to regroup the rows it receives."""
-    n = comm.size
-    per_destination = np.asarray(counts, np.int64).reshape(n, -1)  # [EP rank, its local expert]
-    per_source = all_to_all(per_destination, comm)                 # [source rank, my local expert]
-    local_expert_of_row = np.repeat(np.tile(np.arange(per_source.shape[1]), n), per_source.reshape(-1))
-    return DispatchPlan(per_destination.sum(axis=1).tolist(), per_source.sum(axis=1).tolist(),
-                        per_source.sum(axis=0).tolist(), np.argsort(local_expert_of_row, kind="stable"))
-
-
-def dispatch_to_experts(rows: Array, plan: DispatchPlan, comm: Communicator, algo: str = "auto") -> Array:
-    """Forward: rows sorted by expert go to their experts' EP ranks (all-to-allv, the off-rank rows × h × b
-    bytes sent); the received rows are regrouped by local expert, so each expert's rows are contiguous."""
-    received, _ = all_to_allv(rows, plan.send_counts, comm, algo=algo)
-    return received[like(received, plan.regroup)]
-
-
-def dispatch_to_experts_backward(dlocal: Array, plan: DispatchPlan, comm: Communicator, algo: str = "auto") -> Array:
-    """Backward of a dispatch is a combine: d(rows) go back to the ranks whose tokens they came from."""
-    return combine_from_experts(dlocal, plan, comm, algo)
-
-
-def combine_from_experts(local: Array, plan: DispatchPlan, comm: Communicator, algo: str = "auto") -> Array:
-    """Forward: the local experts' outputs, un-regrouped to (source, expert) order, go back to their tokens'
-    ranks (the reverse all-to-allv); each rank gets its rows in the order it sent them."""
-    xp = get_array_module(local)
-    by_source = xp.empty_like(local)
-    by_source[like(local, plan.regroup)] = local
-    returned, _ = all_to_allv(by_source, plan.recv_counts, comm, algo=algo)
-    return returned
-
-
-def combine_from_experts_backward(drows: Array, plan: DispatchPlan, comm: Communicator, algo: str = "auto") -> Array:
-    """Backward of a combine is a dispatch: d(outputs) go to the experts that produced them."""
-    return dispatch_to_experts(drows, plan, comm, algo)
-
-
-def two_hop_plan(routing: Saved, top_k: int, experts_per_rank: int, comm: Communicator) -> TwoHopPlan:
-    """The two-hop plan of a routing: each kept assignment (sorted by expert) goes to slot e mod (E/n) of EP rank
-    e // (E/n)."""
-    experts = np.repeat(np.arange(len(routing.counts)), routing.counts)
-    return plan_two_hop(to_host(routing.order) // top_k, experts // experts_per_rank, experts % experts_per_rank,
-                        experts_per_rank, comm)
-
-
-class ExpertTraffic:
-    """What this rank's MoE layers exchanged with each EP peer since the last `take()`, forward and backward: the
-    counts `mpiparallel.traffic.expert_parallel_bytes` turns into the ep axis's bytes (routing decides them, so
-    the layers count them as they plan). Per peer p: `rows_to`/`rows_from` rows of h sent to / received from p
-    by the dispatch (the combine returns them), `values_to`/`values_from` the two-hop gates and their gradients,
-    `codes_to` the two-hop plan's codes; `calls` the exchanges planned (forward) or reversed (backward)."""
-
-    FIELDS = ("rows_to", "rows_from", "values_to", "values_from", "codes_to")
-
-    def __init__(self, peers: int) -> None:
-        self.peers = peers
-        self.value_bytes = 0  # the gates' element size (the two-hop dispatch sends them; float32 under bfloat16)
-        self.counts = self._empty()
-
-    def _empty(self) -> dict[str, dict[str, Any]]:
-        return {direction: {**{name: np.zeros(self.peers, np.int64) for name in self.FIELDS}, "calls": 0}
-                for direction in ("forward", "backward")}
-
-    def add(self, direction: str, **counts: Any) -> None:
-        totals = self.counts[direction]
-        totals["calls"] += 1
-        for name, value in counts.items():
-            totals[name] += np.asarray(value, np.int64)
-
-    def add_two_hop(self, direction: str, plan: TwoHopPlan, value_bytes: int) -> None:
-        """A two-hop exchange: hop 1 with the lane peers (tokens, codes and values per node), hop 2 with the node's
-        ranks (one row and value per assignment). The lane and the node share only this rank, which sends
-        nothing to itself."""
-        lane, node = list(plan.lane), list(plan.node)
-        counts = {name: np.zeros(self.peers, np.int64) for name in self.FIELDS}
-        counts["rows_to"][lane], counts["rows_from"][lane] = plan.token_counts, plan.relayed_tokens
-        counts["values_to"][lane], counts["values_from"][lane] = plan.assignment_counts, plan.relayed_assignments
-        counts["codes_to"][lane] = plan.assignment_counts
-        for name, inside in (("rows_to", plan.forward_counts), ("rows_from", plan.arrived_counts),
-                             ("values_to", plan.forward_counts), ("values_from", plan.arrived_counts)):
-            counts[name][node] = inside
-        self.value_bytes = value_bytes
-        self.add(direction, **counts)
-
-    def take(self) -> dict[str, dict[str, Any]]:
-        """The counts so far, and start again from zero."""
-        counts, self.counts = self.counts, self._empty()
-        return counts | {"value_bytes": self.value_bytes}
-
-
 # -- the layer -------------------------------------------------------------------------------------------------
 
 def _spans(counts: Sequence[int]) -> list[slice]:
@@ -437,109 +273,32 @@ class MixtureOfExperts(Layer):
     """The MoE layer in place of a block's MLP: route, permute by expert, one GEMM per expert, un-permute and
     combine with the gates (see the module docstring). Same protocol as `models.layers`.
 
-    `experts` are the experts this rank holds, as `MLP`s: all E without `ep_comm`; with an EP group of n ranks,
-    the E/n experts `local_experts(E, rank, n)`. Forward returns (y, saved); `saved.stats` is the token set's
-    `RouterStats` (its `aux_loss` is the value whose gradient, times the router's `aux_weight`, backward adds).
+    `experts` are the experts this rank holds, as `MLP`s: all E here; under expert parallelism the E/n of this EP
+    rank, the tokens reaching them through `exchange` (`InMemory` here: the rows stay on this rank;
+    `mpiparallel.axes.expert_parallel` has the exchanges over an EP group). Forward returns (y, saved);
+    `saved.stats` is the token set's `RouterStats` (its `aux_loss` is the value whose gradient, times the router's
+    `aux_weight`, backward adds).
     """
 
-    def __init__(self, router: Router, experts: Sequence[MLP], ep_comm: Any = None, algo: str = "auto",
-                 fp8_dispatch: bool = False, ep_dispatch: str = "flat", traffic: ExpertTraffic | None = None) -> None:
-        self.router, self.experts, self.algo, self.fp8_dispatch = router, list(experts), algo, fp8_dispatch
-        self.ep = None if ep_comm is None or Communicator.of(ep_comm).size == 1 else Communicator.of(ep_comm)
-        ep_size = 1 if self.ep is None else self.ep.size
-        if len(self.experts) * ep_size != router.n_experts:
+    def __init__(self, router: Router, experts: Sequence[MLP], exchange: InMemory | None = None,
+                 fp8_dispatch: bool = False) -> None:
+        self.router, self.experts, self.fp8_dispatch = router, list(experts), fp8_dispatch
+        self.exchange = exchange or InMemory()
+        if len(self.experts) * self.exchange.size != router.n_experts:
             raise ValueError(f"the router has {router.n_experts} experts, but {len(self.experts)} local experts on "
-                             f"each of {ep_size} EP ranks make {len(self.experts) * ep_size}")
-        if ep_dispatch not in EP_DISPATCHES:
-            raise ValueError(f"ep_dispatch must be one of {EP_DISPATCHES}, got {ep_dispatch!r}")
-        self.two_hop = ep_dispatch == "hierarchical" and self.ep is not None
-        if self.two_hop and not (self.ep.topology.spans_nodes and self.ep.topology.even):
-            raise ValueError("the hierarchical (two-hop) dispatch needs an EP group spanning nodes of equal size")
-        self.traffic = traffic
+                             f"each of {self.exchange.size} EP ranks make {len(self.experts) * self.exchange.size}")
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
         x2d = x.reshape(-1, x.shape[-1])
         routing = self.router.forward(x2d, sequences=x.shape[0] if x.ndim == 3 else 1)
-        if self.two_hop:
-            y, saved = self._forward_two_hop(x2d, routing)
-            return y.reshape(x.shape), saved
-        rows = x2d[routing.order // self.router.top_k]
-        local_rows, plan = self._dispatch(rows, routing.counts)
-        expert_counts = routing.counts if plan is None else plan.expert_counts
-        local_out, experts = self._run_experts(local_rows, expert_counts)
-        out_rows = self._combine(local_out, plan)
-        y = self._weigh_and_sum(out_rows, routing)
-        return y.reshape(x.shape), Saved(router=routing, plan=plan, expert_counts=expert_counts, experts=experts,
-                                         out_rows=out_rows, stats=routing.stats)
+        y, saved = self.exchange.forward(self, x2d, routing)
+        return y.reshape(x.shape), saved
 
-    def _dispatch(self, rows: Array, counts: list[int]) -> tuple[Array, DispatchPlan | None]:
-        if self.fp8_dispatch:
-            return self._dispatch_in_fp8(rows, counts)
-        if self.ep is None:
-            return rows, None
-        plan = self._plan(counts)
-        return dispatch_to_experts(rows, plan, self.ep, self.algo), plan
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        dy = dout.reshape(-1, dout.shape[-1])
+        return self.exchange.backward_input(self, saved, dy).reshape(dout.shape)
 
-    def _plan(self, counts: list[int]) -> DispatchPlan:
-        plan = plan_dispatch(counts, self.ep)
-        if self.traffic is not None:
-            self.traffic.add("forward", rows_to=plan.send_counts, rows_from=plan.recv_counts)
-        return plan
-
-    def _dispatch_in_fp8(self, rows: Array, counts: list[int]) -> tuple[Array, DispatchPlan | None]:
-        """DeepSeek-V3's FP8 dispatch: the rows are quantized (1×128 tiles, a row's own) before they move, sent
-        as E4M3 bytes with their float32 scales (`models.fp8.pack_rows`), and dequantized on arrival — with or
-        without EP, so serial and EP compute the same numbers. The experts' first FP8 GEMM quantizes them again
-        into the same values and scales (a tile's amax is its ±448 element times its scale), so only the bytes
-        change: h + 4·⌈h/128⌉ per row instead of 2h; the weight gradient sees the E4M3 rows, as DeepSeek's
-        cached FP8 activations are."""
-        quantized = quantize_activation(rows)
-        if self.ep is None:
-            return quantized.dequantize(), None
-        plan = self._plan(counts)
-        packed = dispatch_to_experts(pack_rows(quantized), plan, self.ep, self.algo)
-        return unpack_rows(packed, rows.shape[-1]).dequantize(), plan
-
-    def _combine(self, local_out: Array, plan: DispatchPlan | None) -> Array:
-        return local_out if plan is None else combine_from_experts(local_out, plan, self.ep, self.algo)
-
-    def _forward_two_hop(self, x2d: Array, routing: Saved) -> tuple[Array, Saved]:
-        """DeepSeek-V3's node-limited dispatch (`collectives.two_hop`): each token crosses to each of its nodes
-        once; its gates travel with it, so that the expert side weighs its rows and the relay can sum a token's
-        rows of one node before they cross back. y = Dᵀ(gates ⊙ experts(D x)), D the two-hop dispatch."""
-        plan = two_hop_plan(routing, self.router.top_k, len(self.experts), self.ep)
-        if self.traffic is not None:
-            self.traffic.add_two_hop("forward", plan, routing.gates.itemsize)
-        if self.fp8_dispatch:  # one quantization per token row: what the flat dispatch's copies of it would get
-            packed = two_hop_dispatch(pack_rows(quantize_activation(x2d)), plan, self.ep)
-            rows = unpack_rows(packed, x2d.shape[-1]).dequantize()
-        else:
-            rows = two_hop_dispatch(x2d, plan, self.ep)
-        gates = two_hop_dispatch_values(routing.gates.reshape(-1)[routing.order], plan, self.ep)
-        local_out, experts = self._run_experts(rows, plan.slot_counts)
-        weighed = (local_out * gates[:, None]).astype(local_out.dtype, copy=False)
-        y = two_hop_combine(weighed, plan, self.ep, len(x2d))
-        return y, Saved(router=routing, plan=plan, expert_counts=plan.slot_counts, experts=experts,
-                        local_out=local_out, gates=gates, stats=routing.stats)
-
-    def _backward_two_hop(self, saved: Saved, dy: Array) -> Array:
-        """The transpose of each step of `_forward_two_hop`: d(weighed rows) = D dy (a dispatch), d(gates) back to
-        their assignments (the values' combine), d(rows) through the experts, then d(x) = Dᵀ d(rows) (a combine)."""
-        routing, plan, k = saved.router, saved.plan, self.router.top_k
-        if self.traffic is not None:
-            self.traffic.add_two_hop("backward", plan, saved.gates.itemsize)
-        dweighed = two_hop_dispatch(dy, plan, self.ep)
-        dlocal_gates = row_sums(dweighed * saved.local_out)[:, 0].astype(saved.gates.dtype, copy=False)
-        dlocal_out = (dweighed * saved.gates[:, None]).astype(dweighed.dtype, copy=False)
-        dgates = get_array_module(dy).zeros(routing.gates.size, saved.gates.dtype)
-        dgates[routing.order] = two_hop_combine_values(dlocal_gates, plan, self.ep)
-        dlocal_rows = self._experts_backward_input(saved.experts, dlocal_out, saved.expert_counts)
-        dx = self.router.backward_input(routing, dgates.reshape(-1, k))
-        dx += two_hop_combine(dlocal_rows, plan, self.ep, len(dy))
-        del saved.local_out, saved.gates, saved.plan, saved.expert_counts
-        return dx
-
-    def _run_experts(self, rows: Array, counts: list[int]) -> tuple[Array, list[Saved]]:
+    def run_experts(self, rows: Array, counts: list[int]) -> tuple[Array, list[Saved]]:
         """Expert i on its contiguous slice of `rows`: one GEMM per linear per expert."""
         xp = get_array_module(rows)
         outputs, saved = [], []
@@ -549,58 +308,79 @@ class MixtureOfExperts(Layer):
             saved.append(kept)
         return xp.concatenate(outputs), saved
 
-    def _weigh_and_sum(self, out_rows: Array, routing: Saved) -> Array:
-        """y_n = Σ_k gate_nk · out_nk: gated rows into their (token, choice) slots, summed over the choices."""
-        xp = get_array_module(out_rows)
-        tokens, k = routing.gates.shape
-        slots = xp.zeros((tokens * k, out_rows.shape[-1]), out_rows.dtype)
-        slots[routing.order] = out_rows * routing.gates.reshape(-1)[routing.order, None]
-        return slots.reshape(tokens, k, -1).sum(axis=1)
-
-    def backward_input(self, saved: Saved, dout: Array) -> Array:
-        routing, k = saved.router, self.router.top_k
-        dy = dout.reshape(-1, dout.shape[-1])
-        if self.two_hop:
-            return self._backward_two_hop(saved, dy).reshape(dout.shape)
-        dy_rows = dy[routing.order // k]
-        dgates = get_array_module(dy).zeros(routing.gates.size, dy.dtype)
-        dgates[routing.order] = row_sums(dy_rows * saved.out_rows)[:, 0]
-        # at the activations' dtype: the gates may be wider (float32 under bfloat16), the rows that travel are not
-        dout_rows = (dy_rows * routing.gates.reshape(-1)[routing.order, None]).astype(dy.dtype, copy=False)
-        dlocal_out = self._combine_backward(dout_rows, saved.plan)
-        dlocal_rows = self._experts_backward_input(saved.experts, dlocal_out, saved.expert_counts)
-        drows = self._dispatch_backward(dlocal_rows, saved.plan)
-        dx = self.router.backward_input(routing, dgates.reshape(-1, k))
-        dx += self._sum_choices(drows, routing.order, len(dy), k)
-        del saved.out_rows, saved.plan, saved.expert_counts
-        return dx.reshape(dout.shape)
-
-    def _combine_backward(self, dout_rows: Array, plan: DispatchPlan | None) -> Array:
-        if plan is None:
-            return dout_rows
-        if self.traffic is not None:
-            self.traffic.add("backward", rows_to=plan.send_counts, rows_from=plan.recv_counts)
-        return combine_from_experts_backward(dout_rows, plan, self.ep, self.algo)
-
-    def _dispatch_backward(self, dlocal_rows: Array, plan: DispatchPlan | None) -> Array:
-        return dlocal_rows if plan is None else dispatch_to_experts_backward(dlocal_rows, plan, self.ep, self.algo)
-
-    def _experts_backward_input(self, saved: list[Saved], dout: Array, counts: list[int]) -> Array:
+    def experts_backward_input(self, saved: list[Saved], dout: Array, counts: list[int]) -> Array:
         return get_array_module(dout).concatenate([expert.backward_input(kept, dout[span]) for expert, kept, span
                                                    in zip(self.experts, saved, _spans(counts), strict=True)])
-
-    @staticmethod
-    def _sum_choices(drows: Array, order: Array, tokens: int, k: int) -> Array:
-        """d(x) from the gathered rows: each row's gradient into its (token, choice) slot, summed over choices."""
-        slots = get_array_module(drows).zeros((tokens * k, drows.shape[-1]), drows.dtype)
-        slots[order] = drows
-        return slots.reshape(tokens, k, -1).sum(axis=1)
 
     def backward_weights(self, saved: Saved) -> None:
         for expert, kept in zip(self.experts, saved.experts, strict=True):
             expert.backward_weights(kept)
         self.router.backward_weights(saved.router)
         saved.clear()
+
+
+class InMemory:
+    """How a `MixtureOfExperts` moves token rows to its experts and back — here, on one rank, it does not: the
+    rows sorted by expert are the experts' rows. `mpiparallel.axes.expert_parallel` overrides the four moves
+    (`dispatch`, `combine` and their backward twins) with all-to-allv over an EP group, or the whole pass with
+    DeepSeek-V3's two-hop dispatch; the permutation, the experts and the gates are this class's in every case."""
+
+    size = 1  # the EP ranks the experts are spread over
+
+    def forward(self, layer: MixtureOfExperts, x2d: Array, routing: Saved) -> tuple[Array, Saved]:
+        rows = x2d[routing.order // layer.router.top_k]
+        local_rows, plan, expert_counts = self.dispatch(rows, routing.counts, layer.fp8_dispatch)
+        local_out, experts = layer.run_experts(local_rows, expert_counts)
+        out_rows = self.combine(local_out, plan)
+        y = _weigh_and_sum(out_rows, routing)
+        return y, Saved(router=routing, plan=plan, expert_counts=expert_counts, experts=experts, out_rows=out_rows,
+                        stats=routing.stats)
+
+    def backward_input(self, layer: MixtureOfExperts, saved: Saved, dy: Array) -> Array:
+        routing, k = saved.router, layer.router.top_k
+        dy_rows = dy[routing.order // k]
+        dgates = get_array_module(dy).zeros(routing.gates.size, dy.dtype)
+        dgates[routing.order] = row_sums(dy_rows * saved.out_rows)[:, 0]
+        # at the activations' dtype: the gates may be wider (float32 under bfloat16), the rows that travel are not
+        dout_rows = (dy_rows * routing.gates.reshape(-1)[routing.order, None]).astype(dy.dtype, copy=False)
+        dlocal_out = self.combine_backward(dout_rows, saved.plan)
+        dlocal_rows = layer.experts_backward_input(saved.experts, dlocal_out, saved.expert_counts)
+        drows = self.dispatch_backward(dlocal_rows, saved.plan)
+        dx = layer.router.backward_input(routing, dgates.reshape(-1, k))
+        dx += _sum_choices(drows, routing.order, len(dy), k)
+        del saved.out_rows, saved.plan, saved.expert_counts
+        return dx
+
+    def dispatch(self, rows: Array, counts: list[int], fp8: bool) -> tuple[Array, Any, list[int]]:
+        """The rows of this rank's experts, a plan for the way back (None: nothing moved), and each local
+        expert's row count. With `fp8` (DeepSeek-V3's FP8 dispatch) the rows are quantized (1×128 tiles, a row's
+        own) as they would be to travel, and dequantized — so one rank and EP compute the same numbers."""
+        return (quantize_activation(rows).dequantize() if fp8 else rows), None, list(counts)
+
+    def combine(self, local_out: Array, plan: Any) -> Array:
+        return local_out
+
+    def combine_backward(self, dout_rows: Array, plan: Any) -> Array:
+        return dout_rows
+
+    def dispatch_backward(self, dlocal_rows: Array, plan: Any) -> Array:
+        return dlocal_rows
+
+
+def _weigh_and_sum(out_rows: Array, routing: Saved) -> Array:
+    """y_n = Σ_k gate_nk · out_nk: gated rows into their (token, choice) slots, summed over the choices."""
+    xp = get_array_module(out_rows)
+    tokens, k = routing.gates.shape
+    slots = xp.zeros((tokens * k, out_rows.shape[-1]), out_rows.dtype)
+    slots[routing.order] = out_rows * routing.gates.reshape(-1)[routing.order, None]
+    return slots.reshape(tokens, k, -1).sum(axis=1)
+
+
+def _sum_choices(drows: Array, order: Array, tokens: int, k: int) -> Array:
+    """d(x) from the gathered rows: each row's gradient into its (token, choice) slot, summed over choices."""
+    slots = get_array_module(drows).zeros((tokens * k, drows.shape[-1]), drows.dtype)
+    slots[order] = drows
+    return slots.reshape(tokens, k, -1).sum(axis=1)
 
 
 class MoEBlock(Block):

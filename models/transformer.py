@@ -59,7 +59,7 @@ from .moe import MixtureOfExperts, MoEBlock, Router, expert_index
 from .parameter import Parameter, seeded_normal, shard_tensor
 from .precision import Narrowed, dtype_named, is_narrow, narrow
 from .rotary import RotaryEmbedding
-from .shapes import expert_bias_name, expert_bias_shapes, parameter_shapes
+from .tensors import expert_bias_name, expert_bias_shapes, parameter_shapes
 
 
 def units_using(name: str, n_layer: int, tied: bool = True) -> tuple[int, ...]:

@@ -35,8 +35,8 @@ gradient buckets an engine reduces:
           ranks holding each KV head, 2·AR(h·d)
 
     ep    what the router sends decides it, so the MoE layers count per EP peer p, as they plan, the rows they
-          send (r→p) and receive (r←p) (`models.moe.ExpertTraffic`); with B = h·e bytes a row, B' the forward
-          dispatch's row (FP8: h + 4⌈h/128⌉), S experts per rank, each forward and backward exchange gives
+          send (r→p) and receive (r←p) (`axes.expert_parallel.ExpertTraffic`); with B = h·e bytes a row, B' the
+          forward dispatch's row (FP8: h + 4⌈h/128⌉), S experts per rank, each forward and backward exchange gives
             flat          forward  r→p·B' + r←p·B + 8·S + 2·8      backward (r→p + r←p)·B + 2·8
                           (rows there and back, the expert counts, each all-to-allv's own count)
             hierarchical  forward  r→p·B' + r←p·B + v→p·g + 8·c→p + (16 | 8·S)      backward (r→p + r←p)·B + v←p·g
@@ -298,8 +298,8 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
 def expert_parallel_bytes(counts: dict[str, dict[str, Any]], dispatch: str, comm: Any, row_bytes: float,
                           dispatch_row_bytes: float, value_bytes: float, experts_per_rank: int,
                           across_nodes: bool = False) -> float:
-    """The ep formula of the module docstring, from one step's `models.moe.ExpertTraffic` counts on the EP group
-    `comm` (a `Communicator`; `across_nodes`: only the peers on other nodes)."""
+    """The ep formula of the module docstring, from one step's `axes.expert_parallel.ExpertTraffic` counts on the
+    EP group `comm` (a `Communicator`; `across_nodes`: only the peers on other nodes)."""
     layout = comm.topology
     peers = [p for p in range(comm.size) if p != comm.rank and (not across_nodes or layout.crosses(comm.rank, p))]
     forward, backward = counts["forward"], counts["backward"]

@@ -46,8 +46,9 @@ def mlp(rng, name: str, channels: int, hidden: int):
 def moe_layer(args, ep_comm=None):
     import numpy as np
 
-    from models.moe import MixtureOfExperts, Router, local_experts
+    from models.moe import MixtureOfExperts, Router
     from models.parameter import Parameter
+    from mpiparallel.axes.expert_parallel import exchange_over, local_experts
 
     rng = np.random.default_rng(0)
     router = Router(Parameter("router.weight", (rng.standard_normal((args.embd, args.experts)) * 0.02)
@@ -55,7 +56,7 @@ def moe_layer(args, ep_comm=None):
     experts = [mlp(rng, f"experts.{e}", args.embd, 4 * args.embd) for e in range(args.experts)]
     if ep_comm is not None:
         experts = [experts[e] for e in local_experts(args.experts, ep_comm.rank, ep_comm.size)]
-    return MixtureOfExperts(router, experts, ep_comm)
+    return MixtureOfExperts(router, experts, None if ep_comm is None else exchange_over(ep_comm))
 
 
 def timed(layer, x, reps: int, before=None) -> float:
@@ -90,7 +91,7 @@ def expert_parallel_worker(args) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    import models.moe as moe
+    import mpiparallel.axes.expert_parallel as moe
     from collectives import Communicator
 
     comm = Communicator(MPI.COMM_WORLD)

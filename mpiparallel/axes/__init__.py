@@ -7,7 +7,7 @@
     context_parallel/          cp (ring, all-gather  `ContextParallel`: the attention,   K/V around a ring, gathered,
                                and Ulysses; MLA's)   zigzag positions                    or all-to-all by heads
     expert_parallel            ep                    `ExpertParallel`: experts held,     all-to-allv dispatch and
-                                                     tokens routed to their ranks        combine (`models.moe`)
+                                                     tokens routed to their ranks        combine, or two hops
     data_parallel              dp, ZeRO-1/2/3,       no layer changes: engines own the   gradient all-reduce or
                                hybrid sharding       parameters, hooks around each unit  reduce-scatter, all-gather
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from models.moe import update_expert_bias
-from models.shapes import expert_bias_name
+from models.tensors import expert_bias_name
 from models.transformer import Transformer
 
 from ..mesh import Mesh

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from mpi_harness import run_on_ranks
+from workers import collective_checks
 
 from collectives import backend
 
@@ -24,7 +25,7 @@ def test_cuda_aware_override_is_validated(monkeypatch):
 @pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and an NVIDIA GPU (pip install -e '.[gpu]')")
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_collectives_on_cupy_arrays_match_native_mpi(ranks):
-    results = run_on_ranks(ranks, "workers.collective_checks:check_against_native", sizes=[0, 1, 7, 1000, 100_003],
+    results = run_on_ranks(ranks, collective_checks.check_against_native, sizes=[0, 1, 7, 1000, 100_003],
                            backend="cupy")
     for rank, failures in enumerate(results):
         assert not failures, f"rank {rank}: {failures[:5]}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 from mpi_harness import run_on_ranks
+from workers import communicator_checks
 
 from collectives import Communicator
 from collectives.communicator import DEFAULT_SEGMENT_BYTES
@@ -29,7 +30,7 @@ def test_settings_come_from_the_environment_when_the_communicator_is_built(monke
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_on_ranks(2, "workers.communicator_checks:segments_and_checks")
+    return run_on_ranks(2, communicator_checks.segments_and_checks)
 
 
 def test_smaller_segments_send_the_same_bytes_in_more_messages(two_ranks):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from fake_cupy import FAKE, TRAFFIC, install
 from mpi_harness import mpiexec_path, run_on_ranks, run_with_timeout
+from workers import data_parallel_checks, device_checks, tensor_parallel_checks
 from workers.errors import worst
 
 from collectives import backend
@@ -75,7 +76,7 @@ NATIVE_COLLECTIVES = {"Allreduce", "Reduce_scatter_block", "Allgather", "Alltoal
 
 @pytest.mark.parametrize("cuda_aware", [False, True], ids=["host-staging", "cuda-aware"])
 def test_collectives_on_device_arrays_stage_or_synchronize(cuda_aware):
-    results = run_on_ranks(3, "workers.device_checks:collectives_on_device", timeout=240, cuda_aware=cuda_aware,
+    results = run_on_ranks(3, device_checks.collectives_on_device, timeout=240, cuda_aware=cuda_aware,
                            sizes=[0, 1, 7, 1000])
     for rank, result in enumerate(results):
         assert not result["failures"], f"rank {rank}: {result['failures'][:5]}"
@@ -100,7 +101,7 @@ def test_collectives_on_device_arrays_stage_or_synchronize(cuda_aware):
     ("1", [{"mesh": {"dp": 2}, "zero": 2, "microbatches": 2}]),
 ], ids=["host-staging", "cuda-aware"])
 def test_training_on_device_arrays_equals_cpu_training(cuda_aware, runs):
-    results = run_on_ranks(2, "workers.device_checks:training_on_device", timeout=300, steps=2, runs=runs,
+    results = run_on_ranks(2, device_checks.training_on_device, timeout=300, steps=2, runs=runs,
                            env={"MPIPARALLEL_CUDA_AWARE": cuda_aware})[0]
     assert len(results) == len(runs)
     for result in results:
@@ -117,7 +118,7 @@ def test_mixed_precision_training_runs_on_the_strict_double_and_follows_the_cpu(
     incomparable where gradients are near zero, so they are not compared)."""
     runs = [{"mesh": {"dp": 2}, "arch": "llama", "dtype": "float32", "compute_dtype": "bfloat16"},
             {"mesh": {"tp": 2}, "arch": "gpt2", "dtype": "float32", "compute_dtype": "float16"}]
-    results = run_on_ranks(2, "workers.device_checks:training_on_device", timeout=300, steps=3, runs=runs,
+    results = run_on_ranks(2, device_checks.training_on_device, timeout=300, steps=3, runs=runs,
                            env={"MPIPARALLEL_CUDA_AWARE": "0"})[0]
     assert len(results) == 2
     for result in results:
@@ -129,10 +130,10 @@ def test_parallel_equals_serial_workers_run_on_device_arrays():
     """The equivalence workers themselves on device arrays (scripts/gpu_check.sh runs them with real CuPy):
     ZeRO-3 data parallelism and TP+SP against the NumPy serial model."""
     fake = {"MPIPARALLEL_TEST_ARRAYS": "fake"}
-    for rank, failures in enumerate(run_on_ranks(2, "workers.data_parallel_checks:check_equals_serial", env=fake,
+    for rank, failures in enumerate(run_on_ranks(2, data_parallel_checks.check_equals_serial, env=fake,
                                                  zero=3, microbatch_count=2)):
         assert not failures, f"rank {rank}: {failures[:3]}"
-    reports = run_on_ranks(2, "workers.tensor_parallel_checks:compare_training", env=fake,
+    reports = run_on_ranks(2, tensor_parallel_checks.compare_training, env=fake,
                            runs=[{"tp": 2, "dp": 1, "sequence_parallel": True, "vocab_size": 61}])
     for rank, [report] in enumerate(reports):
         assert report["initial_weights_exact"] and report["checked_grads"] > 0, rank

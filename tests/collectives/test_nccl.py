@@ -11,10 +11,10 @@ import json
 
 import pytest
 from mpi_harness import run_on_ranks
+from workers import nccl_checks
 
 from collectives import nccl
 
-CHECKS = "workers.nccl_checks"
 COUNTS = [0, 1, 7, 1001]  # 7 and 1001 divide by none of 2, 3, 4
 NCCL_REASON = nccl.nccl_unavailable_reason()
 
@@ -25,7 +25,7 @@ def report(request):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.delenv(nccl.MULTI_RANK_GPU, raising=False)
     try:
-        return request.param, run_on_ranks(request.param, f"{CHECKS}:check_against_ours", timeout=120,
+        return request.param, run_on_ranks(request.param, nccl_checks.check_against_ours, timeout=120,
                                            counts=COUNTS)
     finally:
         monkeypatch.undo()
@@ -82,17 +82,17 @@ def test_bad_arguments_raise_value_errors_naming_the_cause(report):
 
 def test_ranks_on_different_gpus_leave_the_variable_alone(monkeypatch):
     monkeypatch.delenv(nccl.MULTI_RANK_GPU, raising=False)
-    for result in run_on_ranks(2, f"{CHECKS}:multi_rank_setting", timeout=60, devices="distinct"):
+    for result in run_on_ranks(2, nccl_checks.multi_rank_setting, timeout=60, devices="distinct"):
         assert result == {"multi_rank_gpu": None, "shares": False}
 
 
 def test_ranks_sharing_a_gpu_under_an_nccl_before_2_30_get_one_clear_error_on_every_rank():
-    for message in run_on_ranks(2, f"{CHECKS}:an_old_nccl_on_a_shared_gpu", timeout=60):
+    for message in run_on_ranks(2, nccl_checks.an_old_nccl_on_a_shared_gpu, timeout=60):
         assert "ranks share a GPU, which NCCL 2.23.4 refuses" in message and ">= 2.30" in message, message
 
 
 def test_a_multi_rank_setting_the_user_made_is_kept():
-    results = run_on_ranks(2, f"{CHECKS}:multi_rank_setting", timeout=60, env={nccl.MULTI_RANK_GPU: "0"},
+    results = run_on_ranks(2, nccl_checks.multi_rank_setting, timeout=60, env={nccl.MULTI_RANK_GPU: "0"},
                            devices="shared")
     assert all(result == {"multi_rank_gpu": "0", "shares": True} for result in results)
 
@@ -127,7 +127,7 @@ def test_real_nccl_on_cupy_arrays_equals_our_collectives(ranks):
     reason = nccl.several_ranks_unavailable_reason(ranks)
     if reason is not None:  # one GPU and an NCCL before 2.30: NcclComm's refusal is tested on the doubles above
         pytest.skip(reason)
-    results = run_on_ranks(ranks, f"{CHECKS}:check_against_ours", timeout=300, env={nccl.MULTI_RANK_GPU: "1"},
+    results = run_on_ranks(ranks, nccl_checks.check_against_ours, timeout=300, env={nccl.MULTI_RANK_GPU: "1"},
                            counts=COUNTS, backend="cupy")
     for rank, result in enumerate(results):
         assert not result["failures"], f"rank {rank}: {result['failures'][:5]}"
@@ -142,7 +142,7 @@ def table_rows(output: str) -> list[list[str]]:
 def test_verify_against_nccl_prints_the_table_and_finds_no_wrong_element(monkeypatch):
     """Three ranks: NCCL's float average multiplies by 1/3 first, which the inputs keep exact."""
     monkeypatch.delenv(nccl.MULTI_RANK_GPU, raising=False)
-    report = run_on_ranks(3, f"{CHECKS}:verify_against_the_double", timeout=120, max_count=20)[0]
+    report = run_on_ranks(3, nccl_checks.verify_against_the_double, timeout=120, max_count=20)[0]
     assert report["status"] == 0, report["output"]
     output = report["output"]
     assert "# reference: NCCL 2.30.4 through cupy.cuda.nccl; ranks share a GPU: NCCL_MULTI_RANK_GPU_ENABLE=1" \
@@ -157,7 +157,7 @@ def test_verify_against_nccl_prints_the_table_and_finds_no_wrong_element(monkeyp
 
 def test_verify_against_an_nccl_without_bfloat16_says_so_once_and_checks_the_rest(monkeypatch):
     monkeypatch.delenv(nccl.MULTI_RANK_GPU, raising=False)
-    report = run_on_ranks(2, f"{CHECKS}:verify_against_the_double", timeout=120, max_count=7, version=20903)[0]
+    report = run_on_ranks(2, nccl_checks.verify_against_the_double, timeout=120, max_count=7, version=20903)[0]
     assert report["status"] == 0, report["output"]
     output = report["output"]
     # a CuPy or NCCL older than bfloat16 has no NCCL_BFLOAT16: one line says so, no row runs it
@@ -167,7 +167,7 @@ def test_verify_against_an_nccl_without_bfloat16_says_so_once_and_checks_the_res
 
 def test_bench_compare_nccl_adds_nccls_bandwidth_and_the_ratio(tmp_path):
     collectives = ["all_reduce", "reduce_scatter", "all_gather", "alltoall", "broadcast", "reduce", "sendrecv"]
-    runs = run_on_ranks(2, f"{CHECKS}:bench_against_the_double", timeout=120, collectives=collectives,
+    runs = run_on_ranks(2, nccl_checks.bench_against_the_double, timeout=120, collectives=collectives,
                         json_dir=str(tmp_path), options={"minbytes": 8, "maxbytes": 1024, "iters": 2,
                                                          "warmup_iters": 1, "op": "avg", "root": 1})[0]
     for name, run in runs.items():
@@ -188,7 +188,7 @@ def test_bench_compare_nccl_adds_nccls_bandwidth_and_the_ratio(tmp_path):
 
 def test_the_adapters_cupy_memory_reaches_device_arrays_streams_and_devices_on_the_cupy_double():
     """`cupy_memory()` itself runs (x.data.ptr, the stream's .ptr, Device().pci_bus_id): on the CuPy double."""
-    for report in run_on_ranks(2, f"{CHECKS}:cupy_memory_on_the_cupy_double", timeout=120):
+    for report in run_on_ranks(2, nccl_checks.cupy_memory_on_the_cupy_double, timeout=120):
         for dtype, result in report["results"].items():
             assert result["on_device"], dtype
             assert result["values"] == [2 * i + 1 for i in range(5)], dtype

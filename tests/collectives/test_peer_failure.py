@@ -18,8 +18,9 @@ import subprocess
 import time
 
 import pytest
-from mpi_harness import WORKER
+from mpi_harness import WORKER, worker_job
 from processes import end_job, start_job
+from workers import fault_checks
 from workers.fault_checks import COLLECTIVES
 
 RAISED_WITHIN_S = 20.0
@@ -34,7 +35,7 @@ SYNCHRONOUS = [name for name in COLLECTIVES if "asynchronous" not in name]
 @pytest.mark.parametrize("collective", SYNCHRONOUS)
 def test_every_survivor_raises_peer_failure_and_the_shrunk_communicator_works(open_mpi, collective, tmp_path):
     job = start_job([open_mpi.mpiexec, "--with-ft", "ulfm", "-n", "4", open_mpi.python, str(WORKER), str(tmp_path),
-                     "workers.fault_checks:survive_a_peer", json.dumps({"collective": collective})],
+                     worker_job(fault_checks.survive_a_peer, collective=collective)],
                     env=open_mpi.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reports = [tmp_path / f"rank{rank}.json" for rank in (0, 1, 3)]
     deadline = time.monotonic() + REPORTS_WITHIN_S

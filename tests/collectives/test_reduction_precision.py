@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi_harness import run_on_ranks
+from workers import precision_checks
 
 from collectives.backend import BFLOAT16, round_to_bfloat16
 
@@ -39,7 +40,7 @@ def test_round_to_bfloat16_rounds_float64_once_to_the_nearest_even():
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_bfloat16_all_reduce_errors_stay_within_the_derived_bounds(ranks):
-    measured = run_on_ranks(ranks, "workers.precision_checks:sum_errors", timeout=200, count=1 << 16)[0]
+    measured = run_on_ranks(ranks, precision_checks.sum_errors, timeout=200, count=1 << 16)[0]
     errors, bounds = measured["errors"], measured["bounds"]
     assert measured["round_once_elementwise_violations"] == 0, measured
     for scheme in ("bf16 ring", "round once", "float32 ring"):

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from mpi_harness import run_on_ranks, run_with_timeout
+from workers import device_checks, topology_checks
 
 from collectives.cost_model import CostModel, choose, load_calibration, predict
 from collectives.topology import NodeLayout, inter_node_bytes
@@ -130,7 +131,7 @@ def _emulated(k: int) -> dict[str, str]:
 def test_ledger_inter_node_bytes_equal_the_formulas_for_ring_and_hierarchical(ranks, k):
     algorithms = ["ring", "hierarchical"] + (["recursive_doubling", "recursive_halving", "rabenseifner"]
                                              if ranks == 8 else [])
-    results = run_on_ranks(ranks, "workers.topology_checks:ledger_against_formulas", timeout=240,
+    results = run_on_ranks(ranks, topology_checks.ledger_against_formulas, timeout=240,
                            env=_emulated(k), algorithms=algorithms, block=2048)
     for rank, result in enumerate(results):
         assert result["nodes"] == [r // k for r in range(ranks)]
@@ -194,7 +195,7 @@ def test_train_prints_each_axis_inter_node_bytes_beside_the_formula_and_tp_insid
 def test_hierarchical_collectives_on_device_arrays_across_emulated_nodes(cuda_aware):
     """The CuPy path (tests/support/fake_cupy.py's double) with nodes of 2 on 3 ranks: every collective and algorithm,
     hierarchical included, against native MPI, staged or synchronized as the device contract says."""
-    results = run_on_ranks(3, "workers.device_checks:collectives_on_device", timeout=240, env=_emulated(2),
+    results = run_on_ranks(3, device_checks.collectives_on_device, timeout=240, env=_emulated(2),
                            cuda_aware=cuda_aware, sizes=[0, 1, 7, 1000])
     for rank, result in enumerate(results):
         assert not result["failures"], f"rank {rank}: {result['failures'][:5]}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from mpi_harness import run_on_ranks
+from workers import two_hop_checks
 
 
 @pytest.mark.parametrize("ranks, k, slots, top_k, nodes_per_token", [
@@ -16,7 +17,7 @@ from mpi_harness import run_on_ranks
 ])
 def test_two_hop_all_to_all_delivers_every_assignment_and_sends_its_formulas_bytes_across_nodes(
         ranks, k, slots, top_k, nodes_per_token):
-    results = run_on_ranks(ranks, "workers.two_hop_checks:exchanges", timeout=120,
+    results = run_on_ranks(ranks, two_hop_checks.exchanges, timeout=120,
                            env={"MPIPARALLEL_RANKS_PER_NODE": str(k)}, tokens=12, top_k=top_k, slots=slots, width=64,
                            nodes_per_token=nodes_per_token, seed=7)
     for rank, result in enumerate(results):

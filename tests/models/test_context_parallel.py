@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_harness import run_on_ranks
+from mpi_harness import call, run_on_ranks
+from workers import context_parallel_checks
 from workers.context_parallel_checks import (
     PARAMETERS,
     attention_problem,
@@ -54,18 +55,19 @@ def cases(cp: int) -> list[dict[str, int]]:
 def checks(cp: int) -> dict:
     suite = {}
     for variant in VARIANTS:
-        suite[variant] = {"check": "compare_with_full_attention", "variant": variant, "cases": cases(cp)}
-        suite[f"{variant} in flight"] = {"check": "in_flight", "variant": variant, **cases(cp)[0]}
-        suite[f"{variant} bytes"] = {"check": "bytes_sent", "variant": variant, "algo": LEDGER_ALGO[variant], **LEDGER}
-    suite["ulysses selective"] = {"check": "compare_with_full_attention", "variant": "ulysses", "cases": cases(cp),
-                                  "keep_probabilities": False}
-    suite["ulysses heads"] = {"check": "ulysses_heads_error", "n_head": INDIVISIBLE_HEADS[cp]}
+        suite[variant] = call(context_parallel_checks.compare_with_full_attention, variant=variant, cases=cases(cp))
+        suite[f"{variant} in flight"] = call(context_parallel_checks.in_flight, variant=variant, **cases(cp)[0])
+        suite[f"{variant} bytes"] = call(context_parallel_checks.bytes_sent, variant=variant,
+                                         algo=LEDGER_ALGO[variant], **LEDGER)
+    suite["ulysses selective"] = call(context_parallel_checks.compare_with_full_attention, variant="ulysses",
+                                      cases=cases(cp), keep_probabilities=False)
+    suite["ulysses heads"] = call(context_parallel_checks.ulysses_heads_error, n_head=INDIVISIBLE_HEADS[cp])
     return suite
 
 
 @pytest.fixture(scope="module")
 def launches() -> dict[int, list[dict]]:
-    return {cp: run_on_ranks(cp, "workers.context_parallel_checks:suite", checks=checks(cp)) for cp in (2, 4)}
+    return {cp: run_on_ranks(cp, checks(cp)) for cp in (2, 4)}
 
 
 def worst_error(report: dict) -> float:
@@ -92,9 +94,9 @@ def test_a_group_of_one_equals_full_causal_attention(variant):
 
 def test_on_the_cupy_test_double_with_host_staging_every_variant_equals_full_causal_attention():
     device = {"MPIPARALLEL_TEST_ARRAYS": "fake", "MPIPARALLEL_CUDA_AWARE": "0"}  # MPI never sees a device buffer
-    suite = {variant: {"check": "compare_with_full_attention", "variant": variant, "cases": cases(2)[1:2]}
+    suite = {variant: call(context_parallel_checks.compare_with_full_attention, variant=variant, cases=cases(2)[1:2])
              for variant in VARIANTS}
-    for rank_result in run_on_ranks(2, "workers.context_parallel_checks:suite", env=device, checks=suite):
+    for rank_result in run_on_ranks(2, suite, env=device):
         for variant in VARIANTS:
             (report,) = rank_result[variant]
             assert worst_error(report) <= TOLERANCE, (variant, report)

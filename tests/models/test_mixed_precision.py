@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from mpi_harness import run_on_ranks, run_with_timeout
 from optional import optional_module
+from workers import composition_checks
 
 from models.precision import DTYPES, LossScaler, model_state_bytes
 from models.transformer import GPTConfig, Transformer
@@ -167,9 +168,9 @@ MESHES = {
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory) -> list[dict]:
     directory = str(tmp_path_factory.mktemp("serial-bf16"))
-    run_on_ranks(1, "workers.composition_checks:serial_references", timeout=300, models=MODELS, directory=directory)
+    run_on_ranks(1, composition_checks.serial_references, timeout=300, models=MODELS, directory=directory)
     return [result for ranks, rows in MESHES.items()
-            for result in run_on_ranks(ranks, "workers.composition_checks:matches_serial", timeout=600,
+            for result in run_on_ranks(ranks, composition_checks.matches_serial, timeout=600,
                                        models=MODELS, runs=rows, references=directory)[0]]
 
 

@@ -17,11 +17,13 @@ from moe_oracle import (
     moe_layer,
     random_experts,
 )
-from mpi_harness import run_on_ranks
+from mpi_harness import call, run_on_ranks
+from workers import moe_checks
 from workers.errors import worst
 
-from models.moe import MixtureOfExperts, RouterStats, expert_capacity, local_experts, update_expert_bias
+from models.moe import MixtureOfExperts, RouterStats, expert_capacity, update_expert_bias
 from models.transformer import GPTConfig, Transformer, expert_bias_shapes, parameter_shapes, units_using
+from mpiparallel.axes.expert_parallel import local_experts
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 
@@ -397,34 +399,34 @@ def layer_checks(ep: int) -> dict:
     checks = {}
     for n_experts in (4, 8):
         for top_k in (1, 2):
-            checks[f"union E{n_experts} k{top_k}"] = {"check": "layer_against_union", "n_experts": n_experts,
-                                                      "top_k": top_k}
-            checks[f"sets E{n_experts} k{top_k}"] = {"check": "layer_against_sets", "n_experts": n_experts,
-                                                     "top_k": top_k, "capacity_factor": 0.75, "aux_coef": 0.5}
+            checks[f"union E{n_experts} k{top_k}"] = call(moe_checks.layer_against_union, n_experts=n_experts,
+                                                      top_k=top_k)
+            checks[f"sets E{n_experts} k{top_k}"] = call(moe_checks.layer_against_sets, n_experts=n_experts,
+                                                     top_k=top_k, capacity_factor=0.75, aux_coef=0.5)
     return checks
 
 
 def imbalance_checks() -> dict:
-    return {f"imbalance {case}": {"check": "forced_routing", "case": case} for case in
+    return {f"imbalance {case}": call(moe_checks.forced_routing, case=case) for case in
             ("all to one expert", "one hot rank", "a hot spot per rank", "experts that receive nothing",
              "everything past capacity")}
 
 
 def model_checks() -> dict:
-    return {f"model {recompute}": {"check": "model_against_serial", "recompute": recompute}
+    return {f"model {recompute}": call(moe_checks.model_against_serial, recompute=recompute)
             for recompute in ("none", "full")}
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
     checks = {**layer_checks(2), **imbalance_checks(), **model_checks()}
-    return run_on_ranks(2, "workers.moe_checks:suite", checks=checks)
+    return run_on_ranks(2, checks)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> dict:
     checks = {**layer_checks(4), **imbalance_checks(), **model_checks()}
-    return run_on_ranks(4, "workers.moe_checks:suite", checks=checks)
+    return run_on_ranks(4, checks)
 
 
 @pytest.fixture(params=[2, 4], ids=["ep2", "ep4"])
@@ -478,7 +480,7 @@ def test_expert_parallel_model_equals_the_serial_model(ranks):
 
 def test_expert_parallel_model_runs_on_device_arrays():
     """The EP model's worker on the CuPy double (scripts/gpu_check.sh runs it with real CuPy)."""
-    results = run_on_ranks(2, "workers.moe_checks:suite", env={"MPIPARALLEL_TEST_ARRAYS": "fake"},
-                           checks={"model": {"check": "model_against_serial", "recompute": "none"}})
+    results = run_on_ranks(2, {"model": call(moe_checks.model_against_serial, recompute="none")},
+                           env={"MPIPARALLEL_TEST_ARRAYS": "fake"})
     for result in results:
         assert worst(result["model"]["errors"].values()) <= TOLERANCE, result["model"]["errors"]

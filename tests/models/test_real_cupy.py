@@ -16,6 +16,7 @@ import pytest
 from mpi_harness import run_on_ranks
 from optional import optional_module
 from real_cupy import compile_kernel, fused_kernels, resolve_types
+from workers import device_checks
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 
@@ -29,7 +30,7 @@ def real_cupy():
 
 @pytest.fixture(scope="module")
 def training_calls() -> list[dict]:
-    return run_on_ranks(2, "workers.device_checks:kernel_calls_in_training", timeout=600,
+    return run_on_ranks(2, device_checks.kernel_calls_in_training, timeout=600,
                         families=["gpt2", "llama", "deepseek_v3"],
                         meshes=[{"dp": 2, "zero": 1}, {"tp": 2, "sp": True}])[0]
 

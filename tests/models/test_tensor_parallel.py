@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_harness import run_on_ranks
+from mpi_harness import call, run_on_ranks
+from workers import tensor_parallel_checks
 
 from models.parameter import gather_tensor, shard_tensor
 from models.transformer import GPTConfig, Transformer
@@ -36,29 +37,33 @@ def ring_all_reduce_bytes(nbytes: int, n: int) -> int:
 
 
 def training_runs(tp: int, dp: int, vocab_sizes: tuple[int, ...], microbatches: int = 1) -> dict:
-    return {f"train tp{tp} dp{dp} sp{int(sp)} vocab{v}": {"check": "compare_training", "runs": [
-        {"tp": tp, "dp": dp, "sequence_parallel": sp, "vocab_size": v, "microbatches": microbatches}]}
+    return {f"train tp{tp} dp{dp} sp{int(sp)} vocab{v}": call(tensor_parallel_checks.compare_training, runs=[
+        {"tp": tp, "dp": dp, "sequence_parallel": sp, "vocab_size": v, "microbatches": microbatches}])
         for sp in (False, True) for v in vocab_sizes}
 
 
 def ledger_checks() -> dict:
-    return {f"ledger sp{int(sp)}": {"check": "ledger_and_memory", "sequence_parallel": sp} for sp in (False, True)}
+    return {f"ledger sp{int(sp)}": call(tensor_parallel_checks.ledger_and_memory, sequence_parallel=sp)
+            for sp in (False, True)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     checks = {**training_runs(2, 1, (64, 61)), **ledger_checks(),
-              "checkpoint": {"check": "checkpoint_round_trip"},
-              **{f"stateless sp{int(sp)}": {"check": "stateless", "sequence_parallel": sp} for sp in (False, True)},
-              "errors": {"check": "errors", "indivisible_heads": {"n_embd": 24, "n_head": 3, "vocab_size": 64}}}
-    return run_on_ranks(2, "workers.tensor_parallel_checks:suite", checks=checks)
+              "checkpoint": call(tensor_parallel_checks.checkpoint_round_trip),
+              **{f"stateless sp{int(sp)}": call(tensor_parallel_checks.stateless, sequence_parallel=sp)
+                 for sp in (False, True)},
+              "errors": call(tensor_parallel_checks.errors,
+                             indivisible_heads={"n_embd": 24, "n_head": 3, "vocab_size": 64})}
+    return run_on_ranks(2, checks)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
     checks = {**training_runs(4, 1, (64, 61)), **training_runs(2, 2, (61,), microbatches=2), **ledger_checks(),
-              "errors": {"check": "errors", "indivisible_heads": {"n_embd": 32, "n_head": 2, "vocab_size": 64}}}
-    return run_on_ranks(4, "workers.tensor_parallel_checks:suite", checks=checks)
+              "errors": call(tensor_parallel_checks.errors,
+                             indivisible_heads={"n_embd": 32, "n_head": 2, "vocab_size": 64})}
+    return run_on_ranks(4, checks)
 
 
 def results_of(two_ranks: list[dict], four_ranks: list[dict], world: int) -> list[dict]:

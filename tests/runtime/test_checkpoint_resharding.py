@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 from mpi_harness import RankFailure, run_on_ranks, run_with_timeout
+from workers import checkpoint_checks
 
 from mpiparallel.axes.tensor_parallel import tensor_parallel_placement
 from mpiparallel.checkpoints.sharded import MANIFEST, TrainingCheckpoint, latest_training_checkpoint, step_folder
 
-CHECKS = "workers.checkpoint_checks"
 TINY = {"n_head": 4, "n_embd": 16, "seq_len": 8, "batch_size": 4, "steps": 4, "dtype": "float64", "lr": 1e-2,
         "weight_decay": 0.1, "grad_clip": 0.5, "bucket_mb": 0.001}
 
@@ -51,8 +51,8 @@ def files_of(entry: dict) -> set[str]:
 def test_dp2_tp2_zero1_resumes_on_tp4_pp2_zbv_and_dp4_zero3(tmp_path, tokens):
     common = TINY | {"n_layer": 4, "vocab_size": 257, "data": tokens}
     meshes = [{"tp": 2, "zero": 1}, {"tp": 4}, {"pp": 2, "schedule": "zbv"}, {"zero": 3}]
-    results = run_on_ranks(4, f"{CHECKS}:resume_on_other_meshes", timeout=300, common=common, saved_mesh=meshes[0],
-                           resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
+    results = run_on_ranks(4, checkpoint_checks.resume_on_other_meshes, timeout=300, common=common,
+                           saved_mesh=meshes[0], resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
     assert_resumed(results, every=2, steps=4)
 
     folder = step_folder(tmp_path / "saved" / "checkpoints", 2)
@@ -88,8 +88,8 @@ def test_a_pipeline_run_saved_on_pp2_1f1b_resumes_on_tp2_sp_and_on_cp2_tp2(tmp_p
     parallelism hold it replicated."""
     common = TINY | {"n_layer": 2, "vocab_size": 257, "data": tokens}
     meshes = [{"pp": 2, "zero": 1}, {"tp": 2, "sp": True, "zero": 1}, {"cp": 2, "tp": 2}]
-    results = run_on_ranks(4, f"{CHECKS}:resume_on_other_meshes", timeout=300, common=common, saved_mesh=meshes[0],
-                           resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
+    results = run_on_ranks(4, checkpoint_checks.resume_on_other_meshes, timeout=300, common=common,
+                           saved_mesh=meshes[0], resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
     assert_resumed(results, every=2, steps=4)
     tensors = json.loads((step_folder(tmp_path / "saved" / "checkpoints", 2) / MANIFEST).read_text())["tensors"]
     for name in ("transformer.wte.weight", "exp_avg/transformer.wte.weight"):  # pipeline rank 0: world ranks 0, 1
@@ -104,8 +104,8 @@ def test_a_llama_saved_on_tp4_with_replicated_kv_heads_resumes_on_pp2_cp2_and_dp
                      "ffn_hidden": 24}
     meshes = [{"tp": 4, "sp": True}, {"pp": 2, "cp": 2, "schedule": "1f1b"}, {"zero": 3},
               {"tp": 2, "cp": 2, "cp_attention": "ulysses"}]
-    results = run_on_ranks(4, f"{CHECKS}:resume_on_other_meshes", timeout=300, common=common, saved_mesh=meshes[0],
-                           resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
+    results = run_on_ranks(4, checkpoint_checks.resume_on_other_meshes, timeout=300, common=common,
+                           saved_mesh=meshes[0], resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
     assert_resumed(results, every=2, steps=4)
     manifest = json.loads((step_folder(tmp_path / "saved" / "checkpoints", 2) / MANIFEST).read_text())
     key = manifest["tensors"]["transformer.h.0.attn.k_proj.weight"]
@@ -117,8 +117,8 @@ def test_moe_saved_on_ep2_resumes_on_ep4_and_ep1_with_its_expert_biases(tmp_path
     common = TINY | {"n_layer": 2, "vocab_size": 257, "data": tokens, "experts": 4, "top_k": 2,
                      "moe_bias_rate": 0.01}
     meshes = [{"ep": 2, "zero": 1}, {"ep": 4}, {"ep": 1, "zero": 1}]
-    results = run_on_ranks(4, f"{CHECKS}:resume_on_other_meshes", timeout=300, common=common, saved_mesh=meshes[0],
-                           resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
+    results = run_on_ranks(4, checkpoint_checks.resume_on_other_meshes, timeout=300, common=common,
+                           saved_mesh=meshes[0], resumed_meshes=meshes, directory=str(tmp_path), every=2)[0]
     assert_resumed(results, every=2, steps=4)
 
     saved = TrainingCheckpoint(step_folder(tmp_path / "saved" / "checkpoints", 2))
@@ -137,7 +137,7 @@ def test_moe_saved_on_ep2_resumes_on_ep4_and_ep1_with_its_expert_biases(tmp_path
 def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path, tokens):
     options = TINY | {"n_layer": 2, "vocab_size": 257, "data": tokens, "steps": 6, "tp": 2, "checkpoint_every": 2}
     with pytest.raises(RankFailure):
-        run_on_ranks(2, f"{CHECKS}:crash_while_saving", timeout=120, options=options, directory=str(tmp_path),
+        run_on_ranks(2, checkpoint_checks.crash_while_saving, timeout=120, options=options, directory=str(tmp_path),
                      crash_step=4)
     checkpoints = tmp_path / "checkpoints"
     interrupted = step_folder(checkpoints, 4)

@@ -29,6 +29,7 @@ import pytest
 from clusters import assert_no_processes_on
 from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
 from processes import start_job
+from workers import topology_checks
 
 from mpiparallel.errors import ConfigError, ExitCode
 from mpiparallel.jobs import hosts as multi_host
@@ -220,7 +221,7 @@ def test_a_two_host_mesh_dp_across_tp_inside_trains_the_serial_models_numbers(cl
 def test_the_ledgers_inter_node_bytes_equal_the_formulas_between_real_hosts(cluster):
     made = cluster(nodes=2, ranks_per_node=2)
     algorithms = ["ring", "hierarchical", "recursive_doubling", "recursive_halving", "rabenseifner"]
-    results = run_on_ranks(4, "workers.topology_checks:ledger_against_formulas", timeout=300,
+    results = run_on_ranks(4, topology_checks.ledger_against_formulas, timeout=300,
                            mpiexec_options=made.mpiexec_options(), algorithms=algorithms, block=2048)
     for rank, result in enumerate(results):
         assert result["nodes"] == [0, 0, 1, 1]

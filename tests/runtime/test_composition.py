@@ -20,6 +20,7 @@ import os
 
 import pytest
 from mpi_harness import run_on_ranks, train_error
+from workers import composition_checks
 
 from models.transformer import parameter_shapes
 from mpiparallel.train import TrainSettings
@@ -302,7 +303,7 @@ def test_the_matrix_has_the_three_axis_layouts():
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> str:
     directory = tmp_path_factory.mktemp("serial")
-    run_on_ranks(1, "workers.composition_checks:serial_references", models=MODELS, directory=str(directory))
+    run_on_ranks(1, composition_checks.serial_references, models=MODELS, directory=str(directory))
     return str(directory)
 
 
@@ -313,7 +314,7 @@ def results(references) -> dict[int, dict]:
     for ranks in sorted({row[0] for row in MATRIX}):
         indices = [i for i, row in enumerate(MATRIX) if row[0] == ranks]
         runs = [(MATRIX[i][1], MATRIX[i][2]) for i in indices]
-        launch = run_on_ranks(ranks, "workers.composition_checks:matches_serial", timeout=600, models=MODELS,
+        launch = run_on_ranks(ranks, composition_checks.matches_serial, timeout=600, models=MODELS,
                               runs=runs, references=references)[0]
         found |= dict(zip(indices, launch, strict=True))
     return found
@@ -321,14 +322,14 @@ def results(references) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def device_results(references) -> list[dict]:
-    return run_on_ranks(4, "workers.composition_checks:matches_serial", timeout=600, env=DEVICE_ARRAYS,
+    return run_on_ranks(4, composition_checks.matches_serial, timeout=600, env=DEVICE_ARRAYS,
                         models=MODELS, runs=[(model, options) for _, model, options in DEVICE_MATRIX],
                         references=references)[0]
 
 
 @pytest.fixture(scope="module")
 def nodes_results(references) -> list[dict]:
-    return run_on_ranks(4, "workers.composition_checks:matches_serial", timeout=600, env={**NODES, **DEVICE_ARRAYS},
+    return run_on_ranks(4, composition_checks.matches_serial, timeout=600, env={**NODES, **DEVICE_ARRAYS},
                         models=MODELS, runs=[(model, options) for _, model, options in NODES_MATRIX],
                         references=references)[0]
 
@@ -384,7 +385,7 @@ def test_combinations_the_arithmetic_rules_out_get_one_clear_error(args, message
 
 @pytest.fixture(scope="module")
 def unhooked_differences() -> dict[str, float]:
-    return run_on_ranks(2, "workers.composition_checks:unhooked_gradients_match_hooked", zeros=[0, 1, 2, 3])[0]
+    return run_on_ranks(2, composition_checks.unhooked_gradients_match_hooked, zeros=[0, 1, 2, 3])[0]
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from mpi_harness import run_on_ranks
+from workers import data_parallel_checks
 from workers.data_parallel_checks import CONFIG
 
 from models.transformer import GPTConfig, Transformer
@@ -11,7 +12,6 @@ from mpiparallel.axes.data_parallel import build_buckets
 
 pytestmark = pytest.mark.gpu  # scripts/gpu_check.sh runs these on the GPU (tests group)
 
-CHECKS = "workers.data_parallel_checks"
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -19,14 +19,15 @@ CHECKS = "workers.data_parallel_checks"
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_data_parallel_equals_serial_in_float64(ranks, zero, microbatches):
     """3 AdamW steps with clipping and weight decay: loss, every gathered gradient and every weight."""
-    for rank, failures in enumerate(run_on_ranks(ranks, f"{CHECKS}:check_equals_serial", zero=zero,
+    for rank, failures in enumerate(run_on_ranks(ranks, data_parallel_checks.check_equals_serial, zero=zero,
                                                  microbatch_count=microbatches)):
         assert not failures, f"rank {rank}: {failures[:5]}"
 
 
 @pytest.mark.parametrize("zero", [0, 2])
 def test_without_overlap_the_result_is_the_same(zero):
-    for failures in run_on_ranks(2, f"{CHECKS}:check_equals_serial", zero=zero, microbatch_count=2, overlap=False):
+    for failures in run_on_ranks(2, data_parallel_checks.check_equals_serial, zero=zero, microbatch_count=2,
+                                 overlap=False):
         assert not failures, failures[:5]
 
 
@@ -45,7 +46,7 @@ def test_buckets_follow_backward_order_and_never_split_a_unit():
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_data_parallel_all_reduce_sends_2_n_minus_1_over_n_gradient_bytes(ranks):
-    for result in run_on_ranks(ranks, f"{CHECKS}:ledger_of_one_step", zero=0):
+    for result in run_on_ranks(ranks, data_parallel_checks.ledger_of_one_step, zero=0):
         gradient_bytes = sum(result["bucket_bytes"])
         assert result["sent"] == {"all_reduce": 2 * (ranks - 1) * gradient_bytes // ranks}
 
@@ -53,7 +54,7 @@ def test_data_parallel_all_reduce_sends_2_n_minus_1_over_n_gradient_bytes(ranks)
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_1_and_2_reduce_scatter_and_all_gather_the_same_total(zero):
     ranks = 4
-    for result in run_on_ranks(ranks, f"{CHECKS}:ledger_of_one_step", zero=zero):
+    for result in run_on_ranks(ranks, data_parallel_checks.ledger_of_one_step, zero=zero):
         total = sum(result["bucket_bytes"])
         assert result["sent"] == {"reduce_scatter": (ranks - 1) * total // ranks,
                                   "all_gather": (ranks - 1) * total // ranks}
@@ -70,7 +71,7 @@ def gathers_per_microbatch(used_by: list[int], units: int) -> int:
 
 def test_zero_3_adds_the_parameter_gathers_of_forward_and_backward():
     ranks = 4
-    for result in run_on_ranks(ranks, f"{CHECKS}:ledger_of_one_step", zero=3):
+    for result in run_on_ranks(ranks, data_parallel_checks.ledger_of_one_step, zero=3):
         sizes, units = result["bucket_bytes"], result["units"]
         counts = [gathers_per_microbatch(used_by, units) for used_by in result["used_by"]]
         # a block's bucket: once before its forward, once before its backward; the head's stays gathered from
@@ -88,7 +89,7 @@ def test_zero_shrinks_what_each_rank_holds_to_the_byte():
     into its gradient buffer: the textbook P + G + 2P/n); ZeRO-2 shards the gradients (8B/n); ZeRO-3 the
     parameters too (8B/n)."""
     ranks, itemsize = 3, 8  # 3 ranks: some buckets need padding
-    launches = {zero: run_on_ranks(ranks, f"{CHECKS}:ledger_of_one_step", zero=zero, batch=6)[0]
+    launches = {zero: run_on_ranks(ranks, data_parallel_checks.ledger_of_one_step, zero=zero, batch=6)[0]
                 for zero in (0, 1, 2, 3)}
     parameters = CONFIG.parameter_count()
     elements = launches[0]["bucket_elements"]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mpi_harness import RankFailure, mpiexec_path, run_on_ranks
 from processes import ended, processes_under, start_job
+from workers import pipeline_checks
 
 from collectives import flight
 from mpiparallel.jobs.hang import analyse
@@ -256,7 +257,7 @@ def test_a_rank_hung_under_the_pipeline_is_singled_out_by_the_flight_records(tmp
     assert event["behind"] == [1] and event["behind_by"] == "flight records", event
 
 
-PIPELINE = "workers.pipeline_checks:broken_step"
+PIPELINE = pipeline_checks.broken_step
 
 
 def test_checked_pipeline_messages_name_a_send_nobody_receives_on_every_rank():

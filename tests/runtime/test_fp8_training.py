@@ -29,6 +29,7 @@ import sys
 
 import pytest
 from mpi_harness import run_on_ranks, run_with_timeout
+from workers import composition_checks, fp8_checks
 
 BF16_ROUNDOFF = 2.0**-8
 E4M3_ROUNDOFF = 2.0**-4
@@ -57,10 +58,10 @@ MESHES = {
 @pytest.fixture(scope="module")
 def fp8_runs(tmp_path_factory) -> list[tuple[dict, str]]:
     directory = str(tmp_path_factory.mktemp("serial-fp8"))
-    run_on_ranks(1, "workers.composition_checks:serial_references", timeout=600, models=MODELS, directory=directory)
+    run_on_ranks(1, composition_checks.serial_references, timeout=600, models=MODELS, directory=directory)
     results = []
     for ranks, rows in MESHES.items():
-        measured = run_on_ranks(ranks, "workers.fp8_checks:matches_serial_per_step", timeout=900, models=MODELS,
+        measured = run_on_ranks(ranks, fp8_checks.matches_serial_per_step, timeout=900, models=MODELS,
                                 runs=[(model, options) for model, options, _ in rows], references=directory)[0]
         results += [(result, kind) for result, (_, _, kind) in zip(measured, rows, strict=True)]
     for result, kind in results:  # the figures docs/fp8.md quotes
@@ -125,7 +126,7 @@ def test_ep_dispatches_e4m3_rows_with_their_scales_and_combines_in_bfloat16():
     before they move, with or without EP; measured: y and the experts' gradients bit for bit), and the forward's
     all-to-allv bytes are the formula's: off-rank rows sent × (h + 4·⌈h/128⌉) for the dispatch, off-rank rows
     received × 2h for the bfloat16 combine (h = 256: 264 bytes a row instead of 512)."""
-    results = run_on_ranks(2, "workers.fp8_checks:fp8_dispatch", timeout=300)
+    results = run_on_ranks(2, fp8_checks.fp8_dispatch, timeout=300)
     for rank in results:
         assert rank["rows_sent"] > 0 and rank["rows_received"] > 0, rank  # tokens do cross ranks
         assert rank["forward_bytes"] == rank["rows_sent"] * (256 + 4 * 2) + rank["rows_received"] * 2 * 256, rank

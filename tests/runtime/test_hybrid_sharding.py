@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
+from workers import checkpoint_checks
 
 from collectives.cost_model import CostModel
 from mpiparallel.checkpoints.sharded import MANIFEST, step_folder
@@ -133,7 +134,7 @@ def test_a_checkpoint_saved_with_one_shard_group_size_resumes_with_any_other(tmp
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 257, 2000))
     meshes = [{"zero": 3, "dp_shard": 2}, {"zero": 3}, {"zero": 1, "dp_shard": 1}, {"tp": 2}]
-    results = run_on_ranks(4, "workers.checkpoint_checks:resume_on_other_meshes", timeout=400,
+    results = run_on_ranks(4, checkpoint_checks.resume_on_other_meshes, timeout=400,
                            common=CHECKPOINTED | {"data": str(tokens)}, saved_mesh=meshes[0], resumed_meshes=meshes,
                            directory=str(tmp_path), every=2)[0]
     for i, result in enumerate(results):

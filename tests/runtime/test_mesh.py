@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from mpi_harness import run_on_ranks
+from workers import mesh_checks
 
 from mpiparallel.errors import ConfigError
 from mpiparallel.mesh import Coordinates, MeshShape, coordinates_of, rank_of
@@ -37,7 +38,7 @@ def test_bad_meshes_are_clear_errors(shape, world, message):
 
 
 def test_every_axis_communicator_holds_the_ranks_that_differ_only_in_that_coordinate():
-    results = run_on_ranks(8, "workers.mesh_checks:groups", dp=2, tp=2, pp=2, ep=2)
+    results = run_on_ranks(8, mesh_checks.groups, dp=2, tp=2, pp=2, ep=2)
     for rank, found in enumerate(results):
         pp, dp, tp = rank // 4, (rank // 2) % 2, rank % 2
         assert found["coordinates"] == {"pp": pp, "dp": dp, "cp": 0, "tp": tp}
@@ -50,6 +51,6 @@ def test_every_axis_communicator_holds_the_ranks_that_differ_only_in_that_coordi
 
 
 def test_expert_groups_split_the_data_parallel_group():
-    for rank, found in enumerate(run_on_ranks(4, "workers.mesh_checks:groups", ep=2)):
+    for rank, found in enumerate(run_on_ranks(4, mesh_checks.groups, ep=2)):
         assert found["ep"] == [r for r in range(4) if r // 2 == rank // 2]
         assert found["expert_dp"] == [r for r in range(4) if r % 2 == rank % 2]

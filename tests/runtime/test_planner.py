@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from mpi_harness import run_on_ranks, run_with_timeout
+from workers import planner_checks
 
 from collectives.cost_model import CostModel
 from models.transformer import GPTConfig, Transformer
@@ -213,7 +214,7 @@ def test_memory_of_every_tp_rank_equals_its_shards_and_saved_arrays(recompute):
     names = ["gqa_untied", "gqa_tied", "one_kv_head_custom_ffn"]
     models = [planner_model(n) for n in names] + [planner_model("gqa_untied", n_kv_head=4)]
     configs = [{key: value for key, value in vars(train_config(m)).items() if key != "rope_scaling"} for m in models]
-    per_rank = run_on_ranks(4, "workers.planner_checks:held_bytes", configs=configs, rows=2,
+    per_rank = run_on_ranks(4, planner_checks.held_bytes, configs=configs, rows=2,
                             length=SHAPE["seq_len"], recompute=recompute)
     cluster = Cluster(gpus=4, gpus_per_node=4)
     for rank_found in per_rank:

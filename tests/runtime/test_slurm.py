@@ -30,6 +30,7 @@ from clusters import assert_no_processes_on
 from mpi_harness import assert_equals_serial, parallel_training, run_on_ranks, run_with_timeout, serial_training
 from processes import ended, start_job, wait_for_steps
 from safetensors.numpy import load_file
+from workers import topology_checks
 
 from mpiparallel.errors import ExitCode
 from mpiparallel.jobs import namespace_cluster, slurm_cluster
@@ -70,7 +71,7 @@ SRUN_OPEN_MPI = ["srun", "-N", "2", "-n", "4", "--mpi=pmix"]
 def test_srun_with_mpich_places_ranks_on_real_nodes_that_train_the_serial_models_numbers(cluster, tmp_path):
     made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
     env = {"SLURM_CONF": str(slurm_cluster.conf_path(made))}
-    placed = run_on_ranks(4, "workers.topology_checks:placement", launcher=SRUN_MPICH, env=env)
+    placed = run_on_ranks(4, topology_checks.placement, launcher=SRUN_MPICH, env=env)
     assert [rank["host"] for rank in placed] == [made.hosts[0]] * 2 + [made.hosts[1]] * 2
     assert [rank["node"] for rank in placed] == [0, 0, 1, 1]
     assert all(rank["local_ranks"] == 2 for rank in placed)  # srun's own variables: 2 BLAS-thread shares a node
@@ -117,7 +118,7 @@ def test_srun_with_open_mpi_over_pmix_trains_the_serial_models_numbers_and_pmi2_
     mpirun inside salloc places the ranks on the allocation's nodes."""
     made = cluster(nodes=2, ranks_per_node=2, scheduler="slurm")
     env = {"SLURM_CONF": str(slurm_cluster.conf_path(made)), "OMPI_MCA_mpi_yield_when_idle": "1"}
-    placed = run_on_ranks(4, "workers.topology_checks:placement", launcher=SRUN_OPEN_MPI, env=env,
+    placed = run_on_ranks(4, topology_checks.placement, launcher=SRUN_OPEN_MPI, env=env,
                           python=open_mpi.python)
     assert [rank["node"] for rank in placed] == [0, 0, 1, 1] and all(rank["local_ranks"] == 2 for rank in placed)
     (tmp_path / "serial").mkdir()
@@ -137,7 +138,7 @@ def test_srun_with_open_mpi_over_pmix_trains_the_serial_models_numbers_and_pmi2_
     inside = ["salloc", "-N", "2", "-n", "4", open_mpi.mpiexec, "-n", "4"]
     within = {name: value for name, value in open_mpi.environment(**env).items()
               if name != "PRTE_MCA_rmaps_default_mapping_policy"}
-    placed = run_on_ranks(4, "workers.topology_checks:placement", launcher=inside, python=open_mpi.python,
+    placed = run_on_ranks(4, topology_checks.placement, launcher=inside, python=open_mpi.python,
                           env=within)
     assert [rank["host"] for rank in placed] == [made.hosts[0]] * 2 + [made.hosts[1]] * 2
     assert [rank["node"] for rank in placed] == [0, 0, 1, 1] and all(rank["local_ranks"] == 2 for rank in placed)

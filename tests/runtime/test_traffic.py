@@ -1,6 +1,6 @@
 """`train` ends with each rank's bytes per mesh axis beside the formulas of mpiparallel/traffic.py: on every mesh
 below, every axis that sent anything has a formula, and it equals the ledger (ep's evaluated on the rows the router
-sent: `models.moe.ExpertTraffic`)."""
+sent: `mpiparallel.axes.expert_parallel.ExpertTraffic`)."""
 
 from __future__ import annotations
 

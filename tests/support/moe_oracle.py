@@ -87,7 +87,11 @@ def moe_layer(weight: np.ndarray, experts: list[MLP], top_k: int, renormalize: b
               expert_bias: np.ndarray | None = None, ep_comm=None) -> MixtureOfExperts:
     router = Router(Parameter("router.weight", weight.copy()), top_k, renormalize, capacity_factor, aux_coef,
                     aux_weight, expert_bias)
-    return MixtureOfExperts(router, experts, ep_comm)
+    if ep_comm is None:
+        return MixtureOfExperts(router, experts)
+    from mpiparallel.axes.expert_parallel import exchange_over
+
+    return MixtureOfExperts(router, experts, exchange_over(ep_comm))
 
 
 def copy_experts(experts: list[MLP]) -> list[MLP]:

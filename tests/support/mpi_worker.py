@@ -18,14 +18,20 @@ keep_freed_memory()
 from mpi4py import MPI  # noqa: E402
 
 
+def run(job: dict) -> object:
+    """Call the job's function with its arguments, or each of its named calls in turn ({name: result})."""
+    if "calls" in job:
+        return {name: run(each) for name, each in job["calls"].items()}
+    module_name, function_name = job["target"].split(":")
+    return getattr(importlib.import_module(module_name), function_name)(**job["arguments"])
+
+
 def main() -> None:
-    results_dir, target, arguments = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    results_dir, job = sys.argv[1], json.loads(sys.argv[2])
     rank = MPI.COMM_WORLD.Get_rank()
     record_path = Path(results_dir) / f"rank{rank}.json"
-    module_name, function_name = target.split(":")
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
-        record = {"result": function(**arguments)}
+        record = {"result": run(job)}
     except BaseException:
         record_path.write_text(json.dumps({"error": traceback.format_exc()}))
         sys.stdout.flush()

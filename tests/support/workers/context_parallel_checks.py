@@ -21,12 +21,6 @@ SEED = 13
 PARAMETERS = ("c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias")
 
 
-def suite(checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Run several checks in one launch: {name: {"check": function name, **its arguments}} -> {name: result}."""
-    return {name: globals()[spec["check"]](**{k: v for k, v in spec.items() if k != "check"})
-            for name, spec in checks.items()}
-
-
 def attention_problem(batch: int, length: int, n_embd: int, n_head: int) -> dict[str, np.ndarray]:
     """Weights, input and output gradient, the same on every rank for the same shape (float64)."""
     rng = np.random.default_rng([SEED, batch, length, n_embd, n_head])

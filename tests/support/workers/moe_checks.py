@@ -13,9 +13,9 @@ from moe_oracle import copy_experts, forcing_inputs, forcing_weight, loop_refere
 
 import collectives as C
 from collectives.backend import get_array_module
-from models.moe import MixtureOfExperts, expert_index, local_experts
+from models.moe import MixtureOfExperts, expert_index
 from models.transformer import GPTConfig, Transformer
-from mpiparallel.axes.expert_parallel import ExpertParallel
+from mpiparallel.axes.expert_parallel import ExpertParallel, local_experts
 
 from .arrays import host, parallel_array_module
 from .errors import relative_error
@@ -24,14 +24,6 @@ SEED = 11
 H, TOKENS = 8, 8  # channels; tokens per rank (one token set each)
 BYTES = 8  # float64
 
-
-def suite(checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Run several checks in one launch: {name: {"check": function name, **its arguments}} -> {name: result}."""
-    return {name: globals()[spec["check"]](**{k: v for k, v in spec.items() if k != "check"})
-            for name, spec in checks.items()}
-
-
-# -- the layer ---------------------------------------------------------------------------------------------
 
 def layer_against_union(n_experts: int, top_k: int) -> dict[str, Any]:
     """EP layer (aux off, capacity unlimited) on this rank's tokens vs the serial layer on every rank's tokens."""

@@ -32,12 +32,6 @@ def batch(config: GPTConfig, batch_size: int, length: int, step: int) -> tuple[n
     return window[:, :-1], window[:, 1:]
 
 
-def suite(checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Run several checks in one launch: {name: {"check": function name, **its arguments}} -> {name: result}."""
-    return {name: globals()[spec["check"]](**{k: v for k, v in spec.items() if k != "check"})
-            for name, spec in checks.items()}
-
-
 def compare_training(runs: list[dict[str, Any]], steps: int = 3) -> list[dict[str, Any]]:
     """Train the TP model (on a tp × dp mesh of this world) and the serial one side by side; per run, the worst
     relative errors of loss, gathered gradients and gathered weights over `steps` AdamW steps."""

@@ -111,8 +111,9 @@ def layer_against_sets(n_experts: int, top_k: int, capacity_factor: float, fp8: 
     from moe_oracle import copy_experts, random_experts
 
     from collectives import all_reduce
-    from models.moe import MixtureOfExperts, Router, local_experts
+    from models.moe import MixtureOfExperts, Router
     from models.parameter import Parameter
+    from mpiparallel.axes.expert_parallel import exchange_over, local_experts
 
     from .errors import relative_error
 
@@ -123,7 +124,8 @@ def layer_against_sets(n_experts: int, top_k: int, capacity_factor: float, fp8: 
 
     def layer(held: list, ep_comm: Communicator | None = None, dispatch: str = "flat") -> MixtureOfExperts:
         router = Router(Parameter("router.weight", weight.copy()), top_k, capacity_factor=capacity_factor)
-        return MixtureOfExperts(router, copy_experts(held), ep_comm, ep_dispatch=dispatch)
+        exchange = None if ep_comm is None else exchange_over(ep_comm, dispatch)
+        return MixtureOfExperts(router, copy_experts(held), exchange)
 
     serial = layer(experts)
     y, saved = serial.forward(x[comm.rank][None])
