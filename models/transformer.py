@@ -156,6 +156,8 @@ class Transformer:
         names = [axis.name for axis in axes]
         if len(set(names)) != len(names) or not set(names) <= {"pp", "tp", "cp", "ep"}:
             raise ValueError(f"parallelize takes at most one axis each of pp, tp, cp, ep; got {names}")
+        if not axes:
+            return self
         for axis in axes:
             axis.fit(self.config)
         serial = {name: param.master if param.master is not None else param.data

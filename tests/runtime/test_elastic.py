@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from clusters import assert_no_processes_on
 from mpi_harness import run_with_timeout, train_error
-from processes import ended, rank_pid, start_job, wait_for_steps
+from processes import ended, rank_pid, start_job, wait_for_steps, wait_for_steps_after_restart
 
 from collectives import backend
 from mpiparallel import planner
@@ -144,9 +144,9 @@ def test_a_rank_lost_again_after_the_restart_is_replaced_again(tmp_path, tokens)
     job = start_elastic(tmp_path, tokens, LONGER)
     wait_for_steps(log, 7, job)
     os.kill(rank_pid(job.pid, 2), signal.SIGKILL)
-    before = len(log.read_text().splitlines())
-    wait_for_steps(log, before + 2, job)  # the restart event, then a step of the relaunched job (soon: a quiet
-    # machine runs this model's 40 steps in well under a second)
+    # a step of the relaunched job, so all its ranks have started: the old job's last lines may still come after
+    # the kill, and a rank killed before it registers is not known as a rank (left as it is: see issue 48's notes)
+    wait_for_steps_after_restart(log, 1, job)
     os.kill(rank_pid(job.pid, 1), signal.SIGKILL)
     status, stdout, stderr = ended(job, timeout=300)
     assert status == 0, (stdout, stderr)

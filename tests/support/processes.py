@@ -128,6 +128,24 @@ def wait_for_steps(log: Path, steps: int, job: subprocess.Popen, timeout: float 
         time.sleep(0.1)
 
 
+def wait_for_steps_after_restart(log: Path, steps: int, job: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the JSON log holds `steps` lines after its last restart event: the relaunched job trains, so every
+    one of its ranks has started (the old job's last lines can still arrive after the kill that ended it)."""
+    def after_restart() -> int:
+        lines = log.read_text().splitlines() if log.exists() else []
+        # matched, not parsed: the last line may be half-written
+        restarts = [index for index, line in enumerate(lines) if '"event": "restart"' in line]
+        return len(lines) - 1 - restarts[-1] if restarts else 0
+
+    deadline = time.monotonic() + timeout
+    while after_restart() < steps:
+        if job.poll() is not None or time.monotonic() >= deadline:
+            stdout, stderr = _kill_group(job)
+            raise AssertionError(f"{steps} steps after a restart not logged within {timeout} s (exit "
+                                 f"{job.returncode}):\n{(stdout or '')[-2000:]}\n{(stderr or '')[-2000:]}")
+        time.sleep(0.1)
+
+
 def ended(job: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
     try:
         stdout, stderr = job.communicate(timeout=timeout)
