@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mpi_harness import RankFailure, run_on_ranks
+from mpi_harness import RankFailure, call, run_on_ranks, worker_job
 from workers import collective_checks
 
 RANK_COUNTS = [1, 2, 3, 4, 5, 8]
@@ -161,6 +161,23 @@ def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging():
 def test_a_hang_fails_after_the_timeout_instead_of_stalling():
     with pytest.raises(RankFailure, match="hung"):
         run_on_ranks(2, collective_checks.raise_on_rank, timeout=3, rank=5)  # nobody raises; both sleep
+
+
+def test_a_group_of_calls_runs_in_one_launch_and_answers_by_name():
+    results = run_on_ranks(2, {"size 1000": call(collective_checks.ledger_volumes, count=1000),
+                               "size 8": call(collective_checks.ledger_volumes, count=8)})
+    assert [sorted(result) for result in results] == [["size 1000", "size 8"]] * 2
+    assert results[0]["size 1000"] != results[0]["size 8"]
+
+
+def test_a_function_no_rank_can_import_is_refused_before_the_launch():
+    def inside_a_test() -> None:  # a rank imports what it runs: a function defined here has no importable name
+        pass
+
+    with pytest.raises(ValueError, match="must be defined at module level"):
+        worker_job(inside_a_test)
+    with pytest.raises(TypeError, match="carries its arguments in each call"):
+        worker_job({"a": call(collective_checks.ledger_volumes, count=3)}, count=3)
 
 
 def test_point_to_point_ledger_and_split_communicators():
