@@ -149,7 +149,8 @@ class Transformer:
         """Split this serial model over `axes` (`models.axis`: at most one each of pp, tp, cp, ep): each takes
         its place (`model.pp`, `.tp`, `.cp`, `.ep`) and the layers are rebuilt, every parameter this rank's piece
         of the serial value held now — so a parallel model starts from the serial model's numbers, and weights
-        loaded afterwards are cut the same way. Returns the model."""
+        loaded afterwards are cut the same way. The serial model and this rank's pieces are held together until it
+        returns (for GPT-2 124M on tp2: 0.8 s after a 2 s serial build). Returns the model."""
         if self.parallel_axes():
             raise ValueError(f"parallelize a serial model once: this one is already split over "
                              f"{', '.join(axis.name for axis in self.parallel_axes())}")
