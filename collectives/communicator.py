@@ -335,6 +335,15 @@ class Communicator:
         return gathered
 
     @raising_peer_failure
+    def alltoall_objects(self, values: list[Any]) -> list[Any]:
+        """`values[r]` to rank r (one picklable object each); returns what each rank sent this one, in rank order."""
+        call = self.flight.open("alltoall_objects", "mpi", "object", len(values), 0)
+        received = self.comm.alltoall(values)
+        if call is not None:
+            call.close()
+        return received
+
+    @raising_peer_failure
     def broadcast_object(self, value: Any, root: int = 0) -> Any:
         """`root`'s `value` (any picklable object) on every rank."""
         call = self.flight.open("broadcast_object", "mpi", "object", 1, 0, root)

@@ -435,6 +435,12 @@ def deepseek_options(command: Callable) -> Callable:
                    "divides the global batch (kept: more rows per DP rank), or where those no longer fit the "
                    "planner's fastest layout that fits in memory; resumed and resharded from the newest complete "
                    "checkpoint. Needs --checkpoint-dir and --checkpoint-every, and -n (not under mpiexec).")
+@click.option("--elastic-mode", type=click.Choice(["auto", "in-place", "relaunch"]), default=default("elastic_mode"),
+              show_default=True,
+              help="--elastic: how the survivors go on. in-place: the same processes revoke, agree, shrink and refill "
+                   "the new mesh from each other's memory (needs an MPI with ULFM: Open MPI, which -n starts with "
+                   "--with-ft ulfm; a bare mpirun needs it given); relaunch: end every rank and start the survivors "
+                   "from the newest checkpoint; auto: in place where the MPI can, else relaunch (the log says which).")
 @click.option("--min-ranks", type=click.IntRange(min=1), default=default("min_ranks"),
               help="--elastic: give up (non-zero exit) rather than continue on fewer ranks.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=default("max_restarts"),
@@ -596,10 +602,19 @@ def train(ctx: click.Context, ranks: int | None, threads: int | None, dp: int | 
         flight.dump_folder = Path(options["flight_dir"])
 
     settings = training.TrainSettings.from_options(**options, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-    status = training.run(settings)
+    status = training.run(settings, _survivors_rule(options))
     if options["flight_dir"] is not None:  # asked for: the last calls of a finished run too
         flight.dump(launch.current_rank(), "end of run")
     ctx.exit(status)
+
+
+def _survivors_rule(options: dict[str, Any]) -> Any:
+    """--elastic's rule for the mesh of the survivors, for in-place recovery (None without --elastic)."""
+    if not options["elastic"]:
+        return None
+    from ..jobs.elastic import in_place_rule
+
+    return in_place_rule(options)
 
 
 def _check_checkpoint_options(options: dict[str, Any]) -> None:

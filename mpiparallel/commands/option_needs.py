@@ -52,6 +52,7 @@ TRAIN_NEEDS: tuple[Needs, ...] = (
           lambda o: o["checkpoint_dir"] is not None),
     Needs("--min-ranks", "min_ranks", "--elastic (only an elastic run continues on fewer ranks)",
           lambda o: o["elastic"]),
+    Needs("--elastic-mode", "elastic_mode", "--elastic (it says how an elastic run goes on)", lambda o: o["elastic"]),
     Needs("--max-restarts", "max_restarts", "--elastic (only an elastic run relaunches)", lambda o: o["elastic"]),
     Needs("--eval-batches", "eval_batches", "--eval-every N (validation losses are computed only then)",
           lambda o: o["eval_every"] > 0),

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -141,14 +142,15 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
     cluster: launch.Hosts | None = cluster_of_hostfile(hostfile) if hostfile is not None else slurm_launch.current()
     hosts = multi_host.read_hostfile(hostfile) if hostfile is not None else cluster.hosts if cluster else []
     placement = cluster.mpiexec_options() if hostfile is not None and cluster is not None else []
+    in_place = recovery_mode(options, hostfile, cluster)
     with tempfile.TemporaryDirectory(prefix="mpiparallel-elastic-") as folder:
         progress = Path(folder) / "progress"
         while True:
             environ = {PROGRESS: str(progress), **({CONTINUE_LOG: "1"} if restarts else {})}
             outcome = launch.run_job(mesh.ranks, [*argv, *extra], placement, cluster, environ,
-                                     StallWatch(options["stall_timeout"], options["log_json"]))
+                                     StallWatch(options["stall_timeout"], options["log_json"]), in_place)
             lost = len(outcome.lost_ranks) + sum(len(host.ranks) for host in outcome.lost)
-            if outcome.status == 0 or lost == 0:
+            if outcome.status in (0, ExitCode.ELASTIC_GAVE_UP) or lost == 0:  # the ranks in place gave up: final
                 if outcome.status == 0 and restarts:
                     say(f"elastic: finished after {plural(restarts, 'restart')}, {plural(redone, 'step')} redone")
                 raise SystemExit(outcome.status)
@@ -184,6 +186,45 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
             progress.unlink(missing_ok=True)
             if placement:
                 placement = _without_lost_hosts(placement, hosts, Path(folder) / f"hostfile-{restarts}")
+
+
+def in_place_rule(options: dict[str, Any]) -> Callable[[int, Any], dict[str, Any] | str]:
+    """The same rule for the survivors of an in-place recovery (`train.recovery`): (ranks left, the run's
+    settings) → the mesh options for them, with "world_size" the ranks it uses, or why there is none."""
+    def choose(survivors: int, settings: Any) -> dict[str, Any] | str:
+        layout = settings.mesh
+        mesh = JobMesh(survivors, {"dp": layout.dp or 1, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
+                                   "ep": layout.ep}, layout.microbatches)
+        latest = latest_training_checkpoint(options["checkpoint_dir"]) if options["checkpoint_dir"] else None
+        chosen = survivors_mesh(survivors, mesh, {**options, "dp_shard": layout.dp_shard if options.get("dp_shard")
+                                                  else None}, latest, survivors)
+        if isinstance(chosen, str):
+            return chosen
+        return {"world_size": chosen.ranks, **chosen.axes, "microbatches": chosen.microbatches,
+                **({"dp_shard": chosen.dp_shard} if chosen.dp_shard else {})}
+    return choose
+
+
+def recovery_mode(options: dict[str, Any], hostfile: Path | None, cluster: Any) -> bool:
+    """Whether the job recovers in place (Open MPI with ULFM, on one machine) or by relaunch, said in one line;
+    --elastic-mode in-place where it cannot is one clear error."""
+    mode = options.get("elastic_mode", "auto")
+    if mode == "relaunch":
+        say("elastic: a lost rank is recovered by relaunch (--elastic-mode relaunch)")
+        return False
+    why_not = None
+    if not launch.mpi4py_uses_open_mpi():
+        why_not = (f"{launch.mpi_library()} has no fault tolerance (ULFM) to let the survivors go on; under Open "
+                   f"MPI they recover in place")
+    elif hostfile is not None or cluster is not None:
+        why_not = "in-place recovery runs on one machine for now (a hostfile's or Slurm's hosts relaunch)"
+    if why_not is None:
+        say("elastic: a lost rank is recovered in place: Open MPI runs with its fault tolerance on (--with-ft ulfm)")
+        return True
+    if mode == "in-place":
+        raise click.UsageError(f"--elastic-mode in-place: {why_not}")
+    say(f"elastic: a lost rank is recovered by relaunch: {why_not}")
+    return False
 
 
 def _planner_words(mesh: JobMesh) -> str:
@@ -352,7 +393,8 @@ def _log_restart(log_json: str | None, step: int, outcome: launch.JobOutcome, me
     stalled = {"stalled": True} if outcome.stall is not None else {}
     lost = [*({"host": host.host, "ranks": list(host.ranks)} for host in outcome.lost),
             *({"rank": rank, **stalled} for rank in outcome.lost_ranks)]
-    event = {"event": "restart", "step": step, "lost": lost, "mesh": mesh, **({"planner": planner} if planner else {})}
+    event = {"event": "restart", "mode": "relaunch", "step": step, "lost": lost, "mesh": mesh,
+             **({"planner": planner} if planner else {})}
     with open(log_json, "a", encoding="utf-8") as log:
         log.write(json.dumps(event) + "\n")
 

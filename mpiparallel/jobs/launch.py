@@ -229,10 +229,12 @@ def _relaunch(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cl
 
 
 def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), cluster: Hosts | None = None,
-            environ: Mapping[str, str] | None = None, stall: StallWatch | None = None) -> JobOutcome:
+            environ: Mapping[str, str] | None = None, stall: StallWatch | None = None,
+            fault_tolerant: bool = False) -> JobOutcome:
     """Start `ranks` copies of this program with `argv` under mpiexec (`placement`: where), or under srun in a Slurm
     `Allocation`, supervise them (`supervise`, with the stall watchdog `stall`) and return how the job ended;
-    `environ` adds variables for the ranks."""
+    `environ` adds variables for the ranks; `fault_tolerant`: Open MPI's mpirun with ULFM on (`--with-ft ulfm`: a
+    lost rank is an error on the others, not the end of the job)."""
     if isinstance(cluster, slurm_launch.Allocation):
         cluster.check_ranks(ranks)
         open_mpi = mpi4py_uses_open_mpi()
@@ -248,8 +250,14 @@ def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), clus
         raise ConfigError(f"--hostfile starts ranks through MPICH's mpiexec, but {mpiexec} is Open MPI's: start "
                           f"them yourself (mpirun --hostfile FILE), or with srun on a cluster of `mpiparallel "
                           f"cluster up --scheduler slurm`")
-    return _supervised(relaunch_command(mpiexec, ranks, argv, placement), {**os.environ, **launcher}, ranks, cluster,
-                       environ, stall)
+    command = relaunch_command(mpiexec, ranks, argv, placement)
+    if fault_tolerant:
+        command[1:1] = ULFM_OPTIONS
+    return _supervised(command, {**os.environ, **launcher}, ranks, cluster, environ, stall)
+
+
+ULFM_OPTIONS = ["--with-ft", "ulfm"]
+"""Open MPI's mpirun options that turn its fault tolerance (ULFM) on."""
 
 
 def _supervised(command: list[str], launcher: Mapping[str, str], ranks: int, cluster: Hosts | None,

@@ -29,6 +29,7 @@ class RouterTally:
         self.experts = experts
         self.layers: dict[int, Any] = {}
         self.aux_loss = 0.0
+        self.bias_counts: dict[int, np.ndarray] = {}
 
     def add(self, saved: Any) -> None:
         self.aux_loss += saved.aux_loss
@@ -37,6 +38,13 @@ class RouterTally:
 
     def finish(self) -> dict[str, Any]:
         return self.experts.balance(self)
+
+    def apply(self) -> None:
+        """With --moe-bias-rate: move each expert bias by the step's counts (after the step is committed: a step
+        redone after a lost rank must find the biases as they were before it)."""
+        rate = self.experts.model.config.moe_bias_rate
+        for layer, counts in self.bias_counts.items():
+            update_expert_bias(self.experts.model.expert_biases[expert_bias_name(layer)], counts, rate)
 
 
 class ExpertBalance:
@@ -57,10 +65,9 @@ class ExpertBalance:
         config, mesh = self.model.config, self.mesh
         if self.model.ep.traffic is not None:  # the counts of the ep byte formula (`traffic.expert_parallel_bytes`)
             self.last_traffic = self.model.ep.traffic.take()
-        if config.moe_bias_rate > 0:
-            for layer, stats in tally.layers.items():
-                counts = self._over_token_sets(sum_array_over(mesh.dp_cp, stats.assignments))
-                update_expert_bias(self.model.expert_biases[expert_bias_name(layer)], counts, config.moe_bias_rate)
+        if config.moe_bias_rate > 0:  # moved once the step is applied (`RouterTally.apply`), not before
+            tally.bias_counts = {layer: self._over_token_sets(sum_array_over(mesh.dp_cp, stats.assignments))
+                                 for layer, stats in tally.layers.items()}
         assignments = sum((stats.assignments for stats in tally.layers.values()), np.zeros(config.n_experts))
         dropped = sum(stats.dropped_tokens for stats in tally.layers.values())
         totals = sum_array_over(mesh.world, np.append(assignments, dropped))  # every layer and token …
@@ -88,6 +95,9 @@ class NoExperts:
 
     def finish(self) -> dict[str, Any]:
         return {}
+
+    def apply(self) -> None:
+        """No expert biases to move."""
 
 
 def expert_tallies(model: Transformer, mesh: Mesh, sequence_parallel: bool,

@@ -4,15 +4,19 @@ axis beside their formulas, the trace, the saved model and a sample."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import os
+from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from collectives import backend
+from collectives.faults import PeerFailure
 from models.transformer import Transformer
 
 from .. import traffic
+from ..checkpoints import sharded
 from ..errors import ConfigError, on_every_rank
 from ..mesh import Mesh
 from ..trace import Tracer
@@ -22,18 +26,21 @@ from .metering import NO_TRACER, memory_report, peak_flops, traffic_by_axis
 from .parallelize import build_mesh, microbatch_rows, parallelize
 from .preemption import Preemption
 from .progress import ProgressReports
-from .reports import Reporter
+from .recovery import InPlace, MeshRule, describe, recovery_for, restart_event
+from .reports import CONTINUE_LOG, Reporter
 from .settings import TrainSettings
 from .step import Trainer
 
 
-def run(settings: TrainSettings) -> int:
-    """Train as `settings` says; return the exit status."""
+def run(settings: TrainSettings, survivors_rule: MeshRule | None = None) -> int:
+    """Train as `settings` says; return the exit status. `survivors_rule` (--elastic's, from the command line) turns
+    in-place recovery on where the MPI has ULFM (`recovery`)."""
     from mpi4py import MPI
 
     progress = ProgressReports.to_parent(MPI.COMM_WORLD.Get_rank())
     progress.setup()
     mesh = build_mesh(settings, MPI.COMM_WORLD)
+    recovery = recovery_for(settings, mesh.world, survivors_rule)
     xp = _array_library(settings, mesh)
     _announce_mesh(settings, mesh)
     dataset, validation = inputs.open_data(settings, mesh.world)
@@ -42,52 +49,163 @@ def run(settings: TrainSettings) -> int:
     tokenizer = on_every_rank(mesh.world, lambda: inputs.tokenizer(settings, dataset, config))  # errors early
     train_batches, validation_batches = inputs.batches(settings, config, dataset, validation)
     identity = inputs.data_identity(settings, dataset)
-    resume = state.Resume(settings, mesh, identity)
-    parallel = parallelize(settings, mesh, config, xp, resume.load_model)
     tracer = Tracer.for_mesh(mesh, {"mesh": asdict(mesh.shape), "schedule": settings.mesh.schedule}) \
         if settings.output.trace else NO_TRACER
-    trainer = Trainer(parallel, settings, tracer, progress)
-    resume.load_optimizer(trainer)
-    peak = peak_flops(settings.model.device, mesh, config.n_embd, microbatch_rows(settings, mesh) *
-                      settings.data.seq_len, settings.model.compute_dtype or settings.model.dtype)
-    reporter = Reporter(settings, config, mesh.world.rank == 0, peak_flops=peak, first_step=resume.first_step)
-    if settings.model.device == "gpu":
-        reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
-    if mesh.world.check_arguments:
-        reporter.say("every collective checks first that all its ranks call it alike (--check-collectives, "
-                     "MPIPARALLEL_CHECK=1): one small all-gather per call")
+    job = Job(config, xp, tracer, progress, train_batches, validation_batches, identity, recovery)
+    resume = state.Resume(settings, mesh, identity)
+    here = job.on_mesh(settings, mesh, resume)
     if resume.story():
-        reporter.say(resume.story())
-    preemption = Preemption(mesh.world)
-    record: dict[str, Any] = {}
-    for step in range(resume.first_step, settings.data.steps):
-        record = trainer.step(train_batches, step)
-        if _due(step, settings.data.eval_every, settings.data.steps):
-            progress.at(step + 1, "validation")
-            record["val_loss"] = trainer.evaluate(validation_batches)
-        progress.at(step + 1, "end")
-        reporter.step(record)
-        if settings.output.memory_report and step == resume.first_step:
-            reporter.say_from_every_rank(memory_report(trainer), mesh.world)
-        stop = preemption.agreed()
-        if settings.output.checkpoint_dir and (stop or _checkpoint_due(step, settings)):
-            progress.at(step + 1, "checkpoint")
-            reporter.say(state.save_and_describe(trainer, step + 1, train_batches, identity))
+        here.reporter.say(resume.story())
+    if recovery is not None:
+        here.reporter.say("elastic: a lost rank is recovered in place (MPI fault tolerance, ULFM, is on): the "
+                          "survivors agree on every step, shrink the world and go on")
+    failures = InPlace.failures if recovery is not None else ()  # without recovery, a failure ends the job
+    step, record = resume.first_step, {}
+    while step < settings.data.steps:
+        try:
+            record = job.step(here, step)
+            stop = job.after_step(here, step, record)
+        except failures as failure:
+            here = job.recover(here, failure, step)
+            if here is None:  # a spare when the run ended
+                progress.done()
+                return 0
+            step, record = recovery.applied, {}
+            continue
         if stop:
-            progress.done()
-            preemption.close()
-            reporter.say(_how_to_resume(settings, stop, step + 1))
-            reporter.finish()
-            return Preemption.exit_status(stop)
+            return job.stop(here, stop, step + 1)
+        step += 1
     progress.done()
-    preemption.close()
-    reporter.finish()
-    _report_traffic(reporter, trainer, record)
+    here.preemption.close()
+    if recovery is not None:
+        recovery.release_spares()
+    here.reporter.finish()
+    _report_traffic(here.reporter, here.trainer, record)
     if settings.output.trace:
         tracer.write(settings.output.trace)
-        reporter.say(f"wrote the trace to {settings.output.trace}")
-    _finish(settings, trainer, reporter, tokenizer)
+        here.reporter.say(f"wrote the trace to {settings.output.trace}")
+    _finish(here.settings, here.trainer, here.reporter, tokenizer)
     return 0
+
+
+@dataclass
+class OnMesh:
+    """What the run is on one mesh: its settings (the mesh options of a recovery's), the mesh, the trainer, the
+    reporter (rank 0's writes), the preemption agreement."""
+
+    settings: TrainSettings
+    mesh: Mesh
+    trainer: Trainer
+    reporter: Reporter
+    preemption: Preemption
+
+
+@dataclass
+class Job:
+    """What stays when the mesh changes (in-place recovery): the model's shape, the array library, the tracer,
+    the progress reports, the data, and the recovery protocol (None without it)."""
+
+    config: Any
+    xp: Any
+    tracer: Any
+    progress: Any
+    train_batches: Any
+    validation_batches: Any
+    identity: dict[str, Any]
+    recovery: InPlace | None
+
+    def on_mesh(self, settings: TrainSettings, mesh: Mesh, source: Any, reporter: Reporter | None = None) -> OnMesh:
+        """This rank's part of the run on `mesh`, its state from `source` (--resume, a recovery's refill)."""
+        parallel = parallelize(settings, mesh, self.config, self.xp, source.load_model)
+        trainer = Trainer(parallel, settings, self.tracer, self.progress)
+        source.load_optimizer(trainer)
+        trainer.committed = trainer.scalars()
+        if self.recovery is not None:
+            trainer.commit = self.recovery.commit
+        peak = peak_flops(settings.model.device, mesh, self.config.n_embd, microbatch_rows(settings, mesh) *
+                          settings.data.seq_len, settings.model.compute_dtype or settings.model.dtype)
+        if reporter is not None and mesh.world.rank == 0:  # rank 0 stayed rank 0: its log and lines go on
+            reporter.peak_flops = peak
+        else:
+            reporter = Reporter(settings, self.config, mesh.world.rank == 0, peak_flops=peak,
+                                first_step=source.first_step)
+            self._say_how_it_runs(reporter, settings, mesh)
+        return OnMesh(settings, mesh, trainer, reporter, Preemption(mesh.world))
+
+    def _say_how_it_runs(self, reporter: Reporter, settings: TrainSettings, mesh: Mesh) -> None:
+        if settings.model.device == "gpu":
+            reporter.say(f"on GPU (CuPy); GPU buffers reach MPI by {backend.transfer_path()}")
+        if mesh.world.check_arguments:
+            reporter.say("every collective checks first that all its ranks call it alike (--check-collectives, "
+                         "MPIPARALLEL_CHECK=1): one small all-gather per call")
+
+    def step(self, here: OnMesh, step: int) -> dict[str, Any]:
+        record = here.trainer.step(self.train_batches, step)
+        if _due(step, here.settings.data.eval_every, here.settings.data.steps):
+            self.progress.at(step + 1, "validation")
+            record["val_loss"] = here.trainer.evaluate(self.validation_batches)
+        return record
+
+    def after_step(self, here: OnMesh, step: int, record: dict[str, Any]) -> int:
+        """Log the step, save a checkpoint when due; the preempting signal every rank stops for (0: none)."""
+        settings = here.settings
+        self.progress.at(step + 1, "end")
+        here.reporter.step(record)
+        if settings.output.memory_report and step == here.reporter.first_step:
+            here.reporter.say_from_every_rank(memory_report(here.trainer), here.mesh.world)
+        stop = here.preemption.agreed()
+        if settings.output.checkpoint_dir and (stop or _checkpoint_due(step, settings)):
+            self.save(here, step + 1)
+        return stop
+
+    def save(self, here: OnMesh, steps_done: int) -> None:
+        self.progress.at(steps_done, "checkpoint")
+        here.reporter.say(state.save_and_describe(here.trainer, steps_done, self.train_batches, self.identity))
+
+    def stop(self, here: OnMesh, number: int, steps_done: int) -> int:
+        """End the run after a preempting signal: the line that says how to resume, the signal's status."""
+        self.progress.done()
+        here.preemption.close()
+        here.reporter.say(_how_to_resume(here.settings, number, steps_done))
+        here.reporter.finish()
+        return Preemption.exit_status(number)
+
+    def recover(self, here: OnMesh | None, failure: BaseException, step: int) -> OnMesh | None:
+        """A failed peer: this rank's part of the recovery (`recovery.InPlace.recover`), then, on the new mesh, the
+        line and event that say what happened, and the checkpoint a failure cut short saved again. None on a
+        spare whose wait ended with the run."""
+        recovery = self.recovery
+        assert recovery is not None
+        while True:
+            held, scalars = ([], None) if here is None else (state.held_pieces(here.trainer),
+                                                           here.trainer.committed)
+            reporter = here.reporter if here is not None else None
+
+            expected = state.expected_tensors(self.config, here.trainer.optimizer if here is not None else None)
+            built, outcome = recovery.recover(failure, held, scalars, expected, partial(self._rebuild, reporter))
+            here = None  # the old mesh's arrays are dropped with it
+            if built is not None:
+                return self._went_on(built, outcome, step)
+            if recovery.wait_as_spare():
+                return None
+            failure = PeerFailure("woken as a spare", 0)
+
+    def _rebuild(self, reporter: Reporter | None, settings: TrainSettings, world: Any, source: Any) -> OnMesh:
+        """This rank's part of the run on the survivors' mesh (the reporter kept where rank 0 stays rank 0)."""
+        mesh = build_mesh(settings, world)
+        source.bind(mesh, self.identity)
+        os.environ[CONTINUE_LOG] = "1"  # a new rank 0 appends to the log the lost one began
+        return self.on_mesh(settings, mesh, source, reporter)
+
+    def _went_on(self, here: OnMesh, outcome: Any, step: int) -> OnMesh:
+        here.reporter.say(describe(outcome))
+        here.reporter.event(restart_event(outcome, step))
+        settings = here.settings
+        applied = outcome.step
+        if settings.output.checkpoint_dir and applied > 0 and _checkpoint_due(applied - 1, settings) and \
+                not (sharded.step_folder(settings.output.checkpoint_dir, applied) / sharded.MANIFEST).is_file():
+            self.save(here, applied)  # the failure cut its save short
+        return here
 
 
 def _report_traffic(reporter: Reporter, trainer: Trainer, record: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from collectives import faults
 from collectives.communicator import world_ranks
 from collectives.flight import FlightRecorder, recorded_calls
 
@@ -37,6 +38,8 @@ class Preemption:
         self.flight = FlightRecorder(recorded_calls(), "preemption", world_ranks(self.comm), world.rank)
         self.pending: Any = None
         self.call: Any = None
+        faults.hold(self)  # a lost rank revokes its communicator too (in-place recovery: no rank waits here)
+        faults.track(self)
         self.sent, self.result = np.zeros(1, np.int64), np.zeros(1, np.int64)
         if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
             for number in PREEMPTING_SIGNALS:
@@ -63,10 +66,14 @@ class Preemption:
     def _wait(self) -> None:
         if self.call is not None:
             self.call.background = False
-        self.pending.Wait()
+        faults.wait_all([self.pending])  # a failed peer: PeerFailure, as in the collectives
         if self.call is not None:
             self.call.close()
             self.call = None
+
+    def pending_requests(self) -> list[Any]:
+        """The all-reduce still running (`faults.revoke_all` keeps it when the communicator is revoked)."""
+        return [self.pending] if self.pending is not None else []
 
     def close(self) -> None:
         """Complete the last all-reduce and free the communicator (every rank, at the end of the loop)."""

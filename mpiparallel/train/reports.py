@@ -194,6 +194,12 @@ class Reporter:
         if self.is_root:
             self.say("\n".join(texts))
 
+    def event(self, record: dict) -> None:
+        """A record that is not a step's (an in-place recovery's restart event) into --log-json."""
+        if self.log is not None:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
+
     def say(self, text: str) -> None:
         if self.is_root:
             if self.interactive:  # clears a progress line the cursor sits at the start of

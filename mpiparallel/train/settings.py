@@ -141,12 +141,14 @@ class OutputSettings:
 
 @dataclass(frozen=True)
 class ElasticSettings:
-    """How the self-launching parent supervises the run. `--elastic`: it relaunches the run on the survivors of a
-    lost rank or host (at least `min_ranks` of them, at most `max_restarts` times), resumed from the newest complete
+    """How the self-launching parent supervises the run. `--elastic`: the survivors of a lost rank or host go on
+    in place under an MPI with ULFM (`recovery`), else the parent relaunches them (`elastic_mode` forces either): at
+    least `min_ranks` of them, at most `max_restarts` times, from the survivors' memory or the newest complete
     checkpoint. `stall_timeout`: it ends a job none of whose ranks made progress for that many seconds, naming the
     rank behind (0: never; `commands/stall.py`)."""
 
     elastic: bool = False
+    elastic_mode: str = "auto"  # "in-place" (ULFM: the survivors go on), "relaunch", or auto: in place where MPI can
     min_ranks: int = 1
     max_restarts: int = 3
     stall_timeout: float = 600.0  # PyTorch's NCCL watchdog's default

@@ -57,24 +57,37 @@ def save_model(settings: TrainSettings, config: GPTConfig, full: dict[str, Any],
     world.barrier()
 
 
-def save_training_checkpoint(trainer: Trainer, steps_done: int, batches: data.TokenBatches,
-                             data_identity: dict[str, Any]) -> Path:
-    """Every rank writes the parameters, AdamW moments and expert biases it holds (replicas once), rank 0 the
-    manifest (`checkpoints.sharded`); `batches` (the training data's order) places the data position."""
-    model, mesh = trainer.model, trainer.mesh
+def held_pieces(trainer: Trainer) -> list[tuple[sharded.Piece, Any]]:
+    """The parameters (master copies), AdamW moments and expert biases this rank holds, as checkpoint pieces
+    (what it writes in a checkpoint, and offers the survivors of a lost rank: `recovery`)."""
+    model = trainer.model
     ranks, pieces = model.axis_ranks(), trainer.engine.optimizer_parameters()
     state = trainer.optimizer.state_dict()
     held = sharded.parameter_pieces(pieces, ranks)
     for key in MOMENT_KEYS:
         if key in state:
             held += sharded.parameter_pieces(pieces, ranks, state[key], prefix=f"{key}/")
-    held += sharded.expert_bias_pieces(model.expert_biases)
-    marked = [(piece, array, sharded.writes_copy(piece.placement, mesh)) for piece, array in held]
-    names = list(parameter_shapes(model.config))
+    return held + sharded.expert_bias_pieces(model.expert_biases)
+
+
+def expected_tensors(config: GPTConfig, optimizer: Any) -> list[str]:
+    """The logical tensors of a training state: the parameters, the expert biases, the moments of `optimizer`
+    (None: unknown here, a spare's view — the ranks of the step say it)."""
+    names = list(parameter_shapes(config))
+    state = optimizer.state_dict() if optimizer is not None else {}
     moments = [f"{key}/{name}" for key in MOMENT_KEYS if key in state for name in names]
+    return names + list(expert_bias_shapes(config)) + moments
+
+
+def save_training_checkpoint(trainer: Trainer, steps_done: int, batches: data.TokenBatches,
+                             data_identity: dict[str, Any]) -> Path:
+    """Every rank writes the parameters, AdamW moments and expert biases it holds (replicas once), rank 0 the
+    manifest (`checkpoints.sharded`); `batches` (the training data's order) places the data position."""
+    mesh = trainer.mesh
+    marked = [(piece, array, sharded.writes_copy(piece.placement, mesh)) for piece, array in held_pieces(trainer)]
     return sharded.save(trainer.settings.output.checkpoint_dir, steps_done, marked, mesh.world,
-                             _description(trainer, steps_done, batches, data_identity),
-                             names + list(expert_bias_shapes(model.config)) + moments)
+                        _description(trainer, steps_done, batches, data_identity),
+                        expected_tensors(trainer.model.config, trainer.optimizer))
 
 
 def save_and_describe(trainer: Trainer, steps_done: int, batches: data.TokenBatches, data_identity: dict[str, Any]
@@ -208,6 +221,9 @@ class Resume:
     @property
     def first_step(self) -> int:
         return 0 if self.saved is None else self.saved.step
+
+    def bind(self, mesh: Mesh, data_identity: dict[str, Any]) -> None:
+        """Given at construction."""
 
     def load_model(self, model: Transformer) -> None:
         if self.path is not None:

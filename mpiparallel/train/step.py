@@ -8,6 +8,8 @@
     model-parallel sums     the gradients still partial over tp (LayerNorms under --sp)
     overflow                float16: any inf/NaN on any rank skips the step on every rank (`scaling`)
     clip                    the global gradient norm over every rank, each piece counted once
+    commit                  under in-place recovery, one fault-tolerant agreement that every rank got here (a
+                            step cut short by a lost rank is then applied nowhere and redone: `recovery`)
     update                  the optimizer on what the engines hand it, then the engines' after-update gathers
 
 Forward-backward has two forms with one interface (`Passes`), below the step: `MicrobatchesInTurn` (no pipeline: each
@@ -35,6 +37,7 @@ from mpiparallel.axes.context_parallel.attention import zigzag_shard
 
 from .. import data, optim
 from ..axes.pipeline_parallel import PipelineExecutor, sum_tied_gradient
+from ..checkpoints.sharded import MOMENT_KEYS
 from ..errors import on_every_rank
 from .experts import expert_tallies
 from .metering import NO_TRACER, StepMeter, sum_over
@@ -60,6 +63,8 @@ class Trainer:
         self.experts = expert_tallies(self.model, self.mesh, settings.mesh.sp, self.passes.sum_losses)
         self.meter = StepMeter(self.mesh, self.model, tracer)
         self.forced_overflows = forced_overflows(self.mesh.world.rank)
+        self.commit: Callable[[int], None] = lambda step: None  # in-place recovery's agreement (`recovery`)
+        self.committed = self.scalars()  # as of the last step applied (a step redone starts from them)
 
     def step(self, batches: data.TokenBatches | np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch (`step` indexes the data and the schedule from 0); returns its
@@ -80,13 +85,22 @@ class Trainer:
         skipped = self.scaler.skip_step(lambda: self._overflowed(step))
         grad_norm = None if skipped else self._clip_gradients(1.0 / scale)
         lr = self._learning_rate(updates)
-        if not skipped:
-            self.optimizer.step(lr)
-            self.engine.after_update()
         record = {"step": step + 1, "loss": self.passes.sum_losses(loss) / scale, "lr": lr,
                   "tokens": self.global_tokens}
         record |= self.scaler.record(scale, skipped) | tally.finish()
+        self.commit(step)  # in-place recovery: every rank agrees the step is whole before any applies it
+        if not skipped:
+            self.optimizer.step(lr)
+            tally.apply()
+            self.progress.at(step + 1, "gather")
+            self.engine.after_update()
+        self.committed = self.scalars()
         return record | self.meter.finish(clock, step) | {"grad_norm": grad_norm}
+
+    def scalars(self) -> dict[str, Any]:
+        """The state besides the arrays, the same on every rank: the optimizer's step count, the loss scaler's."""
+        optimizer = {key: value for key, value in self.optimizer.state_dict().items() if key not in MOMENT_KEYS}
+        return {"optimizer": optimizer, "loss_scaler": self.scaler.state_dict()}
 
     def rows_here(self, batches: data.TokenBatches | np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's share of the step's batch, read alone: its DP rank's rows, and of those its CP rank's two

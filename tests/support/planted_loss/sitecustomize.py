@@ -59,7 +59,9 @@ def _plant_after_save(step: int, count: int) -> None:
     Communicator.start = counting(Communicator.start)
 
 
-if _PLAN and os.environ.get("PMI_RANK") == _PLAN[0] and not os.path.exists(_DONE):
+_RANK = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))  # MPICH's launcher, Open MPI's
+
+if _PLAN and _RANK == _PLAN[0] and not os.path.exists(_DONE):
     if _PLAN[1] == "save":
         _plant_in_save(int(_PLAN[2]))
     else:
