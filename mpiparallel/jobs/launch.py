@@ -759,10 +759,12 @@ _BANNER_TAIL = (b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING", b"This typi
 
 
 _OPEN_MPI_RULE = re.compile(rb"^-{70,}\s*$")
-_OPEN_MPI_NOISE = (b"[warn] Epoll ",)
+_OPEN_MPI_NOISE = (b"[warn] Epoll ", b"NBC_Progress: an error ")
 """Open MPI's launcher (prterun) writes its notices about a job's end to stderr between rules of 74 '-'
 (`prterun detected that one or more processes exited with non-zero status …`, `prterun noticed that process
-rank 1 with PID 4242 … exited on signal 9`), and its event library may warn as ranks close their pipes."""
+rank 1 with PID 4242 … exited on signal 9`), and its event library may warn as ranks close their pipes; under
+ULFM its non-blocking collectives say, then an empty line, that a peer's failure aborted them (`NBC_Progress: an
+error 77 was found during schedule …`: the recovery's business, not the user's)."""
 
 _FAILURE_DETAIL = re.compile(rb"^(\[mpiexec@|\[proxy:|\[[^\] ]+:\d+ *:\d+:\d+\]|"
                              rb"mpiparallel: rank \d+ failed: MPI error|srun: |slurmstepd)")
@@ -799,13 +801,19 @@ def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None
                                                                                 line.startswith(_BANNER_TAIL))):
             banner.append(line)
         elif open_mpi_banner is not None and (open_mpi_rules % 2 == 1 or _OPEN_MPI_RULE.match(line)
-                                              or line.startswith(_OPEN_MPI_NOISE)):
+                                              or line.startswith(_OPEN_MPI_NOISE)
+                                              or _after_noise(line, open_mpi_banner)):
             open_mpi_banner.append(line)
         elif held is not None and _FAILURE_DETAIL.match(line):
             held.append(line)
         else:
             target.write(line)
             target.flush()
+
+
+def _after_noise(line: bytes, kept: list[bytes]) -> bool:
+    """The empty line Open MPI writes after a noise line (`_OPEN_MPI_NOISE`)."""
+    return line == b"\n" and bool(kept) and kept[-1].startswith(_OPEN_MPI_NOISE)
 
 
 def ranks_lost(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequence[Sequence[tuple[int, int]]]

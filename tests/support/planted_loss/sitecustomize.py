@@ -4,7 +4,9 @@ needs it on a quiet machine and a loaded one alike.
 
 PLANTED_LOSS="RANK save STEP": rank RANK dies while step STEP's checkpoint is written (its shard file in place,
 the manifest not yet); "RANK after STEP COUNT": at its COUNT-th collective after step STEP's checkpoint was saved
-(STEP 0: from the start). PLANTED_LOSS_DONE: a file made just before dying, so that the relaunched jobs run on.
+(STEP 0: from the start). "RANK at STEP PHASE": as the rank enters PHASE of step STEP (the phases the ranks report to the stall watchdog,
+`train.progress`: forward, gradients, optimizer, gather, checkpoint, …). PLANTED_LOSS_DONE: a file made just
+before dying, so that the relaunched jobs run on.
 """
 
 import os
@@ -59,10 +61,24 @@ def _plant_after_save(step: int, count: int) -> None:
     Communicator.start = counting(Communicator.start)
 
 
+def _plant_at_phase(step: int, phase: str) -> None:
+    from mpiparallel.train import progress
+
+    for reports in (progress.ProgressReports, progress.NoProgressReports):
+        def at(self, at_step, at_phase, detail="", original=reports.at):
+            if (at_step, at_phase) == (step, phase):
+                _die()
+            return original(self, at_step, at_phase, detail)
+
+        reports.at = at
+
+
 _RANK = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))  # MPICH's launcher, Open MPI's
 
 if _PLAN and _RANK == _PLAN[0] and not os.path.exists(_DONE):
     if _PLAN[1] == "save":
         _plant_in_save(int(_PLAN[2]))
+    elif _PLAN[1] == "at":
+        _plant_at_phase(int(_PLAN[2]), _PLAN[3])
     else:
         _plant_after_save(int(_PLAN[2]), int(_PLAN[3]))
