@@ -119,6 +119,7 @@ class Job:
     validation_batches: Any
     identity: dict[str, Any]
     recovery: InPlace | None
+    reported: int = 0  # the last step whose record was logged
 
     def on_mesh(self, settings: TrainSettings, mesh: Mesh, source: Any, reporter: Reporter | None = None) -> OnMesh:
         """This rank's part of the run on `mesh`, its state from `source` (--resume, a recovery's refill)."""
@@ -157,6 +158,7 @@ class Job:
         settings = here.settings
         self.progress.at(step + 1, "end")
         here.reporter.step(record)
+        self.reported = step + 1
         if settings.output.memory_report and step == here.reporter.first_step:
             here.reporter.say_from_every_rank(memory_report(here.trainer), here.mesh.world)
         stop = here.preemption.agreed()
@@ -182,6 +184,7 @@ class Job:
         spare whose wait ended with the run."""
         recovery = self.recovery
         assert recovery is not None
+        cut_short = here.trainer.applied_record if here is not None else {}
         while True:
             held, scalars = ([], None) if here is None else (state.held_pieces(here.trainer),
                                                            here.trainer.committed)
@@ -191,7 +194,7 @@ class Job:
             built, outcome = recovery.recover(failure, held, scalars, expected, partial(self._rebuild, reporter))
             here = None  # the old mesh's arrays are dropped with it
             if built is not None:
-                return self._went_on(built, outcome, step)
+                return self._went_on(built, outcome, cut_short)
             if recovery.wait_as_spare():
                 return None
             failure = PeerFailure("woken as a spare", 0)
@@ -203,11 +206,14 @@ class Job:
         os.environ[CONTINUE_LOG] = "1"  # a new rank 0 appends to the log the lost one began
         return self.on_mesh(settings, mesh, source, reporter)
 
-    def _went_on(self, here: OnMesh, outcome: Any, step: int) -> OnMesh:
+    def _went_on(self, here: OnMesh, outcome: Any, cut_short: dict[str, Any]) -> OnMesh:
+        applied = outcome.step
+        if cut_short.get("step") == applied > self.reported:  # applied, then lost before its record was logged
+            here.reporter.step(cut_short | {"time_s": 0.0, "comm_bytes": {}, "cut_short": True})
+            self.reported = applied
         here.reporter.say(describe(outcome))
         here.reporter.event(restart_event(outcome))
         settings = here.settings
-        applied = outcome.step
         if settings.output.checkpoint_dir and applied > 0 and _checkpoint_due(applied - 1, settings) and \
                 not (sharded.step_folder(settings.output.checkpoint_dir, applied) / sharded.MANIFEST).is_file():
             self.save(here, applied)  # the failure cut its save short

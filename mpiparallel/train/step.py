@@ -65,6 +65,7 @@ class Trainer:
         self.forced_overflows = forced_overflows(self.mesh.world.rank)
         self.commit: Callable[[int], None] = lambda step: None  # in-place recovery's agreement (`recovery`)
         self.committed = self.scalars()  # as of the last step applied (a step redone starts from them)
+        self.applied_record: dict[str, Any] = {}  # that step's record before its gathers (what a loss there leaves)
 
     def step(self, batches: data.TokenBatches | np.ndarray, step: int) -> dict:
         """One optimizer step on the step's batch (`step` indexes the data and the schedule from 0); returns its
@@ -92,9 +93,10 @@ class Trainer:
         if not skipped:
             self.optimizer.step(lr)
             tally.apply()
-            self.progress.at(step + 1, "gather")
+        self.committed, self.applied_record = self.scalars(), record | {"grad_norm": grad_norm}
+        self.progress.at(step + 1, "gather")
+        if not skipped:
             self.engine.after_update()
-        self.committed = self.scalars()
         return record | self.meter.finish(clock, step) | {"grad_norm": grad_norm}
 
     def scalars(self) -> dict[str, Any]:
