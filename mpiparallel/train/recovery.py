@@ -99,6 +99,7 @@ class Outcome:
     refill_bytes: int        # bytes this rank received to refill its pieces (summed over ranks in the event)
     seconds: float           # from the failure seen to the new mesh ready
     spare: int               # survivors left waiting
+    pids: dict[int, int]     # each survivor's process id, by original rank (the same processes go on)
 
 
 class InPlace:
@@ -157,8 +158,8 @@ class InPlace:
         self._agree_on_the_failure()
         survivors = self.survivors.shrink()
         known = survivors.allgather_objects((self.original[self.survivors.rank], expected,
-                                             self.applied if scalars is not None else None, scalars))
-        expected = sorted({name for _, names, _, _ in known for name in names})  # a spare knows fewer
+                                             self.applied if scalars is not None else None, scalars, os.getpid()))
+        expected = sorted({name for _, names, *_ in known for name in names})  # a spare knows fewer
         lost = sorted(set(self.original) - {original for original, *_ in known})
         self.recoveries += 1
         if self.recoveries > self.settings.elastic.max_restarts:
@@ -173,14 +174,15 @@ class InPlace:
         self.active = survivors.split(0 if in_mesh else 1, survivors.rank, label="world")
         self.agreed = False
         memory = SurvivorMemory(survivors, held)
-        applied = [(steps, values) for _, _, steps, values in known if steps is not None]
+        applied = [(steps, values) for _, _, steps, values, _ in known if steps is not None]
         source = _state_source(memory, applied, expected, self.settings)
         self.active = self.active if in_mesh else None
         built = build(self.settings, self.active, source) if in_mesh else source.serve()
         self.applied = source.first_step
         refill_bytes = sum(survivors.allgather_objects(memory.received_bytes))
         outcome = Outcome(lost, source.first_step, {"world_size": ranks, **chosen}, source.kind, refill_bytes,
-                          time.perf_counter() - started, survivors.size - ranks)
+                          time.perf_counter() - started, survivors.size - ranks,
+                          {original: pid for original, *_, pid in known})
         return built, outcome
 
     def wait_as_spare(self) -> bool:
@@ -246,7 +248,7 @@ def restart_event(outcome: Outcome) -> dict[str, Any]:
     when the rank was lost, from which the run goes on (a checkpoint's step where the refill read one)."""
     return {"event": "restart", "mode": "in-place", "step": outcome.step, "lost": [{"rank": rank} for rank in
             outcome.lost], "mesh": outcome.mesh, "refill": outcome.refill, "refill_bytes": outcome.refill_bytes,
-            "seconds": round(outcome.seconds, 4)}
+            "seconds": round(outcome.seconds, 4), "pids": outcome.pids}
 
 
 # -- where the new mesh's state comes from -------------------------------------------------------------------------

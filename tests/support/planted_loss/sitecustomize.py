@@ -4,9 +4,9 @@ needs it on a quiet machine and a loaded one alike.
 
 PLANTED_LOSS="RANK save STEP": rank RANK dies while step STEP's checkpoint is written (its shard file in place,
 the manifest not yet); "RANK after STEP COUNT": at its COUNT-th collective after step STEP's checkpoint was saved
-(STEP 0: from the start). "RANK at STEP PHASE": as the rank enters PHASE of step STEP (the phases the ranks report to the stall watchdog,
-`train.progress`: forward, gradients, optimizer, gather, checkpoint, …). PLANTED_LOSS_DONE: a file made just
-before dying, so that the relaunched jobs run on.
+(STEP 0: from the start). "RANK at STEP PHASE": as the rank enters PHASE of step STEP (the phases the ranks
+report to the stall watchdog, `train.progress`: forward, gradients, optimizer, gather, checkpoint, …).
+PLANTED_LOSS_DONE: a file made just before dying, so that the relaunched jobs run on.
 """
 
 import os
