@@ -45,6 +45,7 @@ import numpy as np
 from .backend import NARROW_FLOATS
 from .communicator import Communicator
 from .mpi import MPI
+from .faults import raising_peer_failure
 
 
 @dataclass(frozen=True)
@@ -296,8 +297,10 @@ def auto_algorithm(comm: Communicator, collective: str, nbytes: int) -> str:
     return choice
 
 
+@raising_peer_failure
 def ranks_per_core(comm: Communicator) -> float:
-    """Ranks of `comm` on this rank's node per core of the node (collective: every rank of comm calls it)."""
+    """Ranks of `comm` on this rank's node per core of the node (collective: every rank of comm calls it; a failed
+    peer raises `PeerFailure`, as in the collectives)."""
     node = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         return node.Get_size() / (os.cpu_count() or 1)

@@ -14,13 +14,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_harness import run_on_ranks, run_with_timeout
+from mpi_harness import WORKER, run_on_ranks, run_with_timeout, worker_job
+from processes import end_job, start_job
 from test_open_mpi import without_open_mpi_on_path
-from workers import recovery_checks
+from workers import fault_checks, recovery_checks
 
 PLANTED = Path(__file__).resolve().parents[1] / "support" / "planted_loss"
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
@@ -75,7 +77,7 @@ def worst(run: dict[int, float], reference: dict[int, float]) -> float:
 @pytest.mark.parametrize("mesh, rank, phase, refill", [
     (["--dp", "4"], 2, "forward", "memory"),
     (["--tp", "2"], 1, "gradients", "memory"),
-    (["--tp", "2"], 3, "optimizer", "memory"),
+    (["--tp", "2", "--grad-clip", "0"], 3, "optimizer", "memory"),  # no collective between it and the agreement
     (["--zero", "1", "--dp-shard", "2"], 1, "gather", "memory"),
     (["--tp", "2"], 1, "checkpoint", "memory"),
     (["--zero", "1"], 1, "forward", "checkpoint"),
@@ -141,3 +143,22 @@ def test_the_refill_moves_another_meshs_pieces_into_this_ones_equal_to_the_seria
         assert sum(result["received"] for result in results) > 0
     else:
         assert all(not result["complete"] and result["missing"] == missing for result in results), results
+
+
+def test_a_step_done_on_some_survivors_and_not_on_others_is_applied_on_none(open_mpi, tmp_path):
+    """Under `mpirun --with-ft ulfm -n 4` (`fault_checks.agree_on_a_half_done_step`): two survivors reach the commit
+    point with their step whole, one saw the failure first; the agreement tells every one the step is not applied."""
+    job = start_job([open_mpi.mpiexec, "--with-ft", "ulfm", "-n", "4", open_mpi.python, str(WORKER), str(tmp_path),
+                     worker_job(fault_checks.agree_on_a_half_done_step)], env=open_mpi.environment(),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reports = [tmp_path / f"rank{rank}.json" for rank in (0, 1, 2)]
+    deadline = time.monotonic() + RUN_WITHIN_S
+    while not all(report.exists() for report in reports) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    output = end_job(job)
+    said = {rank: json.loads(report.read_text()).get("result") for rank, report in zip((0, 1, 2), reports,
+                                                                                      strict=True)}
+    assert all(said.values()), (said, output[-3000:])
+    assert said[1]["where"] == "failure" and said[0]["where"] == said[2]["where"] == "commit raised", said
+    assert all(result["applied"] == 0 and result["size"] == 3 for result in said.values()), said

@@ -58,3 +58,29 @@ def survive_a_peer(collective: str, dies: int = 2, at: int = 20) -> dict:
     return {"raised": type(raised).__name__, "message": str(raised), "after_s": after_s, "size": survivors.size,
             "label": survivors.label, "failed": faults.failed_ranks(world.comm),
             "equal": bool(np.array_equal(C.all_reduce(y, survivors, algo="ring"), expected))}
+
+
+def agree_on_a_half_done_step() -> dict:
+    """The step's agreement (`train.recovery.InPlace.commit`) when a step is done on some survivors and not on
+    others: rank 3 dies; rank 1, summing with it over {1, 3}, sees the failure; ranks 0 and 2 finish their sum over
+    {0, 2} (rank 1 holds no part of that communicator, so nothing revokes it) and reach the commit point. The
+    agreement must tell all three that the step is not applied."""
+    from mpiparallel.train.recovery import InPlace
+    from mpiparallel.train.settings import TrainSettings
+
+    faulthandler.dump_traceback_later(60, exit=True)
+    world = Communicator(MPI.COMM_WORLD.Dup())
+    recovery = InPlace(world, TrainSettings(), lambda survivors, settings: "unused")
+    pair = world.split(world.rank % 2, label="pair")
+    x = np.ones(1000)
+    C.all_reduce(x, world, algo="ring")
+    if world.rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    where = "commit"
+    try:
+        C.all_reduce(x, pair, algo="ring")
+        recovery.commit(9)
+    except PeerFailure:
+        where = "failure" if not recovery.agreed else "commit raised"
+        recovery._agree_on_the_failure()  # what `recover` does first (nothing where the commit took part)
+    return {"where": where, "applied": recovery.applied, "size": world.shrink().size}
