@@ -44,8 +44,8 @@ import numpy as np
 
 from .backend import NARROW_FLOATS
 from .communicator import Communicator
-from .mpi import MPI
 from .faults import raising_peer_failure
+from .mpi import MPI
 
 
 @dataclass(frozen=True)
