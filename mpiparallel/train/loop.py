@@ -83,8 +83,7 @@ def _train(settings: TrainSettings, survivors_rule: MeshRule | None) -> int:
         step += 1
     progress.done()
     here.preemption.close()
-    if recovery is not None:
-        recovery.release_spares()
+    job.release_spares()
     here.reporter.finish()
     _report_traffic(here.reporter, here.trainer, record)
     if settings.output.trace:
@@ -174,9 +173,15 @@ class Job:
         """End the run after a preempting signal: the line that says how to resume, the signal's status."""
         self.progress.done()
         here.preemption.close()
+        self.release_spares()
         here.reporter.say(_how_to_resume(here.settings, number, steps_done))
         here.reporter.finish()
         return Preemption.exit_status(number)
+
+    def release_spares(self) -> None:
+        """The run is over: the spares of a recovery may end too."""
+        if self.recovery is not None:
+            self.recovery.release_spares()
 
     def recover(self, here: OnMesh | None, failure: BaseException, step: int) -> OnMesh | None:
         """A failed peer: this rank's part of the recovery (`recovery.InPlace.recover`), then, on the new mesh, the

@@ -208,6 +208,7 @@ class InPlace:
     def _give_up(self, survivors: Communicator, lost: list[int], why: str) -> None:
         if survivors.rank == 0:
             print(f"mpiparallel: elastic: lost {_ranks_words(lost)}; {why}: giving up", file=sys.stderr, flush=True)
+        leave_if_recovered(ExitCode.ELASTIC_GAVE_UP)  # ends the process (`recover` noted the recovery)
         raise SystemExit(ExitCode.ELASTIC_GAVE_UP)
 
 

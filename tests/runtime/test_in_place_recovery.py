@@ -104,6 +104,15 @@ def test_a_rank_lost_in_each_phase_is_recovered_in_place_and_the_run_equals_the_
     assert worst(losses(log), uninterrupted(tmp_path, tokens, mesh)) <= 1e-9
 
 
+def test_too_few_survivors_give_up_in_place_with_one_line_and_no_relaunch(open_mpi, tokens, tmp_path):
+    done, log = elastic_run(tmp_path, tokens, open_mpi.python, ["--dp", "4"], f"2 at {LOST_AT} forward", None,
+                            "--min-ranks", "4")
+    assert done.returncode == 8, done.stderr[-3000:]
+    assert done.stderr.count("giving up") == 1 and "elastic: lost rank 2; 3 ranks left, and --min-ranks is 4: giving " \
+        "up" in done.stderr, done.stderr
+    assert events(log) == []  # no relaunch followed
+
+
 def test_under_mpich_the_same_command_relaunches_and_says_why(tokens, tmp_path):
     done, log = elastic_run(tmp_path, tokens, sys.executable, ["--dp", "4"], f"2 at {LOST_AT} forward")
     assert done.returncode == 0, done.stderr[-3000:]
