@@ -56,6 +56,7 @@ from ..checkpoints import sharded
 from ..checkpoints.sharded import MOMENT_KEYS, TrainingCheckpoint
 from ..checkpoints.survivors import SurvivorMemory
 from ..errors import ConfigError, ExitCode
+from ..mesh import Coordinates, MeshShape, coordinates_of, rank_of
 from ..text import plural
 from .settings import TrainSettings
 from .state import load_model_state, load_optimizer_state
@@ -157,8 +158,10 @@ class InPlace:
         faults.revoke_all()
         self._agree_on_the_failure()
         survivors = self.survivors.shrink()
+        old_shape, place = self._place()
         known = survivors.allgather_objects((self.original[self.survivors.rank], expected,
-                                             self.applied if scalars is not None else None, scalars, os.getpid()))
+                                             self.applied if scalars is not None else None, scalars, os.getpid(),
+                                             place))
         expected = sorted({name for _, names, *_ in known for name in names})  # a spare knows fewer
         lost = sorted(set(self.original) - {original for original, *_ in known})
         self.recoveries += 1
@@ -170,11 +173,12 @@ class InPlace:
         ranks = chosen.pop("world_size")
         self.settings = self.settings.with_options(**chosen)
         self.survivors, self.original = survivors, [original for original, *_ in known]
-        in_mesh = survivors.rank < ranks
-        self.active = survivors.split(0 if in_mesh else 1, survivors.rank, label="world")
+        key = _places_in_new_mesh([entry[-1] for entry in known], old_shape, chosen)[survivors.rank]
+        in_mesh = key < ranks
+        self.active = survivors.split(0 if in_mesh else 1, key, label="world")
         self.agreed = False
         memory = SurvivorMemory(survivors, held)
-        applied = [(steps, values) for _, _, steps, values, _ in known if steps is not None]
+        applied = [(steps, values) for _, _, steps, values, *_ in known if steps is not None]
         source = _state_source(memory, applied, expected, self.settings)
         self.active = self.active if in_mesh else None
         built = build(self.settings, self.active, source) if in_mesh else source.serve()
@@ -182,8 +186,17 @@ class InPlace:
         refill_bytes = sum(survivors.allgather_objects(memory.received_bytes))
         outcome = Outcome(lost, source.first_step, {"world_size": ranks, **chosen}, source.kind, refill_bytes,
                           time.perf_counter() - started, survivors.size - ranks,
-                          {original: pid for original, *_, pid in known})
+                          {original: pid for original, _, _, _, pid, _ in known})
         return built, outcome
+
+    def _place(self) -> tuple[MeshShape | None, Coordinates | None]:
+        """The shape of the mesh this rank ran on and its coordinates there (None, None on a spare)."""
+        if self.active is None:
+            return None, None
+        layout = self.settings.mesh
+        shape = MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                          dp_shard=layout.dp_shard).resolve(self.active.size)
+        return shape, coordinates_of(self.active.rank, shape)
 
     def wait_as_spare(self) -> bool:
         """A spare's wait: True when the run ended (the others' `release_spares`), False when a failure woke it
@@ -250,6 +263,28 @@ def restart_event(outcome: Outcome) -> dict[str, Any]:
     return {"event": "restart", "mode": "in-place", "step": outcome.step, "lost": [{"rank": rank} for rank in
             outcome.lost], "mesh": outcome.mesh, "refill": outcome.refill, "refill_bytes": outcome.refill_bytes,
             "seconds": round(outcome.seconds, 4), "pids": outcome.pids}
+
+
+def _places_in_new_mesh(places: list[Coordinates | None], old: MeshShape | None, new: dict[str, Any]) -> list[int]:
+    """Each survivor's rank in the new world (its ranks from 0 up; those past the mesh are spares). Where the
+    model axes are kept, a whole replica of the old mesh (every rank of one dp coordinate alive) keeps its tp, cp
+    and pp places in a dp slot of its own, so that each of its ranks already holds what it needs (the refill moves
+    nothing for it); the other survivors fill the places left, in rank order."""
+    keys: list[int | None] = [None] * len(places)
+    if old is not None and all(getattr(old, axis) == new[axis] for axis in ("tp", "cp", "pp")):
+        shape = MeshShape(dp=new["dp"], tp=new["tp"], pp=new["pp"], cp=new["cp"]).resolve(
+            new["dp"] * new["tp"] * new["pp"] * new["cp"])
+        members: dict[int, list[int]] = {}
+        for survivor, place in enumerate(places):
+            if place is not None:
+                members.setdefault(place.dp, []).append(survivor)
+        whole = [dp for dp in sorted(members) if len(members[dp]) == old.tp * old.cp * old.pp]
+        for slot, dp in enumerate(whole[:new["dp"]]):
+            for survivor in members[dp]:
+                place = places[survivor]
+                keys[survivor] = rank_of(Coordinates(pp=place.pp, dp=slot, cp=place.cp, tp=place.tp), shape)
+    free = iter(sorted(set(range(len(places))) - {key for key in keys if key is not None}))
+    return [key if key is not None else next(free) for key in keys]
 
 
 # -- where the new mesh's state comes from -------------------------------------------------------------------------
