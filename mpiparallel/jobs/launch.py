@@ -468,6 +468,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
             print(_flight_report(flight_dir, flight_asked[0]), file=sys.stderr, flush=True)
     elif status != 0 and stopped:  # ended on purpose: the ranks' own lines say how; no rank was lost
         sys.stderr.buffer.write(b"".join(line for line in held or [] if not _FAILURE_DETAIL.match(line)))
+    elif status == ExitCode.ELASTIC_GAVE_UP:  # survivors recovering in place gave up, and said why in one line
+        sys.stderr.buffer.write(b"".join(held or []))
     elif status != 0:
         said = [ending for _, ending in _registered(pids).values() if ending]
         # Open MPI's notices only repeat what a rank said itself (its error, its exit): shown when none did

@@ -130,7 +130,7 @@ class Job:
             trainer.commit = self.recovery.commit
         peak = peak_flops(settings.model.device, mesh, self.config.n_embd, microbatch_rows(settings, mesh) *
                           settings.data.seq_len, settings.model.compute_dtype or settings.model.dtype)
-        if reporter is not None and mesh.world.rank == 0:  # rank 0 stayed rank 0: its log and lines go on
+        if reporter is not None and reporter.is_root and mesh.world.rank == 0:  # rank 0 stayed: its log goes on
             reporter.peak_flops = peak
         else:
             reporter = Reporter(settings, self.config, mesh.world.rank == 0, peak_flops=peak,

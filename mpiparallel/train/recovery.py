@@ -89,6 +89,22 @@ def recovery_for(settings: TrainSettings, world: Communicator, rule: MeshRule | 
     return InPlace(world, settings, rule)
 
 
+MESH_OPTIONS = ("dp", "tp", "pp", "cp", "ep", "microbatches", "dp_shard")
+"""The mesh options --elastic's rule chooses (and the restart event reports)."""
+
+
+@dataclass(frozen=True)
+class Survivor:
+    """What each survivor tells the others after the shrink (one all-gather)."""
+
+    original: int                     # its rank in the job's first world
+    expected: list[str]               # the state's tensor names (a spare, holding none, may know fewer)
+    applied: int | None               # the steps its state has applied (None: a spare holds no state)
+    scalars: dict[str, Any] | None    # the optimizer's and loss scaler's, as of those steps
+    pid: int
+    place: Coordinates | None         # its coordinates in the mesh it ran on (None: a spare)
+
+
 @dataclass
 class Outcome:
     """What a recovery did: for the log line and the restart event."""
@@ -155,39 +171,40 @@ class InPlace:
             raise error
         started = time.perf_counter()
         _recovered.append(True)
-        faults.revoke_all()
-        self._agree_on_the_failure()
-        survivors = self.survivors.shrink()
+        faults.revoke_all()  # 1: so that every survivor, whatever it waits in, learns of it
+        self._agree_on_the_failure()  # 2
         old_shape, place = self._place()
-        known = survivors.allgather_objects((self.original[self.survivors.rank], expected,
-                                             self.applied if scalars is not None else None, scalars, os.getpid(),
-                                             place))
-        expected = sorted({name for _, names, *_ in known for name in names})  # a spare knows fewer
-        lost = sorted(set(self.original) - {original for original, *_ in known})
+        survivors = self.survivors.shrink()  # 3
+        known = [Survivor(*entry) for entry in survivors.allgather_objects(
+            (self.original[self.survivors.rank], expected, self.applied if scalars is not None else None, scalars,
+             os.getpid(), place))]
+        lost = sorted(set(self.original) - {survivor.original for survivor in known})
+        self.survivors, self.original = survivors, [survivor.original for survivor in known]
+        ranks = self._remesh(lost, [survivor.place for survivor in known], old_shape)  # 4
+        memory = SurvivorMemory(survivors, held)  # 5
+        source = _state_source(memory, known, self.settings)
+        built = build(self.settings, self.active, source) if self.active is not None else source.serve()
+        self.applied = source.first_step  # 6: the loop goes on from here
+        refill_bytes = sum(survivors.allgather_objects(memory.received_bytes))
+        mesh = {"world_size": ranks, **{axis: getattr(self.settings.mesh, axis) for axis in MESH_OPTIONS}}
+        return built, Outcome(lost, source.first_step, mesh, source.kind, refill_bytes, time.perf_counter() - started,
+                              survivors.size - ranks, {survivor.original: survivor.pid for survivor in known})
+
+    def _remesh(self, lost: list[int], places: list[Coordinates | None], old_shape: MeshShape | None) -> int:
+        """The survivors' mesh by --elastic's rule (giving up where there is none): this rank's settings and step
+        world for it (`active`: None on a spare); returns its rank count."""
         self.recoveries += 1
         if self.recoveries > self.settings.elastic.max_restarts:
-            self._give_up(survivors, lost, f"--max-restarts {self.settings.elastic.max_restarts} used up")
-        chosen = self.rule(survivors.size, self.settings)
+            self._give_up(self.survivors, lost, f"--max-restarts {self.settings.elastic.max_restarts} used up")
+        chosen = self.rule(self.survivors.size, self.settings)
         if isinstance(chosen, str):
-            self._give_up(survivors, lost, chosen)
+            self._give_up(self.survivors, lost, chosen)
         ranks = chosen.pop("world_size")
         self.settings = self.settings.with_options(**chosen)
-        self.survivors, self.original = survivors, [original for original, *_ in known]
-        key = _places_in_new_mesh([entry[-1] for entry in known], old_shape, chosen)[survivors.rank]
-        in_mesh = key < ranks
-        self.active = survivors.split(0 if in_mesh else 1, key, label="world")
-        self.agreed = False
-        memory = SurvivorMemory(survivors, held)
-        applied = [(steps, values) for _, _, steps, values, *_ in known if steps is not None]
-        source = _state_source(memory, applied, expected, self.settings)
-        self.active = self.active if in_mesh else None
-        built = build(self.settings, self.active, source) if in_mesh else source.serve()
-        self.applied = source.first_step
-        refill_bytes = sum(survivors.allgather_objects(memory.received_bytes))
-        outcome = Outcome(lost, source.first_step, {"world_size": ranks, **chosen}, source.kind, refill_bytes,
-                          time.perf_counter() - started, survivors.size - ranks,
-                          {original: pid for original, _, _, _, pid, _ in known})
-        return built, outcome
+        key = _places_in_new_mesh(places, old_shape, chosen)[self.survivors.rank]
+        world = self.survivors.split(0 if key < ranks else 1, key, label="world")
+        self.active, self.agreed = (world if key < ranks else None), False
+        return ranks
 
     def _place(self) -> tuple[MeshShape | None, Coordinates | None]:
         """The shape of the mesh this rank ran on and its coordinates there (None, None on a spare)."""
@@ -354,11 +371,13 @@ class FromCheckpoint:
         """A spare reads nothing."""
 
 
-def _state_source(memory: SurvivorMemory, applied: list[tuple[int, dict[str, Any]]], expected: list[str],
-                  settings: TrainSettings) -> FromSurvivors | FromCheckpoint:
-    """From the survivors where every piece survived (the same answer on every rank: all-gathered facts)."""
-    if applied and memory.complete and set(expected) <= set(memory.boxes_of):
-        steps, scalars = applied[0]
-        return FromSurvivors(memory, steps, scalars)
+def _state_source(memory: SurvivorMemory, known: list[Survivor], settings: TrainSettings
+                  ) -> FromSurvivors | FromCheckpoint:
+    """From the survivors where every piece of every tensor survived, else from the newest checkpoint (the same
+    answer on every rank: it is decided from all-gathered facts)."""
+    expected = {name for survivor in known for name in survivor.expected}
+    holders = [survivor for survivor in known if survivor.applied is not None]
+    if holders and memory.complete and expected <= set(memory.boxes_of):
+        return FromSurvivors(memory, holders[0].applied, holders[0].scalars)
     return FromCheckpoint(sharded.latest_training_checkpoint(settings.output.checkpoint_dir)
                           if settings.output.checkpoint_dir else None)

@@ -18,6 +18,7 @@ CASES = {  # option: (the option given, with whatever else it takes; what it nee
     "--keep-checkpoints": (["--keep-checkpoints", "2"], ["--checkpoint-dir", "ck"]),
     "--min-ranks": (["--min-ranks", "4"], ["--elastic"]),
     "--max-restarts": (["--max-restarts", "2"], ["--elastic"]),
+    "--elastic-mode": (["--elastic-mode", "relaunch"], ["--elastic"]),
     "--eval-batches": (["--eval-batches", "3"], ["--eval-every", "10"]),
     "--val-data": (["--val-data", "val.npy"], ["--eval-every", "10"]),
     "--validation-fraction": (["--validation-fraction", "0.2"], ["--eval-every", "10"]),

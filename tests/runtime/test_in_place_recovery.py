@@ -76,13 +76,14 @@ def worst(run: dict[int, float], reference: dict[int, float]) -> float:
 
 @pytest.mark.parametrize("mesh, rank, phase, refill", [
     (["--dp", "4"], 2, "forward", "memory"),
+    (["--dp", "4"], 0, "backward", "memory"),  # rank 0, which writes the log: another takes it over
     (["--tp", "2"], 1, "gradients", "memory"),
     (["--tp", "2", "--grad-clip", "0"], 3, "optimizer", "memory"),  # no collective between it and the agreement
     (["--zero", "1", "--dp-shard", "2"], 1, "gather", "memory"),
     (["--tp", "2"], 1, "checkpoint", "memory"),
     (["--zero", "1"], 1, "forward", "checkpoint"),
-], ids=["dp4-forward", "dp2xtp2-gradients", "dp2xtp2-optimizer", "zero1-replicas-gather", "dp2xtp2-checkpoint",
-        "zero1-no-replica"])
+], ids=["dp4-forward", "dp4-rank0-backward", "dp2xtp2-gradients", "dp2xtp2-optimizer", "zero1-replicas-gather",
+        "dp2xtp2-checkpoint", "zero1-no-replica"])
 def test_a_rank_lost_in_each_phase_is_recovered_in_place_and_the_run_equals_the_uninterrupted_one(
         open_mpi, tokens, tmp_path, mesh, rank, phase, refill):
     done, log = elastic_run(tmp_path, tokens, open_mpi.python, mesh, f"{rank} at {LOST_AT} {phase}")
