@@ -505,6 +505,9 @@ class Posted:
     def pending_requests(self) -> list[MPI.Request]:
         return [self.request]
 
+    def __del__(self) -> None:
+        faults.abandon([self.request])  # dropped while in flight: never freed while pending (`faults._abandoned`)
+
     def wait(self) -> None:
         if self.call is not None:
             self.call.background = False  # waited on: from now on this message holds the rank up
@@ -546,22 +549,29 @@ class CollectiveHandle:
     def pending_requests(self) -> list[MPI.Request]:
         return self._requests
 
+    def __del__(self) -> None:
+        faults.abandon(self._requests)  # dropped mid-flight: never freed while pending (`faults._abandoned`)
+
     def _post_next(self) -> None:
         step = next(self._steps, None)
         if step is None:
             self._done = True
             self._requests = []
             return
-        mpi, tag, requests = self._comm.comm, self._tag, []
-        if step.recv is not None:
-            requests.append(mpi.Irecv(_byte_buffer(self._staging.incoming(step.recv)), step.source, tag))
-        sent = 0 if step.send is None else step.send.nbytes
-        if step.send is not None:
-            self._comm._delay(sent, step.dest)
-            requests.append(mpi.Isend(_byte_buffer(self._staging.outgoing(step.send)), step.dest, tag))
+        mpi, tag = self._comm.comm, self._tag
+        self._requests = requests = []  # held as they are posted: a failure between the two keeps the first
+        try:
+            if step.recv is not None:
+                requests.append(mpi.Irecv(_byte_buffer(self._staging.incoming(step.recv)), step.source, tag))
+            sent = 0 if step.send is None else step.send.nbytes
+            if step.send is not None:
+                self._comm._delay(sent, step.dest)
+                requests.append(mpi.Isend(_byte_buffer(self._staging.outgoing(step.send)), step.dest, tag))
+        except MPI.Exception as error:  # a revoked communicator: PeerFailure, as from a wait
+            faults.raise_if_peer_failed(error, self._name)
+            raise
         self._comm.ledger.record(self._name, sent, 0 if step.recv is None else step.recv.nbytes,
                                  0 if step.send is None else self._comm._inter_node(sent, step.dest))
-        self._requests = requests
 
     def _advance(self) -> None:
         self._staging.finish()

@@ -85,6 +85,14 @@ def revoke_all() -> None:
             pass  # freed meanwhile, or already revoked
 
 
+def abandon(requests: list[MPI.Request]) -> None:
+    """Keep `requests` for the life of the process if any is still pending (see `_abandoned`): what a handle or
+    message dropped before it completed (an exception unwound past it) calls."""
+    pending = [request for request in requests if request]  # MPI_REQUEST_NULL is false: nothing to keep
+    if pending:
+        _abandoned.extend(pending)
+
+
 def raise_if_peer_failed(error: MPI.Exception, during: str = "") -> None:
     """Raise `PeerFailure` (after `revoke_all`) if `error` says a peer failed or a communicator was revoked;
     return otherwise (the caller re-raises `error`)."""

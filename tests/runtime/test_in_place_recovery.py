@@ -69,6 +69,31 @@ def elastic_run(tmp_path: Path, tokens: str, python: str, mesh: list[str], plan:
     return done, log
 
 
+OPEN_MPI_ABORT = "An error occurred in Send error after request freed"
+"""Open MPI 5.0.11's ob1 ending a survivor: an eager send to the rank that died completed locally, its request was
+freed, then the transport reported the failure — which ob1 can only answer with an abort. Measured: 8 of 58 losses
+planted in a step's forward on dp 4 (about 1 in 7, with the shared-memory or the TCP transport, whatever the eager
+limit); the parent then relaunches from the checkpoint, and the run stays exact."""
+
+ATTEMPTS = 5
+"""Runs of a planted loss before the test gives up on seeing it recovered in place (each other one must have ended
+by OPEN_MPI_ABORT): at the rate measured, five in a row happen about 1 time in 13,000."""
+
+
+def in_place_run(tmp_path: Path, tokens: str, python: str, mesh: list[str], plan: str, *extra: str
+                 ) -> tuple[subprocess.CompletedProcess, Path]:
+    """`elastic_run` until the loss is recovered in place (at most ATTEMPTS runs, each in its own folder); a run
+    that relaunched instead must say that Open MPI's ob1 aborted a survivor (`OPEN_MPI_ABORT`), and nothing else."""
+    for attempt in range(ATTEMPTS):
+        folder = tmp_path / f"attempt-{attempt}"
+        folder.mkdir()
+        done, log = elastic_run(folder, tokens, python, mesh, plan, None, *extra)
+        if not any(event["mode"] == "relaunch" for event in events(log)):
+            return done, log
+        assert OPEN_MPI_ABORT in done.stdout + done.stderr, done.stderr[-3000:]
+    raise AssertionError(f"{ATTEMPTS} runs in a row relaunched after Open MPI's abort")
+
+
 def worst(run: dict[int, float], reference: dict[int, float]) -> float:
     assert sorted(run) == sorted(reference), (sorted(run), sorted(reference))
     return max(abs(run[step] - reference[step]) / abs(reference[step]) for step in reference)
@@ -86,9 +111,9 @@ def worst(run: dict[int, float], reference: dict[int, float]) -> float:
         "dp2xtp2-checkpoint", "zero1-no-replica"])
 def test_a_rank_lost_in_each_phase_is_recovered_in_place_and_the_run_equals_the_uninterrupted_one(
         open_mpi, tokens, tmp_path, mesh, rank, phase, refill):
-    done, log = elastic_run(tmp_path, tokens, open_mpi.python, mesh, f"{rank} at {LOST_AT} {phase}")
+    done, log = in_place_run(tmp_path, tokens, open_mpi.python, mesh, f"{rank} at {LOST_AT} {phase}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (tmp_path / "died").exists()  # the planted loss happened
+    assert (log.parent / "died").exists()  # the planted loss happened
     [event] = events(log)
     applied = LOST_AT if phase in ("gather", "checkpoint") else LOST_AT - 1  # lost after the step's agreement: kept
     assert event["mode"] == "in-place" and event["lost"] == [{"rank": rank}] and event["refill"] == refill, event
@@ -101,13 +126,13 @@ def test_a_rank_lost_in_each_phase_is_recovered_in_place_and_the_run_equals_the_
     assert "recovered in place" in done.stderr and "--with-ft ulfm" in done.stderr
     assert "NBC_Progress" not in done.stderr and "Traceback" not in done.stderr
     if phase == "checkpoint":  # the save the loss cut short, saved again
-        assert (tmp_path / "ck" / "step-00000010" / "manifest.json").is_file()
+        assert (log.parent / "ck" / "step-00000010" / "manifest.json").is_file()
     assert worst(losses(log), uninterrupted(tmp_path, tokens, mesh)) <= 1e-9
 
 
 def test_too_few_survivors_give_up_in_place_with_one_line_and_no_relaunch(open_mpi, tokens, tmp_path):
-    done, log = elastic_run(tmp_path, tokens, open_mpi.python, ["--dp", "4"], f"2 at {LOST_AT} forward", None,
-                            "--min-ranks", "4")
+    done, log = in_place_run(tmp_path, tokens, open_mpi.python, ["--dp", "4"], f"2 at {LOST_AT} forward",
+                             "--min-ranks", "4")
     assert done.returncode == 8, done.stderr[-3000:]
     assert done.stderr.count("giving up") == 1 and "elastic: lost rank 2; 3 ranks left, and --min-ranks is 4: giving " \
         "up" in done.stderr, done.stderr
