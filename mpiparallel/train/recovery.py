@@ -50,7 +50,7 @@ from typing import Any
 from mpi4py import MPI
 
 from collectives import Communicator, faults
-from collectives.faults import PeerFailure
+from collectives.faults import FT_VARIABLE, PeerFailure, fault_tolerant
 
 from ..checkpoints import sharded
 from ..checkpoints.sharded import MOMENT_KEYS, TrainingCheckpoint
@@ -64,15 +64,6 @@ from .state import load_model_state, load_optimizer_state
 MeshRule = Callable[[int, TrainSettings], "dict[str, Any] | str"]
 """--elastic's rule for the survivors: (ranks left, the run's settings) → the mesh options for them (dp, tp, pp,
 cp, ep, microbatches, dp_shard and world_size: the ranks it uses), or a str saying why there is none."""
-
-FT_VARIABLE = "OMPI_MCA_mpi_ft_enable"
-"""What `mpirun --with-ft ulfm` sets in every rank's environment (Open MPI 5); set it yourself under srun."""
-
-
-def fault_tolerant() -> bool:
-    """Whether this job runs under an MPI with ULFM turned on: a failed peer is then an error, not a hang."""
-    return bool(faults.failure_classes()) and os.environ.get(FT_VARIABLE, "").lower() in ("1", "true", "yes")
-
 
 def recovery_for(settings: TrainSettings, world: Communicator, rule: MeshRule | None) -> InPlace | None:
     """In-place recovery when --elastic asks for it and the MPI can (None otherwise: a lost rank ends the job, and
