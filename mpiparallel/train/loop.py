@@ -72,7 +72,7 @@ def _train(settings: TrainSettings, survivors_rule: MeshRule | None) -> int:
             record = job.step(here, step)
             stop = job.after_step(here, step, record)
         except failures as failure:
-            here = job.recover(here, failure, step)
+            here = job.recover(here, failure)
             if here is None:  # a spare when the run ended
                 progress.done()
                 return 0
@@ -183,7 +183,7 @@ class Job:
         if self.recovery is not None:
             self.recovery.release_spares()
 
-    def recover(self, here: OnMesh | None, failure: BaseException, step: int) -> OnMesh | None:
+    def recover(self, here: OnMesh | None, failure: BaseException) -> OnMesh | None:
         """A failed peer: this rank's part of the recovery (`recovery.InPlace.recover`), then, on the new mesh, the
         line and event that say what happened, and the checkpoint a failure cut short saved again. None on a
         spare whose wait ended with the run."""
@@ -191,13 +191,15 @@ class Job:
         assert recovery is not None
         cut_short = here.trainer.applied_record if here is not None else {}
         while True:
-            held, scalars = ([], None) if here is None else (state.held_pieces(here.trainer),
-                                                           here.trainer.committed)
-            reporter = here.reporter if here is not None else None
-
-            expected = state.expected_tensors(self.config, here.trainer.optimizer if here is not None else None)
-            built, outcome = recovery.recover(failure, held, scalars, expected, partial(self._rebuild, reporter))
-            here = None  # the old mesh's arrays are dropped with it
+            if here is None:  # a spare: it holds nothing
+                held, scalars, optimizer, reporter = [], None, None, None
+            else:
+                trainer = here.trainer
+                held, scalars, optimizer, reporter = (state.held_pieces(trainer), trainer.committed,
+                                                      trainer.optimizer, here.reporter)
+            built, outcome = recovery.recover(failure, held, scalars, state.expected_tensors(self.config, optimizer),
+                                              partial(self._rebuild, reporter))
+            here = None  # the old mesh's arrays go with it
             if built is not None:
                 return self._went_on(built, outcome, cut_short)
             if recovery.wait_as_spare():
