@@ -48,7 +48,18 @@ import numpy as np
 
 from collectives.backend import Array, get_array_module
 
-from .layers import QUERY_BLOCK, KVCache, Layer, Saved, causal_softmax, query_blocks, row_sums, softmax_backward
+from .documents import ONE_DOCUMENT, add_mask
+from .layers import (
+    QUERY_BLOCK,
+    KVCache,
+    Layer,
+    Saved,
+    causal_softmax,
+    query_blocks,
+    row_sums,
+    seen_keys,
+    softmax_backward,
+)
 from .precision import narrow, narrow_saved, widen, widen_saved
 from .rotary import RotaryEmbedding, halves_to_pairs, pairs_to_halves
 
@@ -132,12 +143,15 @@ class LatentAttention(Layer):
 
     # -- forward -----------------------------------------------------------------------------------------------
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
+    def forward(self, x: Array, documents: Any = ONE_DOCUMENT) -> tuple[Array, Saved]:
+        """Attention of the (B, t, C) tokens here, each over the earlier ones of its document (`models.documents`;
+        by default the window is one)."""
         q, query = self.query.forward(x)
         compressed, kv_down = self.kv_down.forward(x)
         latent, kv_norm = self.kv_norm.forward(compressed[..., :self.latent_dim])
         dtype = q.dtype  # the compute dtype: narrow ones are widened for the math, rounded for what is kept
-        positions, query_positions = self.positions(x.shape[1]), self.query_positions(q.shape[1])
+        positions = documents.rotary_positions(self.positions(x.shape[1]))
+        query_positions = documents.rotary_positions(self.query_positions(q.shape[1]))
         spans = self.query_spans(q.shape[1])
         k_rope = self._rotated(widen(compressed[..., self.latent_dim:])[:, None], positions)[:, 0]
         xp = get_array_module(latent)
@@ -146,11 +160,11 @@ class LatentAttention(Layer):
         q_nope, q_rope = self._queries(widen(q), query_positions)
         k_nope, v = self._keys_values(widen(kv))
         k_rope = widen(keys[..., self.latent_dim:])[:, None]
-        merged, probs = self._attend(q_nope, q_rope, k_nope, k_rope, v, spans, keep=self.keep_probabilities)
+        merged, probs = self._attend(q_nope, q_rope, k_nope, k_rope, v, spans, self.keep_probabilities, documents)
         out, projection = self.projection.forward(narrow(merged, dtype))
         saved = Saved(query=query, kv_down=kv_down, kv_norm=kv_norm, kv_up=kv_up, projection=projection,
                       q_nope=q_nope, q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, merged=merged, probs=probs,
-                      positions=positions, query_positions=query_positions, spans=spans)
+                      positions=positions, query_positions=query_positions, spans=spans, documents=documents)
         narrow_saved(saved, dtype, self.input_pass_only)
         return out, saved
 
@@ -184,31 +198,34 @@ class LatentAttention(Layer):
                 for first, end, position in spans for start, stop in query_blocks(end - first, self.query_block)]
 
     def _attend(self, q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, v: Array,
-                spans: list[tuple[int, int, int]], keep: bool) -> tuple[Array, list[Array] | None]:
-        """softmax(scores)·v of the queries, each over the keys from position 0 to its own, merged to
-        (B, t, H·d_v); also each query block's probabilities if `keep`."""
+                spans: list[tuple[int, int, int]], keep: bool,
+                documents: Any = ONE_DOCUMENT) -> tuple[Array, list[Array] | None]:
+        """softmax(scores)·v of the queries, each over the keys from its document's first (position 0 for one
+        document) to its own, merged to (B, t, H·d_v); also each query block's probabilities if `keep`."""
         xp = get_array_module(q_nope)
         batch, n_head, queries, _ = q_nope.shape
         merged = xp.empty((batch, queries, n_head, self.value_dim), dtype=q_nope.dtype)
         heads = merged.transpose(0, 2, 1, 3)  # written through by the products
         kept = [] if keep else None
         for rows, position in self._blocks(spans):
-            probs = self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, position)
-            seen = position + probs.shape[-2]
-            xp.matmul(probs, v[..., :seen, :], out=heads[..., rows, :])
+            keys = seen_keys(documents, position, position + rows.stop - rows.start)
+            probs = self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, keys, documents)
+            xp.matmul(probs, v[..., keys, :], out=heads[..., rows, :])
             if keep:
                 kept.append(probs)
         return merged.reshape(batch, queries, n_head * self.value_dim), kept
 
     @staticmethod
-    def _probabilities(q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, position: int) -> Array:
-        """Causal softmax of a block of query rows, the first at global `position`, over the keys at positions
-        0 … position + rows − 1: the no-RoPE scores per head plus the RoPE scores against the one shared key
-        (broadcast over the heads)."""
-        keys = slice(0, position + q_nope.shape[-2])
+    def _probabilities(q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, keys: slice,
+                       documents: Any) -> Array:
+        """Softmax of a block of query rows, the last of keys.stop positions, over the `keys` they may see (a
+        key after its query or before its document's start masked out): the no-RoPE scores per head plus the
+        RoPE scores against the one shared key (broadcast over the heads)."""
         scores = q_nope @ k_nope[..., keys, :].swapaxes(-1, -2)
         scores += q_rope @ k_rope[..., keys, :].swapaxes(-1, -2)
-        return causal_softmax(scores, offset=position)
+        position = keys.stop - q_nope.shape[-2]  # the first query row's
+        add_mask(scores, documents, np.arange(position, keys.stop), np.arange(keys.start, keys.stop))
+        return causal_softmax(scores, offset=position - keys.start)
 
     # -- backward ----------------------------------------------------------------------------------------------
 
@@ -248,9 +265,10 @@ class LatentAttention(Layer):
         dk_rope = xp.zeros((batch, 1, keys_length, d_r), dmerged.dtype)
         q_nope, q_rope, k_nope, k_rope, v = saved.q_nope, saved.q_rope, saved.k_nope, saved.k_rope, saved.v
         for index, (rows, position) in enumerate(self._blocks(saved.spans)):
-            keys = slice(0, position + rows.stop - rows.start)
+            keys = seen_keys(saved.documents, position, position + rows.stop - rows.start)
             probs = (saved.probs[index] if saved.probs is not None
-                     else self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, position))
+                     else self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, keys,
+                                              saved.documents))
             dv[..., keys, :] += probs.swapaxes(-1, -2) @ dheads[..., rows, :]
             dprobs = dheads[..., rows, :] @ v[..., keys, :].swapaxes(-1, -2)
             dscores = softmax_backward(probs, dprobs, weighted_sum[..., rows, :])

@@ -48,6 +48,7 @@ from collectives import all_reduce
 from collectives.backend import Array, get_array_module, is_device_array, scatter_add
 
 from . import kernels
+from .documents import ONE_DOCUMENT, add_mask
 from .kernels import GELU_CUBIC, GELU_SCALE
 from .parameter import Parameter
 from .precision import narrow, narrow_saved, widen, widen_saved
@@ -504,6 +505,12 @@ def query_blocks(queries: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, queries)) for start in range(0, queries, block)]
 
 
+def seen_keys(documents: Any, first_query: int, query_stop: int) -> slice:
+    """The keys a block of queries at positions [first_query, query_stop) may see: none in their future, none
+    before the first document any of them is in (`models.documents`) — FlashAttention skips the same blocks."""
+    return slice(documents.first_key(first_query), query_stop)
+
+
 class ProjectedAttention(Layer):
     """The backward every attention layer between the fused qkv projection (`qkv`) and the output projection
     (`projection`) shares, however its heads attend: the input pass runs the output projection's, the layer's
@@ -566,21 +573,23 @@ class CausalSelfAttention(ProjectedAttention):
         """q (B, H, T, d) and k, v (B, n_kv, T, d): views into the [q | k | v] projection output."""
         return split_heads(qkv, self.n_head, self.n_kv_head)
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
+    def forward(self, x: Array, documents: Any = ONE_DOCUMENT) -> tuple[Array, Saved]:
+        """Attention of the (B, T, C) window `x`, each token over the earlier ones of its document
+        (`models.documents`; by default the window is one)."""
         qkv, qkv_saved = self.qkv.forward(x)
         dtype = qkv.dtype  # the compute dtype: narrow ones are widened for the math, rounded for what is kept
         q, k, v = self._split_heads(widen(qkv))
-        self._rotate(q, k, 0)
+        self._rotate(q, k, documents.rotary_positions(np.arange(q.shape[2])))
         q *= 1.0 / math.sqrt(q.shape[-1])
-        merged, probs = self._attend(q, k, v, offset=0, keep=self.keep_probabilities)
+        merged, probs = self._attend(q, k, v, offset=0, keep=self.keep_probabilities, documents=documents)
         out, projection_saved = self.projection.forward(narrow(merged, dtype))
-        saved = Saved(qkv=qkv_saved, projection=projection_saved, q=q, k=k, v=v, merged=merged, probs=probs)
+        saved = Saved(qkv=qkv_saved, projection=projection_saved, q=q, k=k, v=v, merged=merged, probs=probs,
+                      documents=documents)
         narrow_saved(saved, dtype, self.input_pass_only)
         return out, saved
 
-    def _rotate(self, q: Array, k: Array, start: int) -> None:
+    def _rotate(self, q: Array, k: Array, positions: Any) -> None:
         if self.rope is not None:
-            positions = np.arange(start, start + q.shape[2])
             self.rope.rotate(q, positions)
             self.rope.rotate(k, positions)
 
@@ -588,16 +597,17 @@ class CausalSelfAttention(ProjectedAttention):
         """Inference: attention of the new positions `x` (B, t, C) over the cached keys and values and their own,
         appending theirs to `cache`. Nothing is kept for backward."""
         q, k, v = self._split_heads(self.qkv.forward(x)[0])
-        self._rotate(q, k, cache.length)
+        self._rotate(q, k, np.arange(cache.length, cache.length + q.shape[2]))
         keys, values = cache.append(k, v)
         q = q * (1.0 / math.sqrt(q.shape[-1]))
         merged, _ = self._attend(q, keys, values, offset=keys.shape[2] - q.shape[2], keep=False)
         return self.projection.forward(merged)[0]
 
-    def _attend(self, q: Array, k: Array, v: Array, offset: int, keep: bool) -> tuple[Array, list[Array] | None]:
+    def _attend(self, q: Array, k: Array, v: Array, offset: int, keep: bool,
+                documents: Any = ONE_DOCUMENT) -> tuple[Array, list[Array] | None]:
         """softmax(q·kᵀ)·v of (B, H, t, d) queries (scale included) at positions offset … offset+t−1 over the
-        (B, n_kv, ·, d) keys and values from position 0, merged to (B, t, H·d); also each query block's
-        probabilities if `keep`."""
+        (B, n_kv, ·, d) keys and values from position 0 (each query's document's first key on), merged to
+        (B, t, H·d); also each query block's probabilities if `keep`."""
         xp = get_array_module(q)
         batch, n_head, queries, head_dim = q.shape
         merged = xp.empty((batch, queries, n_head, head_dim), dtype=q.dtype)
@@ -605,17 +615,22 @@ class CausalSelfAttention(ProjectedAttention):
         q, k, v = grouped(q, k.shape[1]), k[:, :, None], v[:, :, None]
         kept = [] if keep else None
         for start, stop in query_blocks(queries, self.query_block):
-            probs = self._probabilities(q, k, start, stop, offset)
-            xp.matmul(probs, v[..., :offset + stop, :], out=heads[..., start:stop, :])
+            keys = seen_keys(documents, offset + start, offset + stop)
+            probs = self._probabilities(q, k, start, stop, keys, documents)
+            xp.matmul(probs, v[..., keys, :], out=heads[..., start:stop, :])
             if keep:
                 kept.append(probs)
         return merged.reshape(batch, queries, n_head * head_dim), kept
 
     @staticmethod
-    def _probabilities(q: Array, k: Array, start: int, stop: int, offset: int = 0) -> Array:
-        """Causal softmax of query rows [start, stop) over keys [0, offset + stop) (grouped 5-D views)."""
-        scores = q[..., start:stop, :] @ k[..., :offset + stop, :].swapaxes(-1, -2)
-        return causal_softmax(scores, offset=offset + start)
+    def _probabilities(q: Array, k: Array, start: int, stop: int, keys: slice, documents: Any) -> Array:
+        """Softmax of query rows [start, stop) over the `keys` they may see (grouped 5-D views): the keys at
+        positions after a query's and before its document's start masked out (the query rows being the last
+        of keys.stop positions)."""
+        scores = q[..., start:stop, :] @ k[..., keys, :].swapaxes(-1, -2)
+        offset = keys.stop - (stop - start)  # the first query row's position
+        add_mask(scores, documents, np.arange(offset, keys.stop), np.arange(keys.start, keys.stop))
+        return causal_softmax(scores, offset=offset - keys.start)
 
     def _backward_to_qkv(self, saved: Saved, dmerged: Array) -> Array:
         """d(qkv), in the projection output's layout, from d(merged heads)."""
@@ -632,18 +647,19 @@ class CausalSelfAttention(ProjectedAttention):
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, C) instead of (B, H, T, T)
         weighted_sum = row_sums((dmerged * saved.merged).reshape(batch, length, self.n_head, head_dim))
         weighted_sum = grouped(weighted_sum.transpose(0, 2, 1, 3), n_kv)
-        q, k, v = grouped(saved.q, n_kv), saved.k[:, :, None], saved.v[:, :, None]
+        q, k, v, documents = grouped(saved.q, n_kv), saved.k[:, :, None], saved.v[:, :, None], saved.documents
         for index, (start, stop) in enumerate(query_blocks(length, self.query_block)):
-            rows = slice(start, stop)
-            probs = saved.probs[index] if saved.probs is not None else self._probabilities(q, k, start, stop)
-            dv5[..., :stop, :] += group_sum(probs.swapaxes(-1, -2) @ dheads[..., rows, :])
-            dprobs = dheads[..., rows, :] @ v[..., :stop, :].swapaxes(-1, -2)
+            rows, keys = slice(start, stop), seen_keys(documents, start, stop)
+            probs = (saved.probs[index] if saved.probs is not None
+                     else self._probabilities(q, k, start, stop, keys, documents))
+            dv5[..., keys, :] += group_sum(probs.swapaxes(-1, -2) @ dheads[..., rows, :])
+            dprobs = dheads[..., rows, :] @ v[..., keys, :].swapaxes(-1, -2)
             dscores = softmax_backward(probs, dprobs, weighted_sum[..., rows, :])
-            xp.matmul(dscores, k[..., :stop, :], out=dq5[..., rows, :])
-            dk5[..., :stop, :] += group_sum(dscores.swapaxes(-1, -2) @ q[..., rows, :])  # q holds the scale
+            xp.matmul(dscores, k[..., keys, :], out=dq5[..., rows, :])
+            dk5[..., keys, :] += group_sum(dscores.swapaxes(-1, -2) @ q[..., rows, :])  # q holds the scale
         dq *= 1.0 / math.sqrt(head_dim)
         if self.rope is not None:
-            positions = np.arange(length)
+            positions = documents.rotary_positions(np.arange(length))
             self.rope.rotate_back(dq, positions)
             self.rope.rotate_back(dk, positions)
         return narrow(dqkv, dtype)
@@ -728,13 +744,14 @@ class Block(Layer):
         self.ln_1, self.attn, self.ln_2, self.mlp = ln_1, attn, ln_2, mlp
         self.recompute_full = recompute_full
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
-        out, saved = self._forward(x)
-        return (out, Saved(x=x)) if self.recompute_full else (out, saved)
+    def forward(self, x: Array, documents: Any = ONE_DOCUMENT) -> tuple[Array, Saved]:
+        """The block on the (B, T, C) window `x`; attention keeps to each token's document (`models.documents`)."""
+        out, saved = self._forward(x, documents)
+        return (out, Saved(x=x, documents=documents)) if self.recompute_full else (out, saved)
 
-    def _forward(self, x: Array) -> tuple[Array, Saved]:
+    def _forward(self, x: Array, documents: Any) -> tuple[Array, Saved]:
         normed, ln_1 = self.ln_1.forward(x)
-        attended, attn = self.attn.forward(normed)
+        attended, attn = self.attn.forward(normed, documents)
         middle = x + attended
         normed, ln_2 = self.ln_2.forward(middle)
         transformed, mlp = self.mlp.forward(normed)
@@ -746,7 +763,7 @@ class Block(Layer):
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         if self.recompute_full:
-            rebuilt = self._forward(saved.x)[1]
+            rebuilt = self._forward(saved.x, saved.documents)[1]
             saved.clear()
             vars(saved).update(vars(rebuilt))
         dmiddle = dout + self.ln_2.backward_input(saved.ln_2, self.mlp.backward_input(saved.mlp, dout))
@@ -768,7 +785,8 @@ class Embedding(Layer):
 
     def forward(self, tokens: Array, start: int = 0, positions: Array | None = None) -> tuple[Array, Saved]:
         """Embed (B, T) token ids sitting at positions start … start+T−1, or at the distinct `positions` (T,)
-        given (context parallelism holds two chunks of the sequence)."""
+        given (context parallelism holds two chunks of the sequence), or at per-row positions (B, T)
+        (packed documents: each restarts at 0)."""
         rows = slice(start, start + tokens.shape[-1]) if positions is None else positions
         x = self.token.data[tokens]
         if self.position is not None:
@@ -791,8 +809,17 @@ class Embedding(Layer):
         else:  # a strided gradient view: reshape(-1) would scatter into a copy
             scatter_add(grad, tokens.reshape(-1), dout.reshape(-1, channels))
         if self.position is not None:
-            self.position.grad[saved.rows] += dout.sum(axis=0)  # distinct positions: no index repeats
+            add_position_gradient(self.position.grad, saved.rows, dout)
         saved.clear()
+
+
+def add_position_gradient(grad: Array, rows: Any, dout: Array) -> None:
+    """wpe's gradient from d(x) (B, T, C) of tokens at `rows`: a slice or distinct positions (T,) shared by the
+    batch's rows, or per-row positions (B, T), which repeat (every document has a position 0)."""
+    if getattr(rows, "ndim", 1) == 2:
+        scatter_add(grad, get_array_module(grad).asarray(rows).reshape(-1), dout.reshape(-1, dout.shape[-1]))
+    else:
+        grad[rows] += dout.sum(axis=0)  # distinct positions: no index repeats
 
 
 class HeadCrossEntropy(Layer):

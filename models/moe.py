@@ -56,6 +56,7 @@ import numpy as np
 
 from collectives.backend import Array, get_array_module, like, to_host
 
+from .documents import ONE_DOCUMENT
 from .fp8 import quantize_activation
 from .layers import MLP, Block, Layer, Saved, column_sums, row_sums, softmax_backward
 from .parameter import Parameter
@@ -387,8 +388,8 @@ class MoEBlock(Block):
     """A transformer block whose MLP is a `MixtureOfExperts`. Forward also keeps the router's statistics in
     `saved.router_stats` — which full recomputation, keeping only the block's input, would otherwise drop."""
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
-        out, saved = self._forward(x)
-        kept = Saved(x=x) if self.recompute_full else saved
+    def forward(self, x: Array, documents: Any = ONE_DOCUMENT) -> tuple[Array, Saved]:
+        out, saved = self._forward(x, documents)
+        kept = Saved(x=x, documents=documents) if self.recompute_full else saved
         kept.router_stats = saved.mlp.stats
         return out, kept

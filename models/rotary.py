@@ -167,14 +167,17 @@ class RotaryEmbedding:
         return cos, sin
 
     def angles(self, x: Array, positions: Any) -> tuple[Array, Array]:
-        """cos and sin (t, d/2) of `positions` (t,), broadcasting over the batch and heads of (B, heads, t, d/2)."""
+        """cos and sin (t, d/2) of `positions` (t,), broadcasting over the batch and heads of (B, heads, t, d/2);
+        per-row positions (B, t) (packed documents) give (B, 1, t, d/2)."""
         positions = np.asarray(positions)
         cos, sin = self._cos_sin(x, int(positions.max()) + 1 if positions.size else 1)
         index = like(cos, positions)
+        if positions.ndim == 2:
+            return cos[index][:, None], sin[index][:, None]
         return cos[index], sin[index]
 
     def rotate(self, x: Array, positions: Any) -> None:
-        """x (B, heads, t, d), a view, rotated in place to its positions (t,) (host integers)."""
+        """x (B, heads, t, d), a view, rotated in place to its positions (t,) or (B, t) (host integers)."""
         self._turn(x, *self.angles(x, positions), sign=1.0)
 
     def rotate_back(self, dx: Array, positions: Any) -> None:

@@ -38,6 +38,7 @@ from collectives.backend import BFLOAT16, Array, get_array_module, like, to_host
 from . import deepseek_v3
 from .axis import Axis, ContextAxis, ExpertAxis, PipelineAxis, TensorAxis
 from .config import GPTConfig
+from .documents import ONE_DOCUMENT, Documents, OneDocument
 from .fp8 import fp8_gemms
 from .layers import (
     GELU,
@@ -358,6 +359,14 @@ class Transformer:
         other positions (`ContextAxis.positions`)."""
         return self.cp.positions(length)
 
+    def token_positions(self, length: int, documents: Documents | OneDocument = ONE_DOCUMENT) -> Array | None:
+        """The positions the embedding gives `length` local tokens: their window positions (`positions`), or
+        with packed documents their positions inside their documents (B, length)."""
+        positions = self.positions(length)
+        if documents is ONE_DOCUMENT:
+            return positions
+        return documents.rotary_positions(np.arange(length) if positions is None else positions)
+
     # -- forward and backward over a range of units ------------------------------------------------------------
 
     @property
@@ -365,7 +374,8 @@ class Transformer:
         return self.config.n_layer + 2
 
     def forward(self, inputs: Array, targets: Array | None = None, normalizer: float | None = None,
-                hooks: ParameterHooks = NO_HOOKS, units: range | None = None) -> tuple[Any, Saved]:
+                hooks: ParameterHooks = NO_HOOKS, units: range | None = None,
+                documents: Documents | OneDocument = ONE_DOCUMENT) -> tuple[Any, Saved]:
         """Run `units` (default: all) forward; return their output and the saved state for backward.
 
         `inputs` are (B, T) token ids when the range starts with the embedding, else the (B, T, C) activation the
@@ -373,6 +383,10 @@ class Transformer:
         `targets`: sum of token losses / `normalizer` (default: the tokens here — pass the global batch's token
         count when this is one microbatch or one data-parallel shard, so the pieces add up to the global mean);
         otherwise it is the activation to hand to the next range.
+
+        `documents` (`models.documents`) are the packed documents of the whole windows these rows come from
+        (before context parallelism took this rank's chunks): each token attends only to its own document and
+        sits at its position in it. By default each window is one document (causal attention).
 
         Mixture of experts: `saved.router_stats` maps each MoE layer run here to its `RouterStats`, and
         `saved.aux_loss` is their aux losses divided by `moe_token_sets` — this token set's share of the
@@ -384,11 +398,12 @@ class Transformer:
         missing = [unit for unit in units if unit not in self.local_units]
         if missing:
             raise ValueError(f"units {missing} are not held here (this model holds {list(self.local_units)})")
+        self._check_documents(documents, inputs.shape[1])
         saved = Saved(units=units, per_unit={}, router_stats={}, aux_loss=0.0)
         x = inputs
         for unit in units:
             hooks.before_forward(unit)
-            x, saved.per_unit[unit] = self._forward_unit(unit, x, targets, normalizer)
+            x, saved.per_unit[unit] = self._forward_unit(unit, x, targets, normalizer, documents)
             self._note_routing(unit, saved)
             hooks.after_forward(unit)
         if saved.router_stats and units[-1] == self.unit_count - 1:
@@ -421,13 +436,24 @@ class Transformer:
             saved.router_stats[unit - 1] = stats
             saved.aux_loss += stats.aux_loss * self.blocks[unit - 1].mlp.router.aux_weight
 
-    def _forward_unit(self, unit: int, x: Array, targets: Array | None, normalizer: float | None) -> Any:
+    def _check_documents(self, documents: Documents | OneDocument, local_length: int) -> None:
+        if documents is ONE_DOCUMENT:
+            return
+        if self.config.is_deepseek and self.config.mtp_depth:
+            raise ValueError("document attention with multi-token prediction is not built: a prediction module's "
+                             "targets would cross into the next document (use mtp_depth 0)")
+        if documents.length != local_length * self.cp.size:
+            raise ValueError(f"the documents describe windows of {documents.length} tokens, these hold "
+                             f"{local_length * self.cp.size}")
+
+    def _forward_unit(self, unit: int, x: Array, targets: Array | None, normalizer: float | None,
+                      documents: Documents | OneDocument) -> Any:
         if unit == 0:
             self.check_tokens(x)
             tokens = like(self.embedding.token.data, x)  # host token ids go to the device
-            return self.embedding.forward(tokens, positions=self.positions(x.shape[-1]))
+            return self.embedding.forward(tokens, positions=self.token_positions(x.shape[-1], documents))
         if unit < self.unit_count - 1:
-            return self.blocks[unit - 1].forward(x)
+            return self.blocks[unit - 1].forward(x, documents)
         if targets is None:
             raise ValueError("the head unit computes the loss: give the targets")
         return self.head.forward(x, like(x, targets), (normalizer or targets.size) / self.loss_scale)

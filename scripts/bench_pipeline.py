@@ -45,6 +45,7 @@ def measure_bubbles(args: argparse.Namespace) -> None:
     from collectives import Communicator
     from models.transformer import GPTConfig, Transformer
     from mpiparallel.axes.pipeline_parallel import PipelineExecutor, PipelineStages
+    from mpiparallel.data import microbatches
     from mpiparallel.process import keep_freed_memory
     from mpiparallel.schedules import bubble_formula, build_schedule, simulate
 
@@ -54,8 +55,7 @@ def measure_bubbles(args: argparse.Namespace) -> None:
     rows = args.batch // args.microbatches
     rng = np.random.default_rng(0)
     window = rng.integers(0, 256, (args.batch, args.seq + 1))
-    pieces = [(window[i * rows:(i + 1) * rows, :-1], window[i * rows:(i + 1) * rows, 1:])
-              for i in range(args.microbatches)]
+    pieces = microbatches(window[:, :-1], window[:, 1:], args.microbatches)
     lines = []
     for name in args.schedules:
         virtual = 2 if name == "interleaved" else 1

@@ -195,7 +195,7 @@ class PipelineExecutor:
     def holds_embedding(self) -> bool:
         return self.schedule.stage_ranks[0] == self.comm.rank
 
-    def step(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float,
+    def step(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray, Any]], normalizer: float,
              on_forward: Any = None, on_action: Any = None) -> float:
         """Run the schedule on these microbatches (the same split on every pipeline rank); return the sum of their
         cross-entropies on the rank of the last stage (0 elsewhere). Gradients accumulate in the parameters;
@@ -245,10 +245,10 @@ class PipelineExecutor:
 
     def _forward(self, action: Action) -> None:
         stage, microbatch = action.stage, action.microbatch
-        tokens, targets = self._batches[microbatch]
+        tokens, targets, documents = self._batches[microbatch]
         x = tokens if stage == 0 else self._take("input", stage, microbatch)
         out, saved = self.model.forward(x, targets if stage == self.last_stage else None, self._normalizer,
-                                        NO_HOOKS, units=self.stages[stage])
+                                        NO_HOOKS, units=self.stages[stage], documents=documents)
         self._saved[stage, microbatch] = saved
         self._measure(saved)
         self._on_forward(saved)
@@ -329,7 +329,7 @@ class PipelineExecutor:
             request = recv_backward(buffer, self.comm, peer, tag)
             self._receiving["doutput", stage, microbatch] = (request, buffer)
 
-    def forward_only(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray]], normalizer: float) -> float:
+    def forward_only(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray, Any]], normalizer: float) -> float:
         """Validation: every microbatch through this rank's stages in model order, nothing kept for backward;
         returns the summed loss on the last stage's rank (0 elsewhere)."""
         local = self.schedule.stages_of(self.comm.rank)

@@ -96,7 +96,7 @@ from typing import Any
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
 from collectives.backend import Array, get_array_module, scatter_add
 from models.axis import TensorAxis
-from models.layers import PLAIN_GEMMS, ConcatenatedLinear, Gemms, Layer, Saved
+from models.layers import PLAIN_GEMMS, ConcatenatedLinear, Gemms, Layer, Saved, add_position_gradient
 from models.parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes
 from models.precision import narrow, widen
 from models.transformer import GPTConfig, Transformer
@@ -208,8 +208,9 @@ class ColumnParallelLayer(Layer):
     def __init__(self, local: Layer, group: TensorParallelGroup) -> None:
         self.local, self.group = local, group
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
-        return self.local.forward(self.group.into_column_parallel(x))
+    def forward(self, x: Array, *context: Any) -> tuple[Array, Saved]:
+        """`context`: what the local layer takes besides its input (an attention layer's documents)."""
+        return self.local.forward(self.group.into_column_parallel(x), *context)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         return self.group.into_column_parallel_backward(self.local.backward_input(saved, dout))
@@ -272,7 +273,7 @@ class VocabParallelEmbedding(Layer):
 
     def forward(self, tokens: Array, positions: Array | None = None) -> tuple[Array, Saved]:
         """Embed (B, T) token ids at positions 0 … T−1, or at the distinct `positions` (T,) given (context
-        parallelism); with SP this rank keeps its slice of the sequence."""
+        parallelism), or per row (B, T) (packed documents); with SP this rank keeps its slice of the sequence."""
         xp = get_array_module(tokens)
         if positions is None:
             positions = xp.arange(tokens.shape[-1])
@@ -283,7 +284,7 @@ class VocabParallelEmbedding(Layer):
         partial[elsewhere] = 0
         x = self.group.out_of_row_parallel(partial)
         if self.position is not None:  # GPT-2's learned positions; llama has none (RoPE)
-            x += self.position.data[positions[self.group.sequence_positions(tokens.shape[-1])]]
+            x += self.position.data[positions[..., self.group.sequence_positions(tokens.shape[-1])]]
         return x, Saved(rows=rows, elsewhere=elsewhere, positions=positions)
 
     def backward_input(self, saved: Saved, dout: Array) -> None:
@@ -295,7 +296,7 @@ class VocabParallelEmbedding(Layer):
         here = ~saved.elsewhere
         scatter_add(self.token.grad, saved.rows[here], dpartial[here])
         if self.position is not None:
-            self.position.grad[saved.positions] += dpartial.sum(axis=0)  # distinct positions
+            add_position_gradient(self.position.grad, saved.positions, dpartial)
         saved.clear()
 
 

@@ -544,6 +544,14 @@ def deepseek_options(command: Callable) -> Callable:
               help="Attention's query rows per causal block (the same numbers; larger: fewer, bigger products and "
                    "more probabilities kept for backward). [default: 64 on a CPU, 1024 on a GPU, where the launches "
                    "of small blocks set the pace]")
+@click.option("--attention", type=click.Choice(["causal", "document"]), default=default("attention"),
+              help="causal: every token attends to every earlier token of its window; document: only to the earlier "
+                   "tokens of its own document (an end-of-text token opens one; the packed documents of llm.c's "
+                   "shards and `data prepare`), positions restarting at each document. Blocks of keys wholly in "
+                   "earlier documents are skipped.")
+@click.option("--eot-id", type=click.IntRange(min=0), default=default("eot_id"),
+              help="The end-of-text token id that opens a document (--attention document). [default: the data "
+                   "folder's data.json; needed for other token files]")
 @click.option("--show-mesh", is_flag=True, default=default("show_mesh"),
               help="Print which world rank holds which mesh coordinates.")
 @click.option("--memory-report", is_flag=True, default=default("memory_report"),

@@ -76,6 +76,8 @@ TRAIN_NEEDS: tuple[Needs, ...] = (
           lambda o: o["mtp_depth"] > 0 or o["init"] is not None),
     Needs("--dp-shard", "dp_shard", "--zero 1, 2 or 3 (it says over how many ranks ZeRO shards)",
           lambda o: o["zero"] > 0),
+    Needs("--eot-id", "eot_id", "--attention document (the token that opens each document)",
+          lambda o: o["attention"] == "document"),
 )
 
 

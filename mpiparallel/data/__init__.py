@@ -15,6 +15,7 @@ and every resume relies on.
 from .dataset import Dataset, open_data, validation_in_folder
 from .order import (
     BatchOrder,
+    Microbatch,
     TokenBatches,
     batch_for_step,
     full_batch_count,
@@ -34,7 +35,8 @@ from .sources import (
 )
 from .tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, load_tokenizer, tokenizer_of_folder
 
-__all__ = ["BYTE_VOCAB_SIZE", "BatchOrder", "ByteTokenizer", "Dataset", "HuggingFaceTokenizer", "TokenBatches",
+__all__ = ["BYTE_VOCAB_SIZE", "BatchOrder", "ByteTokenizer", "Dataset", "HuggingFaceTokenizer", "Microbatch",
+           "TokenBatches",
            "TokenData", "Tokenizer", "batch_for_step", "cached_default_corpus", "check_vocab", "default_corpus",
            "full_batch_count", "in_memory", "load_tokenizer", "load_tokens", "microbatches", "open_data", "row_range",
            "rows_for_rank", "split_train_validation", "tokenizer_of_folder", "validation_in_folder"]

@@ -20,8 +20,11 @@ integer rounds per step and O(1) memory whatever K (a drawn permutation of K int
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
+
+from models.documents import ONE_DOCUMENT, Documents, OneDocument
 
 from ..errors import ConfigError
 
@@ -170,10 +173,21 @@ def rows_for_rank(inputs: np.ndarray, targets: np.ndarray, rank: int, ranks: int
     return inputs[keep], targets[keep]
 
 
-def microbatches(inputs: np.ndarray, targets: np.ndarray, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Split the rows into `count` equal microbatches, in order."""
+class Microbatch(NamedTuple):
+    """One microbatch: its input and target token ids (rows, T) and the documents packed in its windows
+    (`models.documents`; one per window for causal attention)."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    documents: Documents | OneDocument = ONE_DOCUMENT
+
+
+def microbatches(inputs: np.ndarray, targets: np.ndarray, count: int,
+                 documents: Documents | OneDocument = ONE_DOCUMENT) -> list[Microbatch]:
+    """Split the rows (and their documents) into `count` equal microbatches, in order."""
     batch_size = inputs.shape[0]
     if count < 1 or batch_size % count:
         raise ConfigError(f"{batch_size} rows per rank cannot be split into {count} equal microbatches")
     rows = batch_size // count
-    return [(inputs[i * rows:(i + 1) * rows], targets[i * rows:(i + 1) * rows]) for i in range(count)]
+    return [Microbatch(inputs[i * rows:(i + 1) * rows], targets[i * rows:(i + 1) * rows],
+                       documents.rows(slice(i * rows, (i + 1) * rows))) for i in range(count)]

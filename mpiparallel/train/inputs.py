@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from models.documents import ATTENTION_KINDS
 from models.transformer import GPTConfig
 
 from .. import data
@@ -41,6 +42,27 @@ def settle_vocab(settings: TrainSettings, dataset: data.Dataset) -> TrainSetting
     return settings.with_options(vocab_size=dataset.vocab_size or data.BYTE_VOCAB_SIZE)
 
 
+def settle_documents(settings: TrainSettings, dataset: data.Dataset) -> TrainSettings:
+    """--attention document's end-of-text id: --eot-id, else the data folder's data.json's; one clear error when
+    neither gives one, or when it lies outside the vocabulary (after `settle_vocab`)."""
+    if settings.model.attention not in ATTENTION_KINDS:
+        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, got {settings.model.attention!r}")
+    eot_id = settings.data.eot_id
+    if settings.model.attention == "causal":
+        if eot_id is not None:
+            raise ConfigError("--eot-id needs --attention document (the token that opens each document)")
+        return settings
+    if eot_id is None:
+        eot_id = dataset.info.get("eot_id")
+        if eot_id is None:
+            raise ConfigError(f"--attention document needs the end-of-text id that opens each document: "
+                              f"{dataset.description} has no data.json that names one; give --eot-id N")
+    vocab = settings.model.vocab_size
+    if vocab is not None and not 0 <= eot_id < vocab:
+        raise ConfigError(f"--eot-id {eot_id} is not a token of the model's vocabulary of {vocab}")
+    return settings.with_options(eot_id=int(eot_id))
+
+
 def model_config(settings: TrainSettings) -> GPTConfig:
     """The model's shape: from --init's config.json, or from the flags."""
     if settings.model.init:
@@ -56,6 +78,9 @@ def model_config(settings: TrainSettings) -> GPTConfig:
             raise ConfigError(str(error)) from None
     if settings.data.seq_len > config.n_positions:
         raise ConfigError(f"--seq-len {settings.data.seq_len} exceeds the model's n_positions ({config.n_positions})")
+    if settings.model.attention == "document" and config.mtp_depth:
+        raise ConfigError("--attention document with --mtp-depth is not built yet: a prediction module's targets "
+                          "would reach into the next document; use --mtp-depth 0")
     return config
 
 

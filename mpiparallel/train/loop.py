@@ -50,7 +50,7 @@ def _train(settings: TrainSettings, survivors_rule: MeshRule | None) -> int:
     xp = _array_library(settings, mesh)
     _announce_mesh(settings, mesh)
     dataset, validation = inputs.open_data(settings, mesh.world)
-    settings = inputs.settle_vocab(settings, dataset)
+    settings = inputs.settle_documents(inputs.settle_vocab(settings, dataset), dataset)
     config = inputs.model_config(settings)
     tokenizer = on_every_rank(mesh.world, lambda: inputs.tokenizer(settings, dataset, config))  # errors early
     train_batches, validation_batches = inputs.batches(settings, config, dataset, validation)

@@ -40,6 +40,7 @@ class ModelSettings:
     device: str = "cpu"
     init: str | None = None
     recompute: str = "none"
+    attention: str = "causal"  # "document": each token attends only within its document (`models.documents`)
     query_block: int | None = None  # attention's rows per causal block; None: 64 on a CPU, 1024 on a GPU
     experts: int = GPTConfig.n_experts
     top_k: int = GPTConfig.moe_top_k
@@ -118,6 +119,7 @@ class DataSettings:
     eval_every: int = 0
     eval_batches: int = 4
     validation_fraction: float = 0.1
+    eot_id: int | None = None  # the end-of-text id that opens a document (--attention document); None: data.json's
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from models.documents import ONE_DOCUMENT, Documents
 from models.parameter import counts_once, reduce_partial_gradients
 from models.precision import has_overflow
 from mpiparallel.axes.context_parallel.attention import zigzag_shard
@@ -57,6 +58,7 @@ class Trainer:
         self.microbatches = microbatch_count(settings, self.mesh)
         self.microbatch_rows = microbatch_rows(settings, self.mesh)
         self.global_tokens = settings.data.batch_size * settings.data.seq_len
+        self.documents = documents_rule(settings)
         self.passes = forward_backward_passes(parallel, settings, tracer, progress)
         self.progress = progress
         self.scaler = loss_scaler(settings.model)
@@ -73,7 +75,8 @@ class Trainer:
         which checkpoint step-k is saved) and whose loss is the batch's before the update."""
         clock, scale = self.meter.start(), self.scaler.scale
         self.progress.at(step + 1, "data")
-        pieces = data.microbatches(*self.rows_here(batches, step), self.microbatches)
+        x, y, documents = self.rows_here(batches, step)
+        pieces = data.microbatches(x, y, self.microbatches, documents)
         self.engine.zero_grad()
         tally = self.experts.new_step()
         with self.model.scaled_objective(scale):  # float16: S·objective, gradients unscaled in the clip
@@ -104,11 +107,12 @@ class Trainer:
         optimizer = {key: value for key, value in self.optimizer.state_dict().items() if key not in MOMENT_KEYS}
         return {"optimizer": optimizer, "loss_scaler": self.scaler.state_dict()}
 
-    def rows_here(self, batches: data.TokenBatches | np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+    def rows_here(self, batches: data.TokenBatches | np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray, Any]:
         """This rank's share of the step's batch, read alone: its DP rank's rows, and of those its CP rank's two
-        zigzag chunks of every sequence. Memory-mapped tokens are checked against the vocabulary as they are read;
-        a bad id on any rank stops every rank with one message (`on_every_rank`). A bare token array is read in
-        order."""
+        zigzag chunks of every sequence, with the documents of those rows' whole windows (`models.documents`:
+        found before CP cuts them, since a document may open in another rank's chunk). Memory-mapped tokens are
+        checked against the vocabulary as they are read; a bad id on any rank stops every rank with one message
+        (`on_every_rank`). A bare token array is read in order."""
         mesh, settings = self.mesh, self.settings.data
         if not isinstance(batches, data.TokenBatches):
             batches = data.in_memory(batches, settings.batch_size, settings.seq_len)
@@ -117,9 +121,10 @@ class Trainer:
             return batches.rows_for_rank(step, mesh.dp.rank, mesh.dp.size)
 
         x, y = on_every_rank(mesh.world, read) if batches.checked_when_read else read()
+        documents = self.documents(x)
         if mesh.cp.size == 1:
-            return x, y
-        return zigzag_shard(x, mesh.cp.rank, mesh.cp.size), zigzag_shard(y, mesh.cp.rank, mesh.cp.size)
+            return x, y, documents
+        return zigzag_shard(x, mesh.cp.rank, mesh.cp.size), zigzag_shard(y, mesh.cp.rank, mesh.cp.size), documents
 
     def _overflowed(self, step: int) -> bool:
         """Whether any rank's gradients hold an inf or NaN — agreed over the whole world (a sum of votes), so that
@@ -161,7 +166,16 @@ class Trainer:
 
 # -- forward-backward of one step's microbatches -------------------------------------------------------------
 
-Pieces = list[tuple[np.ndarray, np.ndarray]]
+Pieces = list[data.Microbatch]
+
+
+def documents_rule(settings: TrainSettings) -> Callable[[np.ndarray], Any]:
+    """What the step's rows (B, T) of input tokens are made of: one document per window (--attention causal), or
+    the documents each end-of-text token (--eot-id) opens (--attention document)."""
+    if settings.model.attention == "causal":
+        return lambda tokens: ONE_DOCUMENT
+    eot_id = settings.data.eot_id
+    return lambda tokens: Documents.of_tokens(tokens, eot_id)
 
 
 def forward_backward_passes(parallel: Parallel, settings: TrainSettings, tracer: Any,
@@ -202,10 +216,11 @@ class MicrobatchesInTurn(Passes):
 
     def forward_backward(self, pieces: Pieces, normalizer: int, on_forward: Callable[[Any], None], step: int) -> float:
         loss = 0.0
-        for i, (x, y) in enumerate(pieces):
+        for i, (x, y, documents) in enumerate(pieces):
             with self.engine.microbatch(last=i == len(pieces) - 1):
                 self.progress.at(step + 1, "forward", i)
-                microbatch_loss, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine)
+                microbatch_loss, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine,
+                                                            documents=documents)
                 loss += microbatch_loss - saved.aux_loss  # the cross-entropy; the aux loss is logged apart
                 on_forward(saved)
                 if i == 0:
@@ -215,9 +230,9 @@ class MicrobatchesInTurn(Passes):
                 self.model.backward(saved, hooks=self.engine)
         return loss
 
-    def forward_only(self, x: np.ndarray, y: np.ndarray, normalizer: int) -> float:
+    def forward_only(self, x: np.ndarray, y: np.ndarray, documents: Any, normalizer: int) -> float:
         """Validation: the rows' cross-entropy, nothing kept for backward."""
-        out, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine)
+        out, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine, documents=documents)
         return out - saved.aux_loss
 
 
@@ -241,9 +256,10 @@ class PipelinePasses(Passes):
         sum_tied_gradient(self.model, self.mesh.pp, self.schedule.stage_ranks[0], self.schedule.stage_ranks[-1])
         return loss
 
-    def forward_only(self, x: np.ndarray, y: np.ndarray, normalizer: int) -> float:
+    def forward_only(self, x: np.ndarray, y: np.ndarray, documents: Any, normalizer: int) -> float:
         with self.engine.unhooked(backward=False):
-            return self.executor.forward_only(data.microbatches(x, y, self.schedule.microbatches), normalizer)
+            return self.executor.forward_only(data.microbatches(x, y, self.schedule.microbatches, documents),
+                                              normalizer)
 
     def sum_losses(self, local: float) -> float:
         """Summed over DP and CP ranks, then over pipeline ranks (only the last stage's holds it)."""

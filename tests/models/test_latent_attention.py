@@ -114,7 +114,7 @@ def test_yarn_scales_the_softmax_and_turns_slow_pairs_slower():
 def test_input_and_weight_passes_apart_equal_the_joint_backward(keep):
     def kept_for_the_weight_pass(saved) -> None:
         assert set(vars(saved)) == {"query", "kv_down", "kv_norm", "kv_up", "projection", "positions",
-                                     "query_positions", "spans"}
+                                     "query_positions", "spans", "documents"}
 
     check_split_backward(latent_attention(keep=keep), RNG.standard_normal((B, T, C)), kept_for_the_weight_pass)
 

@@ -63,7 +63,7 @@ def test_microbatches_split_rows_in_order():
     inputs, targets = batch_for_step(np.arange(100), 0, 4, 2)
     parts = microbatches(inputs, targets, 4)
     assert len(parts) == 4
-    for i, (micro_inputs, micro_targets) in enumerate(parts):
+    for i, (micro_inputs, micro_targets, _) in enumerate(parts):
         np.testing.assert_array_equal(micro_inputs, inputs[i:i + 1])
         np.testing.assert_array_equal(micro_targets, targets[i:i + 1])
     with pytest.raises(ConfigError, match="3 equal microbatches"):

@@ -62,6 +62,7 @@ import numpy as np
 
 from collectives import Communicator, all_gather, all_to_all, reduce_scatter
 from collectives.backend import Array, HostStaging, get_array_module
+from models.documents import ONE_DOCUMENT, add_mask
 from models.layers import (
     QUERY_BLOCK,
     CausalSelfAttention,
@@ -136,6 +137,14 @@ def causal_chunk_pairs(query_chunks: tuple[int, ...], key_chunks: tuple[int, ...
             for k, key in enumerate(key_chunks) if key <= query]
 
 
+def visible_chunk_pairs(query_chunks: tuple[int, ...], key_chunks: tuple[int, ...], chunk: int,
+                        documents: Any = ONE_DOCUMENT) -> list[tuple[int, int, bool]]:
+    """`causal_chunk_pairs` without the pairs packed documents hide whole (`models.documents`: a document opens
+    between the key chunk's last token and the query chunk's first, in every row)."""
+    return [(q, k, diagonal) for q, k, diagonal in causal_chunk_pairs(query_chunks, key_chunks)
+            if not documents.pair_hidden(query_chunks[q] * chunk, (key_chunks[k] + 1) * chunk - 1)]
+
+
 def _check_local_length(x: Array) -> None:
     if x.shape[1] % 2:
         raise ValueError(f"context-parallel attention takes this rank's two zigzag chunks: local length "
@@ -155,13 +164,19 @@ def _chunk(x: Array, index: int) -> Array:
     return x[..., _chunk_slice(index, x.shape[-2] // 2), :]
 
 
-def _scores(q: Array, keys: Array, diagonal: bool) -> Array:
-    """q·kᵀ of one chunk pair (q scaled already), −∞ above the diagonal of a diagonal pair (the future)."""
+def _scores(q: Array, keys: Array, diagonal: bool, documents: Any = ONE_DOCUMENT,
+            chunks: tuple[int, int] = (0, 0)) -> Array:
+    """q·kᵀ of one chunk pair (q scaled already), −∞ above the diagonal of a diagonal pair (the future) and,
+    with packed documents, −∞ where a key lies before its query's document (`chunks`: the pair's global query
+    and key chunk indices)."""
     xp = get_array_module(q)
     scores = q @ keys.swapaxes(-1, -2)
     if diagonal:
         scores += xp.triu(xp.full(scores.shape[-2:], -xp.inf, dtype=scores.dtype), k=1)
-    return scores
+    chunk = keys.shape[-2]
+    query_chunk, key_chunk = chunks
+    return add_mask(scores, documents, np.arange(query_chunk * chunk, (query_chunk + 1) * chunk),
+                    np.arange(key_chunk * chunk, (key_chunk + 1) * chunk))
 
 
 class OnlineSoftmax:
@@ -175,23 +190,28 @@ class OnlineSoftmax:
     needs to rebuild it.
     """
 
-    def __init__(self, q: Array, out: Array) -> None:
+    def __init__(self, q: Array, out: Array, documents: Any = ONE_DOCUMENT, chunks: tuple[int, int] = (0, 1)) -> None:
         """q: (B, n_kv, g, 2c, d) local queries grouped by KV head, scaled by 1/√d; out: the same shape, where
-        the output is written."""
+        the output is written; `documents` the packed documents of the whole windows and `chunks` the global
+        indices of the two local chunks (for its mask)."""
         xp = get_array_module(q)
-        self.q, self.out = q, out
+        self.q, self.out, self.documents, self.chunks = q, out, documents, chunks
         out[...] = 0
         self.row_max = xp.full((*q.shape[:-1], 1), -xp.inf, dtype=q.dtype)
         self.row_sum = xp.zeros((*q.shape[:-1], 1), dtype=q.dtype)
 
-    def add(self, chunk: int, keys: Array, values: Array, diagonal: bool) -> None:
-        """Attend the queries of local chunk `chunk` to one chunk of keys and values (B, n_kv, 1, c, d)."""
+    def add(self, chunk: int, keys: Array, values: Array, diagonal: bool, key_chunk: int = 0) -> None:
+        """Attend the queries of local chunk `chunk` to one chunk of keys and values (B, n_kv, 1, c, d), global
+        chunk `key_chunk`."""
         xp = get_array_module(keys)
         row_max, row_sum, out = _chunk(self.row_max, chunk), _chunk(self.row_sum, chunk), _chunk(self.out, chunk)
-        exps = _scores(_chunk(self.q, chunk), keys, diagonal)
+        exps = _scores(_chunk(self.q, chunk), keys, diagonal, self.documents, (self.chunks[chunk], key_chunk))
         new_max = xp.maximum(row_max, exps.max(axis=-1, keepdims=True))
-        rescale = xp.exp(row_max - new_max)  # 0 on a row's first chunk (m_old = −∞)
-        exps -= new_max
+        # a row whose keys so far all lie before its document (packed documents) sees nothing yet: its maximum
+        # stays −∞, and its exponentials shift by 0 (−∞ − (−∞) would be NaN)
+        shift = xp.where(xp.isneginf(new_max), 0.0, new_max)
+        rescale = xp.exp(row_max - shift)  # 0 on a row's first chunk (m_old = −∞)
+        exps -= shift
         xp.exp(exps, out=exps)
         row_sum *= rescale
         row_sum += row_sums(exps)
@@ -210,14 +230,18 @@ class OnlineSoftmaxBackward:
     log-sum-exp, d(scores) by `softmax_backward` with FlashAttention's Σ p·dp = dy·y, d(q) accumulated here and
     d(keys), d(values) into the arrays that travel with the keys."""
 
-    def __init__(self, q: Array, log_sum_exp: Array, dout: Array, weighted_sum: Array, dq: Array) -> None:
-        """q: scaled local queries; dout: d(output); weighted_sum: Σ dout·output per row; dq: zeroed, to add into."""
+    def __init__(self, q: Array, log_sum_exp: Array, dout: Array, weighted_sum: Array, dq: Array,
+                 documents: Any = ONE_DOCUMENT, chunks: tuple[int, int] = (0, 1)) -> None:
+        """q: scaled local queries; dout: d(output); weighted_sum: Σ dout·output per row; dq: zeroed, to add into;
+        `documents` and `chunks` as `OnlineSoftmax`'s."""
         self.q, self.log_sum_exp, self.dout, self.weighted_sum, self.dq = q, log_sum_exp, dout, weighted_sum, dq
+        self.documents, self.chunks = documents, chunks
 
-    def add(self, chunk: int, keys: Array, values: Array, dkeys: Array, dvalues: Array, diagonal: bool) -> None:
+    def add(self, chunk: int, keys: Array, values: Array, dkeys: Array, dvalues: Array, diagonal: bool,
+            key_chunk: int = 0) -> None:
         xp = get_array_module(keys)
         q, dout, dq = _chunk(self.q, chunk), _chunk(self.dout, chunk), _chunk(self.dq, chunk)
-        probs = _scores(q, keys, diagonal)
+        probs = _scores(q, keys, diagonal, self.documents, (self.chunks[chunk], key_chunk))
         probs -= _chunk(self.log_sum_exp, chunk)
         xp.exp(probs, out=probs)
         dvalues += group_sum(probs.swapaxes(-1, -2) @ dout)
@@ -255,8 +279,12 @@ class KeyValueBlockAttention(ProjectedAttention):
         self.comm = Communicator.of(comm)
         self.chunks = zigzag_chunks(self.comm.rank, self.comm.size)
 
-    def _pairs(self, source: int) -> list[tuple[int, int, bool]]:
-        return causal_chunk_pairs(self.chunks, zigzag_chunks(source, self.comm.size))
+    def _pairs(self, source: int, chunk: int, documents: Any) -> list[tuple[int, int, bool, int]]:
+        """(local query chunk, index of the key chunk in `source`'s block, diagonal, the key chunk's global
+        index) of every chunk pair this rank computes with `source`'s block."""
+        key_chunks = zigzag_chunks(source, self.comm.size)
+        return [(query, key, diagonal, key_chunks[key])
+                for query, key, diagonal in visible_chunk_pairs(self.chunks, key_chunks, chunk, documents)]
 
     def _positions(self, local_length: int) -> np.ndarray:
         return zigzag_positions(local_length * self.comm.size, self.comm.rank, self.comm.size)
@@ -265,26 +293,29 @@ class KeyValueBlockAttention(ProjectedAttention):
         """Keys and values of a (B, t, 2, n_kv, d) block as (B, n_kv, 1, t, d) views, broadcast over a group."""
         return _heads(block[:, :, 0])[:, :, None], _heads(block[:, :, 1])[:, :, None]
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
+    def forward(self, x: Array, documents: Any = ONE_DOCUMENT) -> tuple[Array, Saved]:
         qkv, qkv_saved = self.qkv.forward(x)  # with SP: the whole of this CP rank's tokens, gathered over tp
         _check_local_length(qkv)
         dtype = qkv.dtype  # narrow compute dtypes: the K/V blocks travel narrow, the math runs in float32
         q, kv = _queries_and_keys_values(widen(qkv), self.n_head, self.n_kv_head)
         if self.rope is not None:
-            positions = self._positions(q.shape[1])
+            positions = documents.rotary_positions(self._positions(q.shape[1]))
             self.rope.rotate(_heads(q), positions)
             self.rope.rotate(_heads(kv[:, :, 0]), positions)
         kv = narrow(kv, dtype)
         merged = get_array_module(q).empty_like(q)
-        attention = OnlineSoftmax(grouped(_heads(q), self.n_kv_head), grouped(_heads(merged), self.n_kv_head))
+        attention = OnlineSoftmax(grouped(_heads(q), self.n_kv_head), grouped(_heads(merged), self.n_kv_head),
+                                  documents, self.chunks)
+        chunk = q.shape[1] // 2
         for source, block in self._key_value_blocks(kv):
             keys, values = self._keys_values(widen(block))
-            for query, key, diagonal in self._pairs(source):
-                attention.add(query, _chunk(keys, key), _chunk(values, key), diagonal)
+            for query, key, diagonal, key_chunk in self._pairs(source, chunk, documents):
+                attention.add(query, _chunk(keys, key), _chunk(values, key), diagonal, key_chunk)
         log_sum_exp = attention.finish()
         merged = merged.reshape(*q.shape[:2], -1)
         out, projection_saved = self.projection.forward(narrow(merged, dtype))
-        saved = Saved(qkv=qkv_saved, projection=projection_saved, q=q, kv=kv, merged=merged, log_sum_exp=log_sum_exp)
+        saved = Saved(qkv=qkv_saved, projection=projection_saved, q=q, kv=kv, merged=merged, log_sum_exp=log_sum_exp,
+                      documents=documents)
         narrow_saved(saved, dtype, ("q", "merged"))  # the log-sum-exp is a statistic: float32
         return out, saved
 
@@ -301,17 +332,18 @@ class KeyValueBlockAttention(ProjectedAttention):
         dqkv = xp.zeros((batch, length, (n_head + 2 * n_kv) * head_dim), q.dtype)
         dq = dqkv[..., :n_head * head_dim].reshape(q.shape)
         dkv = dqkv[..., n_head * head_dim:].reshape(batch, length, 2, n_kv, head_dim)
+        documents = saved.documents
         gradients = OnlineSoftmaxBackward(grouped(_heads(q), n_kv), saved.log_sum_exp, grouped(_heads(dmerged), n_kv),
-                                          weighted_sum, grouped(_heads(dq), n_kv))
+                                          weighted_sum, grouped(_heads(dq), n_kv), documents, self.chunks)
         for source, block, dblock in self._key_value_blocks_backward(saved.kv, dkv):
             keys, values = self._keys_values(widen(block))
             dkeys, dvalues = self._keys_values(dblock)
-            for query, key, diagonal in self._pairs(source):
+            for query, key, diagonal, key_chunk in self._pairs(source, length // 2, documents):
                 gradients.add(query, _chunk(keys, key), _chunk(values, key), _chunk(dkeys, key),
-                              _chunk(dvalues, key), diagonal)
+                              _chunk(dvalues, key), diagonal, key_chunk)
         dq *= 1.0 / math.sqrt(head_dim)
         if self.rope is not None:
-            positions = self._positions(length)
+            positions = documents.rotary_positions(self._positions(length))
             self.rope.rotate_back(_heads(dq), positions)
             self.rope.rotate_back(_heads(dkv[:, :, 0]), positions)
         return narrow(dqkv, dtype)
@@ -548,8 +580,8 @@ class UlyssesAttention(Layer):
                                          n_head // comm.size, query_block, keep_probabilities,
                                          n_kv_head=into_heads.head_counts[1] // comm.size, rope=rope)
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
-        return self.local.forward(x)
+    def forward(self, x: Array, documents: Any = ONE_DOCUMENT) -> tuple[Array, Saved]:
+        return self.local.forward(x, documents)  # the whole windows' documents: sequence order is restored
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         return self.local.backward_input(saved, dout)

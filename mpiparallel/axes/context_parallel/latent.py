@@ -51,6 +51,7 @@ import numpy as np
 
 from collectives import Communicator
 from collectives.backend import Array, get_array_module
+from models.documents import ONE_DOCUMENT
 from models.latent_attention import LatentAttention
 from models.layers import Layer, Saved, row_sums
 from models.precision import Narrowed, narrow, narrow_saved, widen, widen_saved
@@ -62,7 +63,6 @@ from .attention import (
     OnlineSoftmaxBackward,
     RingAttention,
     _chunk,
-    causal_chunk_pairs,
     gather_keys_values,
     gather_keys_values_backward,
     heads_to_sequence,
@@ -198,7 +198,10 @@ class RingLatentAttention(LatentAttention):
         k_rope = xp.broadcast_to(block[:, None, :, self.latent_dim:], (*k_nope.shape[:3], self.rope_dim))
         return xp.concatenate((k_nope, k_rope), axis=-1)[:, :, None], v[:, :, None]
 
-    def forward(self, x: Array) -> tuple[Array, Saved]:
+    def _pairs(self, source: int, chunk: int, documents: Any) -> list[tuple[int, int, bool, int]]:
+        return self.ring._pairs(source, chunk, documents)
+
+    def forward(self, x: Array, documents: Any = ONE_DOCUMENT) -> tuple[Array, Saved]:
         q, query = self.query.forward(x)
         if q.shape[1] % 2:
             raise ValueError(f"context-parallel attention takes this rank's two zigzag chunks: local length "
@@ -206,22 +209,21 @@ class RingLatentAttention(LatentAttention):
         compressed, kv_down = self.kv_down.forward(x)
         latent, kv_norm = self.kv_norm.forward(compressed[..., :self.latent_dim])
         dtype, xp = q.dtype, get_array_module(q)
-        positions = self.positions(x.shape[1])
+        positions = documents.rotary_positions(self.positions(x.shape[1]))
         k_rope = self._rotated(widen(compressed[..., self.latent_dim:])[:, None], positions)[:, 0]
         keys = narrow(xp.concatenate((widen(latent), k_rope), axis=-1), dtype)  # the block that travels
         q = xp.concatenate(self._queries(widen(q), positions), axis=-1)[:, :, None]  # (B, H, 1, 2c, d_n + d_r)
         merged = xp.empty((*q.shape[:-1], self.value_dim), dtype=q.dtype)
-        attention = OnlineSoftmax(q, merged)
+        attention = OnlineSoftmax(q, merged, documents, self.chunks)
         for source, block in self.ring._around_ring(keys):
             block_keys, block_values = self._expanded(widen(block))
-            for query_chunk, key_chunk, diagonal in causal_chunk_pairs(self.chunks, zigzag_chunks(source,
-                                                                                                   self.comm.size)):
-                attention.add(query_chunk, _chunk(block_keys, key_chunk), _chunk(block_values, key_chunk), diagonal)
+            for query_chunk, key, diagonal, key_chunk in self._pairs(source, x.shape[1] // 2, documents):
+                attention.add(query_chunk, _chunk(block_keys, key), _chunk(block_values, key), diagonal, key_chunk)
         log_sum_exp = attention.finish()
         merged = merged[:, :, 0].transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1)
         out, projection = self.projection.forward(narrow(merged, dtype))
         saved = Saved(query=query, kv_down=kv_down, kv_norm=kv_norm, projection=projection, q=q, keys=keys,
-                      merged=merged, log_sum_exp=log_sum_exp, positions=positions)
+                      merged=merged, log_sum_exp=log_sum_exp, positions=positions, documents=documents)
         narrow_saved(saved, dtype, ("q", "merged"))  # the log-sum-exp is a statistic: float32
         return out, saved
 
@@ -234,7 +236,8 @@ class RingLatentAttention(LatentAttention):
         dheads = widen(dmerged).reshape(batch, length, heads, d_v).transpose(0, 2, 1, 3)[:, :, None]
         merged = saved.merged.reshape(batch, length, heads, d_v).transpose(0, 2, 1, 3)[:, :, None]
         dq = xp.zeros_like(q)
-        gradients = OnlineSoftmaxBackward(q, saved.log_sum_exp, dheads, row_sums(dheads * merged), dq)
+        gradients = OnlineSoftmaxBackward(q, saved.log_sum_exp, dheads, row_sums(dheads * merged), dq,
+                                          saved.documents, self.chunks)
         weight = widen(self.kv_up.weight.data)
         saved.dweight = xp.zeros_like(weight)
         dkeys_own = xp.zeros(saved.keys.shape, weight.dtype)
@@ -242,10 +245,9 @@ class RingLatentAttention(LatentAttention):
             block = widen(block)
             block_keys, block_values = self._expanded(block)
             dblock_keys, dblock_values = xp.zeros_like(block_keys), xp.zeros_like(block_values)
-            for query_chunk, key_chunk, diagonal in causal_chunk_pairs(self.chunks, zigzag_chunks(source,
-                                                                                                   self.comm.size)):
-                gradients.add(query_chunk, _chunk(block_keys, key_chunk), _chunk(block_values, key_chunk),
-                              _chunk(dblock_keys, key_chunk), _chunk(dblock_values, key_chunk), diagonal)
+            for query_chunk, key, diagonal, key_chunk in self._pairs(source, length // 2, saved.documents):
+                gradients.add(query_chunk, _chunk(block_keys, key), _chunk(block_values, key),
+                              _chunk(dblock_keys, key), _chunk(dblock_values, key), diagonal, key_chunk)
             dkv = xp.concatenate((dblock_keys[:, :, 0, :, :d_n], dblock_values[:, :, 0]), axis=-1)
             dkv = dkv.transpose(0, 2, 1, 3).reshape(batch, length, -1)  # up_kv's output layout
             latent_rows = block[..., :self.latent_dim].reshape(-1, self.latent_dim)

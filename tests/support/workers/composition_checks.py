@@ -143,12 +143,12 @@ def _unhooked_against_hooked(zero: int, microbatch_count: int) -> float:
         engine = data_parallel(model, comm, zero=zero, bucket_mb=0.004, overlap=True)
         engine.zero_grad()
         if hooked:
-            for i, (x, y) in enumerate(pieces):
+            for i, (x, y, _) in enumerate(pieces):
                 with engine.microbatch(last=i == len(pieces) - 1):
                     model.backward(model.forward(x, y, normalizer=inputs.size, hooks=engine)[1], hooks=engine)
         else:
             with engine.unhooked():
-                for x, y in pieces:
+                for x, y, _ in pieces:
                     saved = model.forward(x, y, normalizer=inputs.size)[1]
                     model.backward_input(saved)
                     model.backward_weights(saved)

@@ -38,7 +38,7 @@ def _parallel_step(model: Transformer, engine: DataParallel, optimizer: optim.Ad
     engine.zero_grad()
     loss = 0.0
     pieces = data.microbatches(*rows, microbatch_count)
-    for i, (x, y) in enumerate(pieces):
+    for i, (x, y, _) in enumerate(pieces):
         with engine.microbatch(last=i == len(pieces) - 1):
             microbatch_loss, saved = model.forward(x, y, normalizer=BATCH * LENGTH, hooks=engine)
             loss += microbatch_loss

@@ -9,6 +9,7 @@ from mpi4py import MPI
 from collectives import CollectiveMismatchError, Communicator
 from models.transformer import GPTConfig, Transformer
 from mpiparallel.axes.pipeline_parallel import PipelineExecutor, PipelineStages
+from mpiparallel.data import Microbatch
 from mpiparallel.schedules import RECV_F, build_schedule
 
 ROWS, SEQ, EMBD = 2, 8, 16
@@ -32,7 +33,7 @@ def broken_step(breakage: str, checked: bool = True) -> str:
         first = next(index for index, action in enumerate(executor.actions) if action.kind == RECV_F)
         executor.actions = executor.actions[:first] + executor.actions[first + 1:]
     tokens = np.random.default_rng(0).integers(0, 64, (2, ROWS, SEQ + 1))
-    microbatches = [(rows[:, :-1], rows[:, 1:]) for rows in tokens]
+    microbatches = [Microbatch(rows[:, :-1], rows[:, 1:]) for rows in tokens]
     try:
         executor.step(microbatches, normalizer=2 * ROWS * SEQ)
     except CollectiveMismatchError as error:
