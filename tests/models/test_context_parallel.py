@@ -23,6 +23,7 @@ from workers.context_parallel_checks import (
 )
 from workers.errors import worst
 
+from models.documents import Documents, skipped_chunk_pairs
 from mpiparallel.axes.context_parallel.attention import (
     VARIANTS,
     causal_chunk_pairs,
@@ -48,6 +49,12 @@ LEDGER_ALGO = {"ring": "auto", "all-gather": "ring", "ulysses": "pairwise"}  # r
 INDIVISIBLE_HEADS = {2: 3, 4: 6}
 
 
+# packed documents (end-of-text id 0), 2 tokens per chunk (cp 4) or 4 (cp 2): documents open inside chunks, at a
+# chunk's first token, and a document longer than a chunk; one row, so whole chunk pairs are skipped
+DOCUMENT_TOKENS = {2: [[0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1]],
+                   4: [[0, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1]]}
+
+
 def cases(cp: int) -> list[dict[str, int]]:
     return [dict(zip(("batch", "length", "n_embd", "n_head"), case, strict=True)) for case in CASES[cp]]
 
@@ -62,6 +69,9 @@ def checks(cp: int) -> dict:
     suite["ulysses selective"] = call(context_parallel_checks.compare_with_full_attention, variant="ulysses",
                                       cases=cases(cp), keep_probabilities=False)
     suite["ulysses heads"] = call(context_parallel_checks.ulysses_heads_error, n_head=INDIVISIBLE_HEADS[cp])
+    for variant in VARIANTS:
+        suite[f"{variant} documents"] = call(context_parallel_checks.compare_documents_with_full_attention,
+                                             variant=variant, tokens=DOCUMENT_TOKENS[cp])
     return suite
 
 
@@ -84,6 +94,19 @@ def test_output_input_gradient_and_weight_gradients_equal_full_causal_attention(
         assert len(reports) == len(CASES[cp])
         for case, report in zip(CASES[cp], reports, strict=True):
             assert worst_error(report) <= TOLERANCE, (case, report)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_with_packed_documents_every_variant_equals_serial_and_skips_the_pairs_between_documents(launches, cp,
+                                                                                                variant):
+    report = launches[cp][0][f"{variant} documents"]
+    assert report["error"] <= TOLERANCE, report
+    documents = Documents.of_tokens(np.array(DOCUMENT_TOKENS[cp]), 0)
+    skipped = skipped_chunk_pairs(documents, cp)
+    assert skipped >= cp  # the layout skips pairs at all
+    if variant != "ulysses":  # Ulysses runs the serial layer's key blocks instead of chunk pairs
+        assert report["pairs"] == cp * (2 * cp + 1) - skipped
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

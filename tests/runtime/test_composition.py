@@ -53,9 +53,16 @@ DEEPSEEK_BIAS = {**{key: value for key, value in DEEPSEEK.items() if key != "q_l
 DEEPSEEK_MTP = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3, "moe_seq_aux_coef": 0.05}
 # the two modules where the sequence is split (SP, CP: the balance loss, which needs whole sequences, is off)
 DEEPSEEK_MTP_SPLIT = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3}
+# packed documents (--attention document): the byte corpus's spaces open documents, so each 16-byte window holds
+# about three words, every token attending within its own and positions restarting at each
+DOCUMENTS = {"attention": "document", "eot_id": ord(" ")}
+DENSE_DOC, LLAMA_DOC = {**DENSE, **DOCUMENTS}, {**LLAMA, **DOCUMENTS}
+MIXTRAL_DOC, DEEPSEEK_DOC = {**MIXTRAL, **DOCUMENTS}, {**DEEPSEEK, **DOCUMENTS}
 MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "llama-mqa": LLAMA_MQA,
           "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS, "deepseek-mtp": DEEPSEEK_MTP,
-          "deepseek-mtp-split": DEEPSEEK_MTP_SPLIT}
+          "deepseek-mtp-split": DEEPSEEK_MTP_SPLIT, "dense-doc": DENSE_DOC, "llama-doc": LLAMA_DOC,
+          "mixtral-doc": MIXTRAL_DOC, "deepseek-doc": DEEPSEEK_DOC}
+DOCUMENT_MODELS = ("dense-doc", "llama-doc", "mixtral-doc", "deepseek-doc")
 LLAMA_FAMILY = ("llama", "llama-mqa", "mixtral")
 DEEPSEEK_FAMILY = ("deepseek", "deepseek-bias", "deepseek-mtp", "deepseek-mtp-split")
 TOLERANCE = 1e-9
@@ -198,6 +205,33 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (2, "deepseek-mtp-split", {"cp": 2, "cp_attention": "ulysses", "recompute": "full"}),
     (4, "deepseek-mtp-split", {"tp": 2, "cp": 2, "cp_attention": "ulysses", "sp": True}),
     (4, "deepseek-mtp-split", {"pp": 2, "cp": 2, "cp_attention": "ring", "schedule": "1f1b"}),
+    # packed documents: each axis, ZeRO stage, recomputation mode, schedule and attention variant, every family
+    # (RoPE at document positions, MLA's shared RoPE key, CP's chunk pairs across documents)
+    (2, "dense-doc", {"dp": 2, "zero": 3, "recompute": "full"}),
+    (2, "dense-doc", {"tp": 2, "sp": True, "recompute": "selective"}),
+    (2, "dense-doc", {"pp": 2, "schedule": "zbv"}),
+    (2, "dense-doc", {"cp": 2, "cp_attention": "ring", "zero": 1}),
+    (2, "dense-doc", {"cp": 2, "cp_attention": "all-gather", "recompute": "selective"}),
+    (2, "dense-doc", {"cp": 2, "cp_attention": "ulysses", "recompute": "full"}),
+    (2, "llama-doc", {"cp": 2, "cp_attention": "ring"}),
+    (2, "llama-doc", {"tp": 2, "sp": True}),
+    (2, "mixtral-doc", {"dp": 2, "ep": 2, "zero": 2}),
+    (2, "deepseek-doc", {"cp": 2, "cp_attention": "ring", "recompute": "full"}),
+    (2, "deepseek-doc", {"cp": 2, "cp_attention": "all-gather"}),
+    (2, "deepseek-doc", {"cp": 2, "cp_attention": "ulysses", "recompute": "selective"}),
+    (4, "dense-doc", {"dp": 2, "pp": 2, "schedule": "gpipe", "microbatches": 4, "zero": 2}),
+    (4, "dense-doc", {"tp": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}),
+    (4, "dense-doc", {"pp": 2, "cp": 2, "cp_attention": "ring", "schedule": "zb"}),
+    (4, "dense-doc", {"pp": 2, "cp": 2, "cp_attention": "all-gather", "schedule": "dualpipev"}),
+    (4, "dense-doc", {"dp": 2, "pp": 2, "schedule": "1f1b", "recompute": "selective"}),
+    (4, "dense-doc", {"cp": 4, "cp_attention": "ring"}),
+    (4, "llama-doc", {"tp": 2, "cp": 2, "cp_attention": "ulysses"}),
+    (4, "llama-doc", {"dp": 2, "cp": 2, "cp_attention": "all-gather", "zero": 3}),
+    (4, "mixtral-doc", {"dp": 2, "ep": 2, "pp": 2, "schedule": "1f1b"}),
+    (4, "mixtral-doc", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "ring"}),
+    (4, "deepseek-doc", {"tp": 2, "cp": 2, "cp_attention": "ring", "sp": True}),
+    (4, "deepseek-doc", {"dp": 2, "ep": 2, "pp": 2, "schedule": "zbv", "zero": 1}),
+    (4, "deepseek-doc", {"cp": 4, "cp_attention": "ulysses"}),
 ]
 # pipelines on device arrays: the CuPy double (tests/support/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)
@@ -290,6 +324,17 @@ def test_the_deepseek_rows_cover_every_pair_of_axes():
                      if not any(pair <= features(ranks, options) for ranks, model, options in MATRIX
                                 if model in DEEPSEEK_FAMILY))
     assert not missing, f"no deepseek_v3 row of MATRIX combines {missing}"
+
+
+def test_the_document_rows_cover_every_axis_schedule_variant_and_family():
+    document_rows = [(ranks, model, options) for ranks, model, options in MATRIX if model in DOCUMENT_MODELS]
+    found = set().union(*(features(ranks, options) for ranks, _, options in document_rows))
+    wanted = {*AXES, "sp", "zero1", "zero2", "zero3", "recompute-selective", "recompute-full", *SCHEDULES,
+              *CP_VARIANTS}
+    assert not wanted - found, f"no document row has {sorted(wanted - found)}"
+    assert {model for _, model, _ in document_rows} == set(DOCUMENT_MODELS)
+    latent_variants = {options.get("cp_attention") for _, model, options in document_rows if model == "deepseek-doc"}
+    assert set(CP_VARIANTS) <= latent_variants  # MLA's three context-parallel variants
 
 
 def test_the_matrix_has_the_three_axis_layouts():

@@ -135,3 +135,40 @@ def ulysses_heads_error(n_head: int) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def compare_documents_with_full_attention(variant: str, tokens: list[list[int]], n_embd: int = 16,
+                                          n_head: int = 4) -> dict[str, Any]:
+    """Packed documents (end-of-text id 0 in `tokens`, (B, s)): the CP layer's output, d(input) and weight
+    gradients against serial attention over the whole windows with the same documents, worst relative error; and
+    the chunk pairs this rank attended forward (ring, all-gather: `OnlineSoftmax.add` calls), to sum over the
+    group."""
+    from models.documents import Documents
+    from mpiparallel.axes.context_parallel import attention
+
+    comm, xp = C.world(), parallel_array_module()
+    tokens = np.asarray(tokens)
+    documents = Documents.of_tokens(tokens, 0)
+    problem = attention_problem(*tokens.shape, n_embd, n_head)
+    qkv, projection = projections(problem)
+    serial = CausalSelfAttention(qkv, projection, n_head, query_block=3)
+    out, saved = serial.forward(problem["x"], documents)
+    want_dx, want = serial.backward(saved, problem["dout"]), gradients(qkv, projection)
+    qkv, projection = projections(problem, xp)
+    layer = context_parallel_attention(variant, qkv, projection, n_head, comm, query_block=3)
+    pairs, add = [0], attention.OnlineSoftmax.add
+
+    def counting(self, *args: Any) -> None:
+        pairs[0] += 1
+        add(self, *args)
+
+    attention.OnlineSoftmax.add = counting
+    try:
+        got, saved = layer.forward(xp.asarray(zigzag_shard(problem["x"], comm.rank, comm.size)), documents)
+    finally:
+        attention.OnlineSoftmax.add = add
+    dx = layer.backward(saved, xp.asarray(zigzag_shard(problem["dout"], comm.rank, comm.size)))
+    errors = [relative_error(gather_sequence(got, comm), out), relative_error(gather_sequence(dx, comm), want_dx)]
+    errors += [relative_error(host(C.all_reduce(grad, comm)), want[name])
+               for name, grad in gradients(qkv, projection).items()]
+    return {"error": worst(errors), "pairs": int(C.all_reduce(np.array([pairs[0]]), comm)[0])}
