@@ -361,11 +361,11 @@ class Transformer:
 
     def token_positions(self, length: int, documents: Documents | OneDocument = ONE_DOCUMENT) -> Array | None:
         """The positions the embedding gives `length` local tokens: their window positions (`positions`), or
-        with packed documents their positions inside their documents (B, length)."""
+        with packed documents their positions inside their documents (B, length); on the parameters' device."""
         positions = self.positions(length)
-        if documents is ONE_DOCUMENT:
-            return positions
-        return documents.rotary_positions(np.arange(length) if positions is None else positions)
+        if documents is not ONE_DOCUMENT:
+            positions = documents.rotary_positions(np.arange(length) if positions is None else positions)
+        return None if positions is None else like(self.params["transformer.wte.weight"].data, positions)
 
     # -- forward and backward over a range of units ------------------------------------------------------------
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mpi_harness import mpiexec_path, run_with_timeout
 
+import mpiparallel
 from mpiparallel.errors import ExitCode
 
 TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4", "--steps", "1",
         "--threads", "1"]
+TEXT = str(Path(mpiparallel.__file__))  # a text file, read as bytes: no data.json names its end-of-text id
 MPIEXEC = "mpiexec"
 """A row starting with this runs under a bare `mpiexec -n 2` instead of starting its own ranks."""
 
@@ -44,6 +47,13 @@ INVALID = [
     ("schedule-microbatches", ["train", "-n", "2", *TINY, "--pp", "2", "--schedule", "zb", "--microbatches", "1"],
      "zb needs at least pp microbatches to fill its cooldown: 1 < pp = 2"),
     ("virtual-stages-without-pp", ["train", *TINY, "--virtual-stages", "2"], "--virtual-stages needs a pipeline"),
+    # train: packed documents
+    ("document-without-eot", ["train", *TINY, "--attention", "document", "--data", TEXT],
+     "has no data.json that names one; give --eot-id N"),
+    ("document-eot-outside-vocab", ["train", *TINY, "--attention", "document", "--data", TEXT, "--eot-id", "300"],
+     "--eot-id 300 is not a token of the model's vocabulary of 256"),
+    ("document-with-mtp", ["train", *TINY, "--attention", "document", "--arch", "deepseek_v3", "--mtp-depth", "1"],
+     "--attention document with --mtp-depth is not built yet"),
     ("virtual-stages-1f1b", ["train", "-n", "2", *TINY, "--pp", "2", "--virtual-stages", "2"],
      "1f1b has one stage per rank; virtual stages are for interleaved only"),
     ("zero-range", ["train", *TINY, "--zero", "4"], "Invalid value for '--zero': 4 is not in the range 0<=x<=3"),

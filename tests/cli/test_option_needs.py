@@ -35,6 +35,7 @@ CASES = {  # option: (the option given, with whatever else it takes; what it nee
     "--moe-seq-aux-coef": ([*DEEPSEEK, "--moe-seq-aux-coef", "0.001"], ["--experts", "4"]),
     "--mtp-weight": ([*DEEPSEEK, "--mtp-weight", "0.3"], ["--mtp-depth", "1"]),
     "--dp-shard": (["--dp-shard", "2"], ["--zero", "3"]),
+    "--eot-id": (["--eot-id", "3"], ["--attention", "document"]),
 }
 
 

@@ -242,6 +242,9 @@ DEVICE_MATRIX = [
                 "device": "gpu"}),
     (4, "deepseek", {"tp": 2, "cp": 2, "cp_attention": "all-gather", "sp": True, "recompute": "selective",
                      "device": "gpu"}),
+    # packed documents on device arrays: the masks made on the host and moved, learned positions per document
+    (4, "dense-doc", {"dp": 2, "cp": 2, "cp_attention": "ring", "device": "gpu"}),
+    (4, "llama-doc", {"tp": 2, "pp": 2, "schedule": "1f1b", "recompute": "selective", "device": "gpu"}),
 ]
 # expert parallelism across 2 emulated nodes of 2 ranks (MPIPARALLEL_RANKS_PER_NODE=2), n_group 2 = the nodes: the
 # flat all-to-allv and DeepSeek-V3's two-hop node-limited dispatch (with tp: EP groups of one rank per node; on device

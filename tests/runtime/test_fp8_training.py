@@ -44,6 +44,8 @@ MODELS = {"gpt2-fp8": BASE,
           "llama-fp8": {**BASE, "arch": "llama", "n_kv_head": 4, "ffn_hidden": 256, "exp_avg_dtype": "bfloat16"},
           "mixtral-fp8": {**BASE, "arch": "llama", "n_kv_head": 4, "ffn_hidden": 128, "experts": 4,
                           "moe_aux_coef": 0.0}}
+DOCUMENTS = {"attention": "document", "eot_id": ord(" ")}  # the byte corpus's words as documents
+MODELS |= {"gpt2-fp8-doc": {**MODELS["gpt2-fp8"], **DOCUMENTS}, "llama-fp8-doc": {**MODELS["llama-fp8"], **DOCUMENTS}}
 SAME = "same tiles and inputs"
 FLIPS = "bf16 partial sums: flips"
 OTHER_TILES = "other weight-gradient tiles"
@@ -51,7 +53,8 @@ MESHES = {
     2: [("gpt2-fp8", {"dp": 2, "zero": 1}, SAME), ("gpt2-fp8", {"pp": 2}, SAME),
         ("llama-fp8", {"dp": 2, "zero": 3}, SAME), ("mixtral-fp8", {"dp": 2, "ep": 2}, SAME),
         ("gpt2-fp8", {"tp": 2, "sp": True}, FLIPS), ("llama-fp8", {"tp": 2}, FLIPS),
-        ("gpt2-fp8", {"cp": 2}, OTHER_TILES), ("llama-fp8", {"cp": 2, "cp_attention": "ulysses"}, OTHER_TILES)],
+        ("gpt2-fp8", {"cp": 2}, OTHER_TILES), ("llama-fp8", {"cp": 2, "cp_attention": "ulysses"}, OTHER_TILES),
+        ("gpt2-fp8-doc", {"dp": 2, "zero": 2}, SAME), ("llama-fp8-doc", {"cp": 2}, OTHER_TILES)],
 }
 
 
