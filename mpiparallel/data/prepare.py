@@ -80,9 +80,10 @@ def input_files(inputs: Sequence[str | Path], default_corpus: bool = False) -> l
 
 def pieces(files: Sequence[Path], default_corpus: bool = False) -> Iterator[Piece]:
     """Every document of every file, in order, as pieces of at most about PIECE_CHARS characters; first the
-    default corpus (Python's documentation, one document) when asked for."""
+    default corpus (Python's documentation, a document per topic) when asked for."""
     if default_corpus:
-        yield Piece(sources.default_corpus_text()[0], True)
+        for document in sources.default_corpus_documents()[0]:
+            yield Piece(document, True)
     for path in files:
         if path.suffix == ".jsonl":
             yield from _jsonl_documents(path)
@@ -307,8 +308,9 @@ def cached_default_corpus(cache: Path | None = None, announce: Callable[[str], o
     version; training the BPE is deterministic, so every process that builds it writes the same files, and two
     that build it at once both end with one complete folder (the loser's rename fails and its copy is dropped).
     `announce` is told, before a build, what is being built and where."""
-    text, source = sources.default_corpus_text()
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    documents, source = sources.default_corpus_documents()
+    # the documents, each behind an end-of-text token, name the folder (earlier versions hashed one document)
+    digest = hashlib.sha256("".join("\x00" + document for document in documents).encode("utf-8")).hexdigest()[:16]
     cache = cache_folder() if cache is None else cache
     folder = cache / f"default-corpus-bpe{DEFAULT_VOCAB_SIZE}-{digest}"
     if (folder / DATA_JSON).is_file():

@@ -92,22 +92,28 @@ def default_corpus() -> TokenData:
 
 
 def default_corpus_text() -> tuple[str, str]:
-    """The default corpus as text, and where it comes from."""
-    text, source = _pydoc_topics()
-    if text is None:
-        text, source = _stdlib_docstrings()
-    return text, source
+    """The default corpus as one text (its documents a blank line apart), and where it comes from."""
+    documents, source = default_corpus_documents()
+    return "\n\n".join(documents), source
 
 
-def _pydoc_topics() -> tuple[str | None, str]:
+def default_corpus_documents() -> tuple[list[str], str]:
+    """The default corpus's documents — one per documentation topic (or docstring) — and where they come from."""
+    documents, source = _pydoc_topics()
+    if documents is None:
+        documents, source = _stdlib_docstrings()
+    return documents, source
+
+
+def _pydoc_topics() -> tuple[list[str] | None, str]:
     try:
         from pydoc_data.topics import topics
     except ImportError:
         return None, ""
-    return "\n\n".join(topics[key] for key in sorted(topics)), "Python's documentation topics (pydoc_data.topics)"
+    return [topics[key] for key in sorted(topics)], "Python's documentation topics (pydoc_data.topics)"
 
 
-def _stdlib_docstrings() -> tuple[str, str]:
+def _stdlib_docstrings() -> tuple[list[str], str]:
     """Docstrings of FALLBACK_MODULES and their public classes and functions, in a fixed order."""
     pieces = []
     for module_name in FALLBACK_MODULES:
@@ -116,8 +122,8 @@ def _stdlib_docstrings() -> tuple[str, str]:
         for name, member in sorted(vars(module).items()):
             if not name.startswith("_") and (inspect.isclass(member) or inspect.isroutine(member)):
                 pieces.append(inspect.getdoc(member) or "")
-    text = "\n\n".join(piece for piece in pieces if piece)
-    return text, f"docstrings of {len(FALLBACK_MODULES)} standard-library modules (pydoc_data is not installed)"
+    documents = [piece for piece in pieces if piece]
+    return documents, f"docstrings of {len(FALLBACK_MODULES)} standard-library modules (pydoc_data is not installed)"
 
 
 def check_vocab(token_data: TokenData, vocab_size: int) -> None:

@@ -197,11 +197,13 @@ def test_train_on_a_prepared_folder_samples_and_saves_through_its_tokenizer(tmp_
 
 
 def test_the_default_corpus_can_be_prepared_offline(tmp_path):
-    from mpiparallel.data import default_corpus
+    from mpiparallel.data.sources import default_corpus_documents
 
     info = preparing.prepare([], tmp_path / "data", "byte", val_tokens=1000, default_corpus=True)
-    assert info["inputs"] == ["(default corpus)"] and info["documents"] == 1
-    np.testing.assert_array_equal(all_tokens(tmp_path / "data"), [256, *default_corpus().tokens])
+    documents = default_corpus_documents()[0]
+    assert info["inputs"] == ["(default corpus)"] and info["documents"] == len(documents)
+    expected = [token for document in documents for token in (256, *document.encode("utf-8"))]
+    np.testing.assert_array_equal(all_tokens(tmp_path / "data"), expected)
     with pytest.raises(ConfigError, match="hold no files"):
         preparing.prepare([], tmp_path / "none", "byte")
 

@@ -13,7 +13,7 @@ from mpi_harness import mpiexec_path, run_with_timeout
 
 from mpiparallel.data import prepare as preparing
 from mpiparallel.data.shards import MappedShard
-from mpiparallel.data.sources import default_corpus_text
+from mpiparallel.data.sources import default_corpus_documents, default_corpus_text
 from mpiparallel.data.tokenizer import END_OF_TEXT, load_tokenizer
 from mpiparallel.errors import ConfigError
 
@@ -38,7 +38,9 @@ def test_the_default_corpus_is_prepared_once_with_its_own_bpe_and_decodes_back_t
     tokenizer = load_tokenizer(folder)
     tokens = [*MappedShard(folder / "val_000000.bin").read(0, info["val_tokens"]),
               *MappedShard(folder / "train_000000.bin").read(0, info["train_tokens"])]
-    assert tokenizer.decode(tokens) == END_OF_TEXT + default_corpus_text()[0]
+    documents = default_corpus_documents()[0]
+    assert info["documents"] == len(documents) > 50  # a document per topic, each opened by the end-of-text token
+    assert tokenizer.decode(tokens) == "".join(END_OF_TEXT + document for document in documents)
     text_bytes = len(default_corpus_text()[0].encode())
     assert 3.0 < text_bytes / len(tokens) < 4.5  # a real BPE: several bytes per token
 
