@@ -60,6 +60,11 @@ class Documents:
         """The documents of a slice of the batch's rows (a microbatch)."""
         return Documents(self.starts[rows], self.positions[rows])
 
+    def row_groups(self, batch: int) -> list[slice]:
+        """The rows attention takes together: one at a time, so that each skips the keys before its own
+        documents (rows packed differently share no skipped block)."""
+        return [slice(row, row + 1) for row in range(batch)]
+
     def first_key(self, query: int) -> int:
         """The first key any row's query at window position `query` (or any later query) may see."""
         return int(self.starts[:, query].min())
@@ -89,6 +94,9 @@ class OneDocument:
 
     def rows(self, rows: slice) -> OneDocument:
         return self
+
+    def row_groups(self, batch: int) -> list[slice]:
+        return [slice(None)]  # every row alike: all at once
 
     def first_key(self, query: int) -> int:
         return 0

@@ -42,6 +42,7 @@ up-projections by heads and o_proj by rows; the down-projections and their norms
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -197,6 +198,15 @@ class LatentAttention(Layer):
         return [(slice(first + start, first + stop), position + start)
                 for first, end, position in spans for start, stop in query_blocks(end - first, self.query_block)]
 
+    def _blocks_seeing(self, documents: Any, batch: int,
+                       spans: list[tuple[int, int, int]]) -> Iterator[tuple[slice, slice, slice, Any]]:
+        """(batch rows, query rows, the keys they see, those rows' documents) of every block, in order: `_blocks`
+        for all rows at once, or for each row apart with packed documents (`models.layers.attention_blocks`)."""
+        for batch_rows in documents.row_groups(batch):
+            here = documents.rows(batch_rows)
+            for rows, position in self._blocks(spans):
+                yield batch_rows, rows, seen_keys(here, position, position + rows.stop - rows.start), here
+
     def _attend(self, q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, v: Array,
                 spans: list[tuple[int, int, int]], keep: bool,
                 documents: Any = ONE_DOCUMENT) -> tuple[Array, list[Array] | None]:
@@ -207,10 +217,10 @@ class LatentAttention(Layer):
         merged = xp.empty((batch, queries, n_head, self.value_dim), dtype=q_nope.dtype)
         heads = merged.transpose(0, 2, 1, 3)  # written through by the products
         kept = [] if keep else None
-        for rows, position in self._blocks(spans):
-            keys = seen_keys(documents, position, position + rows.stop - rows.start)
-            probs = self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, keys, documents)
-            xp.matmul(probs, v[..., keys, :], out=heads[..., rows, :])
+        for b, rows, keys, here in self._blocks_seeing(documents, batch, spans):
+            probs = self._probabilities(q_nope[b][..., rows, :], q_rope[b][..., rows, :], k_nope[b], k_rope[b], keys,
+                                        here)
+            xp.matmul(probs, v[b][..., keys, :], out=heads[b][..., rows, :])
             if keep:
                 kept.append(probs)
         return merged.reshape(batch, queries, n_head * self.value_dim), kept
@@ -264,18 +274,18 @@ class LatentAttention(Layer):
         dk_nope, dv = dkv.transpose(0, 2, 1, 3)[..., :d_n], dkv.transpose(0, 2, 1, 3)[..., d_n:]
         dk_rope = xp.zeros((batch, 1, keys_length, d_r), dmerged.dtype)
         q_nope, q_rope, k_nope, k_rope, v = saved.q_nope, saved.q_rope, saved.k_nope, saved.k_rope, saved.v
-        for index, (rows, position) in enumerate(self._blocks(saved.spans)):
-            keys = seen_keys(saved.documents, position, position + rows.stop - rows.start)
+        for index, (b, rows, keys, here) in enumerate(self._blocks_seeing(saved.documents, batch, saved.spans)):
             probs = (saved.probs[index] if saved.probs is not None
-                     else self._probabilities(q_nope[..., rows, :], q_rope[..., rows, :], k_nope, k_rope, keys,
-                                              saved.documents))
-            dv[..., keys, :] += probs.swapaxes(-1, -2) @ dheads[..., rows, :]
-            dprobs = dheads[..., rows, :] @ v[..., keys, :].swapaxes(-1, -2)
-            dscores = softmax_backward(probs, dprobs, weighted_sum[..., rows, :])
-            xp.matmul(dscores, k_nope[..., keys, :], out=dq_nope[..., rows, :])
-            xp.matmul(dscores, k_rope[..., keys, :], out=dq_rope[..., rows, :])
-            dk_nope[..., keys, :] += dscores.swapaxes(-1, -2) @ q_nope[..., rows, :]  # q holds the scale
-            dk_rope[..., keys, :] += (dscores.swapaxes(-1, -2) @ q_rope[..., rows, :]).sum(axis=1, keepdims=True)
+                     else self._probabilities(q_nope[b][..., rows, :], q_rope[b][..., rows, :], k_nope[b], k_rope[b],
+                                              keys, here))
+            dout = dheads[b][..., rows, :]
+            dv[b][..., keys, :] += probs.swapaxes(-1, -2) @ dout
+            dprobs = dout @ v[b][..., keys, :].swapaxes(-1, -2)
+            dscores = softmax_backward(probs, dprobs, weighted_sum[b][..., rows, :])
+            xp.matmul(dscores, k_nope[b][..., keys, :], out=dq_nope[b][..., rows, :])
+            xp.matmul(dscores, k_rope[b][..., keys, :], out=dq_rope[b][..., rows, :])
+            dk_nope[b][..., keys, :] += dscores.swapaxes(-1, -2) @ q_nope[b][..., rows, :]  # q holds the scale
+            dk_rope[b][..., keys, :] += (dscores.swapaxes(-1, -2) @ q_rope[b][..., rows, :]).sum(axis=1, keepdims=True)
         dq_nope *= self.softmax_scale
         dq_rope *= self.softmax_scale
         dq[..., d_n:] = self._rotated_back(dq_rope, saved.query_positions).transpose(0, 2, 1, 3)

@@ -39,6 +39,7 @@ full` keeps only the block's input (bsh) and reruns the block's forward at the s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -511,6 +512,17 @@ def seen_keys(documents: Any, first_query: int, query_stop: int) -> slice:
     return slice(documents.first_key(first_query), query_stop)
 
 
+def attention_blocks(documents: Any, batch: int, queries: int, block: int,
+                     offset: int = 0) -> Iterator[tuple[slice, slice, slice, Any]]:
+    """(batch rows, query rows, the keys they see, those rows' documents) of every block attention computes, in
+    order: all rows at once for one document per window, each row apart for packed documents (`row_groups`);
+    the queries in blocks of `block` at positions offset …, each seeing `seen_keys`."""
+    for rows in documents.row_groups(batch):
+        here = documents.rows(rows)
+        for start, stop in query_blocks(queries, block):
+            yield rows, slice(start, stop), seen_keys(here, offset + start, offset + stop), here
+
+
 class ProjectedAttention(Layer):
     """The backward every attention layer between the fused qkv projection (`qkv`) and the output projection
     (`projection`) shares, however its heads attend: the input pass runs the output projection's, the layer's
@@ -614,10 +626,9 @@ class CausalSelfAttention(ProjectedAttention):
         heads = grouped(merged.transpose(0, 2, 1, 3), k.shape[1])  # written through by the products
         q, k, v = grouped(q, k.shape[1]), k[:, :, None], v[:, :, None]
         kept = [] if keep else None
-        for start, stop in query_blocks(queries, self.query_block):
-            keys = seen_keys(documents, offset + start, offset + stop)
-            probs = self._probabilities(q, k, start, stop, keys, documents)
-            xp.matmul(probs, v[..., keys, :], out=heads[..., start:stop, :])
+        for rows, block, keys, here in attention_blocks(documents, batch, queries, self.query_block, offset):
+            probs = self._probabilities(q[rows], k[rows], block.start, block.stop, keys, here)
+            xp.matmul(probs, v[rows][..., keys, :], out=heads[rows][..., block, :])
             if keep:
                 kept.append(probs)
         return merged.reshape(batch, queries, n_head * head_dim), kept
@@ -648,15 +659,16 @@ class CausalSelfAttention(ProjectedAttention):
         weighted_sum = row_sums((dmerged * saved.merged).reshape(batch, length, self.n_head, head_dim))
         weighted_sum = grouped(weighted_sum.transpose(0, 2, 1, 3), n_kv)
         q, k, v, documents = grouped(saved.q, n_kv), saved.k[:, :, None], saved.v[:, :, None], saved.documents
-        for index, (start, stop) in enumerate(query_blocks(length, self.query_block)):
-            rows, keys = slice(start, stop), seen_keys(documents, start, stop)
+        blocks = attention_blocks(documents, batch, length, self.query_block)
+        for index, (rows, block, keys, here) in enumerate(blocks):
             probs = (saved.probs[index] if saved.probs is not None
-                     else self._probabilities(q, k, start, stop, keys, documents))
-            dv5[..., keys, :] += group_sum(probs.swapaxes(-1, -2) @ dheads[..., rows, :])
-            dprobs = dheads[..., rows, :] @ v[..., keys, :].swapaxes(-1, -2)
-            dscores = softmax_backward(probs, dprobs, weighted_sum[..., rows, :])
-            xp.matmul(dscores, k[..., keys, :], out=dq5[..., rows, :])
-            dk5[..., keys, :] += group_sum(dscores.swapaxes(-1, -2) @ q[..., rows, :])  # q holds the scale
+                     else self._probabilities(q[rows], k[rows], block.start, block.stop, keys, here))
+            dout = dheads[rows][..., block, :]
+            dv5[rows][..., keys, :] += group_sum(probs.swapaxes(-1, -2) @ dout)
+            dprobs = dout @ v[rows][..., keys, :].swapaxes(-1, -2)
+            dscores = softmax_backward(probs, dprobs, weighted_sum[rows][..., block, :])
+            xp.matmul(dscores, k[rows][..., keys, :], out=dq5[rows][..., block, :])
+            dk5[rows][..., keys, :] += group_sum(dscores.swapaxes(-1, -2) @ q[rows][..., block, :])  # q: scaled
         dq *= 1.0 / math.sqrt(head_dim)
         if self.rope is not None:
             positions = documents.rotary_positions(np.arange(length))
