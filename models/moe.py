@@ -21,11 +21,16 @@ by a permutation, never a loop over tokens: the kept assignments are sorted by e
 inside an expert), their token rows gathered in that order, and each expert runs as one GEMM over its
 contiguous slice; the outputs, scaled by their gates, go back to (token, choice) slots summed over the choices.
 
-The aux loss in the objective. A step averages the aux losses of its token sets (microbatches × DP·CP ranks),
-so each set's aux enters the objective with weight `aux_weight` = 1 / (the number of sets). The router adds that
-term's gradient, aux_weight · coef · E · f_e / N, to d(probs) (f counts choices: it has no gradient). The value
-is in `RouterStats.aux_loss`; `models.transformer.Transformer.forward` adds aux_loss · aux_weight to the loss it
-returns.
+The aux loss in the objective, two ways (`--moe-aux-scope`). Local (Switch's, Mixtral's): a step averages the
+aux losses of its token sets (microbatches × DP·CP ranks), so each set's aux enters the objective with weight
+`aux_weight` = 1 / (the number of sets), and its value depends on how the mesh cuts the batch. Global: one aux
+loss over the step's whole batch, f and P̄ counted over every token set — the serial model's on any mesh. Its
+f_e needs every set's routing, so the step counts them first (`step_counts`, the assignments over all N_step
+tokens, `mpiparallel.train.experts`) and each set adds its share, coef·E/(K·N_step²)·Σ_e F_e·S_e with S_e its
+own probabilities' column sums; the shares sum to the global loss, whose weight is 1. Either way the router adds
+the term's gradient, aux_weight · coef · E · f_e / (K·N²), to d(probs) (f counts choices: it has no gradient;
+global: F over N_step). The value is in `RouterStats.aux_loss`; `models.transformer.Transformer.forward` adds
+aux_loss · aux_weight to the loss it returns.
 
 Backward from dy (choosing has no gradient; the chosen probs do):
 
@@ -78,6 +83,10 @@ def expert_capacity(capacity_factor: float, top_k: int, tokens: int, n_experts: 
     if capacity_factor == 0:
         return None
     return math.ceil(Fraction(repr(float(capacity_factor))) * top_k * tokens / n_experts)
+
+
+MOE_AUX_SCOPES = ("local", "global")
+"""Where the Switch aux loss is formed: over each token set (local), or over the step's whole batch (global)."""
 
 
 # -- statistics and aux-loss-free balancing ----------------------------------------------------------------------
@@ -159,6 +168,10 @@ class Router:
         self.capacity_factor, self.aux_coef, self.aux_weight = capacity_factor, aux_coef, aux_weight
         self.expert_bias = expert_bias
         self.scaling = 1.0  # the gates' factor (DeepSeek's routed_scaling_factor; 1 for softmax routing)
+        # the global aux loss: the step's assignments per expert over all its token sets, and their tokens
+        # (None: balance each token set by its own, the local aux loss)
+        self.step_counts: np.ndarray | None = None
+        self.step_tokens = 0
 
     @property
     def n_experts(self) -> int:
@@ -201,17 +214,23 @@ class Router:
         return xp.argsort(-scores, axis=1, kind="stable")[:, :self.top_k]
 
     def _balance_loss(self, routing: Saved, assignments: np.ndarray) -> float:
-        """Switch's aux loss: coef · E/(K·N) · Σ_e f_e · P_e (assignments f_e, mean probability P_e)."""
-        tokens = len(routing.scores)
-        mean_probs = to_host(column_sums(routing.scores)) / tokens
-        return self.aux_coef * self.n_experts * float(assignments @ mean_probs) / (self.top_k * tokens)
+        """Switch's aux loss: coef · E/(K·N²) · Σ_e f_e · S_e (assignments f_e, the probabilities' column sums
+        S_e = N·P̄_e); with step counts, this token set's share of the step's loss (F and N over the step)."""
+        counts, tokens = self._balance_counts(assignments, len(routing.scores))
+        column_totals = to_host(column_sums(routing.scores))
+        return self.aux_coef * self.n_experts * float(counts @ column_totals) / (self.top_k * tokens ** 2)
+
+    def _balance_counts(self, assignments: np.ndarray, tokens: int) -> tuple[np.ndarray, int]:
+        """(f, N) of the aux loss: this token set's own, or the step's (the global aux loss)."""
+        if self.step_counts is None:
+            return assignments, tokens
+        return self.step_counts, self.step_tokens
 
     def _balance_gradient(self, routing: Saved) -> Array:
         """d(aux_weight · aux loss)/d(probs) (N, E): aux_weight·coef·E·f_e/(K·N²), the same in every row."""
         xp = get_array_module(routing.scores)
-        tokens = len(routing.scores)
-        gradient = (self.aux_weight * self.aux_coef * self.n_experts / (self.top_k * tokens ** 2)
-                    * routing.stats.assignments)
+        counts, tokens = self._balance_counts(routing.stats.assignments, len(routing.scores))
+        gradient = self.aux_weight * self.aux_coef * self.n_experts / (self.top_k * tokens ** 2) * counts
         dprobs = xp.empty_like(routing.scores)
         dprobs[...] = like(dprobs, gradient)
         return dprobs

@@ -56,7 +56,7 @@ from .layers import (
     Saved,
     SwiGLU,
 )
-from .moe import MixtureOfExperts, MoEBlock, Router, expert_index
+from .moe import MOE_AUX_SCOPES, MixtureOfExperts, MoEBlock, Router, expert_index
 from .parameter import Parameter, seeded_normal, shard_tensor
 from .precision import Narrowed, dtype_named, is_narrow, narrow
 from .rotary import RotaryEmbedding
@@ -123,8 +123,9 @@ class Transformer:
     `recompute` is the activation recomputation mode ("none", "selective", "full"; see `models.layers`) and
     `query_block` the attention's query block length; neither changes the numbers. Mixture of experts
     (config.n_experts > 0): `moe_token_sets` is how many local token sets (microbatches × DP·CP ranks) one
-    optimizer step averages the aux losses over — each set's aux loss enters the objective divided by it. The
-    expert biases are state in `expert_biases` (by checkpoint name), not parameters.
+    optimizer step averages the aux losses over — each set's aux loss enters the objective divided by it —
+    unless `moe_aux_scope` is "global": one aux loss over the step, from the counts `set_step_routing` gives
+    (`models.moe`). The expert biases are state in `expert_biases` (by checkpoint name), not parameters.
 
     Parallel axes enter through `parallelize` (`models.axis`): a pipeline stage holds only its units (the others
     are None in `units`/`blocks`), tensor parallelism its shards, context parallelism takes this CP rank's two
@@ -135,9 +136,13 @@ class Transformer:
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: Any = np.float32, xp: Any = np,
                  recompute: str = "none", query_block: int = QUERY_BLOCK, moe_token_sets: int = 1,
-                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none") -> None:
+                 compute_dtype: Any = None, grad_dtype: Any = None, fp8: str = "none",
+                 moe_aux_scope: str = "local") -> None:
         if moe_token_sets < 1:
             raise ValueError(f"moe_token_sets must be at least 1, got {moe_token_sets}")
+        if moe_aux_scope not in MOE_AUX_SCOPES:
+            raise ValueError(f"moe_aux_scope must be one of {MOE_AUX_SCOPES}, got {moe_aux_scope!r}")
+        self.moe_aux_scope = moe_aux_scope
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.config, self.moe_token_sets = config, moe_token_sets
@@ -304,7 +309,7 @@ class Transformer:
     def _mixture_of_experts(self, i: int) -> MixtureOfExperts:
         config, prefix = self.config, f"transformer.h.{i}.mlp"
         router = Router(self.params[f"{prefix}.router.weight"], config.moe_top_k, config.moe_renormalize,
-                        config.moe_capacity_factor, config.moe_aux_coef, aux_weight=1.0 / self.moe_token_sets,
+                        config.moe_capacity_factor, config.moe_aux_coef, aux_weight=self.aux_weight(),
                         expert_bias=self.expert_biases[expert_bias_name(i)])
         return self.ep.mixture(router, self.held_experts(prefix), fp8_dispatch=self.fp8 != "none")
 
@@ -424,10 +429,29 @@ class Transformer:
 
     def _set_loss_scale(self, scale: float) -> None:
         self.loss_scale = scale
-        for block in self.blocks:
+        for router in self.routers().values():
+            router.aux_weight = self.aux_weight(scale)
+
+    def aux_weight(self, scale: float = 1.0) -> float:
+        """d(objective)/d(a token set's aux loss): 1/(token sets) for the local aux loss (the step averages
+        them), 1 for the global one (the sets' shares sum to it); times the loss scale."""
+        return scale if self.moe_aux_scope == "global" else scale / self.moe_token_sets
+
+    def routers(self) -> dict[int, Any]:
+        """The router of each MoE block held here, by block index."""
+        found = {}
+        for index, block in enumerate(self.blocks):
             router = getattr(getattr(block, "mlp", None), "router", None)
             if router is not None:
-                router.aux_weight = scale / self.moe_token_sets
+                found[index] = router
+        return found
+
+    def set_step_routing(self, counts: dict[int, np.ndarray] | None, tokens: int = 0) -> None:
+        """The global aux loss: each MoE block's assignments per expert over the step's every token set
+        (`counts` by block index) and the step's token count; None: each set balanced by its own counts."""
+        for index, router in self.routers().items():
+            router.step_counts = None if counts is None else counts[index]
+            router.step_tokens = tokens
 
     def _note_routing(self, unit: int, saved: Saved) -> None:
         """Keep an MoE block's router statistics and add its aux loss's share of the objective."""

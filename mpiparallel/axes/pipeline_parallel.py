@@ -329,9 +329,11 @@ class PipelineExecutor:
             request = recv_backward(buffer, self.comm, peer, tag)
             self._receiving["doutput", stage, microbatch] = (request, buffer)
 
-    def forward_only(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray, Any]], normalizer: float) -> float:
-        """Validation: every microbatch through this rank's stages in model order, nothing kept for backward;
-        returns the summed loss on the last stage's rank (0 elsewhere)."""
+    def forward_only(self, microbatches: Sequence[tuple[np.ndarray, np.ndarray, Any]], normalizer: float,
+                     on_forward: Any = None) -> float:
+        """Validation (and the global aux loss's counting pass): every microbatch through this rank's stages in
+        model order, nothing kept for backward, `on_forward(saved)` seeing each forward's saved state; returns
+        the summed loss on the last stage's rank (0 elsewhere)."""
         local = self.schedule.stages_of(self.comm.rank)
         forward_actions = []
         for microbatch in range(len(microbatches)):
@@ -342,7 +344,7 @@ class PipelineExecutor:
                 if stage < self.last_stage and self._rank_of(stage + 1) != self.comm.rank:
                     forward_actions.append(Action(stage, SEND_F, microbatch))
         self._batches, self._normalizer, self._loss = microbatches, normalizer, 0.0
-        self._on_forward = lambda saved: None
+        self._on_forward = on_forward or (lambda saved: None)
         self._saved, self._handed, self._receiving, self._sending = {}, {}, {}, []
         self._check_messages(forward_actions)
         for action in forward_actions:

@@ -485,6 +485,10 @@ def deepseek_options(command: Callable) -> Callable:
 @click.option("--moe-aux-coef", type=click.FloatRange(min=0), default=default("moe_aux_coef"),
               help="Weight of the Switch load-balancing loss, per local token set. [default: 0.01; deepseek_v3: 0, "
                    "it balances with --moe-bias-rate and --moe-seq-aux-coef]")
+@click.option("--moe-aux-scope", type=click.Choice(["local", "global"]), default=default("moe_aux_scope"),
+              help="local: the Switch loss of each token set (a microbatch on a DP×CP rank), averaged — its value "
+                   "depends on the mesh; global: one loss from the counts of the whole step's batch, the serial "
+                   "model's on any mesh, for one more forward pass a step (it counts the routing first).")
 @click.option("--capacity-factor", type=click.FloatRange(min=0), default=default("capacity_factor"),
               help="Rows per expert per token set: ⌈C·K·tokens/E⌉; overflow dropped in token order (0: unlimited).")
 @click.option("--no-moe-renormalize", "moe_renormalize", flag_value=False, default=default("moe_renormalize"),

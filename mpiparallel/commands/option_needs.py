@@ -64,6 +64,7 @@ TRAIN_NEEDS: tuple[Needs, ...] = (
           lambda o: o["optimizer"] == "adamw"),
     _moe("--top-k", "top_k"),
     _moe("--moe-aux-coef", "moe_aux_coef"),
+    _moe("--moe-aux-scope", "moe_aux_scope"),
     _moe("--capacity-factor", "capacity_factor"),
     _moe("--no-moe-renormalize", "moe_renormalize"),
     _moe("--moe-bias-rate", "moe_bias_rate"),

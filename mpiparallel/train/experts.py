@@ -49,12 +49,30 @@ class RouterTally:
 
 class ExpertBalance:
     """The step's aux loss and router statistics over the global batch; with --moe-bias-rate, each local layer's
-    expert bias moved toward its under-loaded experts (its counts over every microbatch and rank)."""
+    expert bias moved toward its under-loaded experts (its counts over every microbatch and rank); with
+    --moe-aux-scope global, the routing counted over the whole step before its passes."""
 
     def __init__(self, model: Transformer, mesh: Mesh, sequence_parallel: bool,
                  sum_losses: Callable[[float], float]) -> None:
         self.model, self.mesh, self.sp, self.sum_losses = model, mesh, sequence_parallel, sum_losses
         self.last_traffic: dict[str, Any] | None = None
+
+    def count_routing(self, passes: Any, pieces: list[Any], tokens: int) -> None:
+        """--moe-aux-scope global: a forward-only pass over the step's microbatches (each routed as it will be:
+        the same token sets, so the same capacities), then one all-reduce over the world of every MoE layer's
+        assignments per expert; each router gets the step's counts and token count (`Transformer.set_step_routing`),
+        so each token set's aux loss is its share of the step's. Costs one forward of the step (its bytes are
+        logged apart, as `routing_bytes`) and n_layer·E numbers all-reduced. Local scope: nothing."""
+        if self.model.moe_aux_scope != "global":
+            return
+        self.model.set_step_routing(None)  # the counting pass balances each set by its own (its loss is unused)
+        tally = RouterTally(self)
+        passes.forward_only_each(pieces, tokens, tally.add)
+        counts = np.zeros((self.model.config.n_layer, self.model.config.n_experts))
+        for layer, stats in tally.layers.items():
+            counts[layer] = stats.assignments
+        counts = sum_array_over(self.mesh.world, counts) / (1 if self.sp else self.mesh.tp.size)
+        self.model.set_step_routing(dict(enumerate(counts)), tokens)
 
     def new_step(self) -> RouterTally:
         if self.model.ep.traffic is not None:  # what the forwards since the last step sent (validation) is not
@@ -86,6 +104,9 @@ class ExpertBalance:
 
 class NoExperts:
     """A dense model's tallies: nothing to count, nothing logged."""
+
+    def count_routing(self, passes: Any, pieces: list[Any], tokens: int) -> None:
+        """No routers."""
 
     def new_step(self) -> NoExperts:
         return self

@@ -78,6 +78,10 @@ def model_config(settings: TrainSettings) -> GPTConfig:
             raise ConfigError(str(error)) from None
     if settings.data.seq_len > config.n_positions:
         raise ConfigError(f"--seq-len {settings.data.seq_len} exceeds the model's n_positions ({config.n_positions})")
+    if settings.model.moe_aux_scope == "global" and not config.moe_aux_coef:
+        raise ConfigError("--moe-aux-scope global forms the Switch aux loss over the whole step: it needs "
+                          "--moe-aux-coef > 0 (deepseek_v3 balances with --moe-bias-rate and --moe-seq-aux-coef "
+                          "instead)")
     if settings.model.attention == "document" and config.mtp_depth:
         raise ConfigError("--attention document with --mtp-depth is not built yet: a prediction module's targets "
                           "would reach into the next document; use --mtp-depth 0")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,17 @@ class StepMeter:
 
     def start(self) -> Clock:
         return Clock(time.perf_counter(), self._bytes_sent(), self._inter_node_bytes_sent())
+
+    def apart(self, clock: Clock, work: Callable[[], Any]) -> tuple[Clock, dict[str, int]]:
+        """Run `work` inside the step's time but outside its bytes per axis, which the traffic formulas predict
+        without it (the global aux loss's counting pass). Returns the clock with its byte counts moved past what
+        `work` sent, and those bytes per axis (for the record, apart)."""
+        sent, inter_node = self._bytes_sent(), self._inter_node_bytes_sent()
+        work()
+        apart = {axis: after - sent[axis] for axis, after in self._bytes_sent().items()}
+        moved = {axis: after - inter_node[axis] for axis, after in self._inter_node_bytes_sent().items()}
+        return Clock(clock.start, {axis: clock.sent[axis] + apart[axis] for axis in apart},
+                     {axis: clock.inter_node[axis] + moved[axis] for axis in moved}), apart
 
     def finish(self, clock: Clock, step: int) -> dict[str, Any]:
         """The step's record fields: `time_s`, `comm_bytes` per axis, and `inter_node_bytes` on several nodes."""

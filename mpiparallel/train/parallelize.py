@@ -153,7 +153,8 @@ def build_model(settings: TrainSettings, mesh: Mesh, config: GPTConfig, schedule
         model = Transformer(config, seed=settings.model.seed, dtype=np.dtype(settings.model.dtype), xp=xp,
                             recompute=settings.model.recompute, query_block=query_block(settings.model),
                             compute_dtype=settings.model.compute_dtype, grad_dtype=settings.model.grad_dtype,
-                            fp8=settings.model.fp8, moe_token_sets=moe_token_sets(settings, mesh, config))
+                            fp8=settings.model.fp8, moe_token_sets=moe_token_sets(settings, mesh, config),
+                            moe_aux_scope=settings.model.moe_aux_scope)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     model.parallelize(*axes)

@@ -44,7 +44,8 @@ STALL_AT = "MPIPARALLEL_STALL_AT"
 """Tests only: `STEP@RANK` — that rank hangs in that step (see the module docstring)."""
 
 SETUP, DONE = "setup", "done"
-STEP_PHASES = ("data", "forward", "backward", "pipeline", "gradients", "optimizer", "validation", "end", "checkpoint")
+STEP_PHASES = ("data", "routing", "forward", "backward", "pipeline", "gradients", "optimizer", "gather", "validation",
+               "end", "checkpoint")
 """The phases of a step in the order a rank goes through them (forward and backward alternate per microbatch)."""
 
 

@@ -45,6 +45,7 @@ class ModelSettings:
     experts: int = GPTConfig.n_experts
     top_k: int = GPTConfig.moe_top_k
     moe_aux_coef: float | None = None  # None: GPTConfig's, or 0 for deepseek_v3 (which balances otherwise)
+    moe_aux_scope: str = "local"  # "global": one Switch aux loss over the step's whole batch (`models.moe`)
     capacity_factor: float = GPTConfig.moe_capacity_factor
     moe_renormalize: bool = GPTConfig.moe_renormalize
     moe_bias_rate: float = GPTConfig.moe_bias_rate

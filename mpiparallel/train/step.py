@@ -1,6 +1,8 @@
 """One training step over the mesh — `Trainer.step`, which reads on one screen:
 
     batch pieces            this rank's rows of the step's batch (dp; cp: its zigzag chunks), cut in microbatches
+    routing counts          --moe-aux-scope global: a forward-only pass counts every router's choices over the
+                            whole step (`experts`), so each token set's aux loss is its share of the step's
     forward-backward        every microbatch in turn with the data-parallel engine hooked in (its buckets reduce
                             while backward runs), or the pipeline schedule's actions (pp: `PipelinePasses`)
     finish gradients        the engine's reductions over dp (×cp; experts over expert_dp): all-reduce, or ZeRO's
@@ -77,6 +79,9 @@ class Trainer:
         self.progress.at(step + 1, "data")
         x, y, documents = self.rows_here(batches, step)
         pieces = data.microbatches(x, y, self.microbatches, documents)
+        self.progress.at(step + 1, "routing")
+        clock, routing_bytes = self.meter.apart(clock, lambda: self.experts.count_routing(self.passes, pieces,
+                                                                                           self.global_tokens))
         self.engine.zero_grad()
         tally = self.experts.new_step()
         with self.model.scaled_objective(scale):  # float16: S·objective, gradients unscaled in the clip
@@ -100,7 +105,8 @@ class Trainer:
         self.progress.at(step + 1, "gather")
         if not skipped:
             self.engine.after_update()
-        return record | self.meter.finish(clock, step) | {"grad_norm": grad_norm}
+        routing = {"routing_bytes": routing_bytes} if any(routing_bytes.values()) else {}
+        return record | self.meter.finish(clock, step) | {"grad_norm": grad_norm} | routing
 
     def scalars(self) -> dict[str, Any]:
         """The state besides the arrays, the same on every rank: the optimizer's step count, the loss scaler's."""
@@ -235,6 +241,13 @@ class MicrobatchesInTurn(Passes):
         out, saved = self.model.forward(x, y, normalizer=normalizer, hooks=self.engine, documents=documents)
         return out - saved.aux_loss
 
+    def forward_only_each(self, pieces: Pieces, normalizer: int, on_forward: Callable[[Any], None]) -> None:
+        """Every microbatch's forward, nothing kept for backward, `on_forward` seeing each (the global aux loss's
+        counting pass)."""
+        for x, y, documents in pieces:
+            on_forward(self.model.forward(x, y, normalizer=normalizer, hooks=self.engine, documents=documents)[1])
+        self.engine.release_all()
+
 
 class PipelinePasses(Passes):
     """The pipeline schedule's actions on this rank's stages (`PipelineExecutor`), without the engine's hooks."""
@@ -260,6 +273,11 @@ class PipelinePasses(Passes):
         with self.engine.unhooked(backward=False):
             return self.executor.forward_only(data.microbatches(x, y, self.schedule.microbatches, documents),
                                               normalizer)
+
+    def forward_only_each(self, pieces: Pieces, normalizer: int, on_forward: Callable[[Any], None]) -> None:
+        with self.engine.unhooked(backward=False):
+            self.executor.forward_only(pieces, normalizer, on_forward)
+        self.engine.release_all()
 
     def sum_losses(self, local: float) -> float:
         """Summed over DP and CP ranks, then over pipeline ranks (only the last stage's holds it)."""

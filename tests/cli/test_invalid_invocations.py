@@ -47,6 +47,8 @@ INVALID = [
     ("schedule-microbatches", ["train", "-n", "2", *TINY, "--pp", "2", "--schedule", "zb", "--microbatches", "1"],
      "zb needs at least pp microbatches to fill its cooldown: 1 < pp = 2"),
     ("virtual-stages-without-pp", ["train", *TINY, "--virtual-stages", "2"], "--virtual-stages needs a pipeline"),
+    ("global-aux-without-coefficient", ["train", *TINY, "--arch", "deepseek_v3", "--experts", "4",
+                                        "--moe-aux-scope", "global"], "--moe-aux-scope global forms the Switch aux"),
     # train: packed documents
     ("document-without-eot", ["train", *TINY, "--attention", "document", "--data", TEXT],
      "has no data.json that names one; give --eot-id N"),

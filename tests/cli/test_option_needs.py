@@ -25,6 +25,7 @@ CASES = {  # option: (the option given, with whatever else it takes; what it nee
     "--weight-decay": (["--optimizer", "sgd", "--weight-decay", "0.1"], ["--optimizer", "adamw"]),
     "--top-k": (["--top-k", "2"], ["--experts", "4"]),
     "--moe-aux-coef": (["--moe-aux-coef", "0.1"], ["--experts", "4"]),
+    "--moe-aux-scope": (["--moe-aux-scope", "global"], ["--experts", "4"]),
     "--capacity-factor": (["--capacity-factor", "1.5"], ["--experts", "4"]),
     "--no-moe-renormalize": (["--no-moe-renormalize"], ["--experts", "4"]),
     "--moe-bias-rate": (["--moe-bias-rate", "0.001"], ["--experts", "4"]),

@@ -55,13 +55,18 @@ DEEPSEEK_MTP = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3, "moe_seq_aux_coef
 DEEPSEEK_MTP_SPLIT = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3}
 # packed documents (--attention document): the byte corpus's spaces open documents, so each 16-byte window holds
 # about three words, every token attending within its own and positions restarting at each
+# the Switch aux loss over the whole step (--moe-aux-scope global): on any mesh the serial model's value and gradient
+MOE_GLOBAL = {**MOE, "moe_aux_coef": 0.05, "moe_aux_scope": "global"}
+MIXTRAL_GLOBAL = {**MIXTRAL, "moe_aux_coef": 0.05, "moe_aux_scope": "global"}
 DOCUMENTS = {"attention": "document", "eot_id": ord(" ")}
 DENSE_DOC, LLAMA_DOC = {**DENSE, **DOCUMENTS}, {**LLAMA, **DOCUMENTS}
 MIXTRAL_DOC, DEEPSEEK_DOC = {**MIXTRAL, **DOCUMENTS}, {**DEEPSEEK, **DOCUMENTS}
 MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "llama-mqa": LLAMA_MQA,
           "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS, "deepseek-mtp": DEEPSEEK_MTP,
           "deepseek-mtp-split": DEEPSEEK_MTP_SPLIT, "dense-doc": DENSE_DOC, "llama-doc": LLAMA_DOC,
-          "mixtral-doc": MIXTRAL_DOC, "deepseek-doc": DEEPSEEK_DOC}
+          "mixtral-doc": MIXTRAL_DOC, "deepseek-doc": DEEPSEEK_DOC, "moe-global": MOE_GLOBAL,
+          "mixtral-global": MIXTRAL_GLOBAL}
+GLOBAL_AUX_MODELS = ("moe-global", "mixtral-global")
 DOCUMENT_MODELS = ("dense-doc", "llama-doc", "mixtral-doc", "deepseek-doc")
 LLAMA_FAMILY = ("llama", "llama-mqa", "mixtral")
 DEEPSEEK_FAMILY = ("deepseek", "deepseek-bias", "deepseek-mtp", "deepseek-mtp-split")
@@ -232,6 +237,18 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "deepseek-doc", {"tp": 2, "cp": 2, "cp_attention": "ring", "sp": True}),
     (4, "deepseek-doc", {"dp": 2, "ep": 2, "pp": 2, "schedule": "zbv", "zero": 1}),
     (4, "deepseek-doc", {"cp": 4, "cp_attention": "ulysses"}),
+    # the global aux loss: token sets cut by dp, cp, microbatches, sp and pp, experts moved by ep — one loss
+    (2, "moe-global", {"dp": 2, "microbatches": 2, "zero": 1}),
+    (2, "moe-global", {"dp": 2, "ep": 2, "zero": 3, "recompute": "full"}),
+    (2, "moe-global", {"cp": 2, "cp_attention": "ring", "microbatches": 2}),
+    (2, "moe-global", {"tp": 2, "sp": True, "recompute": "selective"}),
+    (2, "moe-global", {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
+    (2, "mixtral-global", {"dp": 2, "ep": 2, "microbatches": 4, "zero": 2}),
+    (4, "moe-global", {"dp": 4, "ep": 2, "microbatches": 2, "zero": 2}),
+    (4, "moe-global", {"dp": 2, "ep": 2, "pp": 2, "schedule": "zbv", "microbatches": 2}),
+    (4, "moe-global", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "all-gather", "microbatches": 2}),
+    (4, "mixtral-global", {"dp": 2, "tp": 2, "sp": True, "ep": 2}),
+    (4, "mixtral-global", {"pp": 2, "cp": 2, "cp_attention": "ulysses", "schedule": "gpipe", "microbatches": 4}),
 ]
 # pipelines on device arrays: the CuPy double (tests/support/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)

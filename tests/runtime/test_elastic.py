@@ -137,6 +137,27 @@ def test_hybrid_sharding_loses_a_rank_and_goes_on_with_whole_shard_groups_equal_
     assert worst(last_loss_per_step(records(log)), last_loss_per_step(records(tmp_path / "straight.jsonl"))) <= 1e-9
 
 
+def test_a_mixture_of_experts_with_the_global_aux_loss_loses_a_rank_and_equals_the_uninterrupted_run(
+        tmp_path, tokens):
+    """`--moe-aux-scope global`: the Switch loss over the whole step, so dp 4 before the loss and dp 2 after it
+    form the same aux loss and gradient — every step's loss and aux loss equal the uninterrupted dp 4 run's (with
+    the local aux loss they would not: each rank's token sets are halved, then doubled)."""
+    experts = ["--experts", "4", "--top-k", "2", "--moe-aux-coef", "0.05", "--moe-aux-scope", "global"]
+    status, stdout, stderr, log, _ = elastic_run(tmp_path, tokens, *experts)
+    assert status == 0, (stdout, stderr)
+    [restart] = [record for record in records(log) if record.get("event") == "restart"]
+    assert restart["mesh"]["world_size"] == 2, restart
+    straight = run_with_timeout([sys.executable, "-m", "mpiparallel", "train", "-n", "4", *TINY, *experts, "--data",
+                                 tokens, "--steps", str(LONGER), "--log-json", str(tmp_path / "straight.jsonl")],
+                                timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    final, uninterrupted_log = records(log), records(tmp_path / "straight.jsonl")
+    assert worst(last_loss_per_step(final), last_loss_per_step(uninterrupted_log)) <= 1e-9
+    aux = {record["step"]: record["aux_loss"] for record in final if "aux_loss" in record}
+    assert worst(aux, {record["step"]: record["aux_loss"] for record in uninterrupted_log if "aux_loss" in record}) \
+        <= 1e-9
+
+
 def test_a_rank_lost_again_after_the_restart_is_replaced_again(tmp_path, tokens):
     """LONGER steps: the second loss must come while the relaunched job still trains (a quiet machine runs
     this model's steps in milliseconds)."""
