@@ -102,7 +102,7 @@ def distinct_bytes(*states: Any) -> int:
 def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp: int = 1,
                               sequence_parallel: bool = False, recompute: str = "none",
                               query_block: int = QUERY_BLOCK, kv_heads: int | None = None,
-                              ffn_hidden: int | None = None) -> int:
+                              ffn_hidden: int | None = None, documents: Any = ONE_DOCUMENT) -> int:
     """Elements one transformer block saves per microbatch after its forward (NumPy path), on one rank.
 
     GPT-2 (`ffn_hidden` None). With tensor parallelism over n = tp ranks, the column-parallel layers see the
@@ -115,7 +115,8 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
         selective:       the same without the probabilities
         full:            the block's input: S (tp only) or S/n (sp)
 
-    and probabilities = b·a·Σ over query blocks [start, stop) of (stop − start)·stop (≈ b·a·s²/2).
+    and probabilities = b·a·Σ over query blocks [start, stop) of (stop − start)·stop (≈ b·a·s²/2); with packed
+    `documents`, a·Σ over rows and blocks of (stop − start)·(stop − the block's first key) (`attention_blocks`).
 
     Llama (`ffn_hidden` F given, `kv_heads` n_kv): the RMSNorms keep the same as LayerNorms (normalized input
     and 1/rms), the q, k, v output is t·(h/n + 2·h_kv) with h_kv = max(n_kv/n, 1)·d this rank's KV channels, and
@@ -131,8 +132,9 @@ def block_activation_elements(batch: int, seq: int, hidden: int, heads: int, tp:
         return activation // n if sequence_parallel else activation
     probabilities = 0
     if recompute == "none":
-        pairs = sum((stop - start) * stop for start, stop in query_blocks(seq, query_block))
-        probabilities = batch * (heads // n) * pairs
+        kept = sum(len(range(batch)[rows]) * (block.stop - block.start) * (keys.stop - keys.start)
+                   for rows, block, keys, _ in attention_blocks(documents, batch, seq, query_block))
+        probabilities = (heads // n) * kept
     norms = 2 * (activation + tokens) // n if sequence_parallel else 2 * (activation + tokens)
     if ffn_hidden is not None:
         kv_channels = max((kv_heads or heads) // n, 1) * (hidden // heads)

@@ -43,6 +43,7 @@ from collectives import CollectiveMismatchError, Communicator, Message, check_me
 from collectives.backend import Array, HostStaging, get_array_module
 from collectives.communicator import FIRST_COLLECTIVE_TAG, Posted
 from models.axis import PipelineAxis
+from models.documents import ONE_DOCUMENT
 from models.layers import distinct_bytes
 from models.parameter import HELD, PARTIAL, Placement
 from models.transformer import NO_HOOKS, Transformer
@@ -188,6 +189,7 @@ class PipelineExecutor:
         self.timeline = Timeline()
         self.peak_saved_bytes = 0  # the most activation bytes held at once in the last step
         self.block_saved_bytes = 0  # what one transformer block saved for one microbatch
+        self.block_saved_documents: Any = ONE_DOCUMENT  # the documents of that microbatch
 
     def holds_loss(self) -> bool:
         return self.schedule.stage_ranks[self.last_stage] == self.comm.rank
@@ -250,18 +252,19 @@ class PipelineExecutor:
         out, saved = self.model.forward(x, targets if stage == self.last_stage else None, self._normalizer,
                                         NO_HOOKS, units=self.stages[stage], documents=documents)
         self._saved[stage, microbatch] = saved
-        self._measure(saved)
+        self._measure(saved, documents)
         self._on_forward(saved)
         if stage == self.last_stage:
             self._loss += out - saved.aux_loss  # the cross-entropy: MoE aux losses are reported apart
         else:
             self._handed["input", stage + 1, microbatch] = out  # sent by SEND_F, or read by the next F here
 
-    def _measure(self, saved: Any) -> None:
+    def _measure(self, saved: Any, documents: Any) -> None:
         self.peak_saved_bytes = max(self.peak_saved_bytes, distinct_bytes(list(self._saved.values())))
         blocks = [unit for unit in saved.units if 1 <= unit <= self.model.config.n_layer]
         if blocks:
             self.block_saved_bytes = saved.per_unit[blocks[0]].nbytes()
+            self.block_saved_documents = documents
 
     def _backward_input(self, action: Action) -> None:
         stage, microbatch = action.stage, action.microbatch

@@ -154,7 +154,7 @@ def block_activation_formula(trainer: Trainer) -> int:
     return trainer.model.compute_dtype.itemsize * block_activation_elements(
         trainer.microbatch_rows, settings.data.seq_len, config.n_embd, config.n_head, mesh.tp.size,
         settings.mesh.sp, settings.model.recompute, trainer.model.query_block, config.kv_heads,
-        config.ffn_width if config.is_llama else None)
+        config.ffn_width if config.is_llama else None, trainer.passes.block_documents)
 
 
 # -- bytes per axis beside the formulas ------------------------------------------------------------------------

@@ -208,6 +208,7 @@ class Passes:
         self.model, self.engine, self.mesh, self.progress = parallel.model, parallel.engine, parallel.mesh, progress
         self.activation_bytes = 0  # what the first microbatch's forward saved for backward, all units
         self.block_activation_bytes = 0  # of that, one transformer block's
+        self.block_documents: Any = ONE_DOCUMENT  # the documents of the microbatch it was measured on
 
     def sum_losses(self, local: float) -> float:
         """The global batch's loss: summed over DP and CP ranks (each holds other tokens)."""
@@ -232,6 +233,7 @@ class MicrobatchesInTurn(Passes):
                 if i == 0:
                     self.activation_bytes = saved.nbytes()
                     self.block_activation_bytes = saved.per_unit[1].nbytes() if self.model.blocks else 0
+                    self.block_documents = documents
                 self.progress.at(step + 1, "backward", i)
                 self.model.backward(saved, hooks=self.engine)
         return loss
@@ -266,6 +268,7 @@ class PipelinePasses(Passes):
         self.tracer.pipeline_actions(self.executor.timeline, self.schedule.stage_ranks, step)
         self.activation_bytes = self.executor.peak_saved_bytes
         self.block_activation_bytes = self.executor.block_saved_bytes
+        self.block_documents = self.executor.block_saved_documents
         sum_tied_gradient(self.model, self.mesh.pp, self.schedule.stage_ranks[0], self.schedule.stage_ranks[-1])
         return loss
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from models.documents import Documents
 from models.layers import block_activation_elements
 from models.transformer import GPTConfig, Transformer
 
@@ -128,6 +129,19 @@ def test_saved_bytes_per_block_equal_the_formula(mode, query_block, length):
         assert saved.per_unit[block].nbytes() == expected
     gpt.backward(saved)
     assert saved.nbytes() == 0
+
+
+@pytest.mark.parametrize("query_block", [3, 64])
+def test_with_packed_documents_a_block_keeps_fewer_probabilities_and_the_formula_counts_them(query_block):
+    tokens, targets = batch(rows=3, length=12)
+    tokens = np.where(tokens == 0, 1, tokens)
+    tokens[0, [4, 9]], tokens[2, 6] = 0, 0  # rows 0 and 2 hold several documents, row 1 one
+    documents = Documents.of_tokens(tokens, 0)
+    _, saved = model(query_block=query_block).forward(tokens, targets, documents=documents)
+    expected = block_activation_elements(3, 12, CONFIG.n_embd, CONFIG.n_head, query_block=query_block,
+                                         documents=documents) * 8
+    causal = block_activation_elements(3, 12, CONFIG.n_embd, CONFIG.n_head, query_block=query_block) * 8
+    assert saved.per_unit[1].nbytes() == expected < causal
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
