@@ -56,6 +56,11 @@ class Axis:
     def check_tokens(self, length: int) -> None:
         """Raise ValueError when `length` local tokens per sequence cannot be split as this axis needs."""
 
+    def sequence_groups(self) -> list[Any]:
+        """The communicators over which this axis splits each sequence's tokens (per-sequence sums need them):
+        none here."""
+        return []
+
     @property
     def parallel(self) -> bool:
         return self.size > 1 or self.comm is not None

@@ -36,11 +36,14 @@ is `models.moe`'s).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from collectives.backend import Array, get_array_module
+from collectives import all_reduce
+from collectives.backend import Array, get_array_module, like, to_host
 
 from .config import check_groups
 from .layers import Layer, Saved, row_sums
@@ -67,13 +70,17 @@ class SigmoidRouter(Router):
 
     def __init__(self, weight: Any, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, capacity_factor: float = 0.0, seq_aux_coef: float = 0.0,
-                 aux_weight: float = 1.0, expert_bias: Array | None = None) -> None:
+                 aux_weight: float = 1.0, expert_bias: Array | None = None,
+                 sequence_groups: Sequence[Any] = ()) -> None:
         super().__init__(weight, top_k, norm_topk_prob, capacity_factor, 0.0, aux_weight, expert_bias)
         check_groups(self.n_experts, top_k, n_group, topk_group)
         if seq_aux_coef < 0:
             raise ValueError(f"seq_aux_coef must be >= 0, got {seq_aux_coef}")
         self.n_group, self.topk_group = n_group, topk_group
         self.scaling, self.seq_aux_coef = routed_scaling_factor, seq_aux_coef
+        # the communicators over which each sequence's tokens are split (cp; tp under sp): f sums over them
+        self.sequence_groups = list(sequence_groups)
+        self.shares = math.prod(comm.size for comm in self.sequence_groups)
 
     def _scores(self, logits: Array) -> Array:
         return _sigmoid(logits)
@@ -100,28 +107,40 @@ class SigmoidRouter(Router):
         return xp.argsort(-biased, axis=1, kind="stable")[:, :self.top_k]
 
     def _balance_loss(self, routing: Saved, assignments: np.ndarray) -> float:
-        return float(self._sequence_balance(routing)[0]) if self.seq_aux_coef else 0.0
+        """This rank's share of the sequence-wise loss: f per sequence from the whole sequence (counts summed over
+        the ranks that split it, `sequence_groups`), P_i from the tokens here, over the whole length T. The shares
+        over those ranks sum to the loss (each enters with `shares` times the token set's weight). Keeps f
+        (`routing.fractions`) for backward."""
+        if not self.seq_aux_coef:
+            return 0.0
+        routing.fractions = self._sequence_fractions(routing)
+        normalized = self._normalized(routing)
+        column_shares = to_host(normalized.sum(axis=1)) / routing.fractions_length  # (b, E): P_i's share here
+        return self.seq_aux_coef * float((routing.fractions * column_shares).sum(axis=1).mean())
 
-    def _sequence_balance(self, routing: Saved) -> tuple[Array, Array, Array]:
-        """(α · mean over sequences of Σ_i f_i·P_i, f per sequence (b, E), the normalized scores (b, T, E))."""
-        xp = get_array_module(routing.scores)
+    def _sequence_fractions(self, routing: Saved) -> np.ndarray:
+        """f_i = E/(K·T)·#{t : i chosen for t} per sequence (b, E), T the whole sequence: this rank's counts
+        summed over each group that splits the sequences (context parallelism; sequence parallelism)."""
         sequences, experts = routing.sequences, self.n_experts
-        length = len(routing.scores) // sequences
-        normalized = (routing.scores / row_sums(routing.scores)).reshape(sequences, length, experts)
-        chosen = routing.chosen.reshape(sequences, -1)
-        counts = xp.zeros((sequences, experts), dtype=routing.scores.dtype)
-        for sequence in range(sequences):
-            counts[sequence] = xp.bincount(chosen[sequence], minlength=experts)
-        fractions = counts * (experts / (self.top_k * length))
-        balance = (fractions * normalized.mean(axis=1)).sum(axis=1).mean()
-        return self.seq_aux_coef * balance, fractions, normalized
+        chosen = to_host(routing.chosen).reshape(sequences, -1)
+        counts = np.stack([np.bincount(row, minlength=experts) for row in chosen]).astype(np.float64)
+        for comm in self.sequence_groups:
+            counts = all_reduce(counts, comm)
+        routing.fractions_length = chosen.shape[1] // self.top_k * self.shares
+        return counts * (experts / (self.top_k * routing.fractions_length))
+
+    def _normalized(self, routing: Saved) -> Array:
+        """The scores normalized per token, (b, t, E): t this rank's tokens of each sequence."""
+        return (routing.scores / row_sums(routing.scores)).reshape(routing.sequences, -1, self.n_experts)
 
     def _balance_gradient(self, routing: Saved) -> Array:
-        """d(aux_weight · L)/d(scores) (N, E) of the sequence-wise balance loss (f held constant)."""
+        """d(aux_weight · L)/d(scores) (N, E) of the sequence-wise balance loss (f held constant): through each
+        token's s' with d s'_ti = w·α·f_i/(T·b), T the whole sequence's length."""
         if not self.seq_aux_coef:
             return get_array_module(routing.scores).zeros_like(routing.scores)
-        _, fractions, normalized = self._sequence_balance(routing)
-        sequences, length, _ = normalized.shape
+        normalized = self._normalized(routing)
+        sequences, length = routing.sequences, routing.fractions_length
+        fractions = like(routing.scores, routing.fractions.astype(routing.scores.dtype))  # counted in float64
         dnormalized = (self.aux_weight * self.seq_aux_coef / (length * sequences)) * fractions[:, None, :]
         xp, experts = get_array_module(fractions), self.n_experts
         dnormalized = xp.broadcast_to(dnormalized, normalized.shape).reshape(-1, experts)

@@ -128,8 +128,9 @@ def _deepseek_moe(model: Any, i: int, prefix: str, balanced: bool = True) -> Dee
     router = SigmoidRouter(model.params[f"{prefix}.router.weight"], config.moe_top_k, config.n_group,
                            config.topk_group, config.moe_renormalize, config.routed_scaling_factor,
                            config.moe_capacity_factor, config.moe_seq_aux_coef if balanced else 0.0,
-                           aux_weight=1.0 / model.moe_token_sets,
-                           expert_bias=model.expert_biases[expert_bias_name(i)] if balanced else None)
+                           expert_bias=model.expert_biases[expert_bias_name(i)] if balanced else None,
+                           sequence_groups=model.sequence_groups() if balanced else ())
+    router.aux_weight = model.aux_weight() * router.shares  # the ranks' shares add up to a token set's loss
     routed = model.ep.mixture(router, model.held_experts(prefix), fp8_dispatch=model.fp8 != "none")
     shared = model.expert(f"{prefix}.shared_experts") if config.n_shared_experts else None
     return DeepSeekMoE(routed, shared)

@@ -172,6 +172,7 @@ class Router:
         # (None: balance each token set by its own, the local aux loss)
         self.step_counts: np.ndarray | None = None
         self.step_tokens = 0
+        self.shares = 1  # ranks whose aux-loss shares make one token set's loss (DeepSeek's split sequences)
 
     @property
     def n_experts(self) -> int:

@@ -430,12 +430,17 @@ class Transformer:
     def _set_loss_scale(self, scale: float) -> None:
         self.loss_scale = scale
         for router in self.routers().values():
-            router.aux_weight = self.aux_weight(scale)
+            router.aux_weight = self.aux_weight(scale) * router.shares
 
     def aux_weight(self, scale: float = 1.0) -> float:
         """d(objective)/d(a token set's aux loss): 1/(token sets) for the local aux loss (the step averages
         them), 1 for the global one (the sets' shares sum to it); times the loss scale."""
         return scale if self.moe_aux_scope == "global" else scale / self.moe_token_sets
+
+    def sequence_groups(self) -> list[Any]:
+        """The communicators over which each sequence's tokens are split: cp's, and tp's under sequence
+        parallelism (none in the serial model)."""
+        return [*self.cp.sequence_groups(), *self.tp.sequence_groups()]
 
     def routers(self) -> dict[int, Any]:
         """The router of each MoE block held here, by block index."""

@@ -30,7 +30,8 @@ gradient buckets an engine reduces:
           rank (= h/tp for multi-head attention: GQA moves n_kv/n_head of it); Ulysses 2(c−1)/c²·bs·(h + h_kv')
           each way, h_kv' = max(n_kv, c)·d (4(c−1)/c²·bsh for multi-head attention) (`axes.context_parallel`);
           on the head's rank the MTP modules' blocks too, and per microbatch the all-gather of the targets,
-          (c−1)/c·b·s int64 ids (`models.multi_token`)
+          (c−1)/c·b·s int64 ids (`models.multi_token`); DeepSeek-V3's sequence-wise loss: per MoE block and
+          forward, AR of the b × E expert counts per sequence (float64; under SP over tp too) (`models.deepseek_moe`)
     tp    (llama, tp > n_kv) per block and microbatch besides: the K/V weight gradients summed over the tp/n_kv
           ranks holding each KV head, 2·AR(h·d)
 
@@ -140,6 +141,8 @@ class RunShape:
     latent_width: int = 0   # MLA (deepseek_v3): r + d_r, the compressed KV row its CP gathers (0: other attention)
     mtp_depth: int = 0      # DeepSeek-V3's multi-token-prediction modules (on the head's rank)
     latent_heads_width: int = 0  # MLA: n_head·(d_n + d_r + d_v), what Ulysses sends of q and the output per token
+    balanced_layers: int = 0  # DeepSeek-V3's MoE blocks here with the sequence-wise loss on (its counts cross cp, sp)
+    experts: int = 0        # E
 
     @property
     def dense_mlps(self) -> int:
@@ -220,8 +223,19 @@ def tensor_parallel_bytes(shape: RunShape, comm: Communicator, partial_gradient_
     # KV heads replicated on tp/n_kv ranks: each microbatch's K and V weight gradients summed over the copies
     if key_value_comm is not None:
         total += shape.microbatches * shape.blocks * key_value_gradient_bytes(shape, key_value_comm)
+    if shape.sp:  # DeepSeek-V3's sequence-wise loss: each slice's expert counts per sequence, summed over tp
+        total += sequence_balance_bytes(shape, comm)
     # SP: the gradients that are partial sums over tp (LayerNorms; with MoE the router and experts), summed once
     return total + collective_bytes("all_reduce", partial_gradient_bytes, comm)
+
+
+def sequence_balance_bytes(shape: RunShape, comm: Communicator) -> float:
+    """DeepSeek-V3's sequence-wise balance loss on split sequences: per balanced MoE block, microbatch and forward
+    (two with --recompute full), an all-reduce of the b × E expert counts (float64) over `comm`
+    (`models.deepseek_moe`)."""
+    forwards = 2 if shape.recompute == "full" else 1
+    counts = collective_bytes("all_reduce", shape.rows * shape.experts * 8, comm)
+    return shape.microbatches * shape.balanced_layers * forwards * counts
 
 
 def _exchange_bytes(shape: RunShape, nbytes: float, comm: Communicator) -> float:
@@ -269,12 +283,14 @@ CP_ELEMENTS = {  # (forward, backward) K/V elements of b·s·h_kv one rank sends
 }
 
 
-def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
+def context_parallel_bytes(shape: RunShape, cp: int, tp: int, comm: Communicator | None = None) -> float:
     """Bytes per step on the CP group, every block and microbatch: ring and all-gather move K and V (h_kv =
     n_kv·d channels of this TP rank: GQA moves n_kv/n_head of multi-head attention's); Ulysses moves q, k, v and
-    the output, 2(c−1)/c²·bs·(h + h_kv') each way, h_kv' the KV channels sent (n_kv' = max(n_kv, c) heads)."""
+    the output, 2(c−1)/c²·bs·(h + h_kv') each way, h_kv' the KV channels sent (n_kv' = max(n_kv, c) heads); with
+    `comm`, DeepSeek-V3's sequence-wise loss's expert counts too (`sequence_balance_bytes`)."""
     if cp == 1:
         return 0.0
+    counts = sequence_balance_bytes(shape, comm) if comm is not None else 0.0
     heads, kv_heads, head_dim = shape.local_heads
     tokens = shape.rows * shape.seq_len * shape.itemsize
     forwards = 2 if shape.recompute == "full" else 1
@@ -292,7 +308,7 @@ def context_parallel_bytes(shape: RunShape, cp: int, tp: int) -> float:
     blocks = shape.blocks + (shape.mtp_depth if shape.has_head else 0)  # MTP modules' blocks on the head's rank
     # MTP: the whole sequences' targets (int64) all-gathered once per microbatch (`models.multi_token`)
     targets = (cp - 1) / cp * shape.rows * shape.seq_len * 8 if shape.mtp_depth and shape.has_head else 0.0
-    return shape.microbatches * (blocks * (forwards * forward + backward) + targets)
+    return shape.microbatches * (blocks * (forwards * forward + backward) + targets) + counts
 
 
 def expert_parallel_bytes(counts: dict[str, dict[str, Any]], dispatch: str, comm: Any, row_bytes: float,

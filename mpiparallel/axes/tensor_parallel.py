@@ -459,6 +459,9 @@ class TensorParallel(TensorAxis):
         self.sequence_shards = self.size if sequence_parallel else 1
         self.key_value_copies = 1
 
+    def sequence_groups(self) -> list[Any]:
+        return [self.comm] if self.group.sequence_parallel else []  # SP: each rank routes its slice of a sequence
+
     def fit(self, config: GPTConfig) -> None:
         check_tensor_parallel_shape(config, self.size)
         self.n_head, self.n_kv_head = config.n_head, config.kv_heads

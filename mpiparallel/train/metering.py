@@ -176,13 +176,16 @@ def traffic_by_axis(trainer: Trainer, counted: dict[str, int], across_nodes: boo
         dense_blocks=sum(not config.is_moe_layer(unit - 1) for unit in local - {0, config.n_layer + 1}),
         latent_width=config.kv_lora_rank + config.qk_rope_head_dim if config.is_deepseek else 0,
         mtp_depth=config.mtp_depth, latent_heads_width=config.n_head * (
-            config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) if config.is_deepseek else 0)
+            config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) if config.is_deepseek else 0,
+        experts=config.n_experts, balanced_layers=sum(config.is_moe_layer(unit - 1) for unit in
+                                                      local - {0, config.n_layer + 1})
+        if config.is_deepseek and config.moe_seq_aux_coef else 0)
     partial = sum(piece.grad.nbytes for piece in trainer.engine.optimizer_parameters()
                   if isinstance(piece.placement.get("tp"), Partial))
     key_value_group = None if across_nodes else model.tp.key_value_group  # KV heads held by several TP ranks
     predicted: dict[str, float | None] = {
         "tp": traffic.tensor_parallel_bytes(shape, mesh.tp, partial, key_value_group),
-        "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp) if not across_nodes
+        "cp": traffic.context_parallel_bytes(shape, mesh.shape.cp, mesh.shape.tp, mesh.cp) if not across_nodes
         else traffic.context_parallel_inter_node_bytes(shape, mesh.cp),
         "ep": expert_parallel_formula(trainer, across_nodes)}
     axis_of = {id(comm): axis for axis, comm in trainer.mesh.communicators().items()}

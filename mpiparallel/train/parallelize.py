@@ -252,12 +252,9 @@ def check_ep_dispatch(settings: TrainSettings, mesh: Mesh, config: GPTConfig) ->
 
 
 def check_sequence_balance(settings: TrainSettings, mesh: Mesh, config: GPTConfig) -> None:
-    """DeepSeek-V3's sequence-wise balance loss needs whole sequences on every rank; its multi-token prediction
-    needs a token left to predict (it runs under --cp and --sp: `models.multi_token`)."""
-    split = mesh.shape.cp > 1 or (settings.mesh.sp and mesh.shape.tp > 1)
-    if config.moe_seq_aux_coef and split:
-        raise ConfigError("--moe-seq-aux-coef balances each sequence's routing: it needs whole sequences on every "
-                          "rank (no --cp, no --sp)")
+    """DeepSeek-V3's multi-token prediction needs a token left to predict (it runs under --cp and --sp:
+    `models.multi_token`; so does the sequence-wise balance loss, its counts summed over the ranks that split a
+    sequence: `models.deepseek_moe`)."""
     if config.mtp_depth >= settings.data.seq_len:
         raise ConfigError(f"--mtp-depth {config.mtp_depth}: module k predicts the token k + 1 ahead, so --seq-len "
                           f"({settings.data.seq_len}) must exceed the depth")

@@ -129,13 +129,6 @@ def test_a_multi_token_prediction_deeper_than_the_sequence_is_one_clear_error():
     assert "--mtp-depth 4: module k predicts the token k + 1 ahead, so --seq-len (4) must exceed" in message
 
 
-def test_split_sequences_with_the_sequence_balance_loss_are_one_clear_error():
-    message = train_error("--arch", "deepseek_v3", "-n", "2", "--cp", "2", "--cp-attention", "all-gather",
-                          "--experts", "4", "--moe-seq-aux-coef", "0.1", "--n-layer", "1", "--n-embd", "16",
-                          "--seq-len", "16", "--batch-size", "2", "--steps", "1")
-    assert "--moe-seq-aux-coef balances each sequence's routing" in message
-
-
 def test_resuming_on_another_mesh_continues_exactly(tmp_path):
     """Saved under tensor parallelism (experts, MTP and the moving selection bias included), resumed with expert
     parallelism and ZeRO-3: the resumed steps' losses equal the uninterrupted run's."""

@@ -55,6 +55,9 @@ DEEPSEEK_MTP = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3, "moe_seq_aux_coef
 DEEPSEEK_MTP_SPLIT = {**DEEPSEEK, "mtp_depth": 2, "mtp_weight": 0.3}
 # packed documents (--attention document): the byte corpus's spaces open documents, so each 16-byte window holds
 # about three words, every token attending within its own and positions restarting at each
+# DeepSeek-V3's sequence-wise balance loss where CP (every variant) and SP split the sequences: each rank's share,
+# its expert counts summed over the ranks holding the sequence
+DEEPSEEK_SEQUENCE = {**DEEPSEEK, "moe_seq_aux_coef": 0.05}
 # the Switch aux loss over the whole step (--moe-aux-scope global): on any mesh the serial model's value and gradient
 MOE_GLOBAL = {**MOE, "moe_aux_coef": 0.05, "moe_aux_scope": "global"}
 MIXTRAL_GLOBAL = {**MIXTRAL, "moe_aux_coef": 0.05, "moe_aux_scope": "global"}
@@ -65,7 +68,7 @@ MODELS = {"dense": DENSE, "moe": MOE, "moe-bias": MOE_BIAS, "llama": LLAMA, "lla
           "mixtral": MIXTRAL, "deepseek": DEEPSEEK, "deepseek-bias": DEEPSEEK_BIAS, "deepseek-mtp": DEEPSEEK_MTP,
           "deepseek-mtp-split": DEEPSEEK_MTP_SPLIT, "dense-doc": DENSE_DOC, "llama-doc": LLAMA_DOC,
           "mixtral-doc": MIXTRAL_DOC, "deepseek-doc": DEEPSEEK_DOC, "moe-global": MOE_GLOBAL,
-          "mixtral-global": MIXTRAL_GLOBAL}
+          "mixtral-global": MIXTRAL_GLOBAL, "deepseek-sequence": DEEPSEEK_SEQUENCE}
 GLOBAL_AUX_MODELS = ("moe-global", "mixtral-global")
 DOCUMENT_MODELS = ("dense-doc", "llama-doc", "mixtral-doc", "deepseek-doc")
 LLAMA_FAMILY = ("llama", "llama-mqa", "mixtral")
@@ -249,6 +252,12 @@ MATRIX = [  # (ranks, model, options); every option not given is the default (no
     (4, "moe-global", {"dp": 2, "ep": 2, "cp": 2, "cp_attention": "all-gather", "microbatches": 2}),
     (4, "mixtral-global", {"dp": 2, "tp": 2, "sp": True, "ep": 2}),
     (4, "mixtral-global", {"pp": 2, "cp": 2, "cp_attention": "ulysses", "schedule": "gpipe", "microbatches": 4}),
+    (2, "deepseek-sequence", {"cp": 2, "cp_attention": "ring", "recompute": "full"}),
+    (2, "deepseek-sequence", {"cp": 2, "cp_attention": "all-gather", "microbatches": 2}),
+    (2, "deepseek-sequence", {"cp": 2, "cp_attention": "ulysses"}),
+    (2, "deepseek-sequence", {"tp": 2, "sp": True, "recompute": "selective"}),
+    (4, "deepseek-sequence", {"tp": 2, "cp": 2, "sp": True, "cp_attention": "ring"}),
+    (4, "deepseek-sequence", {"dp": 2, "cp": 2, "ep": 2, "cp_attention": "all-gather", "zero": 1}),
 ]
 # pipelines on device arrays: the CuPy double (tests/support/fake_cupy.py) with an MPI that is not CUDA-aware, so every
 # activation and gradient between stages is staged through host memory (MPIPARALLEL_TEST_ARRAYS=cupy: real CuPy)

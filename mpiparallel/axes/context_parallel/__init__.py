@@ -51,6 +51,9 @@ class ContextParallel(ContextAxis):
     def local_tokens(self, whole: Array) -> Array:
         return zigzag_shard(whole, self.rank, self.size)
 
+    def sequence_groups(self) -> list[Any]:
+        return [self.comm]  # each sequence's 2·cp chunks lie on the group's ranks
+
     def check_tokens(self, length: int) -> None:
         if length % 2:
             raise ValueError(f"context parallelism holds two equal chunks per rank: {length} local tokens")
