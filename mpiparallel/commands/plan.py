@@ -76,6 +76,10 @@ def _model_options(function: Any) -> Any:
                      help="Tokens per sequence. [default: 128, or 2048 with --params]"),
         click.option("--vocab-size", type=click.IntRange(min=1), default=None,
                      help="Vocabulary. [default: 256, or 50257 with --params]"),
+        click.option("--document-length", type=click.IntRange(min=1), default=None,
+                     help="train --attention document: the packed documents' mean length in tokens; attention's "
+                          "work and saved probabilities fall to its documents' (scripts/bench_documents.py measures "
+                          "a data folder's). [default: causal over the whole sequence]"),
         click.option("--n-positions", type=click.IntRange(min=1), default=None,
                      help="Position embeddings. [default: max(1024, seq-len), as train]"),
         click.option("--experts", type=click.IntRange(min=0), default=0, help="MoE experts per block (0: dense)."),
@@ -224,6 +228,7 @@ def plan(ctx: click.Context, **options: Any) -> None:
 
     model = _model(options, {name for name in ("experts", "top_k", "seq_len")
                              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT})
+    model = replace(model, document_length=options["document_length"] or 0)
     precision = planner.precision_with(options["precision"] or ("float32" if options["machine"] else "mixed"),
                                        options["optimizer"], options["bytes_per_param"], options["weights_only"])
     explicit = {name for name in ("gpu_memory", "gpus_per_node", "inter_bandwidth", "inter_latency")
@@ -541,6 +546,7 @@ def report(document: dict[str, Any]) -> str:
     lines = [f"model: {model['arch']}, {model['n_layer']} layers, {model['n_embd']} channels, {model['n_head']} "
              f"heads{_llama_shape(model)}, seq {model['seq_len']}, vocab {model['vocab_size']}"
              + (f", {model['experts']} experts top-{model['top_k']}" if model["experts"] else "")
+             + (f", documents of {model['document_length']} tokens" if model.get("document_length") else "")
              + f": {model['total_parameters']:,} parameters; batch {document['batch_size']} sequences",
              _cluster_line(cluster),
              f"fewest {_unit(cluster)}s that must share the model states ({document['precision']['weights']:g}+"

@@ -28,7 +28,7 @@ from .communication import Collective, block_collectives, tp_exchanges
 from .deepseek_block import latent_block_cost
 from .kernel_costs import Gemm, UnitCost
 from .layout import Layout, Precision
-from .shapes import Model, attention_pairs, causal_pairs, local_kv_heads, moe_tokens, padded_vocab
+from .shapes import Model, attention_pairs, causal_pairs, local_kv_heads, moe_tokens, packed_documents, padded_vocab
 from .software import SOFTWARE, Software
 
 
@@ -211,7 +211,8 @@ def block_saved_elements(model: Model, layout: Layout, rows: int, item: float,
     flash = software.attention == "flash"
     recompute = "selective" if (cp > 1 or flash) and layout.recompute == "none" else layout.recompute
     family = {"kv_heads": model.kv_heads, "ffn_hidden": model.ffn_width} if model.is_llama else {}
-    saved = float(block_activation_elements(rows, seq, h, model.n_head, tp, layout.sp, recompute, **family))
+    saved = float(block_activation_elements(rows, seq, h, model.n_head, tp, layout.sp, recompute, **family,
+                                            documents=packed_documents(model, rows)))
     if layout.recompute == "full":
         return saved
     if layout.sp and tp > 1 and not software.sp_keeps_gathered_inputs:

@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property, lru_cache
 from typing import Any
 
+import numpy as np
+
+from models.documents import ONE_DOCUMENT, Documents
 from models.layers import QUERY_BLOCK, query_blocks
 from models.transformer import GPTConfig
 
@@ -58,6 +61,8 @@ class Model:
     tie_embeddings: bool | None = None
     deepseek: DeepSeekShape | None = None
     """arch deepseek_v3's latent attention, DeepSeekMoE and MTP choices (`planner.deepseek`)."""
+    document_length: int = 0
+    """train --attention document: the mean length of the packed documents (0: causal over the whole sequence)."""
 
     @classmethod
     def from_config(cls, config: GPTConfig, seq_len: int) -> Model:
@@ -268,12 +273,28 @@ def causal_pairs(seq: int) -> int:
     return sum((stop - start) * stop for start, stop in query_blocks(seq, QUERY_BLOCK))
 
 
+def packed_documents(model: Model, rows: int) -> Any:
+    """The documents of `rows` windows packed with documents of `document_length` tokens each (one per window
+    without: causal), for the runtime's formulas (`models.documents`)."""
+    if not 0 < model.document_length < model.seq_len:
+        return ONE_DOCUMENT
+    tokens = np.ones((rows, model.seq_len), dtype=np.int64)
+    tokens[:, ::model.document_length] = 0
+    return Documents.of_tokens(tokens, 0)
+
+
 def attention_pairs(model: Model, layout: Layout, attention: str) -> float:
     """(query, key) pairs one sequence's attention computes on one CP rank: this project's causal query blocks
-    (the whole sequence's, over cp), the whole s×s square ("dense") or its causal half ("flash")."""
+    (the whole sequence's, over cp), the whole s×s square ("dense") or its causal half ("flash"). With packed
+    documents of mean length L (`document_length`) the causal kinds see only their document: s/L documents of
+    L(L+1)/2 pairs ("flash"; blocked as each document's own for this project's), 1/cp of them per CP rank."""
     seq = model.seq_len // layout.cp
     if attention == "dense":
         return seq * model.seq_len
+    if 0 < model.document_length < model.seq_len:
+        documents, length = model.seq_len / model.document_length, model.document_length
+        each = length * length / 2 if attention == "flash" else causal_pairs(length)
+        return documents * each / layout.cp
     if attention == "flash":
         return seq * model.seq_len / 2
     return causal_pairs(seq) * layout.cp  # ≈ 1/cp of the sequence's pairs

@@ -310,3 +310,22 @@ def test_a_gpt2_with_llama_options_is_one_clear_error():
     assert finished.returncode != 0
     assert "n_kv_head is a llama setting" in finished.stderr + finished.stdout
     assert "Traceback" not in finished.stderr
+
+
+def test_packed_documents_cut_attentions_work_and_saved_probabilities_to_their_documents():
+    """`plan --document-length L`: s/L documents of L(L+1)/2 pairs each in place of the sequence's s(s+1)/2 — the
+    layer's own count (`models.documents.attention_scores`, checked against what the layer multiplies in
+    tests/models/test_documents.py) for documents of exactly L tokens, one query per block."""
+    from mpiparallel.planner.costs import block_cost
+    from mpiparallel.planner.shapes import attention_pairs, causal_pairs
+
+    causal = Model(4, 256, 4, 2048, 256)
+    packed = Model(4, 256, 4, 2048, 256, document_length=256)
+    assert attention_pairs(packed, Layout(), "flash") == 8 * 256 * 256 / 2
+    assert attention_pairs(packed, Layout(), "mpiparallel") == 8 * causal_pairs(256)
+    assert attention_pairs(packed, Layout(cp=4), "mpiparallel") == 2 * causal_pairs(256)
+    assert attention_pairs(Model(4, 256, 4, 2048, 256, document_length=2048), Layout(), "mpiparallel") \
+        == attention_pairs(causal, Layout(), "mpiparallel")  # one document per window: causal
+    precision = PRECISIONS["float32"]
+    dense, short = (block_cost(model, Layout(), 1, precision) for model in (causal, packed))
+    assert short.flops_forward < dense.flops_forward and short.saved < dense.saved
