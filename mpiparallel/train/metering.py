@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +65,7 @@ class Clock:
     start: float
     sent: dict[str, int]
     inter_node: dict[str, int]
+    apart: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes sent outside the formulas, by name
 
 
 class StepMeter:
@@ -78,21 +79,23 @@ class StepMeter:
     def start(self) -> Clock:
         return Clock(time.perf_counter(), self._bytes_sent(), self._inter_node_bytes_sent())
 
-    def apart(self, clock: Clock, work: Callable[[], Any]) -> tuple[Clock, dict[str, int]]:
+    def apart(self, clock: Clock, name: str, work: Callable[[], Any]) -> Clock:
         """Run `work` inside the step's time but outside its bytes per axis, which the traffic formulas predict
-        without it (the global aux loss's counting pass). Returns the clock with its byte counts moved past what
-        `work` sent, and those bytes per axis (for the record, apart)."""
+        without it (the global aux loss's counting pass): the bytes it sends go to the step's record as `name`
+        (when there are any). Returns the clock with its byte counts moved past them."""
         sent, inter_node = self._bytes_sent(), self._inter_node_bytes_sent()
         work()
         apart = {axis: after - sent[axis] for axis, after in self._bytes_sent().items()}
         moved = {axis: after - inter_node[axis] for axis, after in self._inter_node_bytes_sent().items()}
+        clock.apart[name] = apart
         return Clock(clock.start, {axis: clock.sent[axis] + apart[axis] for axis in apart},
-                     {axis: clock.inter_node[axis] + moved[axis] for axis in moved}), apart
+                     {axis: clock.inter_node[axis] + moved[axis] for axis in moved}, clock.apart)
 
     def finish(self, clock: Clock, step: int) -> dict[str, Any]:
         """The step's record fields: `time_s`, `comm_bytes` per axis, and `inter_node_bytes` on several nodes."""
         sent = {axis: after - clock.sent[axis] for axis, after in self._bytes_sent().items()}
         record: dict[str, Any] = {"comm_bytes": sent}
+        record |= {name: bytes_apart for name, bytes_apart in clock.apart.items() if any(bytes_apart.values())}
         if self.across_nodes:  # the bytes of `sent` that left this rank's node
             record["inter_node_bytes"] = {axis: after - clock.inter_node[axis]
                                           for axis, after in self._inter_node_bytes_sent().items()}

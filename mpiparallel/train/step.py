@@ -80,8 +80,8 @@ class Trainer:
         x, y, documents = self.rows_here(batches, step)
         pieces = data.microbatches(x, y, self.microbatches, documents)
         self.progress.at(step + 1, "routing")
-        clock, routing_bytes = self.meter.apart(clock, lambda: self.experts.count_routing(self.passes, pieces,
-                                                                                           self.global_tokens))
+        clock = self.meter.apart(clock, "routing_bytes",
+                                 lambda: self.experts.count_routing(self.passes, pieces, self.global_tokens))
         self.engine.zero_grad()
         tally = self.experts.new_step()
         with self.model.scaled_objective(scale):  # float16: S·objective, gradients unscaled in the clip
@@ -105,8 +105,7 @@ class Trainer:
         self.progress.at(step + 1, "gather")
         if not skipped:
             self.engine.after_update()
-        routing = {"routing_bytes": routing_bytes} if any(routing_bytes.values()) else {}
-        return record | self.meter.finish(clock, step) | {"grad_norm": grad_norm} | routing
+        return record | self.meter.finish(clock, step) | {"grad_norm": grad_norm}
 
     def scalars(self) -> dict[str, Any]:
         """The state besides the arrays, the same on every rank: the optimizer's step count, the loss scaler's."""

@@ -49,6 +49,7 @@ MESHES = [
     (4, "--arch deepseek_v3 --experts 4 --top-k 2 --moe-seq-aux-coef 0.1 --tp 2 --sp --cp 2 --recompute full"),
     # packed documents and the global aux loss (its counting pass's bytes are logged apart)
     (2, "--attention document --cp 2 --experts 4 --top-k 2 --moe-aux-scope global --microbatches 2"),
+    (2, "--experts 4 --top-k 2 --moe-aux-scope global --zero 3 --microbatches 2"),  # the pass's gathers apart
     # ep: the rows the routers sent, with MTP's MoE blocks and full recomputation's second dispatch; FP8 dispatch
     (4, "--arch deepseek_v3 --experts 4 --top-k 2 --mtp-depth 1 --dp 4 --ep 4 --recompute full"),
     (2, "--arch llama --experts 4 --top-k 2 --dp 2 --ep 2 --compute-dtype bfloat16 --fp8 blockwise"),
