@@ -857,7 +857,7 @@ class HeadCrossEntropy(Layer):
         ignored = targets.reshape(-1) < 0  # IGNORED
         targets = xp.where(ignored, 0, targets.reshape(-1))
         rows = xp.arange(len(targets))
-        logits = x2d @ self.token.data.T
+        logits = self.logits(x2d)
         if is_device_array(logits):
             target_logits = _shifted_exp_device(logits, rows, targets)
         else:
@@ -873,7 +873,7 @@ class HeadCrossEntropy(Layer):
         return loss, Saved(x2d=x2d, x_shape=x.shape, dlogits=logits)
 
     def logits(self, x: Array) -> Array:
-        """Plain logits for sampling (no loss)."""
+        """x @ wteᵀ: the logits forward turns into the loss, and what sampling reads."""
         return x @ self.token.data.T
 
     def backward_input(self, saved: Saved, dout: None = None) -> Array:

@@ -76,7 +76,6 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -84,6 +83,8 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import profile_step  # noqa: E402  (this directory: the --profile reports)
 
 from collectives.backend import dtype_named, to_host  # noqa: E402
 from models.families import name_map  # noqa: E402
@@ -477,76 +478,6 @@ class StepGemms:
         return time.perf_counter() - start
 
 
-class LayerProfile:
-    """Exclusive wall time per (layer kind, phase), by wrapping the forward/backward methods of every layer."""
-
-    def __init__(self) -> None:
-        self.totals: dict[tuple[str, str], float] = defaultdict(float)
-        self.stack: list[list] = []
-
-    PHASES = {"forward": "forward", "backward": "backward", "backward_input": "backward",
-              "backward_weights": "backward"}
-
-    def wrap(self, obj, label: str, phases: dict[str, str] | None = None) -> None:
-        """Time `obj`'s methods (name -> the phase they count in; default: the layer protocol's) under `label`."""
-        for name, phase in (phases or self.PHASES).items():
-            method = getattr(obj, name, None)
-            if method is not None:
-                setattr(obj, name, self._timed(method, label, phase))
-
-    def _timed(self, method, label: str, phase: str):
-        def timed(*args, **kwargs):
-            frame = [time.perf_counter(), 0.0]
-            self.stack.append(frame)
-            try:
-                return method(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - frame[0]
-                self.stack.pop()
-                self.totals[label, phase] += elapsed - frame[1]
-                if self.stack:
-                    self.stack[-1][1] += elapsed
-        return timed
-
-    def attach(self, model: Transformer, optimizer) -> None:
-        """Wrap every layer of `model` (GPT-2's or llama's names), its rotary embedding and the optimizer step."""
-        llama = model.config.is_llama
-        norm = "rmsnorm" if llama else "layernorm"
-        names = ({"qkv": "linear q|k|v", "projection": "linear o_proj", "expand": "linear gate|up",
-                  "activation": "swiglu", "contract": "linear down"} if llama else
-                 {"qkv": "linear qkv", "projection": "linear attn proj", "expand": "linear mlp fc",
-                  "activation": "gelu", "contract": "linear mlp proj"})
-        self.wrap(model.embedding, "embedding")
-        self.wrap(model.head.ln_f, norm)
-        self.wrap(model.head.loss, "lm head + cross-entropy")
-        if model.rope is not None:  # one object serves every block: q and k turned in forward, d(q), d(k) back
-            self.wrap(model.rope, "rope", {"rotate": "forward", "rotate_back": "backward"})
-        for block in model.blocks:
-            self.wrap(block, "residual adds")
-            for ln in (block.ln_1, block.ln_2):
-                self.wrap(ln, norm)
-            self.wrap(block.attn, "attention core (qkᵀ, softmax, pv)")
-            self.wrap(block.attn.qkv, names["qkv"])
-            self.wrap(block.attn.projection, names["projection"])
-            self.wrap(block.mlp, "mlp glue")
-            self.wrap(block.mlp.expand, names["expand"])
-            self.wrap(block.mlp.activation, names["activation"])
-            self.wrap(block.mlp.contract, names["contract"])
-        self.wrap(optimizer, "adamw", {"step": "update"})
-
-    def report(self, steps: int, step_seconds: float) -> None:
-        phases = ("forward", "backward", "update")
-        labels = sorted({label for label, _ in self.totals}, key=lambda k: -sum(self.totals[k, p] for p in phases))
-        print(f"\nprofile of our step (exclusive ms per step, {steps} steps; step {step_seconds * 1e3:.1f} ms)")
-        print(f"{'layer':38s} {'forward':>9s} {'backward':>9s} {'update':>9s} {'share':>7s}")
-        for label in labels:
-            times = [self.totals[label, p] / steps for p in phases]
-            cells = " ".join(f"{t * 1e3:9.2f}" if t else f"{'':9s}" for t in times)
-            print(f"{label:38s} {cells} {sum(times) / step_seconds:7.1%}")
-        covered = sum(self.totals.values()) / steps
-        print(f"{'zero_grad + rest':38s} {'':9s} {'':9s} {'':9s} {1 - covered / step_seconds:7.1%}")
-
-
 PRESETS = {"gpt2-124m": {"model": "gpt2", "layers": 12, "embd": 768, "heads": 12, "seq": 1024, "vocab": 50257},
            "smollm-135m": {"model": "llama", "layers": 30, "embd": 576, "heads": 9, "kv_heads": 3, "ffn_hidden": 1536,
                            "seq": 1024, "vocab": 49152}}
@@ -747,7 +678,8 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
         report_mfu(flops, ours_seconds, theirs_seconds,
                    peak_tflops(device, precision_of(args), args.peak_tflops))
     if args.profile:
-        profile_ours(args, ours, ours_optimizer, data)
+        profile_both(args, device, ours, ours_optimizer, theirs if use_torch else None,
+                     theirs_optimizer if use_torch else None, data, reference)
     theirs_rate = None if theirs_seconds is None else tokens_per_step / theirs_seconds
     return Result(family, reference, tokens_per_step / ours_seconds, theirs_rate, step_ratio, bound / ours_seconds)
 
@@ -767,6 +699,8 @@ def print_header(args: argparse.Namespace, device: Device, config: GPTConfig, ou
     if not use_torch:
         reference = " (torch not " + ("used)" if torch is not None else "installed)")
     compute = f" ({args.compute_dtype} compute)" if args.compute_dtype else ""
+    if args.device == "cpu":
+        print("\n" + "\n".join(profile_step.machine_lines(torch if use_torch else None)))
     print(f"\n{shape}, T={args.seq}, B={args.batch}, vocab {args.vocab}, {args.dtype}{compute}"
           f"{', TF32' if args.tf32 else ''}, "
           f"{device.name()}; {library} (query block {args.query_block}, recompute {args.recompute}) "
@@ -807,17 +741,45 @@ def relative_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.linalg.norm(ours.astype(np.float64) - theirs) / max(np.linalg.norm(theirs), 1e-300))
 
 
-def profile_ours(args: argparse.Namespace, ours: Transformer, optimizer, data: np.ndarray) -> None:
-    """More of our steps with every layer, the rotary embedding and the optimizer timed (exclusive times)."""
-    profile = LayerProfile()
-    profile.attach(ours, optimizer)
+def profile_both(args: argparse.Namespace, device: Device, ours: Transformer, ours_optimizer, theirs,
+                 theirs_optimizer, data: np.ndarray, reference: str) -> None:
+    """More steps of each, profiled (scripts/profile_step.py's three reports): our layers, both steps by category
+    side by side, and the GEMMs alone in both BLAS libraries. torch.profiler's CPU times say nothing of a GPU's, so
+    on a GPU only our layers are shown."""
+    layers = profile_step.LayerProfile()
+    layers.attach(ours, ours_optimizer)
     times = []
     for step in range(args.steps):
         tokens, targets = window(data, step, args.batch, args.seq)
+        device.sync()
         start = time.perf_counter()
-        ours_step(ours, optimizer, tokens, targets)
+        ours_step(ours, ours_optimizer, tokens, targets)
+        device.sync()
         times.append(time.perf_counter() - start)
-    profile.report(args.steps, sum(times) / len(times))
+    layers.detach()
+    step_seconds = sum(times) / len(times)
+    layers.report(args.steps, step_seconds)
+    if device.kind != "cpu":
+        return
+    theirs_categories = theirs_seconds = None
+    generic = False
+    if theirs is not None:
+        steps = iter(range(args.steps))
+
+        def theirs_step() -> None:
+            tokens, targets = window(data, next(steps), args.batch, args.seq)
+            torch_step(theirs, theirs_optimizer, torch.from_numpy(tokens), torch.from_numpy(targets),
+                       bfloat16=args.compute_dtype == "bfloat16")
+
+        theirs_categories, theirs_seconds, generic = profile_step.torch_categories(torch, theirs_step, args.steps)
+    config = ours.config
+    least = profile_step.least_bytes(config, args.batch, args.seq, np.dtype(args.dtype).itemsize,
+                                     block_linears(config))
+    profile_step.side_by_side(layers.categories(args.steps, step_seconds), step_seconds, theirs_categories,
+                              theirs_seconds, least, reference, generic)
+    if theirs is not None:
+        blas = profile_step.blas_seconds(torch, step_gemms(config, args.batch, args.seq), np.dtype(args.dtype))
+        profile_step.blas_bound(*blas, theirs_categories, theirs_seconds)
 
 
 def report_mfu(flops: float, ours_seconds: float, theirs_seconds: float | None, peak: float | None) -> None:
