@@ -137,6 +137,29 @@ def test_pure_update_functions_leave_the_gradient_alone_and_reuse_scratch():
         sgd_update(param, grad, 0.1, np.empty(3))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_adamw_on_a_parameter_larger_than_a_block_equals_the_update_in_one_piece(monkeypatch, layout):
+    """Blocks of CPU_BLOCK elements (here 1,000, so 5,000 + 37 elements make six, the last short) give the very
+    numbers of one pass over the whole array; a strided array (no flat view) is updated in one piece."""
+    import mpiparallel.optim as optim
+
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal((5037, 2) if layout == "strided" else 5037) for _ in range(4)]
+    arrays[3] = np.abs(arrays[3])  # v ≥ 0
+    if layout == "strided":
+        arrays = [array[:, 0] for array in arrays]
+    whole = [array.copy() for array in arrays]
+    adamw_update(*whole, 3, 0.01, 0.9, 0.95, 1e-8, 0.1)
+    monkeypatch.setattr(optim, "CPU_BLOCK", 1000)
+    seen = []
+    passes = optim._adamw_passes
+    monkeypatch.setattr(optim, "_adamw_passes", lambda *a: (seen.append(a[0].size), passes(*a))[1])
+    adamw_update(*arrays, 3, 0.01, 0.9, 0.95, 1e-8, 0.1)
+    assert seen == ([1000] * 5 + [37] if layout == "contiguous" else [5037])
+    for blocked, reference in zip(arrays, whole, strict=True):
+        np.testing.assert_array_equal(blocked, reference)
+
+
 def test_adamw_equals_torch_adamw():
     torch = optional_module("torch", "torch is optional (pip install -e '.[interop]'); the reference test above "
                                      "covers the formula")
