@@ -403,7 +403,8 @@ def side_by_side(ours: dict[str, float], ours_step: float, theirs: dict[str, flo
     print(share)
     if generic:
         print(f"({reference} builds RMSNorm and RoPE from generic operators — mul, pow, mean, rsqrt, neg, cat — which "
-              "torch.profiler cannot tell apart: they are counted under bias, residual adds, copies)")
+              "torch.profiler cannot tell apart: they are counted under bias, residual adds, copies, and so is "
+              "SwiGLU's product silu(gate)·up, whose row holds only silu)")
 
 
 def blas_bound(numpy_seconds: float, torch_seconds: float, flops: float, theirs: dict[str, float] | None,
