@@ -28,6 +28,7 @@ or RoPE: the side-by-side table says so when it happens.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import platform
@@ -120,6 +121,7 @@ def openblas_core() -> str:
     return "unknown"
 
 
+@functools.cache
 def mkl_code_path() -> str:
     """The code path oneMKL reports for torch's GEMMs (MKL_VERBOSE's first line, in a child process: the variable is
     read when MKL loads), e.g. '... for Intel(R) 64 architecture Intel(R) AVX-512 ...'."""

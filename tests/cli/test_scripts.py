@@ -48,6 +48,50 @@ def test_the_training_benchmark_compares_gpt2_and_llama_on_the_same_computation(
     assert all("ratio ours/theirs" in line for line in summary if line.strip()), out
     for layer in ("rmsnorm", "rope", "swiglu", "linear q|k|v", "linear gate|up", "gelu", "adamw"):
         assert f"\n{layer} " in out, layer  # both profiles' rows
+    assert out.count("NumPy's BLAS at") == 2 and "OpenBLAS kernels" in out and "CPU capability" in out, out
+    gpt2_table = _side_by_side(out.split("\none step by category")[1])
+    for category in ("matmul", "attention", "GELU", "LayerNorm", "cross-entropy", "embedding", "optimizer"):
+        ours, theirs = gpt2_table[category]
+        assert ours > 0 and theirs > 0, (category, out)  # torch.profiler's operator names were recognized
+
+
+def _side_by_side(section: str) -> dict[str, tuple[float, float]]:
+    """{first word of a category: (ours ms, theirs ms)} from profile_step.side_by_side's table."""
+    rows = {}
+    for line in section.splitlines()[2:]:
+        if line.startswith("step"):
+            break
+        cells = line[38:].split()
+        if len(cells) >= 2:
+            rows[line.split()[0]] = (float(cells[0]), float(cells[1]))
+    return rows
+
+
+def test_the_layer_profile_counts_products_inside_a_layer_as_its_matmul_part_and_detaches():
+    sys.path.insert(0, str(BENCH_TRAIN.parent))
+    import profile_step
+
+    class Products:
+        def forward(self, x):
+            return x
+
+    class Layer:
+        products = Products()
+
+        def forward(self, x):
+            return self.products.forward(x) + 1
+
+    layer = Layer()
+    original = layer.products.forward
+    profile = profile_step.LayerProfile()
+    profile.wrap(layer, "linear")
+    profile.wrap(layer.products, "matmul", {"forward": "forward"}, gemm=True)
+    assert layer.forward(1) == 2
+    assert profile.totals["linear", "forward"] >= profile.matmul["linear", "forward"] > 0
+    assert ("matmul", "forward") not in profile.totals  # inside a layer: the layer's time, not its own row
+    assert profile.categories(1, 1.0)["matmul"] == profile.matmul["linear", "forward"]
+    profile.detach()
+    assert "forward" not in vars(layer) and layer.products.forward == original
 
 
 SHIFTED_LOSS = ("forward = bench_train.TransformersLlama.forward; "
@@ -66,3 +110,21 @@ def test_the_training_benchmark_stops_when_the_first_step_differs(patch):
     assert result.returncode != 0
     assert "first step DIFFERS" in result.stderr and "not compared" in result.stderr, result.stderr[-2000:]
     assert "tokens/s" not in result.stdout  # no timings reported for different computations
+
+
+BENCH_DISTRIBUTED = BENCH_TRAIN.parent / "bench_torch_distributed.py"
+
+
+def test_the_distributed_benchmark_runs_ddp_and_fsdp2_on_the_same_computation():
+    """train -n 2 (and --zero 3) against DDP and FSDP2 over gloo on a tiny GPT-2: both kinds run, every step's loss
+    agrees, and a ratio is reported (its value is the machine's, not asserted)."""
+    pytest.importorskip("torch", reason="the comparison runs torch.distributed")
+    result = subprocess.run([sys.executable, str(BENCH_DISTRIBUTED), "--layers", "1", "--embd", "32", "--heads", "4",
+                             "--seq", "16", "--batch-per-rank", "2", "--steps", "2", "--warmup", "1", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=300, cwd=BENCH_TRAIN.parent.parent)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "against DDP (gloo)" in out and "against FSDP2 (gloo)" in out, out
+    drifts = [float(m) for m in re.findall(r"largest loss difference over the steps ([0-9.e+-]+)", out)]
+    assert len(drifts) == 2 and max(drifts) < 1e-4, out
+    assert re.search(r"summary: ddp [0-9.]+×, fsdp [0-9.]+×", out), out
