@@ -437,12 +437,15 @@ class SwiGLU(Layer):
         gate, up = x[..., :width], x[..., width:]
         if is_device_array(x):  # one fused pass; backward recomputes σ, so only the input's halves are kept
             return kernels.SWIGLU_FORWARD(gate=gate, up=up)["out"], Saved(gate=gate, up=up)
-        sigmoid = xp.negative(gate)
+        # the halves are strided views of x: each pass over one pays NumPy's per-row cost, so gate is read once,
+        # into a contiguous copy that becomes silu (measured at 1024 × 704: forward 2.6 -> 2.1 ms)
+        silu = xp.ascontiguousarray(gate)
+        sigmoid = xp.negative(silu)
         xp.exp(sigmoid, out=sigmoid)
         sigmoid += 1.0
         xp.reciprocal(sigmoid, out=sigmoid)
-        silu = gate * sigmoid
-        return silu * up, Saved(gate=gate, up=up, sigmoid=sigmoid, silu=silu)
+        silu *= sigmoid
+        return silu * up, Saved(up=up, sigmoid=sigmoid, silu=silu)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         xp = get_array_module(dout)
@@ -454,13 +457,14 @@ class SwiGLU(Layer):
             saved.clear()
             return dx
         xp.multiply(dout, saved.silu, out=dx[..., width:])
-        # silu'(g) = s + g·s·(1 − s) = s + silu·(1 − s)
-        dgate = dx[..., :width]
-        xp.subtract(1.0, saved.sigmoid, out=dgate)
+        # silu'(g) = s + g·s·(1 − s) = s + silu·(1 − s), built in a contiguous array and written into the strided
+        # half of dx once (five passes over the half itself took 4.0 ms at 1024 × 704, these 2.8)
+        dgate = xp.subtract(1.0, saved.sigmoid)
         dgate *= saved.silu
         dgate += saved.sigmoid
         dgate *= saved.up
         dgate *= dout
+        dx[..., :width] = dgate
         saved.clear()
         return dx
 
