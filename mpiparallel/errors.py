@@ -73,6 +73,13 @@ class CorruptCheckpoint(ConfigError):
     exit_code = ExitCode.CORRUPT_CHECKPOINT
 
 
+class ElasticGaveUp(ConfigError):
+    """Survivors recovering in place found no way on (too few ranks, no mesh, no restarts left); the first of them
+    has said why in one line, so the command line prints nothing more, and every survivor exits with its status."""
+
+    exit_code = ExitCode.ELASTIC_GAVE_UP
+
+
 Result = TypeVar("Result")
 
 

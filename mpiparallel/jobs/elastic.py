@@ -141,7 +141,8 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
     extra: list[str] = []
     cluster: launch.Hosts | None = cluster_of_hostfile(hostfile) if hostfile is not None else slurm_launch.current()
     hosts = multi_host.read_hostfile(hostfile) if hostfile is not None else cluster.hosts if cluster else []
-    placement = cluster.mpiexec_options() if hostfile is not None and cluster is not None else []
+    open_mpi = launch.mpi4py_uses_open_mpi()
+    placement = cluster.mpiexec_options(open_mpi) if hostfile is not None and cluster is not None else []
     in_place = recovery_mode(options, hostfile, cluster)
     with tempfile.TemporaryDirectory(prefix="mpiparallel-elastic-") as folder:
         progress = Path(folder) / "progress"
@@ -184,8 +185,10 @@ def run_elastic(ranks: int, argv: list[str], options: dict[str, Any], axes: dict
             _log_restart(options["log_json"], reached, outcome, words, mesh.planner)
             extra = [*mesh.options(), *(["--resume-from", str(latest)] if latest else [])]
             progress.unlink(missing_ok=True)
-            if placement:
-                placement = _without_lost_hosts(placement, hosts, Path(folder) / f"hostfile-{restarts}")
+            if placement:  # the cluster's hosts left, in a hostfile of the parent's own
+                left = Path(folder) / f"hostfile-{restarts}"
+                left.write_text("".join(f"{host.name}:{host.slots}\n" for host in hosts))
+                placement = cluster.mpiexec_options(open_mpi, left)
 
 
 def in_place_rule(options: dict[str, Any]) -> Callable[[int, Any], dict[str, Any] | str]:
@@ -206,8 +209,9 @@ def in_place_rule(options: dict[str, Any]) -> Callable[[int, Any], dict[str, Any
 
 
 def recovery_mode(options: dict[str, Any], hostfile: Path | None, cluster: Any) -> bool:
-    """Whether the job recovers in place (Open MPI with ULFM, on one machine) or by relaunch, said in one line;
-    --elastic-mode in-place where it cannot is one clear error."""
+    """Whether the job recovers in place (Open MPI with ULFM, started by its own mpirun: on one machine or on the
+    hosts of `mpiparallel cluster`) or by relaunch, said in one line; --elastic-mode in-place where it cannot is
+    one clear error."""
     mode = options.get("elastic_mode", "auto")
     if mode == "relaunch":
         say("elastic: a lost rank is recovered by relaunch (--elastic-mode relaunch)")
@@ -216,15 +220,25 @@ def recovery_mode(options: dict[str, Any], hostfile: Path | None, cluster: Any) 
     if not launch.mpi4py_uses_open_mpi():
         why_not = (f"{launch.mpi_library()} has no fault tolerance (ULFM) to let the survivors go on; under Open "
                    f"MPI they recover in place")
-    elif hostfile is not None or cluster is not None:
-        why_not = "in-place recovery runs on one machine for now (a hostfile's or Slurm's hosts relaunch)"
+    elif isinstance(cluster, slurm_launch.Allocation):
+        why_not = ("srun starts the ranks, and Open MPI's fault tolerance runs under its own launcher (mpirun "
+                   "--with-ft ulfm)")
     if why_not is None:
-        say("elastic: a lost rank is recovered in place: Open MPI runs with its fault tolerance on (--with-ft ulfm)")
+        say("elastic: a lost rank is recovered in place: Open MPI runs with its fault tolerance on (--with-ft ulfm)"
+            + (f"; after a lost host the survivors relaunch ({DAEMON_LOSS})" if cluster is not None else ""))
         return True
     if mode == "in-place":
         raise click.UsageError(f"--elastic-mode in-place: {why_not}")
     say(f"elastic: a lost rank is recovered by relaunch: {why_not}")
     return False
+
+
+DAEMON_LOSS = "Open MPI 5.0's runtime ends a job that lost one of its host daemons, at once or a few steps later"
+"""Why a lost host is not recovered in place for good. Measured with `cluster kill` under --with-ft ulfm: the
+survivors learn of the loss and go on in place, but PRRTE 3.0 (Open MPI 5.0.11's mpirun) ends the job — at once
+("PRTE has lost communication with a remote daemon … We cannot recover from this failure") or 1–5 steps later (after
+"A daemon failed to report back"), then exits with 0 (`launch._killed_hosts` tells such an end from a finished
+run). Tolerating a lost daemon came to PRRTE after 3.0."""
 
 
 def _planner_words(mesh: JobMesh) -> str:
@@ -370,13 +384,6 @@ def _train_runs(layout: Any, options: dict[str, Any]) -> bool:
     if layout.sp != options["sp"] or options["virtual_stages"] not in (None, 1) and layout.pp == 1:
         return False
     return not layout.sp or (options["seq_len"] // layout.cp) % layout.tp == 0
-
-
-def _without_lost_hosts(placement: list[str], hosts: list[multi_host.Host], path: Path) -> list[str]:
-    """The cluster's mpiexec options with its hostfile replaced by one of `hosts` (the hosts left)."""
-    path.write_text("".join(f"{host.name}:{host.slots}\n" for host in hosts))
-    at = placement.index("-f")
-    return [*placement[:at + 1], str(path), *placement[at + 2:]]
 
 
 def _what_was_lost(outcome: launch.JobOutcome, reached: int) -> str:

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 import click
 
-from ..errors import ConfigError, ExitCode, signal_exit_code
+from ..errors import ConfigError, ElasticGaveUp, ExitCode, signal_exit_code
 from . import hosts as multi_host
 from . import slurm_launch
 from .stall import Stall, StallWatch, StallWatchdog
@@ -246,10 +246,6 @@ def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), clus
                           f"{sys.executable}; install one (pip install mpich) or start the ranks yourself")
     check_mpiexec_matches_mpi4py(mpiexec)
     launcher = open_mpi_settings(ranks) if is_open_mpi(mpiexec) else {}
-    if launcher and placement:
-        raise ConfigError(f"--hostfile starts ranks through MPICH's mpiexec, but {mpiexec} is Open MPI's: start "
-                          f"them yourself (mpirun --hostfile FILE), or with srun on a cluster of `mpiparallel "
-                          f"cluster up --scheduler slurm`")
     command = relaunch_command(mpiexec, ranks, argv, placement)
     if fault_tolerant:
         command[1:1] = ULFM_OPTIONS
@@ -283,8 +279,12 @@ def _relaunch_on_hosts(ranks: int | None, argv: Sequence[str], hostfile: Path, s
         present = set(namespaces_of(cluster.name))
         multi_host.check_hosts(hostfile, hosts, ranks, present.__contains__,
                                f"cluster {cluster.name} has {', '.join(sorted(present)) or 'no host up'}")
-        _relaunch(ranks, argv, cluster.mpiexec_options(), cluster, stall)
+        _relaunch(ranks, argv, cluster.mpiexec_options(mpi4py_uses_open_mpi()), cluster, stall)
     multi_host.check_hosts(hostfile, hosts, ranks, multi_host.resolvable, "not known to the resolver")
+    if mpi4py_uses_open_mpi():
+        raise ConfigError(f"--hostfile {hostfile} starts ranks through MPICH's mpiexec -f, but mpi4py loads Open "
+                          f"MPI: start them yourself (mpirun --hostfile FILE), or use a cluster of `mpiparallel "
+                          f"cluster up` (its hostfile) or srun in a Slurm allocation")
     _relaunch(ranks, argv, ["-f", str(hostfile)], stall=stall)
 
 
@@ -438,7 +438,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     for thread in (monitor, watchdog):
         if thread is not None:
             thread.start()
-    relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner, held)),
+    runtime_notices: list[bytes] = []
+    relays = [threading.Thread(target=_relay, args=(process.stdout, sys.stdout.buffer, banner, held, None,
+                                                    runtime_notices)),
               threading.Thread(target=_relay, args=(process.stderr, sys.stderr.buffer, None, held,
                                                     open_mpi_banner))]
     for relay in relays:
@@ -460,8 +462,8 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
         if stall is not None:
             stall.log(stalls[0])
         return JobOutcome(ExitCode.STALL, lost_ranks=stalls[0].behind, stall=stalls[0])
-    lost = tuple(unreachable) or (tuple(multi_host.killed_hosts(pids, _registered(pids), ended_by_us))
-                                  if status != 0 and not stopped else ())
+    lost = tuple(unreachable) or (tuple(_killed_hosts(pids, ended_by_us, status, watcher.order))
+                                  if cluster is not None and not stopped else ())
     if lost:  # one line per lost host, in place of what hydra, UCX and the survivors said about it
         print("\n".join(host.message() for host in lost), file=sys.stderr, flush=True)
         if flight_asked:  # a host unreachable: what the ranks still running were waiting in
@@ -473,7 +475,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     elif status != 0:
         said = [ending for _, ending in _registered(pids).values() if ending]
         # Open MPI's notices only repeat what a rank said itself (its error, its exit): shown when none did
-        text = b"".join(banner if said else banner + open_mpi_banner)
+        text = b"".join(banner if said else banner + open_mpi_banner + runtime_notices)
         message = lost_rank_message(text.decode(errors="replace"), _registered(pids), watcher.order, watcher.how)
         lost_ranks = tuple(rank for rank, _ in ranks_lost(text.decode(errors="replace"), _registered(pids),
                                                           watcher.order) if rank is not None)
@@ -486,6 +488,30 @@ def supervise(command: Sequence[str], environ: Mapping[str, str], pids: Path, ra
     else:
         sys.stderr.buffer.write(b"".join(held or []))
     return JobOutcome(_job_status(status, lost, lost_ranks, stopped), lost, lost_ranks)
+
+
+def _killed_hosts(pids: Path, ended_by_us: set[str], status: int, order: Sequence[Sequence[tuple[int, int]]]
+                  ) -> list[multi_host.LostHost]:
+    """The hosts lost by a job on a cluster's hosts, from the launcher shells' notes (`hosts.killed_hosts`).
+
+    Hydra ends such a job with a non-zero status and its healthy hosts' notes say `ended`. Open MPI 5.0's mpirun
+    (PRRTE 3.0) does neither, measured with `cluster kill` under --with-ft ulfm: it exits with 0, and ends every
+    daemon's shell (SIGKILL) on its way out, so every host's note reads as killed; and it ends a job that lost a
+    host's daemon at once or seconds later, after the survivors had gone on in place — or not at all before they
+    finished. So with status 0: nothing was lost if every rank off the silent hosts (those none of whose ranks
+    said how it ended) ended with 0; otherwise the job was ended around the survivors, and the host lost is that
+    of the first rank to end without a word (the ranks' ends in order: `Endings`)."""
+    registered = _registered(pids)
+    killed = multi_host.killed_hosts(pids, registered, ended_by_us)
+    if status != 0 or not killed:
+        return killed
+    host_of = multi_host.rank_hosts(pids)
+    said = {host_of.get(pid) for pid, (_, ending) in registered.items() if ending}
+    if said and all(ending == ENDED for pid, (_, ending) in registered.items() if host_of.get(pid) in said):
+        return []
+    first_silent = next((host_of.get(pid) for group in order for _, pid in group
+                         if not registered.get(pid, (0, ""))[1]), None)
+    return [host for host in killed if host.host == first_silent]
 
 
 def _collect_flight_records(pids: Path, folder: str | None, wait_s: float | None = None) -> float:
@@ -760,13 +786,16 @@ _BANNER_TAIL = (b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING", b"This typi
                 b"Please see the FAQ page")
 
 
-_OPEN_MPI_RULE = re.compile(rb"^-{70,}\s*$")
-_OPEN_MPI_NOISE = (b"[warn] Epoll ", b"NBC_Progress: an error ")
-"""Open MPI's launcher (prterun) writes its notices about a job's end to stderr between rules of 74 '-'
+_OPEN_MPI_RULE = re.compile(rb"^-{60,}\s*$")
+_OPEN_MPI_NOISE = re.compile(rb"^(\[warn\] Epoll |NBC_Progress: an error |Error in NBC_Start_round\(\)|"
+                             rb"\[[^\]]+\] plm:ssh: Warning: setpgid)")
+"""Open MPI's launcher (prterun) writes its notices about a job's end to stderr between rules of 60 or 74 '-'
 (`prterun detected that one or more processes exited with non-zero status …`, `prterun noticed that process
 rank 1 with PID 4242 … exited on signal 9`), and its event library may warn as ranks close their pipes; under
 ULFM its non-blocking collectives say, then an empty line, that a peer's failure aborted them (`NBC_Progress: an
-error 77 was found during schedule …`: the recovery's business, not the user's)."""
+error 77 was found during schedule …`, `Error in NBC_Start_round() (-1)`: the recovery's business, not the
+user's); on a cluster's hosts its ssh launcher may warn that a daemon it started had already set its own process
+group (`[HOST:PID] plm:ssh: Warning: setpgid(…) failed in parent with errno=Permission denied(13)`: harmless)."""
 
 _FAILURE_DETAIL = re.compile(rb"^(\[mpiexec@|\[proxy:|\[[^\] ]+:\d+ *:\d+:\d+\]|"
                              rb"mpiparallel: rank \d+ failed: MPI error|srun: |slurmstepd)")
@@ -789,13 +818,33 @@ def _pieces(source: BinaryIO) -> Iterator[bytes]:
 
 
 def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None,
-           held: list[bytes] | None = None, open_mpi_banner: list[bytes] | None = None) -> None:
+           held: list[bytes] | None = None, open_mpi_banner: list[bytes] | None = None,
+           runtime_notices: list[bytes] | None = None) -> None:
     """Pass `source` on to `target` line by line (or up to a carriage return); with a `banner` list, hydra's "BAD
     TERMINATION" banner (two rules of '=' around its lines, then up to three lines about the exit string) goes
     there instead; with an `open_mpi_banner` list, Open MPI's (`prterun detected that …`, between rules of '-')
-    and its event library's warnings as ranks end; with a `held` list, lines that describe a failure from below
-    go there."""
-    for line in _pieces(source):
+    and its event library's warnings as ranks end; with `runtime_notices`, the notices Open MPI's runtime writes
+    to stdout about a host's daemon (`_RUNTIME_NOTICES`, between rules of '-'); with a `held` list, lines that
+    describe a failure from below go there."""
+    rule: bytes | None = None  # a rule of '-' on stdout, held until the next line says whether a notice follows
+    for piece in _pieces(source):
+        line = piece.replace(b"\0", b"")  # Open MPI's runtime ends some of its strings with a NUL, then no newline
+        if not line:
+            continue
+        if runtime_notices is not None:
+            if sum(bool(_OPEN_MPI_RULE.match(kept)) for kept in runtime_notices) % 2 == 1:  # inside one
+                runtime_notices.append(line)
+                continue
+            if rule is not None and line.startswith(_RUNTIME_NOTICES):
+                runtime_notices += [rule, line]
+                rule = None
+                continue
+            if rule is not None:
+                target.write(rule)
+                rule = None
+            if _OPEN_MPI_RULE.match(line):
+                rule = line
+                continue
         rules = 0 if banner is None else sum(bool(_BANNER_RULE.match(kept)) for kept in banner)
         open_mpi_rules = 0 if open_mpi_banner is None else sum(bool(_OPEN_MPI_RULE.match(kept))
                                                                for kept in open_mpi_banner)
@@ -803,7 +852,7 @@ def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None
                                                                                 line.startswith(_BANNER_TAIL))):
             banner.append(line)
         elif open_mpi_banner is not None and (open_mpi_rules % 2 == 1 or _OPEN_MPI_RULE.match(line)
-                                              or line.startswith(_OPEN_MPI_NOISE)
+                                              or _OPEN_MPI_NOISE.match(line)
                                               or _after_noise(line, open_mpi_banner)):
             open_mpi_banner.append(line)
         elif held is not None and _FAILURE_DETAIL.match(line):
@@ -811,11 +860,19 @@ def _relay(source: BinaryIO, target: BinaryIO, banner: list[bytes] | None = None
         else:
             target.write(line)
             target.flush()
+    if rule is not None:
+        target.write(rule)
+        target.flush()
+
+
+_RUNTIME_NOTICES = (b"A daemon failed to report back", b"PRTE has lost communication")
+"""The first lines of what Open MPI 5.0's runtime (PRRTE) writes to stdout when a host's daemon goes: in place of
+them the parent says which host was lost and what became of the job."""
 
 
 def _after_noise(line: bytes, kept: list[bytes]) -> bool:
     """The empty line Open MPI writes after a noise line (`_OPEN_MPI_NOISE`)."""
-    return line == b"\n" and bool(kept) and kept[-1].startswith(_OPEN_MPI_NOISE)
+    return line == b"\n" and bool(kept) and _OPEN_MPI_NOISE.match(kept[-1]) is not None
 
 
 def ranks_lost(banner: str, ranks: Mapping[int, tuple[int, str]], order: Sequence[Sequence[tuple[int, int]]]
@@ -936,13 +993,16 @@ def run_guarded(entry: Callable[[], int | None]) -> NoReturn:
 
 
 def _ending(status: int) -> NoReturn:
-    if launched_by_mpi():
-        _register_pid(ENDED)
+    if launched_by_mpi():  # "ended", or "ended STATUS" where the rank ends with one (a usage error, a signal's stop)
+        _register_pid(f"{ENDED} {status}" if status else ENDED)
+        from ..train.recovery import leave_if_recovered
+
+        leave_if_recovered(status)  # a rank that recovered in place ends here, without MPI_Finalize
     sys.exit(status)
 
 
 def _report_usage_error(error: click.ClickException | ConfigError) -> None:
-    if current_rank() != 0:
+    if current_rank() != 0 or isinstance(error, ElasticGaveUp):  # the survivors' first rank said why already
         return
     if debugging():
         traceback.print_exc()

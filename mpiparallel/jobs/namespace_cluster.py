@@ -18,7 +18,16 @@ ssh:
     mpiexec -launcher ssh -launcher-exec NAME/launcher.sh -f NAME/hostfile -localhost ADDRESS.1 -n 4 python …
 
 The script drops ssh's options and runs the command in the host's namespace under its own host name
-(`ip netns exec HOST unshare --uts sh -c "hostname HOST; …"`). MPI then sees real nodes: `COMM_TYPE_SHARED`
+(`ip netns exec HOST unshare --uts sh -c "hostname HOST; …"`). Open MPI's mpirun (PRRTE) starts one daemon per
+host the same way, the script as its ssh agent (`mpiexec_options(open_mpi=True)`):
+
+    mpirun --host NAME-0:2,NAME-1:2 --map-by slot --prtemca plm_ssh_agent NAME/launcher.sh
+           --prtemca plm_ssh_no_tree_spawn 1 --prtemca oob_tcp_if_include ADDRESS.0/24
+           --mca btl_tcp_if_include ADDRESS.0/24 -n 4 python …
+
+(PRRTE reads no `host:slots` hostfile, hence --host; every daemon is started from mpirun's side, not from one
+another's namespace; the daemons and ranks talk over the cluster's /24 only, where the bridge is mpirun's
+address.) MPI then sees real nodes: `COMM_TYPE_SHARED`
 groups the ranks of one namespace, and the bytes between hosts cross the veths. One caution, measured: MPICH's
 network module (UCX) recognises that all namespaces run on one kernel and by default moves bytes between hosts
 by cross-memory attach (`process_vm_readv`), so a 16 MiB all-reduce across two shaped hosts sent 25 KB over the
@@ -48,6 +57,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from . import slurm_cluster
+from .hosts import read_hostfile
 
 DEFAULT_NAME = "mpiparallel"
 STATE_VARIABLE = "MPIPARALLEL_CLUSTERS"
@@ -104,10 +114,17 @@ class Cluster:
     def launcher(self) -> Path:
         return Path(self.folder) / "launcher.sh"
 
-    def mpiexec_options(self) -> list[str]:
-        """The options that make MPICH's mpiexec start ranks on these hosts."""
-        return ["-launcher", "ssh", "-launcher-exec", str(self.launcher), "-f", str(self.hostfile),
-                "-localhost", self.bridge_address]
+    def mpiexec_options(self, open_mpi: bool = False, hostfile: Path | None = None) -> list[str]:
+        """The options that make mpiexec start ranks on these hosts (those of `hostfile`, default the cluster's
+        own: a relaunch names the hosts left): MPICH's hydra, or with `open_mpi` Open MPI's mpirun."""
+        hostfile = hostfile or self.hostfile
+        if not open_mpi:
+            return ["-launcher", "ssh", "-launcher-exec", str(self.launcher), "-f", str(hostfile),
+                    "-localhost", self.bridge_address]
+        hosts = ",".join(f"{host.name}:{host.slots}" for host in read_hostfile(hostfile))
+        return ["--host", hosts, "--map-by", "slot", "--prtemca", "plm_ssh_agent", str(self.launcher),
+                "--prtemca", "plm_ssh_no_tree_spawn", "1", "--prtemca", "oob_tcp_if_include", self.subnet,
+                "--mca", "btl_tcp_if_include", self.subnet]
 
 
 def host_name(cluster: str, index: int) -> str:

@@ -26,7 +26,7 @@ from .metering import NO_TRACER, memory_report, peak_flops, traffic_by_axis
 from .parallelize import build_mesh, microbatch_rows, parallelize
 from .preemption import Preemption
 from .progress import ProgressReports
-from .recovery import InPlace, MeshRule, describe, leave_if_recovered, recovery_for, restart_event
+from .recovery import InPlace, MeshRule, describe, recovery_for, restart_event
 from .reports import CONTINUE_LOG, Reporter
 from .settings import TrainSettings
 from .step import Trainer
@@ -34,10 +34,9 @@ from .step import Trainer
 
 def run(settings: TrainSettings, survivors_rule: MeshRule | None = None) -> int:
     """Train as `settings` says; return the exit status. `survivors_rule` (--elastic's, from the command line) turns
-    in-place recovery on where the MPI has ULFM (`recovery`); a process that recovered ends here (`leave`)."""
-    status = _train(settings, survivors_rule)
-    leave_if_recovered(status)
-    return status
+    in-place recovery on where the MPI has ULFM (`recovery`; a process that recovered ends without MPI_Finalize,
+    on its way out: `recovery.leave_if_recovered`)."""
+    return _train(settings, survivors_rule)
 
 
 def _train(settings: TrainSettings, survivors_rule: MeshRule | None) -> int:

@@ -55,7 +55,7 @@ from collectives.faults import FT_VARIABLE, PeerFailure, fault_tolerant
 from ..checkpoints import sharded
 from ..checkpoints.sharded import MOMENT_KEYS, TrainingCheckpoint
 from ..checkpoints.survivors import SurvivorMemory
-from ..errors import ConfigError, ExitCode
+from ..errors import ConfigError, ElasticGaveUp
 from ..mesh import Coordinates, MeshShape, coordinates_of, rank_of
 from ..text import plural
 from .settings import TrainSettings
@@ -229,8 +229,7 @@ class InPlace:
     def _give_up(self, survivors: Communicator, lost: list[int], why: str) -> None:
         if survivors.rank == 0:
             print(f"mpiparallel: elastic: lost {_ranks_words(lost)}; {why}: giving up", file=sys.stderr, flush=True)
-        leave_if_recovered(ExitCode.ELASTIC_GAVE_UP)  # ends the process (`recover` noted the recovery)
-        raise SystemExit(ExitCode.ELASTIC_GAVE_UP)
+        raise ElasticGaveUp(why)  # every survivor ends with its status (`leave_if_recovered`)
 
 
 _recovered: list[bool] = []
@@ -241,7 +240,8 @@ def leave_if_recovered(status: int) -> None:
     """End a process that recovered in place now, with `status`, its output flushed, without MPI_Finalize: with a
     lost process in the job, Open MPI 5.0's finalize may wait for it forever (seen every time after a loss during a
     checkpoint's save; the job's launcher then never ends). Under ULFM, mpirun takes such an end as a normal one
-    (measured: exit status 0 when every survivor ends with 0)."""
+    (measured: exit status 0 when every survivor ends with 0). Called by the one exit path
+    (`jobs.launch.run_guarded`), once the rank has told the self-launching parent how it ended."""
     if not _recovered:
         return
     sys.stdout.flush()

@@ -19,10 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from clusters import assert_no_processes_on
 from mpi_harness import WORKER, run_on_ranks, run_with_timeout, worker_job
-from processes import end_job, start_job
+from processes import end_job, ended, start_job, wait_for_steps
 from test_open_mpi import without_open_mpi_on_path
 from workers import fault_checks, recovery_checks
+
+from mpiparallel.jobs import namespace_cluster
 
 PLANTED = Path(__file__).resolve().parents[1] / "support" / "planted_loss"
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4", "--dtype",
@@ -137,6 +140,59 @@ def test_too_few_survivors_give_up_in_place_with_one_line_and_no_relaunch(open_m
     assert done.stderr.count("giving up") == 1 and "elastic: lost rank 2; 3 ranks left, and --min-ranks is 4: giving " \
         "up" in done.stderr, done.stderr
     assert events(log) == []  # no relaunch followed
+
+
+# -- on the hosts of `mpiparallel cluster`, started by Open MPI's mpirun ------------------------------------------
+
+def test_a_rank_lost_on_a_2_host_cluster_is_recovered_in_place_by_the_survivors_on_both_hosts(
+        open_mpi, cluster, tokens, tmp_path):  # noqa: F811 (the fixture of test_cluster)
+    """dp 2 × tp 2 across 2 namespace hosts of 2 slots, started by Open MPI's mpirun through the cluster's launcher
+    (`Cluster.mpiexec_options(open_mpi=True)`): rank 3, on the second host, dies entering step 10's gradient
+    reduction → the three survivors, on both hosts, go on in place (the first host's whole replica as tp 2, the
+    second host's rank spare), every step equal to the uninterrupted run."""
+    made = cluster(nodes=2, ranks_per_node=2)
+    done, log = in_place_run(tmp_path, tokens, open_mpi.python, ["--hostfile", str(made.hostfile), "--tp", "2"],
+                             f"3 at {LOST_AT} gradients")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "recovered in place" in done.stderr and "after a lost host the survivors relaunch" in done.stderr
+    [event] = events(log)
+    assert event["mode"] == "in-place" and event["lost"] == [{"rank": 3}] and event["refill"] == "memory", event
+    assert event["step"] == LOST_AT - 1 and set(event["pids"]) == {"0", "1", "2"}, event
+    assert "NBC_" not in done.stderr and "setpgid" not in done.stderr and "Traceback" not in done.stderr
+    assert worst(losses(log), uninterrupted(tmp_path, tokens, ["--tp", "2"])) <= 1e-9
+    assert_no_processes_on(made)
+
+
+def test_a_host_lost_under_open_mpi_ends_on_the_host_left_equal_to_the_uninterrupted_run(
+        open_mpi, cluster, tokens, tmp_path):  # noqa: F811
+    """The same job, `cluster kill` of the second host after step 7: the survivors go on in place, and Open MPI
+    5.0's runtime ends the job at once or some steps later (`elastic.DAEMON_LOSS`) with status 0; the parent tells
+    that from a finished run and relaunches on the first host (dp 1 × tp 2) — or the survivors finish first. Either
+    way every step's final loss equals the uninterrupted run's and no process is left on either host."""
+    made = cluster(nodes=2, ranks_per_node=2)
+    log = tmp_path / "log.jsonl"
+    job = start_job([open_mpi.python, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--steps", str(HOST_STEPS),
+                     "--data", tokens, "--hostfile", str(made.hostfile), "--tp", "2", "--checkpoint-dir",
+                     str(tmp_path / "ck"), "--checkpoint-every", "5", "--elastic", "--log-json", str(log)],
+                    env=without_open_mpi_on_path(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(log, 7, job)
+    namespace_cluster.kill(made.name, made.hosts[1])
+    status, stdout, stderr = ended(job, timeout=RUN_WITHIN_S)
+    assert status == 0, stdout[-3000:] + stderr[-3000:]
+    restarts = events(log)
+    assert restarts and restarts[0]["mode"] in ("in-place", "relaunch"), restarts
+    if restarts[-1]["mode"] == "relaunch":  # the runtime ended the job: the host is named, the rest relaunched
+        assert restarts[-1]["lost"] == [{"host": made.hosts[1], "ranks": [2, 3]}], restarts
+        assert f"host {made.hosts[1]} (ranks 2, 3) was lost" in stderr and "elastic: finished after" in stderr
+    assert restarts[-1]["mesh"]["world_size"] == 2 and restarts[-1]["mesh"]["tp"] == 2, restarts
+    assert "\x00" not in stdout + stderr and "A daemon failed" not in stdout + stderr
+    reference = uninterrupted(tmp_path, tokens, ["--tp", "2", "--steps", str(HOST_STEPS)])
+    assert worst(losses(log), reference) <= 1e-9
+    assert_no_processes_on(made)
+
+
+HOST_STEPS = 40
+"""Long enough that the host is lost mid-run (about 50 ms a step here)."""
 
 
 def test_under_mpich_the_same_command_relaunches_and_says_why(tokens, tmp_path):
