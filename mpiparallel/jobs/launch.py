@@ -762,8 +762,8 @@ def _zombie_status(pid: int) -> str | None:
 
 
 def _registered(pids: Path) -> dict[int, tuple[int, str]]:
-    """PID -> (rank, how it ended through `run_guarded`: ENDED, ABORTED, MPI_ERROR, or "" if it did not) of every
-    rank that has written its file."""
+    """PID -> (rank, how it ended through `run_guarded`: ENDED — "ended STATUS" where its status was not 0 —,
+    ABORTED, MPI_ERROR, or "" if it did not) of every rank that has written its file."""
     found: dict[int, tuple[int, str]] = {}
     try:
         entries = list(pids.iterdir())
