@@ -33,7 +33,7 @@ from workers import topology_checks
 
 from mpiparallel.errors import ConfigError, ExitCode
 from mpiparallel.jobs import hosts as multi_host
-from mpiparallel.jobs import namespace_cluster
+from mpiparallel.jobs import launch, namespace_cluster
 
 
 def mpiparallel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -404,13 +404,48 @@ def test_a_host_whose_launcher_shell_never_noted_its_end_was_lost_with_its_ranks
         (tmp_path / str(pid)).write_text(f"{rank} ")
         (tmp_path / f"{pid}{multi_host.RANK_HOST_SUFFIX}").write_text(host)
     (tmp_path / f"{multi_host.HOST_NOTE_PREFIX}h-0").write_text("ended 1\n")
-    (tmp_path / f"{multi_host.HOST_NOTE_PREFIX}h-1").write_text("running 99\n")
+    (tmp_path / f"{multi_host.HOST_NOTE_PREFIX}h-1").write_text(f"running {ended_pid()}\n")  # its shell is gone
     ranks = {pid: (rank, "") for pid, rank in ((101, 0), (102, 1), (103, 2), (104, 3))}
     lost = multi_host.killed_hosts(tmp_path, ranks)
     assert lost == [multi_host.LostHost("h-1", (2, 3), (103, 104), "killed")]
     assert lost[0].message() == ("mpiparallel: host h-1 (ranks 2, 3) was lost: every process on it ended at once; "
                                  "mpiexec ended the other ranks")
     assert multi_host.killed_hosts(tmp_path, ranks, ended_by_us={"h-1"}) == []
+    # a shell still running has not noted its end yet (Open MPI's mpirun may end before its daemons' shells)
+    (tmp_path / f"{multi_host.HOST_NOTE_PREFIX}h-1").write_text(f"running {os.getpid()}\n")
+    assert multi_host.killed_hosts(tmp_path, ranks) == []
+
+
+def ended_pid() -> int:
+    """The PID of a process that has ended and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_under_open_mpi_a_job_that_ended_with_status_0_around_its_survivors_lost_the_host_that_died_first(tmp_path):
+    """Open MPI 5.0's mpirun exits with 0 when its runtime ends a job that lost a host, and every host's note then
+    reads as killed (`launch._killed_hosts`): the job finished only if every rank off the silent hosts ended with
+    0; otherwise the host lost is that of the first rank to end without a word."""
+    gone = ended_pid()
+    for host in ("h-0", "h-1"):
+        (tmp_path / f"{multi_host.HOST_NOTE_PREFIX}{host}").write_text(f"running {gone}\n")
+
+    def job(endings: dict[int, str]) -> None:
+        for pid, ending in endings.items():
+            rank = pid - 101
+            (tmp_path / str(pid)).write_text(f"{rank} {ending}")
+            (tmp_path / f"{pid}{multi_host.RANK_HOST_SUFFIX}").write_text(f"h-{rank // 2}")
+
+    order = [[(2, 103)], [(3, 104)], [(0, 101)], [(1, 102)]]  # the second host's ranks ended first
+    job({101: "ended", 102: "ended", 103: "", 104: ""})  # the survivors went on in place and finished
+    assert launch._killed_hosts(tmp_path, set(), 0, order) == []
+    job({101: "ended 143", 102: "ended 143", 103: "", 104: ""})  # ended around them (a signal's stop)
+    assert [host.host for host in launch._killed_hosts(tmp_path, set(), 0, order)] == ["h-1"]
+    job({101: "", 102: "", 103: "", 104: ""})  # ended at once: nobody said a word
+    assert [host.host for host in launch._killed_hosts(tmp_path, set(), 0, order)] == ["h-1"]
+    assert [host.host for host in launch._killed_hosts(tmp_path, set(), 0, order[2:] + order[:2])] == ["h-0"]
+    assert len(launch._killed_hosts(tmp_path, set(), 1, order)) == 2  # hydra's non-zero status: the notes decide
 
 
 def test_a_host_whose_ranks_all_ended_on_their_own_may_fall_silent(tmp_path):
