@@ -419,7 +419,7 @@ def test_a_host_whose_launcher_shell_never_noted_its_end_was_lost_with_its_ranks
 def ended_pid() -> int:
     """The PID of a process that has ended and been reaped."""
     child = subprocess.Popen(["true"])
-    child.wait()
+    child.wait(timeout=30)
     return child.pid
 
 
