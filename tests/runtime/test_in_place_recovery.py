@@ -68,7 +68,8 @@ def elastic_run(tmp_path: Path, tokens: str, python: str, mesh: list[str], plan:
     done = run_with_timeout([python, "-m", "mpiparallel", "train", "-n", "4", *TINY, *mesh, "--data", tokens,
                              "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5", "--elastic",
                              "--log-json", str(log), *extra], RUN_WITHIN_S,
-                            env={**(env or without_open_mpi_on_path()), **planted})
+                            env={**(env or without_open_mpi_on_path()), **planted},
+                            cwd=tmp_path)  # where a survivor's flight record goes, if it writes one
     return done, log
 
 
@@ -176,7 +177,8 @@ def test_a_host_lost_under_open_mpi_ends_on_the_host_left_equal_to_the_uninterru
     job = start_job([open_mpi.python, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--steps", str(HOST_STEPS),
                      "--data", tokens, "--hostfile", str(made.hostfile), "--tp", "2", "--checkpoint-dir",
                      str(tmp_path / "ck"), "--checkpoint-every", "5", "--elastic", "--log-json", str(log)],
-                    env=without_open_mpi_on_path(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    env=without_open_mpi_on_path(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    cwd=tmp_path)
     wait_for_steps(log, 7, job)
     namespace_cluster.kill(made.name, made.hosts[1])
     status, stdout, stderr = ended(job, timeout=RUN_WITHIN_S)
