@@ -293,20 +293,10 @@ def lost_host(host: str, cause: str, pids: Path, ranks: Mapping[int, tuple[int, 
 
 def killed_hosts(pids: Path, ranks: Mapping[int, tuple[int, str]], ended_by_us: Set[str] = frozenset()
                  ) -> list[LostHost]:
-    """The hosts whose launcher shell never noted its proxy's end and is gone, other than those the parent ended
-    itself (`ended_by_us`): every process on them died at once. (Hydra waits for its proxies, so a host's note
-    says `ended` when mpiexec ends; Open MPI's mpirun may end before its daemons' shells, which are then still
-    running.)"""
+    """The hosts whose launcher shell never noted its proxy's end, other than those the parent ended itself
+    (`ended_by_us`): every process on them died at once."""
     return [lost_host(host, "killed", pids, ranks) for host, note in sorted(host_notes(pids).items())
-            if note[:1] == ["running"] and not _running(int(note[1])) and host not in ended_by_us]
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+            if note[:1] == ["running"] and host not in ended_by_us]
 
 
 def end_processes(pids: Sequence[int], marker: str) -> None:
