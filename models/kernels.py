@@ -312,6 +312,29 @@ LAYER_NORM_BACKWARD = FusedKernel("layer_norm_backward",
                                   ])
 """dx = rstd·(dnorm − mean(dnorm) − normalized·mean(dnorm·normalized)), dnorm = dout·weight, from the row means."""
 
+LAYER_NORM_CENTERED_SQUARE = FusedKernel("layer_norm_centered_square", "T x, T mean", "T square", [
+    ("centered", "x - mean"),
+    ("square", "centered * centered"),
+])
+"""(x − mean)², whose row sums are the variance (the CPU's LayerNorm; the GPU's uses CuPy's var)."""
+
+LAYER_NORM_BACKWARD_PRODUCTS = FusedKernel("layer_norm_backward_products", "T dout, T weight, T normalized",
+                                           "T dnorm, T dnorm_norm, T dout_norm", [
+                                               ("dnorm", "dout * weight"),
+                                               ("dnorm_norm", "dnorm * normalized"),
+                                               ("dout_norm", "dout * normalized"),
+                                           ])
+"""dn = dout·weight and dn·normalized, whose row means LAYER_NORM_BACKWARD takes, and dout·normalized, whose column
+sums are d(weight) (the CPU's LayerNorm)."""
+
+RMS_NORM_BACKWARD_PRODUCTS = FusedKernel("rms_norm_backward_products", "T dout, T weight, T normalized",
+                                         "T dnorm_norm, T dout_norm", [
+                                             ("dnorm_norm", "dout * weight * normalized"),
+                                             ("dout_norm", "dout * normalized"),
+                                         ])
+"""dn·normalized (dn = dout·weight), whose row mean RMS_NORM_BACKWARD takes, and dout·normalized, whose column sums
+are d(weight) (the CPU's RMSNorm)."""
+
 RMS_NORM_FORWARD = FusedKernel("rms_norm_forward", "T x, T rstd, T weight", "T normalized, T out", [
     ("normalized", "x * rstd"),
     ("out", "normalized * weight"),
@@ -348,13 +371,15 @@ SOFTMAX_BACKWARD = FusedKernel("softmax_backward", "T probs, T dprobs, T weighte
 ], in_place={"dscores": "dprobs"})
 """d(scores) = p·(dp − Σ dp·p) from the row sums Σ dp·p."""
 
-ADAMW = FusedKernel("adamw", "T param, T grad, T exp_avg, T exp_avg_sq, T decay, T beta1, T beta2, T step_size, "
-                    "T sqrt_bias_correction2, T eps", "T new_param, T new_exp_avg, T new_exp_avg_sq", [
-                        ("new_exp_avg", "exp_avg * beta1 + grad * (1.0 - beta1)"),
-                        ("new_exp_avg_sq", "exp_avg_sq * beta2 + grad * (1.0 - beta2) * grad"),
+ADAMW = FusedKernel("adamw", "T param, T grad, T exp_avg, T exp_avg_sq, T decay, T beta1, T one_minus_beta1, "
+                    "T beta2, T one_minus_beta2, T step_size, T sqrt_bias_correction2, T eps",
+                    "T new_param, T new_exp_avg, T new_exp_avg_sq", [
+                        ("new_exp_avg", "exp_avg * beta1 + grad * one_minus_beta1"),
+                        ("new_exp_avg_sq", "exp_avg_sq * beta2 + grad * one_minus_beta2 * grad"),
                         ("new_param", "param * decay - new_exp_avg / (sqrt(new_exp_avg_sq) / sqrt_bias_correction2"
                                       " + eps) * step_size"),
                     ], in_place={"new_param": "param", "new_exp_avg": "exp_avg", "new_exp_avg_sq": "exp_avg_sq"})
 """One AdamW step: reads p, g, m, v once and writes p, m, v once (in place when called so). decay = 1 − lr·wd (1
-without decay), step_size = lr / (1 − β1^t), sqrt_bias_correction2 = √(1 − β2^t): see
+without decay), 1 − β1 and 1 − β2 computed in double as NumPy's `grad * (1 - beta1)` computes them (so the compiled
+CPU kernel gives the NumPy step's numbers), step_size = lr / (1 − β1^t), sqrt_bias_correction2 = √(1 − β2^t): see
 mpiparallel.optim.adamw_kernel_scalars."""

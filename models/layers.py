@@ -48,7 +48,7 @@ import numpy as np
 from collectives import all_reduce
 from collectives.backend import Array, get_array_module, is_device_array, scatter_add
 
-from . import kernels
+from . import host_kernels, kernels
 from .documents import ONE_DOCUMENT, add_mask
 from .kernels import GELU_CUBIC, GELU_SCALE
 from .parameter import Parameter
@@ -274,7 +274,13 @@ def at_dtype_of(x: Array, parameter: Parameter) -> Array:
 
 
 class LayerNorm(Layer):
-    """y = (x − mean) / sqrt(var + eps) · weight + bias over the last axis (eps 1e-5, biased variance)."""
+    """y = (x − mean) / sqrt(var + eps) · weight + bias over the last axis (eps 1e-5, biased variance).
+
+    Backward, with n the normalized input and dn = dy·weight: dx = rstd·(dn − mean(dn) − n·mean(dn·n)),
+    d(weight) = Σ dy·n, d(bias) = Σ dy. Row and column sums are GEMVs with ones (`row_sums`); the elementwise work
+    runs as NumPy passes, as one compiled loop per step on the CPU where models.host_kernels can (the same
+    numbers), or as fused kernels on a GPU.
+    """
 
     eps = 1e-5
 
@@ -284,19 +290,35 @@ class LayerNorm(Layer):
     def forward(self, x: Array) -> tuple[Array, Saved]:
         if is_device_array(x):
             return self._forward_device(x)
-        xp = get_array_module(x)
-        channels = x.shape[-1]
-        normalized = x - row_sums(x) / channels
-        variance = row_sums(normalized * normalized) / channels
+        return self._forward_compiled(x) or self._forward_numpy(x)
+
+    def _rstd(self, variance: Array) -> Array:
         variance += self.eps
-        rstd = 1.0 / xp.sqrt(variance, out=variance)
+        return 1.0 / get_array_module(variance).sqrt(variance, out=variance)
+
+    def _forward_numpy(self, x: Array) -> tuple[Array, Saved]:
+        normalized = x - row_sums(x) / x.shape[-1]
+        rstd = self._rstd(row_sums(normalized * normalized) / x.shape[-1])
         normalized *= rstd
         out = normalized * self.weight.data
         out += self.bias.data
         return out, Saved(normalized=normalized, rstd=rstd)
 
+    def _forward_compiled(self, x: Array) -> tuple[Array, Saved] | None:
+        """Two compiled passes instead of six: (x − mean)², then normalize-and-affine (None: not compiled here)."""
+        mean = row_sums(x) / x.shape[-1]
+        squares = host_kernels.run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean)
+        if squares is None:
+            return None
+        rstd = self._rstd(row_sums(squares["square"]) / x.shape[-1])
+        result = host_kernels.run(kernels.LAYER_NORM_FORWARD, x=x, mean=mean, rstd=rstd, weight=self.weight.data,
+                                  bias=self.bias.data, normalized=squares["square"])
+        if result is None:
+            return None
+        return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
+
     def _forward_device(self, x: Array) -> tuple[Array, Saved]:
-        """Mean and variance as CuPy reductions, then normalize and affine in one fused pass (four on NumPy)."""
+        """Mean and variance as CuPy reductions, then normalize and affine in one fused pass."""
         xp = get_array_module(x)
         mean = x.mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(x.var(axis=-1, keepdims=True) + self.eps)
@@ -305,33 +327,58 @@ class LayerNorm(Layer):
         return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
-        # dx = rstd · (dnorm − mean(dnorm) − norm · mean(dnorm · norm)), with dnorm = dout · weight
         saved.dout = dout
         if is_device_array(dout):
-            return self._backward_input_device(saved, dout)
-        xp = get_array_module(dout)
+            dx = self._backward_input_device(saved, dout)
+        else:
+            dx = self._backward_input_compiled(saved, dout)
+            if dx is None:
+                dx = self._backward_input_numpy(saved, dout)
+        del saved.normalized  # the weight pass needs dy·n (saved.dout_norm) and dy only
+        return dx
+
+    def _backward_input_numpy(self, saved: Saved, dout: Array) -> Array:
         channels = dout.shape[-1]
         dnorm = dout * self.weight.data
         work = dnorm * saved.normalized
         mean_dnorm_norm = row_sums(work) / channels
         dx = dnorm
         dx -= row_sums(dnorm) / channels
-        dx -= xp.multiply(saved.normalized, mean_dnorm_norm, out=work)
+        dx -= get_array_module(dout).multiply(saved.normalized, mean_dnorm_norm, out=work)
         dx *= saved.rstd
+        saved.dout_norm = dout * saved.normalized
         return dx
+
+    def _backward_input_compiled(self, saved: Saved, dout: Array) -> Array | None:
+        """The products dn, dn·n and dy·n in one compiled pass, their row means, then dx in a second."""
+        products = host_kernels.run(kernels.LAYER_NORM_BACKWARD_PRODUCTS, dout=dout, weight=self.weight.data,
+                                    normalized=saved.normalized)
+        if products is None:
+            return None
+        channels = dout.shape[-1]
+        mean_dnorm_norm = row_sums(products["dnorm_norm"]) / channels
+        mean_dnorm = row_sums(products["dnorm"]) / channels
+        result = host_kernels.run(kernels.LAYER_NORM_BACKWARD, dout=dout, weight=self.weight.data,
+                                  normalized=saved.normalized, rstd=saved.rstd, mean_dnorm=mean_dnorm,
+                                  mean_dnorm_norm=mean_dnorm_norm, dx=products["dnorm"])
+        if result is None:
+            return None
+        saved.dout_norm = products["dout_norm"]
+        return result["dx"]
 
     def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
         """The two row means as GEMVs with the weight (Σ dout·w, Σ dout·normalized·w), then dx in one fused pass."""
         channels = dout.shape[-1]
         row_shape = (*dout.shape[:-1], 1)
         weight = at_dtype_of(dout, self.weight)
+        saved.dout_norm = dout * saved.normalized
         mean_dnorm = (dout.reshape(-1, channels) @ weight).reshape(row_shape) / channels
-        mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ weight).reshape(row_shape) / channels
+        mean_dnorm_norm = (saved.dout_norm.reshape(-1, channels) @ weight).reshape(row_shape) / channels
         return kernels.LAYER_NORM_BACKWARD(dout=dout, weight=weight, normalized=saved.normalized, rstd=saved.rstd,
                                            mean_dnorm=mean_dnorm, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
     def backward_weights(self, saved: Saved) -> None:
-        self.weight.grad += column_sums(saved.dout * saved.normalized)
+        self.weight.grad += column_sums(saved.dout_norm)
         self.bias.grad += column_sums(saved.dout)
         saved.clear()
 
@@ -341,6 +388,7 @@ class RMSNorm(Layer):
 
     The statistics are computed in the activations' dtype, float32 or float64 (never narrower). Backward, with
     n = x·rstd the normalized input and dn = dy·weight: dx = rstd · (dn − n · mean(dn · n)), d(weight) = Σ dy·n.
+    The elementwise work as in LayerNorm: NumPy passes, compiled loops on the CPU where they can run, or kernels.
     """
 
     def __init__(self, weight: Parameter, eps: float = 1e-6) -> None:
@@ -351,8 +399,11 @@ class RMSNorm(Layer):
         mean_square = row_sums(x * x) / x.shape[-1]
         mean_square += self.eps
         rstd = 1.0 / xp.sqrt(mean_square, out=mean_square)
-        if is_device_array(x):  # scale and weight in one fused pass (two on NumPy)
+        if is_device_array(x):  # scale and weight in one fused pass
             result = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=at_dtype_of(x, self.weight))
+            return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
+        result = host_kernels.run(kernels.RMS_NORM_FORWARD, x=x, rstd=rstd, weight=self.weight.data)
+        if result is not None:
             return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
         normalized = x * rstd
         return normalized * self.weight.data, Saved(normalized=normalized, rstd=rstd)
@@ -360,24 +411,49 @@ class RMSNorm(Layer):
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         saved.dout = dout
         if is_device_array(dout):
-            return self._backward_input_device(saved, dout)
+            dx = self._backward_input_device(saved, dout)
+        else:
+            dx = self._backward_input_compiled(saved, dout)
+            if dx is None:
+                dx = self._backward_input_numpy(saved, dout)
+        del saved.normalized  # the weight pass needs dy·n (saved.dout_norm) only
+        return dx
+
+    def _backward_input_numpy(self, saved: Saved, dout: Array) -> Array:
         dnorm = dout * self.weight.data
         mean_dnorm_norm = row_sums(dnorm * saved.normalized) / dout.shape[-1]
         dnorm -= saved.normalized * mean_dnorm_norm
         dnorm *= saved.rstd
+        saved.dout_norm = dout * saved.normalized
         return dnorm
+
+    def _backward_input_compiled(self, saved: Saved, dout: Array) -> Array | None:
+        """dn·n and dy·n in one compiled pass, the row mean, then dx in a second."""
+        products = host_kernels.run(kernels.RMS_NORM_BACKWARD_PRODUCTS, dout=dout, weight=self.weight.data,
+                                    normalized=saved.normalized)
+        if products is None:
+            return None
+        mean_dnorm_norm = row_sums(products["dnorm_norm"]) / dout.shape[-1]
+        result = host_kernels.run(kernels.RMS_NORM_BACKWARD, dout=dout, weight=self.weight.data,
+                                  normalized=saved.normalized, rstd=saved.rstd, mean_dnorm_norm=mean_dnorm_norm,
+                                  dx=products["dnorm_norm"])
+        if result is None:
+            return None
+        saved.dout_norm = products["dout_norm"]
+        return result["dx"]
 
     def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
         """mean(dn · n) as a GEMV with the weight (Σ dout·n·w), then dx in one fused pass."""
         channels = dout.shape[-1]
         weight = at_dtype_of(dout, self.weight)
-        mean_dnorm_norm = ((dout * saved.normalized).reshape(-1, channels) @ weight).reshape(
+        saved.dout_norm = dout * saved.normalized
+        mean_dnorm_norm = (saved.dout_norm.reshape(-1, channels) @ weight).reshape(
             *dout.shape[:-1], 1) / channels
         return kernels.RMS_NORM_BACKWARD(dout=dout, weight=weight, normalized=saved.normalized,
                                          rstd=saved.rstd, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
     def backward_weights(self, saved: Saved) -> None:
-        self.weight.grad += column_sums(saved.dout * saved.normalized)
+        self.weight.grad += column_sums(saved.dout_norm)
         saved.clear()
 
 

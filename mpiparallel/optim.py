@@ -8,7 +8,8 @@ segment in the slice (weight decay depends on the parameter): the update is elem
 gathering them gives exactly the full update.
 
 `adamw_update` is PyTorch's torch.optim.AdamW (foreach=False, amsgrad=False) step for step (on GPU arrays as
-one fused kernel, models.kernels.ADAMW, with the same operations in the same order):
+one fused kernel, models.kernels.ADAMW, with the same operations in the same order; on the CPU the same kernel
+compiled, models.host_kernels, with the NumPy passes' numbers bit for bit, or those passes where it cannot run):
 
     p ← p·(1 − lr·wd)
     m ← β1·m + (1 − β1)·g
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from collectives.backend import Array, get_array_module, is_device_array
+from models import host_kernels
 from models.kernels import ADAMW
 from models.parameter import Parameter
 
@@ -69,10 +71,13 @@ def adamw_update(param: Array, grad: Array, exp_avg: Array, exp_avg_sq: Array, s
     """
     if step < 1:
         raise ValueError(f"AdamW step count starts at 1, got {step}")
+    kernel_arguments = dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                            **adamw_kernel_scalars(step, lr, beta1, beta2, eps, weight_decay),
+                            new_param=param, new_exp_avg=exp_avg, new_exp_avg_sq=exp_avg_sq)
     if is_device_array(param):  # one fused pass over p, g, m, v instead of about ten
-        ADAMW(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-              **adamw_kernel_scalars(step, lr, beta1, beta2, eps, weight_decay),
-              new_param=param, new_exp_avg=exp_avg, new_exp_avg_sq=exp_avg_sq)
+        ADAMW(**kernel_arguments)
+        return
+    if host_kernels.run(ADAMW, **kernel_arguments) is not None:  # the same pass compiled for the CPU
         return
     arrays = (param, grad, exp_avg, exp_avg_sq)
     work = _scratch_for(param, scratch)
@@ -115,7 +120,8 @@ def adamw_kernel_scalars(step: int, lr: float, beta1: float, beta2: float, eps: 
     """The scalar arguments of the fused ADAMW kernel, computed in Python as `adamw_update` computes them (a decay
     factor of exactly 1 when weight decay is off, so the kernel's p·decay leaves p unchanged)."""
     return {"decay": 1 - lr * weight_decay if weight_decay != 0 else 1.0, "beta1": float(beta1),
-            "beta2": float(beta2), "step_size": lr / (1 - beta1**step), "eps": float(eps),
+            "one_minus_beta1": 1 - beta1, "beta2": float(beta2), "one_minus_beta2": 1 - beta2,
+            "step_size": lr / (1 - beta1**step), "eps": float(eps),
             "sqrt_bias_correction2": math.sqrt(1 - beta2**step)}
 
 

@@ -1,0 +1,306 @@
+"""The fused kernels of models.kernels compiled for the CPU by the system's C compiler, called through ctypes.
+
+Why: LayerNorm, RMSNorm and AdamW are chains of seven to eleven NumPy operations, each one pass over its arrays,
+where PyTorch runs one C++ loop that reads each input once. The profile (scripts/profile_step.py) showed them at
+0.28–0.35× torch's speed on every CPU measured, the only large parts of the step behind it; no arrangement of NumPy
+calls closes that (their row broadcasts alone cost two to three times a plain pass). Their kernels are already
+written, as text, for the GPU — so the CPU compiles the same text into one loop per kernel.
+
+How: `statements` become the body of a C loop over rows × columns. Each argument is, at the call, one of four
+layouts: a full array (one element per row and column, C-contiguous), a row vector (one per row: a LayerNorm's
+mean, shape (..., 1)), a column vector (one per column: its weight, shape (C,)) or a scalar (a Python number).
+Row vectors and scalars are read once per row, every input element before any output element is written — so an
+output may be the very array of its input (the kernels' `in_place` pairs). `#pragma omp simd` tells the compiler
+that much, and it vectorizes the loop. A library is built per kernel, dtype and layout, with
+`cc -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp-simd`, once per machine: it is kept in
+$MPIPARALLEL_CACHE/kernels (default ~/.cache/mpiparallel/kernels) under a hash of its source, the compiler's
+version, the flags and the CPU, written under a temporary name and renamed, so ranks that build it at the same time
+never load half a file.
+
+The same numbers as NumPy, bit for bit: T is float or double and C evaluates float ⊕ float in float (x86-64 and
+arm64: FLT_EVAL_METHOD 0); a literal is cast to T, as NumPy casts a Python float next to a float32 array (so
+`1.0 - beta1` would round like NumPy's, not like the GPU's double arithmetic); -ffp-contract=off keeps a·b + c
+two roundings, as NumPy's two passes round it (a fused multiply-add would change the last bit); + − × ÷ and sqrt
+are correctly rounded in both. So a kernel whose statements follow the NumPy chain operation by operation gives
+the chain's numbers, and the layers may use either. tanh and exp are not correctly rounded — libm's and NumPy's
+SIMD versions differ in the last bits — so the kernels that call them (GELU, SwiGLU, softmax) stay NumPy chains on
+the CPU (which keep up with torch there: the profile's GELU is ahead of it).
+
+When it does not run: no C compiler (`cc`, or $CC), a build that fails, `MPIPARALLEL_HOST_KERNELS=0`, a dtype
+other than float32/float64 (bfloat16 work stays NumPy), arrays that are not contiguous or not in one of the four
+layouts. `run` then returns None and the caller runs its NumPy chain: the same numbers, slower. `status()` says
+which, and why; `scripts/bench_train.py` prints it.
+
+Communication: none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .kernels import LOCAL_TYPE, FusedKernel
+
+C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared")
+"""-march=native: the library is built where it runs (the cache key holds the CPU); -ffp-contract=off: no fused
+multiply-adds (see the module docstring); -fno-math-errno: sqrt may be the vector instruction; -fopenmp-simd:
+honour `#pragma omp simd` without OpenMP's runtime."""
+FULL, ROW, COLUMN, SCALAR = "full", "row", "column", "scalar"
+_LITERAL_TOKEN = re.compile(r"(?<![A-Za-z0-9_.])([0-9]+\.[0-9]*(?:[eE][+-]?[0-9]+)?)")
+
+
+def enabled() -> bool:
+    """False when MPIPARALLEL_HOST_KERNELS=0 (the NumPy chains everywhere, to compare or to rule the kernels out)."""
+    return os.environ.get("MPIPARALLEL_HOST_KERNELS", "1") != "0"
+
+
+def run(kernel: FusedKernel, **arrays: Any) -> dict[str, np.ndarray] | None:
+    """Run `kernel` on NumPy arrays in one compiled pass; outputs passed are written, the others allocated.
+
+    Returns {output name: array}, or None when the compiled kernel cannot run here (see the module docstring) and
+    the caller should run its NumPy chain instead.
+    """
+    if not enabled():
+        return None
+    inputs, outputs = _names(kernel)
+    call = _plan(inputs, outputs, arrays)
+    if call is None:
+        return None
+    dtype, shape, layouts = call
+    function = _function(kernel, dtype, layouts)
+    if function is None:
+        return None
+    results = {name: arrays[name] if name in arrays else np.empty(shape, dtype) for name in outputs}
+    columns = shape[-1]
+    args: list[Any] = [_rows(shape), columns]
+    for name, layout in zip(inputs, layouts, strict=True):
+        args.append(float(arrays[name]) if layout == SCALAR else _pointer(arrays[name]))
+    args.extend(_pointer(results[name]) for name in outputs)
+    function(*args)
+    return results
+
+
+@functools.cache
+def _names(kernel: FusedKernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kernel's input and output names, or ((), ()) when a parameter has a fixed type (the loop types all as T)."""
+    if any(ctype != LOCAL_TYPE for ctype, _ in kernel.inputs + kernel.outputs):
+        return (), ()
+    return kernel.input_names, kernel.output_names
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    return rows
+
+
+def _pointer(array: np.ndarray) -> Any:
+    """The array's address for a `void *` parameter (a writable buffer's by reference: 1 µs against ctypes.data's 3)."""
+    if array.flags.writeable:
+        return ctypes.byref(ctypes.c_char.from_buffer(array))
+    return array.ctypes.data
+
+
+def _plan(inputs: tuple[str, ...], outputs: tuple[str, ...], arrays: Mapping[str, Any]
+          ) -> tuple[np.dtype, tuple[int, ...], tuple[str, ...]] | None:
+    """The call's dtype, full shape and each input's layout, or None when the compiled loop cannot take it.
+
+    The full shape is the largest input's; every other argument must be that shape or one of the smaller layouts,
+    every output that shape."""
+    if not inputs or len(arrays) < len(inputs) or any(name not in arrays for name in inputs):
+        return None
+    largest = max((arrays[name] for name in inputs), key=lambda value: getattr(value, "size", 0))
+    if not isinstance(largest, np.ndarray) or largest.ndim == 0 or largest.dtype not in C_TYPES:
+        return None
+    dtype, shape = largest.dtype, largest.shape
+    layouts = []
+    for name in inputs:
+        layout = _layout(arrays[name], shape, dtype)
+        if layout is None:
+            return None
+        layouts.append(layout)
+    for name in arrays:
+        if name not in inputs and (name not in outputs or _layout(arrays[name], shape, dtype) != FULL):
+            return None
+    return dtype, shape, tuple(layouts)
+
+
+def _layout(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> str | None:
+    """FULL, ROW, COLUMN or SCALAR for an argument of a call over `shape`, None for anything else."""
+    if not isinstance(value, np.ndarray):
+        return SCALAR if isinstance(value, (int, float)) else None
+    if value.ndim == 0:
+        return SCALAR
+    if value.dtype != dtype or not value.flags.c_contiguous:
+        return None
+    if value.shape == shape:
+        return FULL
+    padded = (1,) * (len(shape) - value.ndim) + value.shape
+    if len(padded) != len(shape):
+        return None
+    if padded[-1] == 1 and padded[:-1] == shape[:-1]:
+        return ROW
+    if padded[-1] == shape[-1] and all(size == 1 for size in padded[:-1]):
+        return COLUMN
+    return None
+
+
+def c_source(kernel: FusedKernel, dtype: np.dtype, layouts: tuple[str, ...]) -> str:
+    """The C function `<kernel name>` for one dtype and input layout (outputs are full arrays)."""
+    ctype = C_TYPES[np.dtype(dtype)]
+    parameters = ["long rows", "long columns"]
+    per_row, per_element = [], []
+    for name, layout in zip(kernel.input_names, layouts, strict=True):
+        if layout == SCALAR:
+            parameters.append(f"double {name}_value")
+            per_row.append(f"const T {name} = (T){name}_value;")
+        else:
+            parameters.append(f"const T *{name}_array")
+            if layout == ROW:
+                per_row.append(f"const T {name} = {name}_array[row];")
+            else:
+                index = "row * columns + column" if layout == FULL else "column"
+                per_element.append(f"const T {name} = {name}_array[{index}];")
+    parameters.extend(f"T *{name}_array" for name in kernel.output_names)
+    body = [*per_element]
+    declared = set(kernel.input_names)
+    for target, expression in kernel.statements:
+        body.append(f"{'' if target in declared else 'T '}{target} = {_typed_literals(expression)};")
+        declared.add(target)
+    body.extend(f"{name}_array[row * columns + column] = {name};" for name in kernel.output_names)
+    lines = ["#include <tgmath.h>", f"typedef {ctype} T;", "",
+             f"void {kernel.name}({', '.join(parameters)}) {{",
+             "    for (long row = 0; row < rows; row++) {",
+             *(f"        {line}" for line in per_row),
+             "        #pragma omp simd",
+             "        for (long column = 0; column < columns; column++) {",
+             *(f"            {line}" for line in body),
+             "        }", "    }", "}", ""]
+    return "\n".join(lines)
+
+
+def _typed_literals(expression: str) -> str:
+    """Every literal cast to T: NumPy's rounding of a Python float next to an array of T."""
+    return _LITERAL_TOKEN.sub(r"((T)\1)", expression)
+
+
+@functools.cache
+def _compiler() -> tuple[list[str], str] | None:
+    """The C compiler's command ($CC, else cc) and its version line, or None when there is none."""
+    command = shlex.split(os.environ.get("CC", "cc"))
+    if not command or shutil.which(command[0]) is None:
+        return None
+    try:
+        version = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (command, version.stdout.splitlines()[0] if version.returncode == 0 and version.stdout else "")
+
+
+_FAILURES: dict[str, str] = {}
+"""Why a kernel could not be built, by kernel name (for status())."""
+
+
+@functools.cache
+def _function(kernel: FusedKernel, dtype: np.dtype, layouts: tuple[str, ...]) -> Any:
+    """The loaded C function for this kernel, dtype and layout (built or taken from the cache), or None."""
+    compiler = _compiler()
+    if compiler is None:
+        _FAILURES[kernel.name] = "no C compiler (cc or $CC)"
+        return None
+    command, version = compiler
+    source = c_source(kernel, dtype, layouts)
+    key = hashlib.sha256("\n".join([source, version, " ".join(command), *FLAGS, _cpu()]).encode()).hexdigest()
+    name = f"{kernel.name}-{key[:20]}.so"
+    try:
+        library = _cached_library(command, source, name)
+    except BuildFailed as failure:
+        _FAILURES[kernel.name] = str(failure)
+        return None
+    function = getattr(library, kernel.name)
+    scalar_or_pointer = [ctypes.c_double if layout == SCALAR else ctypes.c_void_p for layout in layouts]
+    function.argtypes = [ctypes.c_long, ctypes.c_long, *scalar_or_pointer,
+                         *([ctypes.c_void_p] * len(kernel.output_names))]
+    function.restype = None
+    return function
+
+
+class BuildFailed(Exception):
+    """The compiler could not build a kernel (its message says why)."""
+
+
+def _cached_library(command: list[str], source: str, name: str) -> ctypes.CDLL:
+    """The library `name` from the cache folder, built there first if missing; where the folder cannot be written
+    (a read-only home), built in a temporary folder for this process alone."""
+    library = cache_folder() / name
+    if library.exists():
+        return ctypes.CDLL(str(library))
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+            os.replace(_build(command, source, Path(folder), name), library)  # whole, or not at all
+        return ctypes.CDLL(str(library))
+    except OSError:
+        with tempfile.TemporaryDirectory() as folder:
+            return ctypes.CDLL(str(_build(command, source, Path(folder), name)))  # stays mapped once loaded
+
+
+def _build(command: list[str], source: str, folder: Path, name: str) -> Path:
+    """Compile `source` into `folder`/`name`; BuildFailed with the compiler's message if it cannot."""
+    source_path, built = folder / "kernel.c", folder / name
+    source_path.write_text(source)
+    try:
+        result = subprocess.run([*command, *FLAGS, "-o", str(built), str(source_path), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise BuildFailed(f"{command[0]} failed: {error}") from error
+    if result.returncode != 0:
+        raise BuildFailed(f"{command[0]} failed: {result.stderr.strip()[-300:]}")
+    return built
+
+
+def cache_folder() -> Path:
+    """Where built kernels are kept: $MPIPARALLEL_CACHE/kernels, else $XDG_CACHE_HOME/mpiparallel/kernels, else
+    ~/.cache/mpiparallel/kernels (the data cache's rule)."""
+    if os.environ.get("MPIPARALLEL_CACHE"):
+        return Path(os.environ["MPIPARALLEL_CACHE"]) / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpiparallel" / "kernels"
+
+
+@functools.cache
+def _cpu() -> str:
+    """What -march=native depends on: the CPU's model and feature flags (a cache shared by unlike hosts differs)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return platform.machine() + "\n".join(sorted(set(wanted)))
+
+
+def status() -> str:
+    """One line: whether the CPU's norms and AdamW run compiled, and why not."""
+    if not enabled():
+        return "NumPy chains (MPIPARALLEL_HOST_KERNELS=0)"
+    compiler = _compiler()
+    if compiler is None:
+        return "NumPy chains (no C compiler: cc or $CC)"
+    if _FAILURES:
+        name, reason = next(iter(_FAILURES.items()))
+        return f"NumPy chains ({name}: {reason})"
+    return f"compiled ({compiler[1] or compiler[0][0]})"
