@@ -13,9 +13,9 @@ Row vectors and scalars are read once per row, every input element before any ou
 output may be the very array of its input (the kernels' `in_place` pairs). `#pragma omp simd` tells the compiler
 that much, and it vectorizes the loop. A library is built per kernel, dtype and layout, with
 `cc -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp-simd`, once per machine: it is kept in
-$MPIPARALLEL_CACHE/kernels (default ~/.cache/mpiparallel/kernels) under a hash of its source, the compiler's
-version, the flags and the CPU, written under a temporary name and renamed, so ranks that build it at the same time
-never load half a file.
+$MPIPARALLEL_KERNEL_CACHE (default ~/.cache/mpiparallel/kernels) under a hash of its source, the compiler (its
+file, size and time), the flags and the CPU, written under a temporary name and renamed, so ranks that build it
+at the same time never load half a file.
 
 The same numbers as NumPy, bit for bit: T is float or double and C evaluates float ⊕ float in float (x86-64 and
 arm64: FLT_EVAL_METHOD 0); a literal is cast to T, as NumPy casts a Python float next to a float32 array (so
@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from . import kernels
 from .kernels import LOCAL_TYPE, FusedKernel
 
 C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -60,6 +61,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopen
 multiply-adds (see the module docstring); -fno-math-errno: sqrt may be the vector instruction; -fopenmp-simd:
 honour `#pragma omp simd` without OpenMP's runtime."""
 FULL, ROW, COLUMN, SCALAR = "full", "row", "column", "scalar"
+CACHE_VARIABLE = "MPIPARALLEL_KERNEL_CACHE"
 _LITERAL_TOKEN = re.compile(r"(?<![A-Za-z0-9_.])([0-9]+\.[0-9]*(?:[eE][+-]?[0-9]+)?)")
 
 
@@ -201,15 +203,15 @@ def _typed_literals(expression: str) -> str:
 
 @functools.cache
 def _compiler() -> tuple[list[str], str] | None:
-    """The C compiler's command ($CC, else cc) and its version line, or None when there is none."""
+    """The C compiler's command ($CC, else cc) and what identifies its build (the resolved file, its size and
+    time: no process started where the kernels are already built), or None when there is none."""
     command = shlex.split(os.environ.get("CC", "cc"))
-    if not command or shutil.which(command[0]) is None:
+    found = shutil.which(command[0]) if command else None
+    if found is None:
         return None
-    try:
-        version = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (command, version.stdout.splitlines()[0] if version.returncode == 0 and version.stdout else "")
+    program = Path(found).resolve()
+    stat = program.stat()
+    return command, f"{program} {stat.st_size} {stat.st_mtime_ns}"
 
 
 _FAILURES: dict[str, str] = {}
@@ -275,10 +277,10 @@ def _build(command: list[str], source: str, folder: Path, name: str) -> Path:
 
 
 def cache_folder() -> Path:
-    """Where built kernels are kept: $MPIPARALLEL_CACHE/kernels, else $XDG_CACHE_HOME/mpiparallel/kernels, else
-    ~/.cache/mpiparallel/kernels (the data cache's rule)."""
-    if os.environ.get("MPIPARALLEL_CACHE"):
-        return Path(os.environ["MPIPARALLEL_CACHE"]) / "kernels"
+    """Where built kernels are kept: $MPIPARALLEL_KERNEL_CACHE, else $XDG_CACHE_HOME/mpiparallel/kernels, else
+    ~/.cache/mpiparallel/kernels (apart from MPIPARALLEL_CACHE's prepared data: a kernel suits every dataset)."""
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpiparallel" / "kernels"
 
 
@@ -293,8 +295,11 @@ def _cpu() -> str:
     return platform.machine() + "\n".join(sorted(set(wanted)))
 
 
-def status() -> str:
-    """One line: whether the CPU's norms and AdamW run compiled, and why not."""
+def status(build: bool = False) -> str:
+    """One line: whether the CPU's norms and AdamW run compiled, and why not (`build`: build one kernel first, so
+    that a compiler that cannot build is found now rather than at the first layer)."""
+    if build:
+        run(kernels.LAYER_NORM_CENTERED_SQUARE, x=np.zeros((1, 8), np.float32), mean=np.zeros((1, 1), np.float32))
     if not enabled():
         return "NumPy chains (MPIPARALLEL_HOST_KERNELS=0)"
     compiler = _compiler()
@@ -303,4 +308,5 @@ def status() -> str:
     if _FAILURES:
         name, reason = next(iter(_FAILURES.items()))
         return f"NumPy chains ({name}: {reason})"
-    return f"compiled ({compiler[1] or compiler[0][0]})"
+    program = Path(compiler[1].rsplit(" ", 2)[0])
+    return f"compiled ({program.name})"

@@ -20,22 +20,17 @@ Precision: in float64 a kernel agrees with the NumPy code to rounding (the CUDA 
 fused multiply-adds differ in the last bits). In float32 the locals and outputs are float, but C evaluates any
 operation with a literal or a double in double precision before rounding to float: more accurate, not identical.
 
-Why not on the CPU too: measured on this project's reference CPU (AMD EPYC, AVX-512, 1 MiB L2 per core, 32 MiB
-L3, one thread), NumPy's SIMD loops make each operation of a chain nearly as cheap as a fused loop over the same
-data, and the arrays of a layer stay in L3 between the operations. Running these kernels' text on NumPy as one
-pass — compiled to ufunc calls over L2-sized blocks of 32 Ki elements — cost more than the hand-ordered NumPy
-chains in every layer (per call, caches flushed: GELU backward 1.3 ms against 1.0, SwiGLU backward 2.2 against
-1.5, the AdamW step over all of GPT-2's parameters 7.3 against 5.1; a training step 4-7 % slower), from the
-~1-4 µs of Python per ufunc call and block and the scratch registers; sharing the blocks among two threads did
-not recover it (the GIL is held between the calls). numexpr, the library for such passes, was slower still: its
-PyPI build has no vector math library, so its tanh of 1 Mi float32 numbers took 14 ms against NumPy's 0.16 ms.
-A compiler that fuses loops would win where NumPy cannot — Numba's JIT on the AdamW statement above measured
-3.8 ms over GPT-2 4L/256d's parameters against NumPy's 7.8 and torch's fused kernel's 2.5 — but importing Numba
-and loading its cached kernels cost about 0.85 s in every process (every rank of every run), it brings LLVM as a
-dependency, and it would be a second CPU implementation of each layer to keep equal to the NumPy one. So the CPU
-keeps the NumPy chains of models.layers, and the tests check each kernel against them and against the math
-written out. Where that leaves the CPU against PyTorch, part by part: docs/benchmarks.md, "CPU speed against
-PyTorch".
+On the CPU: where NumPy's SIMD loops make each operation of a chain nearly as cheap as a fused loop over the
+same data (GELU, SwiGLU, softmax), the layers keep their NumPy chains. Running these kernels' text on NumPy as
+one pass — ufunc calls over L2-sized blocks of 32 Ki elements — cost more than the hand-ordered chains in every
+layer (measured on an AMD EPYC with AVX-512, per call, caches flushed: GELU backward 1.3 ms against 1.0, SwiGLU
+backward 2.2 against 1.5, the AdamW step 7.3 against 5.1; a training step 4-7 % slower); numexpr was slower still
+(its PyPI build has no vector math library: tanh of 1 Mi float32 numbers 14 ms against NumPy's 0.16), and Numba's
+JIT cost about 0.85 s of import in every process. Where the chains fall far behind PyTorch's one C++ loop —
+LayerNorm, RMSNorm and AdamW, seven to eleven passes each — models.host_kernels compiles this same text with the
+system's C compiler (no new dependency, no second implementation), with the NumPy chains' numbers bit for bit;
+the chains remain where no compiler is found. Where that leaves the CPU against PyTorch, part by part:
+docs/benchmarks.md, "CPU speed against PyTorch".
 
 Communication: none.
 """

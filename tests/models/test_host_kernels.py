@@ -173,7 +173,7 @@ def test_a_failed_build_is_reported_and_a_read_only_cache_builds_in_a_temporary_
     host_kernels._function.cache_clear()
     try:
         monkeypatch.setattr(host_kernels, "FLAGS", (*host_kernels.FLAGS, "-no-such-flag"))
-        monkeypatch.setenv("MPIPARALLEL_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv(host_kernels.CACHE_VARIABLE, str(tmp_path / "cache"))
         arguments = kernel_arguments(kernels.RMS_NORM_FORWARD, np.float64)
         assert host_kernels.run(kernels.RMS_NORM_FORWARD, **arguments) is None
         compiler = host_kernels._compiler()[0][0]
@@ -181,7 +181,7 @@ def test_a_failed_build_is_reported_and_a_read_only_cache_builds_in_a_temporary_
         monkeypatch.undo()
         host_kernels._function.cache_clear()
         (tmp_path / "file").write_text("a file where the cache folder's parent should be")
-        monkeypatch.setenv("MPIPARALLEL_CACHE", str(tmp_path / "file" / "cache"))
+        monkeypatch.setenv(host_kernels.CACHE_VARIABLE, str(tmp_path / "file" / "cache"))
         monkeypatch.setattr(host_kernels, "_FAILURES", {})
         result = host_kernels.run(kernels.RMS_NORM_FORWARD, **arguments)
         assert result is not None and not host_kernels._FAILURES
@@ -193,7 +193,7 @@ def test_a_failed_build_is_reported_and_a_read_only_cache_builds_in_a_temporary_
 
 @compiled
 def test_a_kernel_is_built_once_and_kept_under_a_hash_of_its_source(monkeypatch, tmp_path):
-    monkeypatch.setenv("MPIPARALLEL_CACHE", str(tmp_path))
+    monkeypatch.setenv(host_kernels.CACHE_VARIABLE, str(tmp_path / "kernels"))
     host_kernels._function.cache_clear()
     try:
         arguments = kernel_arguments(kernels.LAYER_NORM_CENTERED_SQUARE, np.float32)
