@@ -127,8 +127,8 @@ def _plan(inputs: tuple[str, ...], outputs: tuple[str, ...], arrays: Mapping[str
     if not inputs or len(arrays) < len(inputs) or any(name not in arrays for name in inputs):
         return None
     largest = max((arrays[name] for name in inputs), key=lambda value: getattr(value, "size", 0))
-    if not isinstance(largest, np.ndarray) or largest.ndim == 0 or largest.dtype not in C_TYPES:
-        return None
+    if not isinstance(largest, np.ndarray) or 0 in (largest.ndim, largest.size) or largest.dtype not in C_TYPES:
+        return None  # (an empty array has no buffer to point at: the chain does nothing as fast)
     dtype, shape = largest.dtype, largest.shape
     layouts = []
     for name in inputs:
@@ -137,7 +137,8 @@ def _plan(inputs: tuple[str, ...], outputs: tuple[str, ...], arrays: Mapping[str
             return None
         layouts.append(layout)
     for name in arrays:
-        if name not in inputs and (name not in outputs or _layout(arrays[name], shape, dtype) != FULL):
+        if name not in inputs and (name not in outputs or _layout(arrays[name], shape, dtype) != FULL
+                                   or not arrays[name].flags.writeable):
             return None
     return dtype, shape, tuple(layouts)
 

@@ -142,6 +142,10 @@ def test_calls_the_loop_cannot_take_are_left_to_numpy():
     assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean[:3]) is None  # neither row nor column
     assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean, square=np.empty((6, 4))) is None  # bad output
     assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x) is None  # an input missing
+    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x[:0], mean=mean[:0]) is None  # nothing to point at
+    read_only = np.empty_like(x)
+    read_only.flags.writeable = False
+    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean, square=read_only) is None
 
 
 def test_without_a_compiler_or_when_turned_off_the_layers_run_numpy(monkeypatch, tmp_path):
