@@ -94,6 +94,8 @@ def in_place_run(tmp_path: Path, tokens: str, python: str, mesh: list[str], plan
         folder.mkdir()
         done, log = elastic_run(folder, tokens, python, mesh, plan, None, *extra)
         aborted = OPEN_MPI_ABORT in done.stdout + done.stderr  # a run that gives up then relaunches nothing
+        assert aborted or log.exists(), (f"attempt {attempt} wrote no log (exit {done.returncode}):\n"
+                                         f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         if not aborted and not any(event["mode"] == "relaunch" for event in events(log)):
             return done, log
         assert aborted, done.stderr[-3000:]
