@@ -273,7 +273,33 @@ def at_dtype_of(x: Array, parameter: Parameter) -> Array:
     return parameter.data.astype(x.dtype, copy=False)
 
 
-class LayerNorm(Layer):
+class _Norm(Layer):
+    """What LayerNorm and RMSNorm share: the input pass runs on the device's fused kernels, on the CPU's compiled
+    ones where models.host_kernels can run them, else as NumPy passes (the same numbers); each records dy·n
+    (`saved.dout_norm`) for the weight pass and drops the normalized input, which only it needed."""
+
+    def backward_input(self, saved: Saved, dout: Array) -> Array:
+        saved.dout = dout
+        if is_device_array(dout):
+            dx = self._backward_input_device(saved, dout)
+        else:
+            dx = self._backward_input_compiled(saved, dout)
+            if dx is None:
+                dx = self._backward_input_numpy(saved, dout)
+        del saved.normalized
+        return dx
+
+    def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
+        raise NotImplementedError
+
+    def _backward_input_compiled(self, saved: Saved, dout: Array) -> Array | None:
+        raise NotImplementedError
+
+    def _backward_input_numpy(self, saved: Saved, dout: Array) -> Array:
+        raise NotImplementedError
+
+
+class LayerNorm(_Norm):
     """y = (x − mean) / sqrt(var + eps) · weight + bias over the last axis (eps 1e-5, biased variance).
 
     Backward, with n the normalized input and dn = dy·weight: dx = rstd·(dn − mean(dn) − n·mean(dn·n)),
@@ -326,17 +352,6 @@ class LayerNorm(Layer):
                                             bias=at_dtype_of(x, self.bias))
         return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
 
-    def backward_input(self, saved: Saved, dout: Array) -> Array:
-        saved.dout = dout
-        if is_device_array(dout):
-            dx = self._backward_input_device(saved, dout)
-        else:
-            dx = self._backward_input_compiled(saved, dout)
-            if dx is None:
-                dx = self._backward_input_numpy(saved, dout)
-        del saved.normalized  # the weight pass needs dy·n (saved.dout_norm) and dy only
-        return dx
-
     def _backward_input_numpy(self, saved: Saved, dout: Array) -> Array:
         channels = dout.shape[-1]
         dnorm = dout * self.weight.data
@@ -344,9 +359,10 @@ class LayerNorm(Layer):
         mean_dnorm_norm = row_sums(work) / channels
         dx = dnorm
         dx -= row_sums(dnorm) / channels
-        dx -= get_array_module(dout).multiply(saved.normalized, mean_dnorm_norm, out=work)
+        xp = get_array_module(dout)
+        dx -= xp.multiply(saved.normalized, mean_dnorm_norm, out=work)
         dx *= saved.rstd
-        saved.dout_norm = dout * saved.normalized
+        saved.dout_norm = xp.multiply(dout, saved.normalized, out=work)  # work is free again
         return dx
 
     def _backward_input_compiled(self, saved: Saved, dout: Array) -> Array | None:
@@ -383,7 +399,7 @@ class LayerNorm(Layer):
         saved.clear()
 
 
-class RMSNorm(Layer):
+class RMSNorm(_Norm):
     """y = x · rsqrt(mean(x²) + eps) · weight over the last axis (Llama's norm: no mean subtracted, no bias).
 
     The statistics are computed in the activations' dtype, float32 or float64 (never narrower). Backward, with
@@ -407,17 +423,6 @@ class RMSNorm(Layer):
             return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
         normalized = x * rstd
         return normalized * self.weight.data, Saved(normalized=normalized, rstd=rstd)
-
-    def backward_input(self, saved: Saved, dout: Array) -> Array:
-        saved.dout = dout
-        if is_device_array(dout):
-            dx = self._backward_input_device(saved, dout)
-        else:
-            dx = self._backward_input_compiled(saved, dout)
-            if dx is None:
-                dx = self._backward_input_numpy(saved, dout)
-        del saved.normalized  # the weight pass needs dy·n (saved.dout_norm) only
-        return dx
 
     def _backward_input_numpy(self, saved: Saved, dout: Array) -> Array:
         dnorm = dout * self.weight.data
