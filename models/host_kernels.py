@@ -53,7 +53,9 @@ from typing import Any
 import numpy as np
 
 from . import kernels
-from .kernels import LOCAL_TYPE, FusedKernel
+from .kernels import LOCAL_TYPE, ROW_LENGTH, FusedKernel, RowKernel
+
+Kernel = FusedKernel | RowKernel
 
 C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared")
@@ -61,6 +63,8 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopen
 multiply-adds (see the module docstring); -fno-math-errno: sqrt may be the vector instruction; -fopenmp-simd:
 honour `#pragma omp simd` without OpenMP's runtime."""
 FULL, ROW, COLUMN, SCALAR = "full", "row", "column", "scalar"
+LOOP_NAMES = {"rows", "row", "column", "width"}
+"""The generated loops' own names, which a kernel's variables may not take."""
 CACHE_VARIABLE = "MPIPARALLEL_KERNEL_CACHE"
 _LITERAL_TOKEN = re.compile(r"(?<![A-Za-z0-9_.])([0-9]+\.[0-9]*(?:[eE][+-]?[0-9]+)?)")
 
@@ -70,8 +74,9 @@ def enabled() -> bool:
     return os.environ.get("MPIPARALLEL_HOST_KERNELS", "1") != "0"
 
 
-def run(kernel: FusedKernel, **arrays: Any) -> dict[str, np.ndarray] | None:
-    """Run `kernel` on NumPy arrays in one compiled pass; outputs passed are written, the others allocated.
+def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
+    """Run `kernel` on NumPy arrays in one compiled pass; outputs passed are written, the others allocated (a
+    RowKernel's per-row outputs with shape (..., 1)).
 
     Returns {output name: array}, or None when the compiled kernel cannot run here (see the module docstring) and
     the caller should run its NumPy chain instead.
@@ -79,16 +84,16 @@ def run(kernel: FusedKernel, **arrays: Any) -> dict[str, np.ndarray] | None:
     if not enabled():
         return None
     inputs, outputs = _names(kernel)
-    call = _plan(inputs, outputs, arrays)
+    call = _plan(kernel, inputs, outputs, arrays)
     if call is None:
         return None
     dtype, shape, layouts = call
     function = _function(kernel, dtype, layouts)
     if function is None:
         return None
-    results = {name: arrays[name] if name in arrays else np.empty(shape, dtype) for name in outputs}
-    columns = shape[-1]
-    args: list[Any] = [_rows(shape), columns]
+    results = {name: arrays[name] if name in arrays else np.empty(_output_shape(kernel, name, shape), dtype)
+               for name in outputs}
+    args: list[Any] = [_rows(shape), shape[-1]]
     for name, layout in zip(inputs, layouts, strict=True):
         args.append(float(arrays[name]) if layout == SCALAR else _pointer(arrays[name]))
     args.extend(_pointer(results[name]) for name in outputs)
@@ -97,11 +102,16 @@ def run(kernel: FusedKernel, **arrays: Any) -> dict[str, np.ndarray] | None:
 
 
 @functools.cache
-def _names(kernel: FusedKernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _names(kernel: Kernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The kernel's input and output names, or ((), ()) when a parameter has a fixed type (the loop types all as T)."""
     if any(ctype != LOCAL_TYPE for ctype, _ in kernel.inputs + kernel.outputs):
         return (), ()
     return kernel.input_names, kernel.output_names
+
+
+def _output_shape(kernel: Kernel, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A full array's shape, or a RowKernel's per-row (..., 1) or per-column (columns,) output's."""
+    return kernel.output_shape(name, shape) if isinstance(kernel, RowKernel) else shape
 
 
 def _rows(shape: tuple[int, ...]) -> int:
@@ -118,12 +128,13 @@ def _pointer(array: np.ndarray) -> Any:
     return array.ctypes.data
 
 
-def _plan(inputs: tuple[str, ...], outputs: tuple[str, ...], arrays: Mapping[str, Any]
+def _plan(kernel: Kernel, inputs: tuple[str, ...], outputs: tuple[str, ...], arrays: Mapping[str, Any]
           ) -> tuple[np.dtype, tuple[int, ...], tuple[str, ...]] | None:
     """The call's dtype, full shape and each input's layout, or None when the compiled loop cannot take it.
 
     The full shape is the largest input's; every other argument must be that shape or one of the smaller layouts,
-    every output that shape."""
+    every output passed that shape (a RowKernel's per-row output one per row), and an input a RowKernel reads per
+    row one per row or a scalar."""
     if not inputs or len(arrays) < len(inputs) or any(name not in arrays for name in inputs):
         return None
     largest = max((arrays[name] for name in inputs), key=lambda value: getattr(value, "size", 0))
@@ -136,9 +147,14 @@ def _plan(inputs: tuple[str, ...], outputs: tuple[str, ...], arrays: Mapping[str
         if layout is None:
             return None
         layouts.append(layout)
+    if isinstance(kernel, RowKernel) and any(layout not in (ROW, SCALAR) for name, layout in zip(
+            inputs, layouts, strict=True) if name in kernel.inputs_read_per_row()):
+        return None
     for name in arrays:
-        if name not in inputs and (name not in outputs or _layout(arrays[name], shape, dtype) != FULL
-                                   or not arrays[name].flags.writeable):
+        if name in inputs:
+            continue
+        wanted = _layout(np.empty(_output_shape(kernel, name, shape), dtype), shape, dtype)
+        if name not in outputs or _layout(arrays[name], shape, dtype) != wanted or not arrays[name].flags.writeable:
             return None
     return dtype, shape, tuple(layouts)
 
@@ -163,11 +179,37 @@ def _layout(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> str | None:
     return None
 
 
-def c_source(kernel: FusedKernel, dtype: np.dtype, layouts: tuple[str, ...]) -> str:
-    """The C function `<kernel name>` for one dtype and input layout (outputs are full arrays)."""
-    ctype = C_TYPES[np.dtype(dtype)]
-    parameters = ["long rows", "long columns"]
-    per_row, per_element = [], []
+def c_source(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...]) -> str:
+    """The C function `<kernel name>` for one dtype and input layout: rows × width elements, a loop over the
+    columns of each row (a RowKernel: one loop per phase, column sums zeroed before the first row)."""
+    names = {*kernel.input_names, *kernel.output_names, *_targets(kernel)}
+    if names & LOOP_NAMES:
+        raise ValueError(f"{kernel.name}: {sorted(names & LOOP_NAMES)} are the generated loop's own names")
+    parameters, per_row, loads = _parameters(kernel, layouts)
+    zeroed = kernel.column_outputs if isinstance(kernel, RowKernel) else ()
+    if isinstance(kernel, RowKernel):
+        body = _row_kernel_body(kernel, per_row, loads)
+    else:
+        body = [*per_row, *_column_loop(loads, _statements(kernel.statements, set(kernel.input_names)),
+                                        _stores(kernel.output_names))]
+    return "\n".join(["#include <tgmath.h>", f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
+                      f"void {kernel.name}({', '.join(parameters)}) {{",
+                      *(f"    for (long column = 0; column < width; column++) {name}_array[column] = 0;"
+                        for name in zeroed),
+                      "    for (long row = 0; row < rows; row++) {",
+                      *(f"        {line}" for line in body),
+                      "    }", "}", ""])
+
+
+def _targets(kernel: Kernel) -> list[str]:
+    statements = kernel.statements if isinstance(kernel, FusedKernel) else [
+        statement for _, phase in kernel.phases for statement in phase]
+    return [target for target, _ in statements]
+
+
+def _parameters(kernel: Kernel, layouts: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
+    """The C parameters, the declarations read once per row (row vectors, scalars) and those read per element."""
+    parameters, per_row, loads = ["long rows", "long width"], [], []
     for name, layout in zip(kernel.input_names, layouts, strict=True):
         if layout == SCALAR:
             parameters.append(f"double {name}_value")
@@ -177,24 +219,53 @@ def c_source(kernel: FusedKernel, dtype: np.dtype, layouts: tuple[str, ...]) -> 
             if layout == ROW:
                 per_row.append(f"const T {name} = {name}_array[row];")
             else:
-                index = "row * columns + column" if layout == FULL else "column"
-                per_element.append(f"const T {name} = {name}_array[{index}];")
+                index = "row * width + column" if layout == FULL else "column"
+                loads.append(f"const T {name} = {name}_array[{index}];")
     parameters.extend(f"T *{name}_array" for name in kernel.output_names)
-    body = [*per_element]
-    declared = set(kernel.input_names)
-    for target, expression in kernel.statements:
-        body.append(f"{'' if target in declared else 'T '}{target} = {_typed_literals(expression)};")
+    return parameters, per_row, loads
+
+
+def _statements(statements: Any, declared: set[str]) -> list[str]:
+    """`T target = expression;` (or without the type when already declared), literals cast to T."""
+    lines = []
+    for target, expression in statements:
+        lines.append(f"{'' if target in declared else 'T '}{target} = {_typed_literals(expression)};")
         declared.add(target)
-    body.extend(f"{name}_array[row * columns + column] = {name};" for name in kernel.output_names)
-    lines = ["#include <tgmath.h>", f"typedef {ctype} T;", "",
-             f"void {kernel.name}({', '.join(parameters)}) {{",
-             "    for (long row = 0; row < rows; row++) {",
-             *(f"        {line}" for line in per_row),
-             "        #pragma omp simd",
-             "        for (long column = 0; column < columns; column++) {",
-             *(f"            {line}" for line in body),
-             "        }", "    }", "}", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _stores(names: Any) -> list[str]:
+    return [f"{name}_array[row * width + column] = {name};" for name in names]
+
+
+def _column_loop(loads: list[str], body: list[str], after: list[str], pragma: str = "#pragma omp simd") -> list[str]:
+    """One vectorized loop over the row's columns: every input element is read before any output is written."""
+    return [pragma, "for (long column = 0; column < width; column++) {",
+            *(f"    {line}" for line in [*loads, *body, *after]), "}"]
+
+
+def _row_kernel_body(kernel: RowKernel, per_row: list[str], loads: list[str]) -> list[str]:
+    """A RowKernel's phases inside the loop over rows: a sum is a reduction loop (the compiler keeps vector
+    accumulators), a row phase plain statements, an each phase a loop like a FusedKernel's, a columns phase a loop
+    adding to the per-column outputs."""
+    lines = [*per_row, f"const T {ROW_LENGTH} = (T)width;"]
+    for kind, statements in kernel.phases:
+        if kind == "sum":
+            targets = [target for target, _ in statements]
+            lines.extend(f"T {target} = 0;" for target in targets)
+            lines.extend(_column_loop(loads, [f"{target} += {_typed_literals(expression)};"
+                                              for target, expression in statements], [],
+                                      f"#pragma omp simd reduction(+:{', '.join(targets)})"))
+        elif kind == "row":
+            lines.extend(_statements(statements, set()))
+        elif kind == "columns":
+            lines.extend(_column_loop(loads, [f"{target}_array[column] += {_typed_literals(expression)};"
+                                              for target, expression in statements], []))
+        else:
+            outputs = [target for target, _ in statements if target in kernel.output_names]
+            lines.extend(_column_loop(loads, _statements(statements, set()), _stores(outputs)))
+    lines.extend(f"{name}_array[row] = {name};" for name in kernel.row_outputs)
+    return lines
 
 
 def _typed_literals(expression: str) -> str:
@@ -220,7 +291,7 @@ _FAILURES: dict[str, str] = {}
 
 
 @functools.cache
-def _function(kernel: FusedKernel, dtype: np.dtype, layouts: tuple[str, ...]) -> Any:
+def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...]) -> Any:
     """The loaded C function for this kernel, dtype and layout (built or taken from the cache), or None."""
     compiler = _compiler()
     if compiler is None:
@@ -300,7 +371,7 @@ def status(build: bool = False) -> str:
     """One line: whether the CPU's norms and AdamW run compiled, and why not (`build`: build one kernel first, so
     that a compiler that cannot build is found now rather than at the first layer)."""
     if build:
-        run(kernels.LAYER_NORM_CENTERED_SQUARE, x=np.zeros((1, 8), np.float32), mean=np.zeros((1, 1), np.float32))
+        run(kernels.RMS_NORM_ROWS_FORWARD, x=np.ones((1, 8), np.float32), weight=np.ones(8, np.float32), eps=1e-6)
     if not enabled():
         return "NumPy chains (MPIPARALLEL_HOST_KERNELS=0)"
     compiler = _compiler()

@@ -272,6 +272,126 @@ class FusedKernel:
         return f"FusedKernel({self.name}: {', '.join(self.input_names)} -> {', '.join(self.output_names)})"
 
 
+
+ROW_PHASES = ("sum", "row", "each", "columns")
+ROW_LENGTH = "columns"
+"""The name a RowKernel's expressions read for the length of a row (as T)."""
+
+
+class RowKernel:
+    """A kernel over rows: for each row of the last axis, phases of loops over its columns with per-row values
+    between them — a norm's statistics and its elementwise work in one pass over memory.
+
+    Why: LayerNorm and RMSNorm need row statistics (a mean, a variance, Σ dn·n) before their elementwise work. As
+    GEMVs over arrays written for them, those cost several extra trips through memory; in one loop per row the row
+    stays in the L1 cache from one phase to the next, so each input comes from memory once.
+
+    A phase is (kind, statements):
+      "sum":     each target is Σ, over the row's columns, of its expression — one value per row;
+      "row":     one value per row, from earlier per-row values, `columns` (the row's length) and inputs given one
+                 per row or as scalars;
+      "each":    one value per element, as FusedKernel's statements; its locals live in that phase alone;
+      "columns": each target, an output, is Σ over all rows of its expression — one value per column (a weight's
+                 gradient, summed while the row is in cache instead of in a pass of its own).
+    An output set by a "sum" or "row" phase has one value per row (shape (..., 1)), one set by "each" one per
+    element, one set by "columns" one per column (shape (columns,)). Expressions are FusedKernel's C-and-Python subset; `evaluate_numpy` runs the text with NumPy and
+    models.host_kernels compiles it for the CPU. The GPU's norms keep CuPy reductions and FusedKernels: no CUDA
+    version is generated.
+    """
+
+    def __init__(self, name: str, inputs: str, outputs: str,
+                 phases: Sequence[tuple[str, Sequence[tuple[str, str]]]]) -> None:
+        self.name = _checked_name(name, "kernel")
+        self.inputs, self.outputs = parse_params(inputs), parse_params(outputs)
+        self.phases = tuple((kind, tuple(statements)) for kind, statements in phases)
+        self.row_values = self._check_phases()
+        self._codes = [[compile(expression, f"<{name}: {target}>", "eval") for target, expression in statements]
+                       for _, statements in self.phases]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.outputs)
+
+    @property
+    def row_outputs(self) -> tuple[str, ...]:
+        """The outputs with one value per row."""
+        return tuple(name for name in self.output_names if name in self.row_values)
+
+    @property
+    def column_outputs(self) -> tuple[str, ...]:
+        """The outputs with one value per column (Σ over the rows)."""
+        return tuple(target for kind, statements in self.phases if kind == "columns" for target, _ in statements)
+
+    def inputs_read_per_row(self) -> set[str]:
+        """The inputs a "row" phase reads: they must be given one per row or as scalars."""
+        return {name for (kind, _), reads in zip(self.phases, self._reads, strict=True) if kind == "row"
+                for read in reads for name in read if name in self.input_names}
+
+    def _check_phases(self) -> set[str]:
+        """Names are assigned once; a statement reads inputs, per-row values and its own phase's element values
+        (a sum's result after its loop only); a column sum is an output nothing reads; every output is assigned.
+        Returns the per-row names."""
+        params = self.input_names + self.output_names
+        if len(set(params)) != len(params) or ROW_LENGTH in params:
+            raise ValueError(f"{self.name}: parameter names repeat or take {ROW_LENGTH!r}: {params}")
+        per_row, assigned, self._reads = {ROW_LENGTH}, set(), []
+        for kind, statements in self.phases:
+            if kind not in ROW_PHASES:
+                raise ValueError(f"{self.name}: phase {kind!r} is not one of {ROW_PHASES}")
+            element_values, sums, reads = set(), set(), []
+            for target, expression in statements:
+                reads.append(names_read(expression, per_row | set(self.input_names) | element_values))
+                if target in self.input_names or target in assigned or target == ROW_LENGTH:
+                    raise ValueError(f"{self.name}: {target!r} is an input, or is assigned twice")
+                if kind == "columns" and target not in self.output_names:
+                    raise ValueError(f"{self.name}: column sum {target!r} is not an output")
+                assigned.add(_checked_name(target, "statement target"))
+                {"sum": sums, "row": per_row, "each": element_values, "columns": set()}[kind].add(target)
+            per_row |= sums
+            self._reads.append(reads)
+        unwritten = [name for name in self.output_names if name not in assigned]
+        if unwritten:
+            raise ValueError(f"{self.name}: outputs {unwritten} are never assigned")
+        return per_row - {ROW_LENGTH}
+
+    def evaluate_numpy(self, **arrays: Array) -> dict[str, np.ndarray]:
+        """The outputs computed from the phases' text with NumPy, as new arrays: row sums with `np.sum` over the
+        last axis (row values of shape (..., 1)), column sums over all the others."""
+        missing = [name for name in self.input_names if name not in arrays]
+        unknown = [name for name in arrays if name not in self.input_names]
+        if missing or unknown:
+            raise TypeError(f"{self.name}: missing arguments {missing}, unknown arguments {unknown}")
+        shape = np.broadcast_shapes(*(np.shape(value) for value in arrays.values()))
+        dtype = np.result_type(*(value for value in arrays.values() if hasattr(value, "dtype")))
+        namespace: dict[str, Any] = {**arrays, ROW_LENGTH: float(shape[-1])}
+        functions = {"__builtins__": {}, **FUNCTIONS}
+        for (kind, statements), codes in zip(self.phases, self._codes, strict=True):
+            for (target, _), code in zip(statements, codes, strict=True):
+                value = eval(code, functions, namespace)  # text checked above
+                if kind == "sum":
+                    value = np.sum(np.broadcast_to(value, shape), axis=-1, keepdims=True)
+                elif kind == "columns":
+                    value = np.sum(np.broadcast_to(value, shape).reshape(-1, shape[-1]), axis=0)
+                namespace[target] = value
+        return {name: np.array(np.broadcast_to(namespace[name], self.output_shape(name, shape)), dtype=dtype)
+                for name in self.output_names}
+
+    def output_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of output `name` for inputs of the full shape `shape`."""
+        if name in self.row_outputs:
+            return (*shape[:-1], 1)
+        if name in self.column_outputs:
+            return shape[-1:]
+        return shape
+
+    def __repr__(self) -> str:
+        return f"RowKernel({self.name}: {', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The kernels. Each statement follows the NumPy code of models.layers / mpiparallel.optim operation by operation
 # (same operands, same order), so evaluate_numpy reproduces that code to the last bit.
@@ -307,29 +427,6 @@ LAYER_NORM_BACKWARD = FusedKernel("layer_norm_backward",
                                   ])
 """dx = rstd·(dnorm − mean(dnorm) − normalized·mean(dnorm·normalized)), dnorm = dout·weight, from the row means."""
 
-LAYER_NORM_CENTERED_SQUARE = FusedKernel("layer_norm_centered_square", "T x, T mean", "T square", [
-    ("centered", "x - mean"),
-    ("square", "centered * centered"),
-])
-"""(x − mean)², whose row sums are the variance (the CPU's LayerNorm; the GPU's uses CuPy's var)."""
-
-LAYER_NORM_BACKWARD_PRODUCTS = FusedKernel("layer_norm_backward_products", "T dout, T weight, T normalized",
-                                           "T dnorm, T dnorm_norm, T dout_norm", [
-                                               ("dnorm", "dout * weight"),
-                                               ("dnorm_norm", "dnorm * normalized"),
-                                               ("dout_norm", "dout * normalized"),
-                                           ])
-"""dn = dout·weight and dn·normalized, whose row means LAYER_NORM_BACKWARD takes, and dout·normalized, whose column
-sums are d(weight) (the CPU's LayerNorm)."""
-
-RMS_NORM_BACKWARD_PRODUCTS = FusedKernel("rms_norm_backward_products", "T dout, T weight, T normalized",
-                                         "T dnorm_norm, T dout_norm", [
-                                             ("dnorm_norm", "dout * weight * normalized"),
-                                             ("dout_norm", "dout * normalized"),
-                                         ])
-"""dn·normalized (dn = dout·weight), whose row mean RMS_NORM_BACKWARD takes, and dout·normalized, whose column sums
-are d(weight) (the CPU's RMSNorm)."""
-
 RMS_NORM_FORWARD = FusedKernel("rms_norm_forward", "T x, T rstd, T weight", "T normalized, T out", [
     ("normalized", "x * rstd"),
     ("out", "normalized * weight"),
@@ -341,6 +438,51 @@ RMS_NORM_BACKWARD = FusedKernel("rms_norm_backward", "T dout, T weight, T normal
                                     ("dx", "(dout * weight - normalized * mean_dnorm_norm) * rstd"),
                                 ])
 """dx = rstd·(dnorm − normalized·mean(dnorm·normalized)), dnorm = dout·weight, from the row mean."""
+
+# The CPU's norms: statistics and elementwise work in one pass over each row (models.host_kernels compiles them).
+# The statements follow the NumPy chains of models.layers; the sums run in another order than those chains' GEMVs,
+# so the numbers agree to rounding, not bit for bit.
+
+LAYER_NORM_ROWS_FORWARD = RowKernel("layer_norm_rows_forward", "T x, T weight, T bias, T eps",
+                                    "T normalized, T out, T rstd", [
+                                        ("sum", [("sum_x", "x")]),
+                                        ("row", [("mean", "sum_x / columns")]),
+                                        ("sum", [("sum_squares", "(x - mean) * (x - mean)")]),
+                                        ("row", [("rstd", "1.0 / sqrt(sum_squares / columns + eps)")]),
+                                        ("each", [("normalized", "(x - mean) * rstd"),
+                                                  ("out", "normalized * weight + bias")]),
+                                    ])
+"""LayerNorm forward: the mean, the (biased) variance of x − mean, then normalize and affine; keeps `normalized`
+and `rstd` for backward."""
+
+LAYER_NORM_ROWS_BACKWARD = RowKernel("layer_norm_rows_backward", "T dout, T weight, T normalized, T rstd",
+                                     "T dx, T dweight, T dbias", [
+                                         ("sum", [("sum_dnorm", "dout * weight"),
+                                                  ("sum_dnorm_norm", "dout * weight * normalized")]),
+                                         ("row", [("mean_dnorm", "sum_dnorm / columns"),
+                                                  ("mean_dnorm_norm", "sum_dnorm_norm / columns")]),
+                                         ("each", [("dx", "(dout * weight - mean_dnorm - normalized * mean_dnorm_norm)"
+                                                          " * rstd")]),
+                                         ("columns", [("dweight", "dout * normalized"), ("dbias", "dout")]),
+                                     ])
+"""LayerNorm's backward: dx = rstd·(dn − mean(dn) − n·mean(dn·n)), dn = dout·weight, and the weight and bias
+gradients Σ dout·n and Σ dout."""
+
+RMS_NORM_ROWS_FORWARD = RowKernel("rms_norm_rows_forward", "T x, T weight, T eps", "T normalized, T out, T rstd", [
+    ("sum", [("sum_squares", "x * x")]),
+    ("row", [("rstd", "1.0 / sqrt(sum_squares / columns + eps)")]),
+    ("each", [("normalized", "x * rstd"), ("out", "normalized * weight")]),
+])
+"""RMSNorm forward: 1/rms, then scale and weight; keeps `normalized` and `rstd` for backward."""
+
+RMS_NORM_ROWS_BACKWARD = RowKernel("rms_norm_rows_backward", "T dout, T weight, T normalized, T rstd",
+                                   "T dx, T dweight", [
+                                       ("sum", [("sum_dnorm_norm", "dout * weight * normalized")]),
+                                       ("row", [("mean_dnorm_norm", "sum_dnorm_norm / columns")]),
+                                       ("each", [("dx", "(dout * weight - normalized * mean_dnorm_norm) * rstd")]),
+                                       ("columns", [("dweight", "dout * normalized")]),
+                                   ])
+"""RMSNorm's backward: dx = rstd·(dn − n·mean(dn·n)), dn = dout·weight, and the weight gradient Σ dout·n."""
 
 _SIGMOID = ("sigmoid", "1.0 / (exp(-gate) + 1.0)")
 

@@ -274,12 +274,13 @@ def at_dtype_of(x: Array, parameter: Parameter) -> Array:
 
 
 class _Norm(Layer):
-    """What LayerNorm and RMSNorm share: the input pass runs on the device's fused kernels, on the CPU's compiled
-    ones where models.host_kernels can run them, else as NumPy passes (the same numbers); each records dy·n
-    (`saved.dout_norm`) for the weight pass and drops the normalized input, which only it needed."""
+    """What LayerNorm and RMSNorm share: the input pass runs on the device's fused kernels, on the CPU as one
+    compiled loop per row where models.host_kernels can build it, else as NumPy passes (the same math, its sums in
+    another order). Each computes its weights' gradients there too (`saved.dweight`, LayerNorm's `saved.dbias`:
+    vectors, summed while the rows are at hand) for the weight pass to add, and drops the normalized input — so
+    between the two passes a norm holds two vectors, not the output gradient and dy·n."""
 
     def backward_input(self, saved: Saved, dout: Array) -> Array:
-        saved.dout = dout
         if is_device_array(dout):
             dx = self._backward_input_device(saved, dout)
         else:
@@ -303,9 +304,10 @@ class LayerNorm(_Norm):
     """y = (x − mean) / sqrt(var + eps) · weight + bias over the last axis (eps 1e-5, biased variance).
 
     Backward, with n the normalized input and dn = dy·weight: dx = rstd·(dn − mean(dn) − n·mean(dn·n)),
-    d(weight) = Σ dy·n, d(bias) = Σ dy. Row and column sums are GEMVs with ones (`row_sums`); the elementwise work
-    runs as NumPy passes, as one compiled loop per step on the CPU where models.host_kernels can (the same
-    numbers), or as fused kernels on a GPU.
+    d(weight) = Σ dy·n, d(bias) = Σ dy. On the CPU each pass is one compiled loop per row (kernels.LAYER_NORM_ROWS_*:
+    the row's statistics, then its elementwise work, while the row is in cache) where models.host_kernels can
+    build it, else NumPy passes with row and column sums as GEMVs with ones (`row_sums`); on a GPU, CuPy
+    reductions and fused kernels.
     """
 
     eps = 1e-5
@@ -331,17 +333,12 @@ class LayerNorm(_Norm):
         return out, Saved(normalized=normalized, rstd=rstd)
 
     def _forward_compiled(self, x: Array) -> tuple[Array, Saved] | None:
-        """Two compiled passes instead of six: (x − mean)², then normalize-and-affine (None: not compiled here)."""
-        mean = row_sums(x) / x.shape[-1]
-        squares = host_kernels.run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean)
-        if squares is None:
-            return None
-        rstd = self._rstd(row_sums(squares["square"]) / x.shape[-1])
-        result = host_kernels.run(kernels.LAYER_NORM_FORWARD, x=x, mean=mean, rstd=rstd, weight=self.weight.data,
-                                  bias=self.bias.data, normalized=squares["square"])
+        """Mean, variance, normalize and affine in one compiled pass over each row (None: not compiled here)."""
+        result = host_kernels.run(kernels.LAYER_NORM_ROWS_FORWARD, x=x, weight=self.weight.data,
+                                  bias=self.bias.data, eps=self.eps)
         if result is None:
             return None
-        return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
+        return result["out"], Saved(normalized=result["normalized"], rstd=result["rstd"])
 
     def _forward_device(self, x: Array) -> tuple[Array, Saved]:
         """Mean and variance as CuPy reductions, then normalize and affine in one fused pass."""
@@ -362,24 +359,17 @@ class LayerNorm(_Norm):
         xp = get_array_module(dout)
         dx -= xp.multiply(saved.normalized, mean_dnorm_norm, out=work)
         dx *= saved.rstd
-        saved.dout_norm = xp.multiply(dout, saved.normalized, out=work)  # work is free again
+        saved.dweight = column_sums(xp.multiply(dout, saved.normalized, out=work))  # work is free again
+        saved.dbias = column_sums(dout)
         return dx
 
     def _backward_input_compiled(self, saved: Saved, dout: Array) -> Array | None:
-        """The products dn, dn·n and dy·n in one compiled pass, their row means, then dx in a second."""
-        products = host_kernels.run(kernels.LAYER_NORM_BACKWARD_PRODUCTS, dout=dout, weight=self.weight.data,
-                                    normalized=saved.normalized)
-        if products is None:
-            return None
-        channels = dout.shape[-1]
-        mean_dnorm_norm = row_sums(products["dnorm_norm"]) / channels
-        mean_dnorm = row_sums(products["dnorm"]) / channels
-        result = host_kernels.run(kernels.LAYER_NORM_BACKWARD, dout=dout, weight=self.weight.data,
-                                  normalized=saved.normalized, rstd=saved.rstd, mean_dnorm=mean_dnorm,
-                                  mean_dnorm_norm=mean_dnorm_norm, dx=products["dnorm"])
+        """The row means of dn and dn·n, then dx, then the weight and bias gradients, in one compiled pass."""
+        result = host_kernels.run(kernels.LAYER_NORM_ROWS_BACKWARD, dout=dout, weight=self.weight.data,
+                                  normalized=saved.normalized, rstd=saved.rstd)
         if result is None:
             return None
-        saved.dout_norm = products["dout_norm"]
+        saved.dweight, saved.dbias = result["dweight"], result["dbias"]
         return result["dx"]
 
     def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
@@ -387,15 +377,16 @@ class LayerNorm(_Norm):
         channels = dout.shape[-1]
         row_shape = (*dout.shape[:-1], 1)
         weight = at_dtype_of(dout, self.weight)
-        saved.dout_norm = dout * saved.normalized
+        dout_norm = dout * saved.normalized
+        saved.dweight, saved.dbias = column_sums(dout_norm), column_sums(dout)
         mean_dnorm = (dout.reshape(-1, channels) @ weight).reshape(row_shape) / channels
-        mean_dnorm_norm = (saved.dout_norm.reshape(-1, channels) @ weight).reshape(row_shape) / channels
+        mean_dnorm_norm = (dout_norm.reshape(-1, channels) @ weight).reshape(row_shape) / channels
         return kernels.LAYER_NORM_BACKWARD(dout=dout, weight=weight, normalized=saved.normalized, rstd=saved.rstd,
                                            mean_dnorm=mean_dnorm, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
     def backward_weights(self, saved: Saved) -> None:
-        self.weight.grad += column_sums(saved.dout_norm)
-        self.bias.grad += column_sums(saved.dout)
+        self.weight.grad += saved.dweight
+        self.bias.grad += saved.dbias
         saved.clear()
 
 
@@ -404,22 +395,24 @@ class RMSNorm(_Norm):
 
     The statistics are computed in the activations' dtype, float32 or float64 (never narrower). Backward, with
     n = x·rstd the normalized input and dn = dy·weight: dx = rstd · (dn − n · mean(dn · n)), d(weight) = Σ dy·n.
-    The elementwise work as in LayerNorm: NumPy passes, compiled loops on the CPU where they can run, or kernels.
+    Run as LayerNorm's: one compiled loop per row on the CPU where it can be built, else NumPy passes; on a GPU,
+    GEMVs and fused kernels.
     """
 
     def __init__(self, weight: Parameter, eps: float = 1e-6) -> None:
         self.weight, self.eps = weight, eps
 
     def forward(self, x: Array) -> tuple[Array, Saved]:
+        if not is_device_array(x):  # the statistics, scale and weight in one compiled pass over each row
+            result = host_kernels.run(kernels.RMS_NORM_ROWS_FORWARD, x=x, weight=self.weight.data, eps=self.eps)
+            if result is not None:
+                return result["out"], Saved(normalized=result["normalized"], rstd=result["rstd"])
         xp = get_array_module(x)
         mean_square = row_sums(x * x) / x.shape[-1]
         mean_square += self.eps
         rstd = 1.0 / xp.sqrt(mean_square, out=mean_square)
         if is_device_array(x):  # scale and weight in one fused pass
             result = kernels.RMS_NORM_FORWARD(x=x, rstd=rstd, weight=at_dtype_of(x, self.weight))
-            return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
-        result = host_kernels.run(kernels.RMS_NORM_FORWARD, x=x, rstd=rstd, weight=self.weight.data)
-        if result is not None:
             return result["out"], Saved(normalized=result["normalized"], rstd=rstd)
         normalized = x * rstd
         return normalized * self.weight.data, Saved(normalized=normalized, rstd=rstd)
@@ -429,36 +422,30 @@ class RMSNorm(_Norm):
         mean_dnorm_norm = row_sums(dnorm * saved.normalized) / dout.shape[-1]
         dnorm -= saved.normalized * mean_dnorm_norm
         dnorm *= saved.rstd
-        saved.dout_norm = dout * saved.normalized
+        saved.dweight = column_sums(dout * saved.normalized)
         return dnorm
 
     def _backward_input_compiled(self, saved: Saved, dout: Array) -> Array | None:
-        """dn·n and dy·n in one compiled pass, the row mean, then dx in a second."""
-        products = host_kernels.run(kernels.RMS_NORM_BACKWARD_PRODUCTS, dout=dout, weight=self.weight.data,
-                                    normalized=saved.normalized)
-        if products is None:
-            return None
-        mean_dnorm_norm = row_sums(products["dnorm_norm"]) / dout.shape[-1]
-        result = host_kernels.run(kernels.RMS_NORM_BACKWARD, dout=dout, weight=self.weight.data,
-                                  normalized=saved.normalized, rstd=saved.rstd, mean_dnorm_norm=mean_dnorm_norm,
-                                  dx=products["dnorm_norm"])
+        """The row mean of dn·n, then dx, then the weight gradient, in one compiled pass over each row."""
+        result = host_kernels.run(kernels.RMS_NORM_ROWS_BACKWARD, dout=dout, weight=self.weight.data,
+                                  normalized=saved.normalized, rstd=saved.rstd)
         if result is None:
             return None
-        saved.dout_norm = products["dout_norm"]
+        saved.dweight = result["dweight"]
         return result["dx"]
 
     def _backward_input_device(self, saved: Saved, dout: Array) -> Array:
         """mean(dn · n) as a GEMV with the weight (Σ dout·n·w), then dx in one fused pass."""
         channels = dout.shape[-1]
         weight = at_dtype_of(dout, self.weight)
-        saved.dout_norm = dout * saved.normalized
-        mean_dnorm_norm = (saved.dout_norm.reshape(-1, channels) @ weight).reshape(
-            *dout.shape[:-1], 1) / channels
+        dout_norm = dout * saved.normalized
+        saved.dweight = column_sums(dout_norm)
+        mean_dnorm_norm = (dout_norm.reshape(-1, channels) @ weight).reshape(*dout.shape[:-1], 1) / channels
         return kernels.RMS_NORM_BACKWARD(dout=dout, weight=weight, normalized=saved.normalized,
                                          rstd=saved.rstd, mean_dnorm_norm=mean_dnorm_norm)["dx"]
 
     def backward_weights(self, saved: Saved) -> None:
-        self.weight.grad += column_sums(saved.dout_norm)
+        self.weight.grad += saved.dweight
         saved.clear()
 
 
