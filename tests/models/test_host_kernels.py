@@ -1,11 +1,12 @@
-"""The fused kernels compiled for the CPU (models.host_kernels): the NumPy chains' numbers bit for bit, the math
-written out, and the NumPy chains wherever they cannot run.
+"""The kernels compiled for the CPU (models.host_kernels): the math written out, the NumPy chains' numbers (bit for
+bit where the operations are the same), and the NumPy chains wherever they cannot run.
 
 Every kernel is built with the machine's C compiler (the suite's machines have one; a machine without one skips
 the compiled checks and still runs the fallback ones) and compared with the math written out
-(test_kernels.INDEPENDENT_FORMULAS). The kernels the CPU's layers use — no tanh or exp — must also equal the
-NumPy evaluation of their own text exactly, and the layers and AdamW must give the same bits with the compiled
-kernels as with MPIPARALLEL_HOST_KERNELS=0, in float32 and float64.
+(test_kernels.INDEPENDENT_FORMULAS, ROW_FORMULAS here). The elementwise kernels of + − × ÷ and sqrt must also equal
+the NumPy evaluation of their own text exactly, and AdamW must give the same bits compiled as with
+MPIPARALLEL_HOST_KERNELS=0. The norms' row kernels sum each row in another order than the chains' GEMVs: they
+agree with the chains to rounding (float64 1e-13, float32 1e-6), and with the NumPy evaluation of their own text.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from test_kernels import ADAMW_STEP, INDEPENDENT_FORMULAS, KERNELS, assert_matches
 
 from models import host_kernels, kernels
+from models.kernels import RowKernel
 from models.layers import LayerNorm, RMSNorm
 from models.parameter import Parameter
 from models.precision import DTYPES
@@ -66,10 +68,134 @@ def test_compiled_kernels_of_correctly_rounded_operations_equal_numpy_bit_for_bi
         np.testing.assert_array_equal(result[name], expected, err_msg=name)
 
 
-def test_the_layers_use_the_compiled_kernels_where_they_can():
-    assert {kernel.name for kernel in CORRECTLY_ROUNDED} >= {
-        "layer_norm_centered_square", "layer_norm_forward", "layer_norm_backward_products", "layer_norm_backward",
-        "rms_norm_forward", "rms_norm_backward_products", "rms_norm_backward", "adamw"}
+def test_the_optimizer_uses_a_correctly_rounded_kernel():
+    assert {kernel.name for kernel in CORRECTLY_ROUNDED} >= {"layer_norm_forward", "layer_norm_backward",
+                                                             "rms_norm_forward", "rms_norm_backward", "adamw"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row kernels: the norms' statistics and elementwise work in one loop per row.
+# ---------------------------------------------------------------------------------------------------------------
+
+ROW_KERNELS = [value for value in vars(kernels).values() if isinstance(value, RowKernel)]
+EPS = 1e-5
+
+
+def _layer_norm_rows_forward(x, weight, bias, eps):
+    mean, variance = x.mean(axis=-1, keepdims=True), x.var(axis=-1, keepdims=True)
+    rstd = 1 / np.sqrt(variance + eps)
+    return {"normalized": (x - mean) * rstd, "out": weight * (x - mean) * rstd + bias, "rstd": rstd}
+
+
+def _layer_norm_rows_backward(dout, weight, normalized, rstd):
+    dn = dout * weight
+    return {"dx": rstd * (dn - dn.mean(axis=-1, keepdims=True) - normalized * (dn * normalized).mean(
+        axis=-1, keepdims=True)), "dweight": (dout * normalized).reshape(-1, dout.shape[-1]).sum(axis=0),
+        "dbias": dout.reshape(-1, dout.shape[-1]).sum(axis=0)}
+
+
+def _rms_norm_rows_forward(x, weight, eps):
+    rstd = 1 / np.sqrt((x**2).mean(axis=-1, keepdims=True) + eps)
+    return {"normalized": x * rstd, "out": weight * x * rstd, "rstd": rstd}
+
+
+def _rms_norm_rows_backward(dout, weight, normalized, rstd):
+    dn = dout * weight
+    return {"dx": rstd * (dn - normalized * (dn * normalized).mean(axis=-1, keepdims=True)),
+            "dweight": (dout * normalized).reshape(-1, dout.shape[-1]).sum(axis=0)}
+
+
+ROW_FORMULAS = {"layer_norm_rows_forward": _layer_norm_rows_forward,
+                "layer_norm_rows_backward": _layer_norm_rows_backward,
+                "rms_norm_rows_forward": _rms_norm_rows_forward, "rms_norm_rows_backward": _rms_norm_rows_backward}
+"""What each row kernel computes, written from the math (NumPy's mean and var), not from its statements."""
+
+
+def row_arguments(kernel, dtype, rows=(4, 3), columns=37) -> dict:
+    shapes = {"weight": (columns,), "bias": (columns,), "rstd": (*rows, 1)}
+    arrays = {name: RNG.uniform(0.5, 1.5, shapes.get(name, (*rows, columns))).astype(dtype)
+              for name in kernel.input_names if name != "eps"}
+    return {**arrays, "eps": EPS} if "eps" in kernel.input_names else arrays
+
+
+def test_the_row_kernel_list_is_complete():
+    assert set(ROW_FORMULAS) == {kernel.name for kernel in ROW_KERNELS}
+
+
+@pytest.mark.parametrize("kernel", ROW_KERNELS, ids=lambda k: k.name)
+def test_every_row_kernels_text_evaluated_with_numpy_computes_its_math(kernel):
+    arguments = row_arguments(kernel, np.float64)
+    expected = ROW_FORMULAS[kernel.name](**arguments)
+    result = kernel.evaluate_numpy(**arguments)
+    assert set(result) == set(expected)
+    for name, value in result.items():
+        assert value.shape == expected[name].shape, name
+        assert_matches(value, expected[name], name, 1e-13)
+
+
+@compiled
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-13), (np.float32, 1e-5)])
+@pytest.mark.parametrize("columns", [37, 768])
+@pytest.mark.parametrize("kernel", ROW_KERNELS, ids=lambda k: k.name)
+def test_every_row_kernel_compiled_computes_its_math_and_its_text(kernel, columns, dtype, tolerance):
+    """37 columns: the vector loops' remainders run; 768: GPT-2's width. Against the math written out in float64
+    and against the NumPy evaluation of the kernel's own text in its dtype."""
+    arguments = row_arguments(kernel, dtype, columns=columns)
+    result = host_kernels.run(kernel, **arguments)
+    assert result is not None, host_kernels.status()
+    expected = ROW_FORMULAS[kernel.name](**{name: np.asarray(value, np.float64) if isinstance(
+        value, np.ndarray) else value for name, value in arguments.items()})
+    evaluated = kernel.evaluate_numpy(**arguments)
+    assert set(result) == set(expected)
+    for name, value in result.items():
+        assert value.dtype == dtype and value.shape == expected[name].shape == kernel.output_shape(
+            name, (4, 3, columns)), name
+        assert_matches(value, expected[name], name, tolerance)
+        assert_matches(value, evaluated[name], name, tolerance)
+
+
+@compiled
+def test_a_row_kernel_writes_the_outputs_it_is_given_and_refuses_the_wrong_shapes():
+    arguments = row_arguments(kernels.RMS_NORM_ROWS_BACKWARD, np.float64)
+    dx, dweight = np.empty((4, 3, 37)), np.full(37, np.nan)  # column sums start from zero, not from what is there
+    result = host_kernels.run(kernels.RMS_NORM_ROWS_BACKWARD, **arguments, dx=dx, dweight=dweight)
+    assert result["dx"] is dx and result["dweight"] is dweight
+    assert_matches(dweight, _rms_norm_rows_backward(**arguments)["dweight"], "dweight", 1e-13)
+    run = host_kernels.run
+    assert run(kernels.RMS_NORM_ROWS_BACKWARD, **arguments, dweight=np.empty((4, 3, 37))) is None
+    assert run(kernels.RMS_NORM_ROWS_FORWARD, x=arguments["dout"], weight=arguments["weight"],
+               eps=np.full((4, 3, 37), EPS)) is None  # a row statement cannot read a full array
+
+
+@pytest.mark.parametrize("inputs, outputs, phases", [
+    ("T x", "T y", [("each", [("y", "x * 2.0")]), ("sum", [("s", "y")])]),       # another phase's element value
+    ("T x", "T s", [("row", [("s", "total / columns")])]),                     # unknown name
+    ("T x", "T s", [("sum", [("t", "x"), ("s", "t * 2.0")])]),                 # a sum read inside its own loop
+    ("T x", "T y", [("sum", [("y", "x")]), ("sum", [("y", "x * x")])]),        # assigned twice
+    ("T x", "T y", [("columns", [("c", "x")]), ("each", [("y", "x")])]),       # a column sum that is no output
+    ("T x", "T y", [("each", [("x", "x * 2.0"), ("y", "x")])]),                # assigns an input
+    ("T x, T columns", "T y", [("each", [("y", "x * columns")])]),             # takes the row length's name
+    ("T x", "T y", [("average", [("y", "x")])]),                               # no such phase
+    ("T x", "T y, T z", [("each", [("y", "x")])]),                             # an output never written
+])
+def test_invalid_row_kernels_are_refused(inputs, outputs, phases):
+    with pytest.raises(ValueError):
+        RowKernel("bad", inputs, outputs, phases)
+
+
+def test_a_kernel_may_not_take_the_generated_loops_names():
+    kernel = kernels.FusedKernel("bad", "T width", "T y", [("y", "width * 2.0")])
+    with pytest.raises(ValueError, match="loop's own names"):
+        host_kernels.c_source(kernel, np.dtype(np.float64), ("full",))
+
+
+def test_a_row_kernels_c_source_sums_with_vector_accumulators_and_zeroes_column_sums_first():
+    source = host_kernels.c_source(kernels.LAYER_NORM_ROWS_BACKWARD, np.dtype(np.float32),
+                                   ("full", "column", "full", "row"))
+    before_rows, rows = source.split("for (long row = 0; row < rows; row++) {")
+    assert "dweight_array[column] = 0;" in before_rows and "dbias_array[column] = 0;" in before_rows
+    assert "#pragma omp simd reduction(+:sum_dnorm, sum_dnorm_norm)" in rows
+    assert "dweight_array[column] += dout * normalized;" in rows and "const T columns = (T)width;" in rows
 
 
 def norm_step(layer, x, dout) -> list[np.ndarray]:
@@ -83,9 +209,10 @@ def norm_step(layer, x, dout) -> list[np.ndarray]:
 
 
 @compiled
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-13), (np.float32, 1e-6)])
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
-def test_norms_give_the_same_bits_compiled_and_as_numpy_chains(monkeypatch, kind, dtype):
+def test_norms_compiled_equal_the_numpy_chains(monkeypatch, kind, dtype, tolerance):
+    """Output, d(input) and the weights' gradients of both paths; the compiled calls both ran and returned."""
     channels = 37
     weight = Parameter("w", (1 + 0.3 * RNG.standard_normal(channels)).astype(dtype))
     layer = (LayerNorm(weight, Parameter("b", (0.5 * RNG.standard_normal(channels)).astype(dtype)))
@@ -93,12 +220,14 @@ def test_norms_give_the_same_bits_compiled_and_as_numpy_chains(monkeypatch, kind
     x, dout = (RNG.standard_normal((4, 3, channels)).astype(dtype) for _ in range(2))
     calls = []
     run = host_kernels.run
-    monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: calls.append(kernel.name) or run(kernel, **a))
+    monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: calls.append(run(kernel, **a)) or calls[-1])
     with_kernels = norm_step(layer, x, dout)
-    assert len(calls) == (4 if kind == "layernorm" else 3)  # every compiled call ran
+    assert len(calls) == 2 and None not in calls
     monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
-    for compiled_value, numpy_value in zip(with_kernels, norm_step(layer, x, dout), strict=True):
-        np.testing.assert_array_equal(compiled_value, numpy_value)
+    for name, compiled_value, numpy_value in zip(("out", "dx", "dweight", "dbias"), with_kernels,
+                                                  norm_step(layer, x, dout), strict=False):
+        assert compiled_value.dtype == numpy_value.dtype
+        assert_matches(compiled_value, numpy_value, name, tolerance)
 
 
 @compiled
@@ -135,17 +264,19 @@ def test_calls_the_loop_cannot_take_are_left_to_numpy():
     x = RNG.standard_normal((6, 8))
     mean = x.mean(axis=-1, keepdims=True)
     run = host_kernels.run
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x[:, ::2], mean=mean) is None  # not contiguous
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean.astype(np.float32)) is None  # two dtypes
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x.astype(DTYPES["bfloat16"]),
-               mean=mean.astype(DTYPES["bfloat16"])) is None  # no bfloat16 in C
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean[:3]) is None  # neither row nor column
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean, square=np.empty((6, 4))) is None  # bad output
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x) is None  # an input missing
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x[:0], mean=mean[:0]) is None  # nothing to point at
+    assert run(kernels.SOFTMAX_BACKWARD, probs=x[:, ::2], dprobs=x[:, ::2], weighted_sum=mean) is None  # strided
+    assert run(kernels.SOFTMAX_BACKWARD, probs=x, dprobs=x, weighted_sum=mean.astype(np.float32)) is None  # dtypes
+    narrow = x.astype(DTYPES["bfloat16"])
+    assert run(kernels.SOFTMAX_BACKWARD, probs=narrow, dprobs=narrow,
+               weighted_sum=mean.astype(DTYPES["bfloat16"])) is None  # no bfloat16 in C
+    assert run(kernels.SOFTMAX_BACKWARD, probs=x, dprobs=x, weighted_sum=mean[:3]) is None  # neither row nor column
+    assert run(kernels.SOFTMAX_BACKWARD, probs=x, dprobs=x, weighted_sum=mean,
+               dscores=np.empty((6, 4))) is None  # a wrong output
+    assert run(kernels.SOFTMAX_BACKWARD, probs=x, dprobs=x) is None  # an input missing
+    assert run(kernels.SOFTMAX_BACKWARD, probs=x[:0], dprobs=x[:0], weighted_sum=mean[:0]) is None  # empty
     read_only = np.empty_like(x)
     read_only.flags.writeable = False
-    assert run(kernels.LAYER_NORM_CENTERED_SQUARE, x=x, mean=mean, square=read_only) is None
+    assert run(kernels.SOFTMAX_BACKWARD, probs=x, dprobs=x, weighted_sum=mean, dscores=read_only) is None
 
 
 def test_without_a_compiler_or_when_turned_off_the_layers_run_numpy(monkeypatch, tmp_path):
@@ -200,16 +331,16 @@ def test_a_kernel_is_built_once_and_kept_under_a_hash_of_its_source(monkeypatch,
     monkeypatch.setenv(host_kernels.CACHE_VARIABLE, str(tmp_path / "kernels"))
     host_kernels._function.cache_clear()
     try:
-        arguments = kernel_arguments(kernels.LAYER_NORM_CENTERED_SQUARE, np.float32)
-        host_kernels.run(kernels.LAYER_NORM_CENTERED_SQUARE, **arguments)
+        arguments = row_arguments(kernels.LAYER_NORM_ROWS_FORWARD, np.float32)
+        host_kernels.run(kernels.LAYER_NORM_ROWS_FORWARD, **arguments)
         built = sorted((tmp_path / "kernels").iterdir())
-        assert [path.name.split("-")[0] for path in built] == ["layer_norm_centered_square"]
-        ctypes.CDLL(str(built[0])).layer_norm_centered_square  # noqa: B018 (the symbol is there)
+        assert [path.name.split("-")[0] for path in built] == ["layer_norm_rows_forward"]
+        ctypes.CDLL(str(built[0])).layer_norm_rows_forward  # noqa: B018 (the symbol is there)
         host_kernels._function.cache_clear()
-        host_kernels.run(kernels.LAYER_NORM_CENTERED_SQUARE, **arguments)
+        host_kernels.run(kernels.LAYER_NORM_ROWS_FORWARD, **arguments)
         assert sorted((tmp_path / "kernels").iterdir()) == built  # taken from the cache, not built again
-        host_kernels.run(kernels.LAYER_NORM_CENTERED_SQUARE, **kernel_arguments(kernels.LAYER_NORM_CENTERED_SQUARE,
-                                                                                 np.float64))
+        host_kernels.run(kernels.LAYER_NORM_ROWS_FORWARD, **row_arguments(kernels.LAYER_NORM_ROWS_FORWARD,
+                                                                           np.float64))
         assert len(list((tmp_path / "kernels").iterdir())) == 2  # another dtype, another library
     finally:
         monkeypatch.undo()

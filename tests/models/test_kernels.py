@@ -65,9 +65,7 @@ def assert_matches(actual, expected, what: str = "", tolerance: float = TOLERANC
 
 def test_kernel_list_is_complete():
     assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "layer_norm_forward",
-                                         "layer_norm_backward", "layer_norm_centered_square",
-                                         "layer_norm_backward_products", "rms_norm_forward", "rms_norm_backward",
-                                         "rms_norm_backward_products",
+                                         "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
                                          "swiglu_forward", "swiglu_backward", "softmax_exp", "softmax_backward",
                                          "adamw"}
 
@@ -506,11 +504,6 @@ INDEPENDENT_FORMULAS = {
                                                               "out": weight * ((x - mean) * rstd) + bias},
     "layer_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm, mean_dnorm_norm: {
         "dx": rstd * (dout * weight - mean_dnorm - normalized * mean_dnorm_norm)},
-    "layer_norm_centered_square": lambda x, mean: {"square": (x - mean) ** 2},
-    "layer_norm_backward_products": lambda dout, weight, normalized: {
-        "dnorm": dout * weight, "dnorm_norm": dout * weight * normalized, "dout_norm": dout * normalized},
-    "rms_norm_backward_products": lambda dout, weight, normalized: {
-        "dnorm_norm": dout * weight * normalized, "dout_norm": dout * normalized},
     "rms_norm_forward": lambda x, rstd, weight: {"normalized": x * rstd, "out": weight * x * rstd},
     "rms_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm_norm: {
         "dx": rstd * (dout * weight - normalized * mean_dnorm_norm)},
