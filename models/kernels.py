@@ -294,9 +294,9 @@ class RowKernel:
       "columns": each target, an output, is Σ over all rows of its expression — one value per column (a weight's
                  gradient, summed while the row is in cache instead of in a pass of its own).
     An output set by a "sum" or "row" phase has one value per row (shape (..., 1)), one set by "each" one per
-    element, one set by "columns" one per column (shape (columns,)). Expressions are FusedKernel's C-and-Python subset; `evaluate_numpy` runs the text with NumPy and
-    models.host_kernels compiles it for the CPU. The GPU's norms keep CuPy reductions and FusedKernels: no CUDA
-    version is generated.
+    element, one set by "columns" one per column (shape (columns,)). Expressions are FusedKernel's C-and-Python
+    subset; `evaluate_numpy` runs the text with NumPy and models.host_kernels compiles it for the CPU. The GPU's
+    norms keep CuPy reductions and FusedKernels: no CUDA version is generated.
     """
 
     def __init__(self, name: str, inputs: str, outputs: str,

@@ -115,6 +115,20 @@ def _adamw_passes(param: Array, grad: Array, exp_avg: Array, exp_avg_sq: Array, 
     param += update
 
 
+def adamw_update_many(updates: Sequence[tuple[Array, Array, Array, Array]], step: int, lr: float, beta1: float,
+                      beta2: float, eps: float, weight_decay: float) -> bool:
+    """`adamw_update` on every (param, grad, exp_avg, exp_avg_sq) of `updates`, in one call of the compiled CPU
+    kernel (models.host_kernels.run_many: the numbers of one call each, bit for bit). Python's cost per call (about
+    50 µs) is more than the kernel's own time for most parameters of a small model, so an optimizer step over
+    dozens of parameters pays it once. False, nothing updated, where the compiled kernel cannot take them all
+    (no compiler, GPU arrays, bfloat16, a non-contiguous slice): the caller updates them one at a time."""
+    if step < 1:
+        raise ValueError(f"AdamW step count starts at 1, got {step}")
+    tensors = [dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, new_param=param,
+                    new_exp_avg=exp_avg, new_exp_avg_sq=exp_avg_sq) for param, grad, exp_avg, exp_avg_sq in updates]
+    return host_kernels.run_many(ADAMW, adamw_kernel_scalars(step, lr, beta1, beta2, eps, weight_decay), tensors)
+
+
 def adamw_kernel_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
                          weight_decay: float) -> dict[str, float]:
     """The scalar arguments of the fused ADAMW kernel, computed in Python as `adamw_update` computes them (a decay
@@ -175,14 +189,22 @@ class _Optimizer:
         gradient widened to the master's dtype, and its working copy `data` re-rounded from it (to nearest
         even); the moments are at the master's dtype."""
         self.step_count += 1
-        rate = self.lr if lr is None else lr
+        updates = []
         for param in self.params:
             master = getattr(param, "master", None)
             if master is None:
-                self.update(param, param.data, param.grad, rate)
+                updates.append((param, param.data, param.grad))
             else:
-                self.update(param, master, param.grad.astype(master.dtype, copy=False), rate)
-                param.data[...] = master
+                updates.append((param, master, param.grad.astype(master.dtype, copy=False)))
+        self.update_all(updates, self.lr if lr is None else lr)
+        for param in self.params:
+            if getattr(param, "master", None) is not None:
+                param.data[...] = param.master
+
+    def update_all(self, updates: Sequence[tuple[Parameter, Array, Array]], lr: float) -> None:
+        """Update every (param, weights, grad) of the step: one at a time, unless a subclass can do better."""
+        for param, weights, grad in updates:
+            self.update(param, weights, grad, lr)
 
     def update(self, param: Parameter, weights: Array, grad: Array, lr: float) -> None:
         """Update `weights` (param's data, or its master copy) from `grad` in place."""
@@ -240,9 +262,30 @@ class AdamW(_Optimizer):
         self.exp_avg = {p.name: _zeros_like_master(p, moment_dtype) for p in self.params}
         self.exp_avg_sq = {p.name: _zeros_like_master(p, moment_dtype) for p in self.params}
 
-    def update(self, param: Parameter, weights: Array, grad: Array, lr: float) -> None:
+    def update_all(self, updates: Sequence[tuple[Parameter, Array, Array]], lr: float) -> None:
+        """The parameters whose moments are at their weights' dtype in one compiled call per weight decay where the
+        CPU's kernel can take them (adamw_update_many), every other one by `update`."""
+        by_decay: dict[float, list[tuple[Parameter, Array, Array]]] = {}
+        one_at_a_time = []
+        for update in updates:
+            param, weights, _ = update
+            if self.exp_avg[param.name].dtype == weights.dtype:
+                by_decay.setdefault(self._decay(param), []).append(update)
+            else:
+                one_at_a_time.append(update)  # narrow moments: widened and rounded back by `update`
+        for decay, group in by_decay.items():
+            arrays = [(weights, grad, self.exp_avg[param.name], self.exp_avg_sq[param.name])
+                      for param, weights, grad in group]
+            if not adamw_update_many(arrays, self.step_count, lr, self.beta1, self.beta2, self.eps, decay):
+                one_at_a_time.extend(group)
+        super().update_all(one_at_a_time, lr)
+
+    def _decay(self, param: Parameter) -> float:
         # A ZeRO shard segment is a flat slice of a parameter: its `full_shape` says whether the parameter decays.
-        decay = self.weight_decay if weight_decay_applies(getattr(param, "full_shape", param.data.shape)) else 0.0
+        return self.weight_decay if weight_decay_applies(getattr(param, "full_shape", param.data.shape)) else 0.0
+
+    def update(self, param: Parameter, weights: Array, grad: Array, lr: float) -> None:
+        decay = self._decay(param)
         stored = self.exp_avg[param.name], self.exp_avg_sq[param.name]
         exp_avg, exp_avg_sq = (moment.astype(weights.dtype, copy=False) for moment in stored)  # narrow: widened
         adamw_update(weights, grad, exp_avg, exp_avg_sq, self.step_count, lr, self.beta1, self.beta2, self.eps,

@@ -22,7 +22,7 @@ from models.kernels import RowKernel
 from models.layers import LayerNorm, RMSNorm
 from models.parameter import Parameter
 from models.precision import DTYPES
-from mpiparallel.optim import adamw_kernel_scalars, adamw_update
+from mpiparallel.optim import AdamW, adamw_kernel_scalars, adamw_update, adamw_update_many
 
 RNG = np.random.default_rng(11)
 SHAPES = {"mean": (4, 3, 1), "rstd": (4, 3, 1), "row_max": (4, 3, 1), "weighted_sum": (4, 3, 1),
@@ -245,6 +245,72 @@ def test_adamw_gives_the_same_bits_compiled_and_as_numpy_passes(monkeypatch, dty
         adamw_update(numpy_state[0], grad, *numpy_state[1:], step, 1e-3, 0.9, 0.95, 1e-8, weight_decay)
     for compiled_array, numpy_array in zip(compiled_state, numpy_state, strict=True):
         np.testing.assert_array_equal(compiled_array, numpy_array)
+
+
+def adamw_model_parameters(dtype, moment_dtype=None) -> tuple[AdamW, list[Parameter]]:
+    """Matrices and vectors of a small model's sizes (some above and some under a vector width), with gradients."""
+    shapes = [(64, 48), (48,), (5,), (48, 192), (192,), (1,), (300, 7)]
+    params = []
+    for index, shape in enumerate(shapes):
+        param = Parameter(f"p{index}", RNG.standard_normal(shape).astype(dtype))
+        param.grad = RNG.standard_normal(shape).astype(dtype)
+        params.append(param)
+    return AdamW(params, 1e-3, weight_decay=0.1, moment_dtype=moment_dtype), params
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_an_adamw_step_is_one_compiled_call_per_weight_decay_with_the_numbers_of_one_call_each(monkeypatch, dtype):
+    """Three steps of AdamW over seven parameters: two run_many calls a step (matrices decay, vectors not), and
+    the weights and moments equal, bit for bit, those of adamw_update's NumPy passes one parameter at a time."""
+    optimizer, params = adamw_model_parameters(dtype)
+    reference, reference_params = adamw_model_parameters(dtype)
+    for mine, theirs in zip(params, reference_params, strict=True):
+        theirs.data[...], theirs.grad[...] = mine.data, mine.grad
+    calls = []
+    run_many = host_kernels.run_many
+    monkeypatch.setattr(host_kernels, "run_many", lambda kernel, scalars, tensors: calls.append(len(tensors))
+                        or run_many(kernel, scalars, tensors))
+    for _ in range(3):
+        optimizer.step()
+    assert sorted(calls) == [3, 3, 3, 4, 4, 4]  # per step: 3 matrices, 4 vectors
+    monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+    for step in (1, 2, 3):
+        for param in reference_params:
+            decay = 0.1 if param.data.ndim >= 2 else 0.0
+            adamw_update(param.data, param.grad, reference.exp_avg[param.name], reference.exp_avg_sq[param.name],
+                         step, 1e-3, 0.9, 0.95, 1e-8, decay)
+    for mine, theirs in zip(params, reference_params, strict=True):
+        np.testing.assert_array_equal(mine.data, theirs.data, err_msg=mine.name)
+        np.testing.assert_array_equal(optimizer.exp_avg[mine.name], reference.exp_avg[theirs.name])
+        np.testing.assert_array_equal(optimizer.exp_avg_sq[mine.name], reference.exp_avg_sq[theirs.name])
+
+
+@compiled
+def test_narrow_moments_and_arrays_the_kernel_cannot_take_are_updated_one_at_a_time(monkeypatch):
+    optimizer, params = adamw_model_parameters(np.float32, moment_dtype=DTYPES["bfloat16"])
+    many = []
+    run_many = host_kernels.run_many
+    monkeypatch.setattr(host_kernels, "run_many", lambda *a: many.append(a) or run_many(*a))
+    before = [param.data.copy() for param in params]
+    optimizer.step()
+    assert many == []  # bfloat16 moments: widened and rounded back by `update`, parameter by parameter
+    assert all(not np.array_equal(param.data, old) for param, old in zip(params, before, strict=True))
+    grids = [RNG.standard_normal((6, 8)).astype(np.float32) for _ in range(4)]
+    strided = [grid[:, ::2] for grid in grids]
+    copies = [grid.copy() for grid in grids]
+    assert not adamw_update_many([tuple(strided)], 1, 1e-3, 0.9, 0.95, 1e-8, 0.0)  # not contiguous
+    assert not adamw_update_many([tuple(grids[:3]) + (grids[3].astype(np.float64),)], 1, 1e-3, 0.9, 0.95, 1e-8,
+                                 0.0)  # two dtypes
+    assert not adamw_update_many([tuple(grids[:3]) + (grids[3][:5],)], 1, 1e-3, 0.9, 0.95, 1e-8, 0.0)  # sizes
+    assert not adamw_update_many([], 1, 1e-3, 0.9, 0.95, 1e-8, 0.0)
+    for grid, copy in zip(grids, copies, strict=True):
+        np.testing.assert_array_equal(grid, copy)  # nothing written
+    read_only = grids[0].copy()
+    read_only.flags.writeable = False
+    assert not host_kernels.run_many(kernels.ADAMW, adamw_kernel_scalars(**ADAMW_STEP), [dict(
+        param=read_only, grad=grids[1], exp_avg=grids[2], exp_avg_sq=grids[3], new_param=read_only,
+        new_exp_avg=grids[2], new_exp_avg_sq=grids[3])])
 
 
 @compiled
