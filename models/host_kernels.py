@@ -1,35 +1,41 @@
-"""The fused kernels of models.kernels compiled for the CPU by the system's C compiler, called through ctypes.
+"""The kernels of models.kernels compiled for the CPU by the system's C compiler, called through ctypes.
 
 Why: LayerNorm, RMSNorm and AdamW are chains of seven to eleven NumPy operations, each one pass over its arrays,
 where PyTorch runs one C++ loop that reads each input once. The profile (scripts/profile_step.py) showed them at
 0.28–0.35× torch's speed on every CPU measured, the only large parts of the step behind it; no arrangement of NumPy
-calls closes that (their row broadcasts alone cost two to three times a plain pass). Their kernels are already
-written, as text, for the GPU — so the CPU compiles the same text into one loop per kernel.
+calls closes that (their row broadcasts alone cost two to three times a plain pass). AdamW's kernel is already
+written, as text, for the GPU, and the norms' are written the same way (kernels.RowKernel) — so the CPU compiles
+that text, one loop per kernel.
 
-How: `statements` become the body of a C loop over rows × columns. Each argument is, at the call, one of four
-layouts: a full array (one element per row and column, C-contiguous), a row vector (one per row: a LayerNorm's
-mean, shape (..., 1)), a column vector (one per column: its weight, shape (C,)) or a scalar (a Python number).
-Row vectors and scalars are read once per row, every input element before any output element is written — so an
-output may be the very array of its input (the kernels' `in_place` pairs). `#pragma omp simd` tells the compiler
-that much, and it vectorizes the loop. A library is built per kernel, dtype and layout, with
+How: a FusedKernel's `statements` become the body of a C loop over rows × columns. Each argument is, at the call,
+one of four layouts: a full array (one element per row and column, C-contiguous), a row vector (one per row: a
+LayerNorm's mean, shape (..., 1)), a column vector (one per column: its weight, shape (C,)) or a scalar (a Python
+number). Row vectors and scalars are read once per row, every input element before any output element is written
+— so an output may be the very array of its input (the kernels' `in_place` pairs). `#pragma omp simd` tells the
+compiler that much, and it vectorizes the loop. A RowKernel becomes one loop per phase inside the loop over rows:
+a row sum is a reduction loop (`omp simd reduction`: vector accumulators), a column sum adds into an output zeroed
+before the first row; the row, a few KiB, stays in the L1 cache from one phase to the next. `run_many` runs an
+elementwise kernel over many arrays in one call (`<name>_many`, a loop over the single-array function), for
+AdamW's dozens of parameters. A library is built per kernel, dtype and layout, with
 `cc -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp-simd`, once per machine: it is kept in
 $MPIPARALLEL_KERNEL_CACHE (default ~/.cache/mpiparallel/kernels) under a hash of its source, the compiler (its
 file, size and time), the flags and the CPU, written under a temporary name and renamed, so ranks that build it
 at the same time never load half a file.
 
-The same numbers as NumPy, bit for bit: T is float or double and C evaluates float ⊕ float in float (x86-64 and
-arm64: FLT_EVAL_METHOD 0); a literal is cast to T, as NumPy casts a Python float next to a float32 array (so
-`1.0 - beta1` would round like NumPy's, not like the GPU's double arithmetic); -ffp-contract=off keeps a·b + c
-two roundings, as NumPy's two passes round it (a fused multiply-add would change the last bit); + − × ÷ and sqrt
-are correctly rounded in both. So a kernel whose statements follow the NumPy chain operation by operation gives
-the chain's numbers, and the layers may use either. tanh and exp are not correctly rounded — libm's and NumPy's
-SIMD versions differ in the last bits — so the kernels that call them (GELU, SwiGLU, softmax) stay NumPy chains on
-the CPU (which keep up with torch there: the profile's GELU is ahead of it).
+Numbers: T is float or double and C evaluates float ⊕ float in float (x86-64 and arm64: FLT_EVAL_METHOD 0); a
+literal is cast to T, as NumPy casts a Python float next to a float32 array; -ffp-contract=off keeps a·b + c two
+roundings, as NumPy's two passes round it; + − × ÷ and sqrt are correctly rounded in both. So an elementwise
+kernel whose statements follow the NumPy chain operation by operation gives the chain's numbers bit for bit —
+AdamW's step is the same compiled or not. The norms' row kernels add each row's numbers in another order than the
+chains' GEMVs with ones do, so there the two agree to rounding (about 1e-16 relative in float64, 1e-7 in float32),
+as any two BLAS builds would. tanh and exp are not correctly rounded — libm's and NumPy's SIMD versions differ in
+the last bits — so the kernels that call them (GELU, SwiGLU, softmax) stay NumPy chains on the CPU (which keep up
+with torch there: the profile's GELU is ahead of it).
 
 When it does not run: no C compiler (`cc`, or $CC), a build that fails, `MPIPARALLEL_HOST_KERNELS=0`, a dtype
 other than float32/float64 (bfloat16 work stays NumPy), arrays that are not contiguous or not in one of the four
-layouts. `run` then returns None and the caller runs its NumPy chain: the same numbers, slower. `status()` says
-which, and why; `scripts/bench_train.py` prints it.
+layouts. `run` then returns None (`run_many` False) and the caller runs its NumPy chain: the same math, slower.
+`status()` says which, and why; `scripts/bench_train.py` prints it.
 
 Communication: none.
 """

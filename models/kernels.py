@@ -1,4 +1,5 @@
-"""Fused elementwise GPU kernels (GELU, LayerNorm, RMSNorm, SwiGLU, softmax, AdamW), written once, checkable on a CPU.
+"""Fused elementwise GPU kernels (GELU, LayerNorm, RMSNorm, SwiGLU, softmax, AdamW), written once, checkable on a CPU;
+and the CPU's row kernels for the norms, written the same way.
 
 Why fuse: on a GPU every array operation is one kernel launch and one trip through memory. GELU, LayerNorm's
 normalize-and-affine, softmax's shift-and-exponential and the AdamW step are chains of such operations, so each
@@ -27,8 +28,9 @@ layer (measured on an AMD EPYC with AVX-512, per call, caches flushed: GELU back
 backward 2.2 against 1.5, the AdamW step 7.3 against 5.1; a training step 4-7 % slower); numexpr was slower still
 (its PyPI build has no vector math library: tanh of 1 Mi float32 numbers 14 ms against NumPy's 0.16), and Numba's
 JIT cost about 0.85 s of import in every process. Where the chains fall far behind PyTorch's one C++ loop —
-LayerNorm, RMSNorm and AdamW, seven to eleven passes each — models.host_kernels compiles this same text with the
-system's C compiler (no new dependency, no second implementation), with the NumPy chains' numbers bit for bit;
+LayerNorm, RMSNorm and AdamW, seven to eleven passes each — models.host_kernels compiles kernel text with the
+system's C compiler (no new dependency): AdamW's text here, with the NumPy chain's numbers bit for bit, and the
+norms' RowKernels below (statistics and elementwise work in one loop per row, equal to the chains to rounding);
 the chains remain where no compiler is found. Where that leaves the CPU against PyTorch, part by part:
 docs/benchmarks.md, "CPU speed against PyTorch".
 
