@@ -150,6 +150,47 @@ def run_many(kernel: FusedKernel, scalars: Mapping[str, float], tensors: Sequenc
     return True
 
 
+def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> bool:
+    """target[indices[i], :] += values[i, :] for every i in order, in one compiled loop; True when it ran.
+
+    An embedding's gradient: B·T rows of d(x) added into the rows of their tokens, repeated tokens accumulating.
+    The same additions in the same order as `np.add.at`, so the same numbers bit for bit — about five times
+    faster than its 1-D fast path at GPT-2's widths. False, nothing written, where the loop cannot take the call
+    (not contiguous, unlike dtypes, an index outside the table: NumPy's error or wrap-around is the caller's)."""
+    if not enabled() or target.ndim != 2 or target.dtype not in C_TYPES:
+        return False
+    width = target.shape[1]
+    rows = np.asarray(indices).reshape(-1)
+    if values.size != rows.size * width or values.dtype != target.dtype or rows.size == 0:
+        return False
+    if not (target.flags.c_contiguous and target.flags.writeable and values.flags.c_contiguous):
+        return False
+    if rows.dtype.kind not in "iu" or rows.min() < 0 or rows.max() >= target.shape[0]:
+        return False
+    function = _scatter_function(target.dtype)
+    if function is None:
+        return False
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    function(rows.size, width, rows.ctypes.data, _pointer(values), _pointer(target))
+    return True
+
+
+@functools.cache
+def _scatter_function(dtype: np.dtype) -> Any:
+    source = "\n".join([f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
+                        "void scatter_add_rows(long rows, long width, const long *indices, const T *values,"
+                        " T *target) {",
+                        "    for (long row = 0; row < rows; row++) {",
+                        "        T *destination = target + indices[row] * width;",
+                        "        const T *source = values + row * width;",
+                        "        #pragma omp simd",
+                        "        for (long column = 0; column < width; column++) destination[column] += "
+                        "source[column];",
+                        "    }", "}", ""])
+    return _load("scatter_add_rows", "scatter_add_rows", source,
+                 [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
+
+
 @functools.cache
 def _names(kernel: Kernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The kernel's input and output names, or ((), ()) when a parameter has a fixed type (the loop types all as T)."""
@@ -343,24 +384,28 @@ _FAILURES: dict[str, str] = {}
 def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], many: bool = False) -> Any:
     """The loaded C function for this kernel, dtype and layout (built or taken from the cache), or None; `many`:
     its `<name>_many` variant over lists of arrays (see run_many)."""
+    source = c_source(kernel, dtype, layouts) + (_many_source(kernel, layouts) if many else "")
+    scalar_or_pointer = [ctypes.c_double if layout == SCALAR else ctypes.c_void_p for layout in layouts]
+    return _load(kernel.name, f"{kernel.name}_many" if many else kernel.name, source,
+                 [ctypes.c_long, ctypes.c_void_p if many else ctypes.c_long, *scalar_or_pointer,
+                  *([ctypes.c_void_p] * len(kernel.output_names))])
+
+
+def _load(name: str, symbol: str, source: str, argtypes: list[Any]) -> Any:
+    """The C function `symbol` of `source`, built or taken from the cache, or None (the reason kept under `name`)."""
     compiler = _compiler()
     if compiler is None:
-        _FAILURES[kernel.name] = "no C compiler (cc or $CC)"
+        _FAILURES[name] = "no C compiler (cc or $CC)"
         return None
     command, version = compiler
-    source = c_source(kernel, dtype, layouts) + (_many_source(kernel, layouts) if many else "")
     key = hashlib.sha256("\n".join([source, version, " ".join(command), *FLAGS, _cpu()]).encode()).hexdigest()
-    name = f"{kernel.name}-{key[:20]}.so"
     try:
-        library = _cached_library(command, source, name)
+        library = _cached_library(command, source, f"{name}-{key[:20]}.so")
     except BuildFailed as failure:
-        _FAILURES[kernel.name] = str(failure)
+        _FAILURES[name] = str(failure)
         return None
-    scalar_or_pointer = [ctypes.c_double if layout == SCALAR else ctypes.c_void_p for layout in layouts]
-    function = getattr(library, f"{kernel.name}_many" if many else kernel.name)
-    function.argtypes = [ctypes.c_long, ctypes.c_void_p if many else ctypes.c_long, *scalar_or_pointer,
-                         *([ctypes.c_void_p] * len(kernel.output_names))]
-    function.restype = None
+    function = getattr(library, symbol)
+    function.argtypes, function.restype = argtypes, None
     return function
 
 

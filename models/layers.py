@@ -884,26 +884,34 @@ class Embedding(Layer):
         return None  # token ids have no gradient
 
     def backward_weights(self, saved: Saved) -> None:
-        tokens, dout = saved.tokens, saved.dout
-        channels = dout.shape[-1]
-        grad = self.token.grad
-        if grad.flags.c_contiguous:
-            # one scatter of B·T·C single numbers into the flat table: NumPy's add.at has a fast path for 1-D
-            # targets, 5× faster than adding B·T rows into the 2-D table
-            entries = tokens.reshape(-1, 1) * channels + get_array_module(tokens).arange(channels)
-            scatter_add(grad.reshape(-1), entries.reshape(-1), dout.reshape(-1))
-        else:  # a strided gradient view: reshape(-1) would scatter into a copy
-            scatter_add(grad, tokens.reshape(-1), dout.reshape(-1, channels))
+        add_rows(self.token.grad, saved.tokens, saved.dout)
         if self.position is not None:
-            add_position_gradient(self.position.grad, saved.rows, dout)
+            add_position_gradient(self.position.grad, saved.rows, saved.dout)
         saved.clear()
+
+
+def add_rows(table: Array, rows: Array, values: Array) -> None:
+    """table[rows[i]] += values[i] for every row index i (values: (..., C), rows: its leading shape), repeated
+    rows accumulating — an embedding's gradient. On the CPU one compiled loop (models.host_kernels) where it can
+    run, else NumPy's add.at, with the same numbers."""
+    channels = table.shape[-1]
+    values = values.reshape(-1, channels)
+    if not is_device_array(table) and host_kernels.scatter_add_rows(table, rows, values):
+        return
+    if table.flags.c_contiguous:
+        # one scatter of B·T·C single numbers into the flat table: NumPy's add.at has a fast path for 1-D
+        # targets, 5× faster than adding B·T rows into the 2-D table
+        entries = rows.reshape(-1, 1) * channels + get_array_module(rows).arange(channels)
+        scatter_add(table.reshape(-1), entries.reshape(-1), values.reshape(-1))
+    else:  # a strided gradient view: reshape(-1) would scatter into a copy
+        scatter_add(table, rows.reshape(-1), values)
 
 
 def add_position_gradient(grad: Array, rows: Any, dout: Array) -> None:
     """wpe's gradient from d(x) (B, T, C) of tokens at `rows`: a slice or distinct positions (T,) shared by the
     batch's rows, or per-row positions (B, T), which repeat (every document has a position 0)."""
     if getattr(rows, "ndim", 1) == 2:
-        scatter_add(grad, get_array_module(grad).asarray(rows).reshape(-1), dout.reshape(-1, dout.shape[-1]))
+        add_rows(grad, get_array_module(grad).asarray(rows), dout)
     else:
         grad[rows] += dout.sum(axis=0)  # distinct positions: no index repeats
 

@@ -94,9 +94,17 @@ from __future__ import annotations
 from typing import Any
 
 from collectives import Communicator, all_gather, all_reduce, reduce_scatter
-from collectives.backend import Array, get_array_module, scatter_add
+from collectives.backend import Array, get_array_module
 from models.axis import TensorAxis
-from models.layers import PLAIN_GEMMS, ConcatenatedLinear, Gemms, Layer, Saved, add_position_gradient
+from models.layers import (
+    PLAIN_GEMMS,
+    ConcatenatedLinear,
+    Gemms,
+    Layer,
+    Saved,
+    add_position_gradient,
+    add_rows,
+)
 from models.parameter import PARTIAL, Parameter, Placement, Sharded, gather_over_model_axes
 from models.precision import narrow, widen
 from models.transformer import GPTConfig, Transformer
@@ -294,7 +302,7 @@ class VocabParallelEmbedding(Layer):
     def backward_weights(self, saved: Saved) -> None:
         dpartial = self.group.out_of_row_parallel_backward(saved.dout)  # (B, T, C): the whole sequence
         here = ~saved.elsewhere
-        scatter_add(self.token.grad, saved.rows[here], dpartial[here])
+        add_rows(self.token.grad, saved.rows[here], dpartial[here])
         if self.position is not None:
             add_position_gradient(self.position.grad, saved.positions, dpartial)
         saved.clear()

@@ -420,3 +420,60 @@ def test_the_c_source_reads_rows_once_and_rounds_literals_to_t():
     outer, inner = source.split("#pragma omp simd")
     assert "const T mean = mean_array[row];" in outer and "const T weight = weight_array[column];" in inner
     assert host_kernels._typed_literals("x * 0.5 + beta1 - 1.0e-3") == "x * ((T)0.5) + beta1 - ((T)1.0e-3)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The embedding's gradient: rows added into the rows of their tokens.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("vocab, channels", [(11, 37), (300, 768)])
+def test_scatter_add_rows_equals_numpy_add_at_bit_for_bit(dtype, vocab, channels):
+    """Repeated tokens accumulate in the order they come, into a table that already holds numbers."""
+    tokens = RNG.integers(0, vocab, (4, 50))
+    tokens[0, :5] = 3  # a token five times in a row
+    values = RNG.standard_normal((4, 50, channels)).astype(dtype)
+    table = RNG.standard_normal((vocab, channels)).astype(dtype)
+    expected = table.copy()
+    np.add.at(expected, tokens.reshape(-1), values.reshape(-1, channels))
+    assert host_kernels.scatter_add_rows(table, tokens, values.reshape(-1, channels))
+    np.testing.assert_array_equal(table, expected)
+
+
+@compiled
+def test_scatter_add_rows_leaves_what_it_cannot_take_to_numpy():
+    table, values = np.zeros((5, 8)), np.ones((3, 8))
+    for rows, target, given in [(np.array([0, 5, 1]), table, values),     # a token outside the table
+                                (np.array([0, -1, 1]), table, values),    # NumPy would wrap around: its call
+                                (np.array([0, 1, 2]), np.zeros((5, 16))[:, ::2], values),  # a strided table
+                                (np.array([0, 1, 2]), table, values.astype(np.float32)),   # two dtypes
+                                (np.array([0.0, 1.0, 2.0]), table, values),                # not integers
+                                (np.array([], dtype=np.int64), table, values[:0])]:         # nothing to add
+        assert not host_kernels.scatter_add_rows(target, rows, given)
+    assert not table.any()
+
+
+@compiled
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_embeddings_gradients_are_the_same_compiled_and_with_numpy(monkeypatch, documents):
+    """wte's and wpe's gradients (wpe's per-row positions when packed documents restart at 0)."""
+    from models.layers import Embedding
+    tokens = RNG.integers(0, 13, (3, 9))
+    positions = np.tile(np.arange(9), (3, 1)) % 4 if documents else None
+    dout = RNG.standard_normal((3, 9, 6)).astype(np.float32)
+    grads, ran = [], []
+    scatter = host_kernels.scatter_add_rows
+    monkeypatch.setattr(host_kernels, "scatter_add_rows", lambda *a: ran.append(scatter(*a)) or ran[-1])
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", enabled)
+        layer = Embedding(Parameter("wte", np.zeros((13, 6), np.float32)), Parameter("wpe", np.zeros((9, 6),
+                                                                                                    np.float32)))
+        layer.token.grad[...], layer.position.grad[...] = 1.5, 0.5
+        _, saved = layer.forward(tokens, positions=positions)
+        layer.backward(saved, dout)
+        grads.append((layer.token.grad, layer.position.grad))
+    assert ran == [True, True, False, False] if documents else ran == [True, False]  # compiled, then NumPy
+    for compiled_grad, numpy_grad in zip(*grads, strict=True):
+        np.testing.assert_array_equal(compiled_grad, numpy_grad)
