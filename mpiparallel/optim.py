@@ -124,6 +124,8 @@ def adamw_update_many(updates: Sequence[tuple[Array, Array, Array, Array]], step
     (no compiler, GPU arrays, bfloat16, a non-contiguous slice): the caller updates them one at a time."""
     if step < 1:
         raise ValueError(f"AdamW step count starts at 1, got {step}")
+    if any(is_device_array(param) for param, *_ in updates):
+        return False  # a GPU's fused kernel runs per parameter (adamw_update)
     tensors = [dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, new_param=param,
                     new_exp_avg=exp_avg, new_exp_avg_sq=exp_avg_sq) for param, grad, exp_avg, exp_avg_sq in updates]
     return host_kernels.run_many(ADAMW, adamw_kernel_scalars(step, lr, beta1, beta2, eps, weight_decay), tensors)
