@@ -131,12 +131,17 @@ def run_many(kernel: FusedKernel, scalars: Mapping[str, float], tensors: Sequenc
         size = getattr(tensor.get(arrays[0]), "size", 0)
         if size == 0 or set(tensor) != set(arrays):
             return False
+        known: dict[int, int] = {}  # an output that is its input's array: one address
         for name in arrays:
             array = tensor[name]
-            if not (isinstance(array, np.ndarray) and array.dtype == dtype and array.size == size
-                    and array.flags.c_contiguous and (array.flags.writeable or name in inputs)):
+            if id(array) not in known:
+                if not (isinstance(array, np.ndarray) and array.dtype == dtype and array.size == size
+                        and array.flags.c_contiguous and (array.flags.writeable or name in inputs)):
+                    return False
+                known[id(array)] = _address(array)
+            elif name in outputs and not array.flags.writeable:
                 return False
-            addresses[name].append(array.ctypes.data)
+            addresses[name].append(known[id(array)])
         sizes.append(size)
     layouts = tuple(SCALAR if name in scalars else FULL for name in inputs)
     function = _function(kernel, dtype, layouts, many=True)
@@ -209,6 +214,13 @@ def _rows(shape: tuple[int, ...]) -> int:
     for size in shape[:-1]:
         rows *= size
     return rows
+
+
+def _address(array: np.ndarray) -> int:
+    """The array's address as an integer (a writable buffer's through ctypes: 0.7 µs against ctypes.data's 2)."""
+    if array.flags.writeable:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    return array.ctypes.data
 
 
 def _pointer(array: np.ndarray) -> Any:
