@@ -115,7 +115,8 @@ def _latent_attention(model: Any, prefix: str) -> Any:
 
 def _latent_norm(model: Any, prefix: str) -> Any:
     """The RMSNorm of a compressed query or KV latent (eps `LATENT_NORM_EPS`; statistics kept wide)."""
-    return model.narrowed(RMSNorm(model.params[f"{prefix}.weight"], LATENT_NORM_EPS), statistics=("rstd",))
+    norm = RMSNorm(model.params[f"{prefix}.weight"], LATENT_NORM_EPS)
+    return model.narrowed(norm, statistics=norm.kept_wide)
 
 
 def _plain_linear(model: Any, prefix: str) -> Any:

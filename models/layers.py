@@ -280,6 +280,12 @@ class _Norm(Layer):
     vectors, summed while the rows are at hand) for the weight pass to add, and drops the normalized input — so
     between the two passes a norm holds two vectors, not the output gradient and dy·n."""
 
+    kept_wide = ("rstd", "dweight", "dbias")
+    """What a narrow compute dtype must not round (precision.Narrowed's `statistics`): 1/std, and the weights'
+    gradients between the passes — sums over every row, which bfloat16 would round once per rank, so a data-parallel
+    run's partial sums would round apart from a serial run's whole sum (2⁻⁸, where the summation order alone differs
+    by 1e-7)."""
+
     def backward_input(self, saved: Saved, dout: Array) -> Array:
         if is_device_array(dout):
             dx = self._backward_input_device(saved, dout)

@@ -113,7 +113,8 @@ class Narrowed:
     narrow tensors."""
 
     def __init__(self, layer: Any, dtype: Any, statistics: tuple[str, ...] = ()) -> None:
-        """`statistics`: names of saved entries kept at float32 (a norm's 1/rms, 1/std)."""
+        """`statistics`: names of saved entries kept at float32 (a norm's 1/rms, 1/std and its weights' gradients
+        between the input and the weight pass: `_Norm.kept_wide`)."""
         self.layer, self.dtype, self.statistics = layer, np.dtype(dtype), statistics
 
     def __getattr__(self, name: str) -> Any:  # the wrapped layer's parameters and settings

@@ -323,7 +323,7 @@ class Transformer:
             norm = RMSNorm(self.params[f"{prefix}.weight"], self.config.rms_norm_eps)
         else:
             norm = LayerNorm(*self.weight_and_bias(prefix))
-        return self.narrowed(norm, statistics=("rstd",))  # the statistics stay float32
+        return self.narrowed(norm, statistics=norm.kept_wide)  # 1/std and the weights' gradients stay float32
 
     def linear(self, prefix: str) -> Any:
         """A linear inside a block: the model's GEMMs (FP8 with --fp8), at the compute dtype."""
