@@ -144,7 +144,23 @@ def _check_node(node: ast.AST, expression: str, called: set[int]) -> None:
     raise ValueError(f"{expression!r}: {type(node).__name__} is not allowed in a kernel expression")
 
 
-class FusedKernel:
+class _Kernel:
+    """What FusedKernel and RowKernel share: a checked name, CuPy-style parameter lists, and their names."""
+
+    def __init__(self, name: str, inputs: str, outputs: str) -> None:
+        self.name = _checked_name(name, "kernel")
+        self.inputs, self.outputs = parse_params(inputs), parse_params(outputs)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.outputs)
+
+
+class FusedKernel(_Kernel):
     """One elementwise kernel: inputs, outputs and statements, runnable by CuPy and by NumPy.
 
     `kernel(**arrays)` runs it on CuPy arrays (one `cupy.ElementwiseKernel`, built on first use; CuPy compiles it
@@ -155,22 +171,13 @@ class FusedKernel:
 
     def __init__(self, name: str, inputs: str, outputs: str, statements: Sequence[tuple[str, str]],
                  in_place: dict[str, str] | None = None) -> None:
-        self.name = _checked_name(name, "kernel")
-        self.inputs, self.outputs = parse_params(inputs), parse_params(outputs)
+        super().__init__(name, inputs, outputs)
         self.statements = tuple(statements)
         self.in_place = dict(in_place or {})
         self._reads = self._check_statements()
         self._check_in_place()
         self._codes = [compile(expression, f"<{name}: {target}>", "eval") for target, expression in self.statements]
         self._compiled: dict[str, Any] = {}
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(name for _, name in self.inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(name for _, name in self.outputs)
 
     def _check_statements(self) -> list[set[str]]:
         """Every name is a parameter or set before, inputs are never assigned, outputs always are; returns the
@@ -280,7 +287,7 @@ ROW_LENGTH = "columns"
 """The name a RowKernel's expressions read for the length of a row (as T)."""
 
 
-class RowKernel:
+class RowKernel(_Kernel):
     """A kernel over rows: for each row of the last axis, phases of loops over its columns with per-row values
     between them — a norm's statistics and its elementwise work in one pass over memory.
 
@@ -303,20 +310,11 @@ class RowKernel:
 
     def __init__(self, name: str, inputs: str, outputs: str,
                  phases: Sequence[tuple[str, Sequence[tuple[str, str]]]]) -> None:
-        self.name = _checked_name(name, "kernel")
-        self.inputs, self.outputs = parse_params(inputs), parse_params(outputs)
+        super().__init__(name, inputs, outputs)
         self.phases = tuple((kind, tuple(statements)) for kind, statements in phases)
         self.row_values = self._check_phases()
         self._codes = [[compile(expression, f"<{name}: {target}>", "eval") for target, expression in statements]
                        for _, statements in self.phases]
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(name for _, name in self.inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(name for _, name in self.outputs)
 
     @property
     def row_outputs(self) -> tuple[str, ...]:
