@@ -35,7 +35,7 @@ import numpy as np
 
 from collectives.backend import BFLOAT16, Array, get_array_module, like, to_host
 
-from . import deepseek_v3
+from . import deepseek_v3, host_memory
 from .axis import Axis, ContextAxis, ExpertAxis, PipelineAxis, TensorAxis
 from .config import GPTConfig
 from .documents import ONE_DOCUMENT, Documents, OneDocument
@@ -149,6 +149,8 @@ class Transformer:
         self.recompute, self.query_block = recompute, query_block
         self._set_precision(dtype, compute_dtype, grad_dtype, fp8)
         self.pp, self.tp, self.cp, self.ep = PipelineAxis(), TensorAxis(), ContextAxis(), ExpertAxis()
+        if xp is np:  # each step frees what the next allocates again: keep it (models.host_memory)
+            host_memory.keep_freed_memory()
         self._build(lambda name, shape: xp.asarray(initial_value(name, shape, config, seed, dtype)))
 
     def parallelize(self, *axes: Axis) -> Transformer:

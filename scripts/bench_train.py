@@ -73,6 +73,7 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import math  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -210,6 +211,11 @@ def build_ours(config: GPTConfig, dtype, xp=np, query_block: int = QUERY_BLOCK,
     except ImportError:
         return model, AdamW(model.parameters(), weight_decay=weight_decay)
     return model, ProjectAdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+
+
+def page_faults() -> int:
+    """This process's minor page faults so far: each a fresh page the kernel zeroed on first touch."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def weights_of(param) -> np.ndarray:
@@ -620,24 +626,27 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
     narrow = args.compute_dtype is not None and args.device == "gpu"
     gemms = StepGemms(config, args.batch, args.seq, dtype_named(args.compute_dtype) if narrow else dtype, device)
     ours_times, theirs_times, gemm_times = [], [], []
+    ours_faults, theirs_faults = [], []  # page faults a step: fresh pages the kernel zeroes (models.host_memory)
     max_difference = 0.0
     for step in range(args.warmup + args.steps):  # ours, torch and the bare GEMMs take turns: noise hits all alike
         tokens, targets = window(data, step, args.batch, args.seq)
         device.sync()
-        start = time.perf_counter()
+        start, faults = time.perf_counter(), page_faults()
         ours_loss = ours_step(ours, ours_optimizer, tokens, targets)
         device.sync()
         ours_times.append(time.perf_counter() - start)
+        ours_faults.append(page_faults() - faults)
         line = f"step {step:3d}  ours loss {ours_loss:.6f}"
         if use_torch:
             torch_tokens = torch.from_numpy(tokens).to(device.torch_device)
             torch_targets = torch.from_numpy(targets).to(device.torch_device)
             device.sync()
-            start = time.perf_counter()
+            start, faults = time.perf_counter(), page_faults()
             theirs_loss = torch_step(theirs, theirs_optimizer, torch_tokens, torch_targets,
                                      bfloat16=args.compute_dtype == "bfloat16")
             device.sync()
             theirs_times.append(time.perf_counter() - start)
+            theirs_faults.append(page_faults() - faults)
             max_difference = max(max_difference, abs(ours_loss - theirs_loss))
             line += f"  {reference} loss {theirs_loss:.6f}  |Δ| {abs(ours_loss - theirs_loss):.2e}"
             if step == 0:
@@ -674,6 +683,8 @@ def _compare(args: argparse.Namespace, device: Device, family: str, directory: s
         print(f"ratio ours/{reference} (tokens/s): {theirs_seconds / ours_seconds:.3f} (median of per-step ratios "
               f"{step_ratio:.3f})")
         print(f"largest loss difference over {len(ours_times)} steps: {max_difference:.2e}")
+    print(f"page faults per step (median): ours {median_after_warmup(ours_faults):.0f}"
+          + (f", {reference} {median_after_warmup(theirs_faults):.0f}" if use_torch else ""))
     if args.device == "gpu":
         report_mfu(flops, ours_seconds, theirs_seconds,
                    peak_tflops(device, precision_of(args), args.peak_tflops))

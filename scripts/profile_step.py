@@ -139,10 +139,11 @@ def mkl_code_path() -> str:
 
 def machine_lines(torch: Any | None) -> list[str]:
     """What the figures depend on: the CPU, NumPy's SIMD and BLAS kernels, torch's."""
-    from models import host_kernels
+    from models import host_kernels, host_memory
 
     lines = [f"CPU: {cpu_name()}; NumPy {np.__version__} SIMD up to {numpy_simd()}, "
-             f"BLAS OpenBLAS kernels {openblas_core()}; norms and AdamW: {host_kernels.status(build=True)}"]
+             f"BLAS OpenBLAS kernels {openblas_core()}; norms and AdamW: {host_kernels.status(build=True)}",
+             f"freed host memory: {host_memory.status()} — for the whole process, both steps alike"]
     if torch is not None:
         blas = "MKL" if torch.backends.mkl.is_available() else "its own"
         lines.append(f"torch {torch.__version__}: CPU capability {torch.backends.cpu.get_cpu_capability()}, BLAS "
