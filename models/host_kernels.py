@@ -255,7 +255,7 @@ def _plan(kernel: Kernel, inputs: tuple[str, ...], outputs: tuple[str, ...], arr
     for name in arrays:
         if name in inputs:
             continue
-        wanted = _layout(np.empty(_output_shape(kernel, name, shape), dtype), shape, dtype)
+        wanted = _shape_layout(_output_shape(kernel, name, shape), shape)
         if name not in outputs or _layout(arrays[name], shape, dtype) != wanted or not arrays[name].flags.writeable:
             return None
     return dtype, shape, tuple(layouts)
@@ -269,9 +269,14 @@ def _layout(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> str | None:
         return SCALAR
     if value.dtype != dtype or not value.flags.c_contiguous:
         return None
-    if value.shape == shape:
+    return _shape_layout(value.shape, shape)
+
+
+def _shape_layout(value_shape: tuple[int, ...], shape: tuple[int, ...]) -> str | None:
+    """FULL, ROW or COLUMN for an array of `value_shape` in a call over `shape`, None for any other shape."""
+    if value_shape == shape:
         return FULL
-    padded = (1,) * (len(shape) - value.ndim) + value.shape
+    padded = (1,) * (len(shape) - len(value_shape)) + value_shape
     if len(padded) != len(shape):
         return None
     if padded[-1] == 1 and padded[:-1] == shape[:-1]:

@@ -145,19 +145,14 @@ def _check_node(node: ast.AST, expression: str, called: set[int]) -> None:
 
 
 class _Kernel:
-    """What FusedKernel and RowKernel share: a checked name, CuPy-style parameter lists, and their names."""
+    """What FusedKernel and RowKernel share: a checked name, CuPy-style parameter lists, and their names (kept,
+    not derived per call: a kernel never changes, and the CPU's calls ask for them every time)."""
 
     def __init__(self, name: str, inputs: str, outputs: str) -> None:
         self.name = _checked_name(name, "kernel")
         self.inputs, self.outputs = parse_params(inputs), parse_params(outputs)
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(name for _, name in self.inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(name for _, name in self.outputs)
+        self.input_names = tuple(name for _, name in self.inputs)
+        self.output_names = tuple(name for _, name in self.outputs)
 
 
 class FusedKernel(_Kernel):
@@ -313,23 +308,20 @@ class RowKernel(_Kernel):
         super().__init__(name, inputs, outputs)
         self.phases = tuple((kind, tuple(statements)) for kind, statements in phases)
         self.row_values = self._check_phases()
+        self.row_outputs = tuple(name for name in self.output_names if name in self.row_values)
+        """The outputs with one value per row."""
+        self.column_outputs = tuple(target for kind, statements in self.phases if kind == "columns"
+                                    for target, _ in statements)
+        """The outputs with one value per column (Σ over the rows)."""
+        self._read_per_row = frozenset(name for (kind, _), reads in zip(self.phases, self._reads, strict=True)
+                                       if kind == "row" for read in reads for name in read
+                                       if name in self.input_names)
         self._codes = [[compile(expression, f"<{name}: {target}>", "eval") for target, expression in statements]
                        for _, statements in self.phases]
 
-    @property
-    def row_outputs(self) -> tuple[str, ...]:
-        """The outputs with one value per row."""
-        return tuple(name for name in self.output_names if name in self.row_values)
-
-    @property
-    def column_outputs(self) -> tuple[str, ...]:
-        """The outputs with one value per column (Σ over the rows)."""
-        return tuple(target for kind, statements in self.phases if kind == "columns" for target, _ in statements)
-
-    def inputs_read_per_row(self) -> set[str]:
+    def inputs_read_per_row(self) -> frozenset[str]:
         """The inputs a "row" phase reads: they must be given one per row or as scalars."""
-        return {name for (kind, _), reads in zip(self.phases, self._reads, strict=True) if kind == "row"
-                for read in reads for name in read if name in self.input_names}
+        return self._read_per_row
 
     def _check_phases(self) -> set[str]:
         """Names are assigned once; a statement reads inputs, per-row values and its own phase's element values
