@@ -353,8 +353,8 @@ def test_without_a_compiler_or_when_turned_off_the_layers_run_numpy(monkeypatch,
     monkeypatch.delenv("MPIPARALLEL_HOST_KERNELS")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(host_kernels, "_FAILURES", {})
-    for cached in (host_kernels._compiler, host_kernels._function):
-        cached.cache_clear()
+    host_kernels._compiler.cache_clear()
+    host_kernels.forget()
     try:
         assert host_kernels.run(kernels.RMS_NORM_FORWARD, **kernel_arguments(kernels.RMS_NORM_FORWARD,
                                                                              np.float64)) is None
@@ -364,14 +364,14 @@ def test_without_a_compiler_or_when_turned_off_the_layers_run_numpy(monkeypatch,
         np.testing.assert_allclose(out, np.ones((2, 5)), rtol=1e-6)  # x / rms(x)
     finally:
         monkeypatch.undo()
-        for cached in (host_kernels._compiler, host_kernels._function):
-            cached.cache_clear()
+        host_kernels._compiler.cache_clear()
+        host_kernels.forget()
 
 
 @compiled
 def test_a_failed_build_is_reported_and_a_read_only_cache_builds_in_a_temporary_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(host_kernels, "_FAILURES", {})
-    host_kernels._function.cache_clear()
+    host_kernels.forget()
     try:
         monkeypatch.setattr(host_kernels, "FLAGS", (*host_kernels.FLAGS, "-no-such-flag"))
         monkeypatch.setenv(host_kernels.CACHE_VARIABLE, str(tmp_path / "cache"))
@@ -380,7 +380,7 @@ def test_a_failed_build_is_reported_and_a_read_only_cache_builds_in_a_temporary_
         compiler = host_kernels._compiler()[0][0]
         assert host_kernels.status().startswith(f"NumPy chains (rms_norm_forward: {compiler} failed: ")
         monkeypatch.undo()
-        host_kernels._function.cache_clear()
+        host_kernels.forget()
         (tmp_path / "file").write_text("a file where the cache folder's parent should be")
         monkeypatch.setenv(host_kernels.CACHE_VARIABLE, str(tmp_path / "file" / "cache"))
         monkeypatch.setattr(host_kernels, "_FAILURES", {})
@@ -389,20 +389,20 @@ def test_a_failed_build_is_reported_and_a_read_only_cache_builds_in_a_temporary_
         np.testing.assert_array_equal(result["out"], kernels.RMS_NORM_FORWARD.evaluate_numpy(**arguments)["out"])
     finally:
         monkeypatch.undo()
-        host_kernels._function.cache_clear()
+        host_kernels.forget()
 
 
 @compiled
 def test_a_kernel_is_built_once_and_kept_under_a_hash_of_its_source(monkeypatch, tmp_path):
     monkeypatch.setenv(host_kernels.CACHE_VARIABLE, str(tmp_path / "kernels"))
-    host_kernels._function.cache_clear()
+    host_kernels.forget()
     try:
         arguments = row_arguments(kernels.LAYER_NORM_ROWS_FORWARD, np.float32)
         host_kernels.run(kernels.LAYER_NORM_ROWS_FORWARD, **arguments)
         built = sorted((tmp_path / "kernels").iterdir())
         assert [path.name.split("-")[0] for path in built] == ["layer_norm_rows_forward"]
         ctypes.CDLL(str(built[0])).layer_norm_rows_forward  # noqa: B018 (the symbol is there)
-        host_kernels._function.cache_clear()
+        host_kernels.forget()
         host_kernels.run(kernels.LAYER_NORM_ROWS_FORWARD, **arguments)
         assert sorted((tmp_path / "kernels").iterdir()) == built  # taken from the cache, not built again
         host_kernels.run(kernels.LAYER_NORM_ROWS_FORWARD, **row_arguments(kernels.LAYER_NORM_ROWS_FORWARD,
@@ -410,7 +410,7 @@ def test_a_kernel_is_built_once_and_kept_under_a_hash_of_its_source(monkeypatch,
         assert len(list((tmp_path / "kernels").iterdir())) == 2  # another dtype, another library
     finally:
         monkeypatch.undo()
-        host_kernels._function.cache_clear()
+        host_kernels.forget()
 
 
 def test_the_c_source_reads_rows_once_and_rounds_literals_to_t():
@@ -477,3 +477,22 @@ def test_the_embeddings_gradients_are_the_same_compiled_and_with_numpy(monkeypat
     assert ran == [True, True, False, False] if documents else ran == [True, False]  # compiled, then NumPy
     for compiled_grad, numpy_grad in zip(*grads, strict=True):
         np.testing.assert_array_equal(compiled_grad, numpy_grad)
+
+
+@compiled
+def test_a_calls_plan_is_kept_for_its_exact_arguments_only():
+    """run() keeps what a call needs by each argument's shape, strides, dtype and writability: a call that differs
+    in any of them is checked afresh — a transposed copy of the same shape, another dtype, a read-only output."""
+    kernel = kernels.LAYER_NORM_ROWS_FORWARD
+    arguments = row_arguments(kernel, np.float64, rows=(6,), columns=6)
+    expected = kernel.evaluate_numpy(**arguments)
+    for _ in range(2):  # planned, then from the plan
+        np.testing.assert_allclose(host_kernels.run(kernel, **arguments)["out"], expected["out"], rtol=1e-13)
+    assert host_kernels.run(kernel, **{**arguments, "x": arguments["x"].T}) is None  # strided: the chain's
+    as_float32 = {name: value.astype(np.float32) if isinstance(value, np.ndarray) else value
+                  for name, value in arguments.items()}
+    assert host_kernels.run(kernel, **as_float32)["out"].dtype == np.float32
+    out = np.empty_like(arguments["x"])
+    assert host_kernels.run(kernel, **arguments, out=out)["out"] is out
+    out.flags.writeable = False
+    assert host_kernels.run(kernel, **arguments, out=out) is None
