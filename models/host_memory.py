@@ -6,10 +6,9 @@ mapping of its own, unmapped again on free, and returns the heap's free top to t
 *trim threshold*. The thresholds start at 128 KiB and 2 × that; glibc raises them as mapped blocks are freed,
 but not past 32 MiB, and not for good — the step's pattern still hands pages back every step. A page handed
 back is a new page next time: the kernel faults it in and zeroes it on first touch. Measured on a 2-core AMD
-EPYC VM, GPT-2 4L/256d (T 128, B 8, float32): 17–26 thousand page faults a step and 337–377 ms a step; with
-the thresholds set, a handful of faults and 268–290 ms. PyTorch's own step, in the same process, faulted 1–2
-thousand times (its allocations happen to fall the other way), and a 205 MiB array took 123 ms to allocate and
-fill fresh against 29 ms reused.
+EPYC VM, GPT-2 4L/256d (T 128, B 8, float32, one thread), a plain loop of steps: 20 thousand page faults a step
+and 535–555 ms a step; with the thresholds set, none and 398–479 ms (docs/benchmarks.md). A 205 MiB array (GPT-2
+124M's logits) took 123 ms to allocate and fill on fresh pages against 29 ms reused.
 
 What: `keep_freed_memory()` sets M_MMAP_THRESHOLD to 1 GiB (blocks below it come from the heap, which keeps
 them) and M_TRIM_THRESHOLD to 2 GiB − 1 (the heap's free top is kept up to that), through `mallopt` — the knob
