@@ -27,6 +27,7 @@ Communication: none.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
@@ -59,8 +60,10 @@ def status() -> str:
     return _state["status"]
 
 
+@functools.cache
 def _glibc_mallopt() -> ctypes._CFuncPtr | None:
-    """glibc's mallopt, or None where the C library is not glibc (musl has a mallopt that does nothing)."""
+    """glibc's mallopt, or None where the C library is not glibc (musl has a mallopt that does nothing); looked up
+    once, as every CPU model asks."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 — glibc's own symbol: present only there
