@@ -29,13 +29,17 @@ kernel whose statements follow the NumPy chain operation by operation gives the 
 AdamW's step is the same compiled or not. The norms' row kernels add each row's numbers in another order than the
 chains' GEMVs with ones do, so there the two agree to rounding (about 1e-16 relative in float64, 1e-7 in float32),
 as any two BLAS builds would. tanh and exp are not correctly rounded — libm's and NumPy's SIMD versions differ in
-the last bits — so the kernels that call them (GELU, SwiGLU, softmax) stay NumPy chains on the CPU (which keep up
-with torch there: the profile's GELU is ahead of it).
+the last bits — so the elementwise kernels that call them (GELU, SwiGLU) stay NumPy chains on the CPU (which keep
+up with torch there: the profile's GELU is ahead of it). The attention's causal softmax is the exception
+(`causal_softmax`, written out here rather than as a kernel's text: its mask depends on the row and column): its
+six NumPy passes were 44 % of the attention's forward, so it is one pass per row with glibc's vector exp, equal
+to the chain to rounding (a few ulp).
 
-When it does not run: no C compiler (`cc`, or $CC), a build that fails, `MPIPARALLEL_HOST_KERNELS=0`, a dtype
-other than float32/float64 (bfloat16 work stays NumPy), arrays that are not contiguous or not in one of the four
-layouts. `run` then returns None (`run_many` False) and the caller runs its NumPy chain: the same math, slower.
-`status()` says which, and why; `scripts/bench_train.py` prints it.
+When it does not run: no C compiler (`cc`, or $CC), a build that fails (the softmax's also without glibc's
+libmvec), `MPIPARALLEL_HOST_KERNELS=0`, a dtype other than float32/float64 (bfloat16 work stays NumPy), arrays
+that are not contiguous or not in one of the four layouts. `run` then returns None (`run_many` False) and the
+caller runs its NumPy chain: the same math, slower. `status()` says which, and why; `scripts/bench_train.py`
+prints it.
 
 Communication: none.
 """
@@ -219,6 +223,56 @@ def _scatter_function(dtype: np.dtype) -> Any:
                         "    }", "}", ""])
     return _load("scatter_add_rows", "scatter_add_rows", source,
                  [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
+
+
+def causal_softmax(scores: np.ndarray, offset: int) -> bool:
+    """Softmax over the last axis of (…, queries, keys) scores, in place, key j masked out for query i when
+    j > i + offset — models.layers.causal_softmax's math in one compiled pass per row; True when it ran.
+
+    Per row: the largest score the query may see, each visible score's exponential and their sum, then each
+    divided by the sum, the row in the L1 cache throughout; the masked keys are set to 0 without an exponential.
+    NumPy's chain makes six passes over the scores (add the mask, max, subtract, exp, sum, divide). The
+    exponentials are glibc's vector ones (libmvec: `#pragma omp declare simd` on exp lets the loop call them,
+    within 4 ulp by glibc's documentation, as NumPy's own SIMD exp is within a few); a score set to −∞ before
+    the call (another document's key) gives 0 like a masked one. False, nothing written, where the loop cannot
+    take the call: not contiguous, another dtype, or no libmvec (not glibc, or glibc without it)."""
+    if not enabled() or scores.dtype not in C_TYPES or scores.ndim < 2 or scores.size == 0:
+        return False
+    if not (scores.flags.c_contiguous and scores.flags.writeable):
+        return False
+    function = _softmax_function(scores.dtype)
+    if function is None:
+        return False
+    queries, keys = scores.shape[-2:]
+    function(scores.size // keys, queries, keys, offset, _pointer(scores))
+    return True
+
+
+@functools.cache
+def _softmax_function(dtype: np.dtype) -> Any:
+    exp = {"float": "expf", "double": "exp"}[C_TYPES[np.dtype(dtype)]]
+    source = "\n".join([
+        "#include <math.h>", f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
+        "#pragma omp declare simd notinbranch", f"T {exp}(T);  /* the vector versions: libmvec */", "",
+        "void causal_softmax(long rows, long queries, long keys, long offset, T *scores) {",
+        "    for (long row = 0; row < rows; row++) {",
+        "        T *score = scores + row * keys;",
+        "        long seen = row % queries + offset + 1;  /* keys 0 … i + offset: the query's past and itself */",
+        "        if (seen > keys) seen = keys;",
+        "        T largest = -INFINITY, total = 0;",
+        "        #pragma omp simd reduction(max:largest)",
+        "        for (long key = 0; key < seen; key++) largest = score[key] > largest ? score[key] : largest;",
+        "        #pragma omp simd reduction(+:total)",
+        "        for (long key = 0; key < seen; key++) {",
+        f"            score[key] = {exp}(score[key] - largest);",
+        "            total += score[key];",
+        "        }",
+        "        #pragma omp simd",
+        "        for (long key = 0; key < seen; key++) score[key] /= total;",
+        "        for (long key = seen; key < keys; key++) score[key] = 0;",
+        "    }", "}", ""])
+    return _load("causal_softmax", "causal_softmax", source,
+                 [ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p], ("mvec", "m"))
 
 
 @functools.cache
@@ -439,16 +493,19 @@ def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], many: b
                   *([ctypes.c_void_p] * len(kernel.output_names))])
 
 
-def _load(name: str, symbol: str, source: str, argtypes: list[Any]) -> Any:
-    """The C function `symbol` of `source`, built or taken from the cache, or None (the reason kept under `name`)."""
+def _load(name: str, symbol: str, source: str, argtypes: list[Any], libraries: tuple[str, ...] = ("m",)) -> Any:
+    """The C function `symbol` of `source` linked with `libraries`, built or taken from the cache, or None (the
+    reason kept under `name`)."""
     compiler = _compiler()
     if compiler is None:
         _FAILURES[name] = "no C compiler (cc or $CC)"
         return None
     command, version = compiler
-    key = hashlib.sha256("\n".join([source, version, " ".join(command), *FLAGS, _cpu()]).encode()).hexdigest()
+    links = [f"-l{library}" for library in libraries]
+    key = hashlib.sha256("\n".join([source, version, " ".join(command), *FLAGS, *links, _cpu()]).encode()
+                         ).hexdigest()
     try:
-        library = _cached_library(command, source, f"{name}-{key[:20]}.so")
+        library = _cached_library([*command, *FLAGS], source, links, f"{name}-{key[:20]}.so")
     except BuildFailed as failure:
         _FAILURES[name] = str(failure)
         return None
@@ -474,7 +531,7 @@ class BuildFailed(Exception):
     """The compiler could not build a kernel (its message says why)."""
 
 
-def _cached_library(command: list[str], source: str, name: str) -> ctypes.CDLL:
+def _cached_library(command: list[str], source: str, links: list[str], name: str) -> ctypes.CDLL:
     """The library `name` from the cache folder, built there first if missing; where the folder cannot be written
     (a read-only home), built in a temporary folder for this process alone."""
     library = cache_folder() / name
@@ -483,19 +540,20 @@ def _cached_library(command: list[str], source: str, name: str) -> ctypes.CDLL:
     try:
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as folder:
-            os.replace(_build(command, source, Path(folder), name), library)  # whole, or not at all
+            os.replace(_build(command, source, links, Path(folder), name), library)  # whole, or not at all
         return ctypes.CDLL(str(library))
     except OSError:
         with tempfile.TemporaryDirectory() as folder:
-            return ctypes.CDLL(str(_build(command, source, Path(folder), name)))  # stays mapped once loaded
+            return ctypes.CDLL(str(_build(command, source, links, Path(folder), name)))  # stays mapped once loaded
 
 
-def _build(command: list[str], source: str, folder: Path, name: str) -> Path:
-    """Compile `source` into `folder`/`name`; BuildFailed with the compiler's message if it cannot."""
+def _build(command: list[str], source: str, links: list[str], folder: Path, name: str) -> Path:
+    """Compile `source` with `command` (the compiler and its flags) into `folder`/`name`, linked with `links`;
+    BuildFailed with the compiler's message if it cannot."""
     source_path, built = folder / "kernel.c", folder / name
     source_path.write_text(source)
     try:
-        result = subprocess.run([*command, *FLAGS, "-o", str(built), str(source_path), "-lm"],
+        result = subprocess.run([*command, "-o", str(built), str(source_path), *links],
                                 capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise BuildFailed(f"{command[0]} failed: {error}") from error

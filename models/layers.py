@@ -548,7 +548,10 @@ class SwiGLU(Layer):
 
 def causal_softmax(scores: Array, offset: int = 0) -> Array:
     """Softmax over the last axis of (…, Tq, Tk) scores, in place, with key j masked out for query i when
-    j > i + offset (the queries are the last Tq of Tk positions when offset = Tk − Tq)."""
+    j > i + offset (the queries are the last Tq of Tk positions when offset = Tk − Tq). On the CPU one compiled
+    pass per row where models.host_kernels can build it; else the NumPy passes below."""
+    if not is_device_array(scores) and host_kernels.causal_softmax(scores, offset):
+        return scores
     xp = get_array_module(scores)
     queries, keys = scores.shape[-2:]
     scores += xp.triu(xp.full((queries, keys), -xp.inf, dtype=scores.dtype), k=offset + 1)  # the future: −inf

@@ -12,6 +12,7 @@ agree with the chains to rounding (float64 1e-13, float32 1e-6), and with the Nu
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from test_kernels import ADAMW_STEP, INDEPENDENT_FORMULAS, KERNELS, assert_match
 
 from models import host_kernels, kernels
 from models.kernels import RowKernel
-from models.layers import LayerNorm, RMSNorm
+from models.layers import LayerNorm, RMSNorm, causal_softmax
 from models.parameter import Parameter
 from models.precision import DTYPES
 from mpiparallel.optim import AdamW, adamw_kernel_scalars, adamw_update, adamw_update_many
@@ -496,3 +497,52 @@ def test_a_calls_plan_is_kept_for_its_exact_arguments_only():
     assert host_kernels.run(kernel, **arguments, out=out)["out"] is out
     out.flags.writeable = False
     assert host_kernels.run(kernel, **arguments, out=out) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The attention's causal softmax: one compiled pass per row.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def softmax_written_out(scores: np.ndarray, offset: int) -> np.ndarray:
+    """softmax over each row's keys 0 … i + offset, the rest 0, in float64 with math.exp (no NumPy chain)."""
+    queries, keys = scores.shape[-2:]
+    expected = np.zeros(scores.shape)
+    for index in np.ndindex(scores.shape[:-1]):
+        seen = min(index[-1] + offset + 1, keys)
+        row = [float(value) for value in scores[index][:seen]]
+        exps = [math.exp(value - max(row)) for value in row]
+        expected[index][:seen] = [value / sum(exps) for value in exps]
+    return expected
+
+
+@compiled
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6)])
+@pytest.mark.parametrize("queries, keys", [(5, 5), (5, 9), (64, 128), (1, 37)])
+def test_the_compiled_causal_softmax_computes_its_math_and_equals_the_numpy_chain(monkeypatch, queries, keys,
+                                                                                   dtype, tolerance):
+    """Each query row over the keys up to its own position (the queries the last of the keys), masked keys 0
+    exactly; a key masked by −∞ beforehand (another document's) is 0 too. Rows of 37 and 128 keys: the vector
+    loops' remainders run as well as their full vectors."""
+    offset = keys - queries
+    scores = (4 * RNG.standard_normal((2, 3, queries, keys))).astype(dtype)
+    scores[0, 0, -1, :2] = -np.inf  # the last query's first two keys: another document
+    compiled_probs = scores.copy()
+    assert host_kernels.causal_softmax(compiled_probs, offset)
+    expected = softmax_written_out(scores, offset)
+    assert_matches(compiled_probs, expected, "softmax", tolerance)
+    assert np.all(compiled_probs[expected == 0] == 0)
+    monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+    assert_matches(compiled_probs, causal_softmax(scores.copy(), offset), "against the chain", tolerance)
+
+
+@compiled
+def test_the_compiled_causal_softmax_leaves_what_it_cannot_take_to_numpy():
+    scores = RNG.standard_normal((2, 4, 6))
+    read_only = scores.copy()
+    read_only.flags.writeable = False
+    for given in (scores.swapaxes(-1, -2), scores[..., ::2], scores.astype(np.float16), read_only, scores[:0]):
+        before = given.copy()
+        assert not host_kernels.causal_softmax(given, 0)
+        np.testing.assert_array_equal(given, before)
+    assert host_kernels.causal_softmax(scores, 0)  # the same call, contiguous: compiled
