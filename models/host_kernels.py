@@ -79,9 +79,15 @@ CACHE_VARIABLE = "MPIPARALLEL_KERNEL_CACHE"
 _LITERAL_TOKEN = re.compile(r"(?<![A-Za-z0-9_.])([0-9]+\.[0-9]*(?:[eE][+-]?[0-9]+)?)")
 
 
+ENABLED = os.environ.get("MPIPARALLEL_HOST_KERNELS", "1") != "0"
+"""False when the process starts with MPIPARALLEL_HOST_KERNELS=0: the NumPy chains everywhere, to compare or to
+rule the kernels out. Read once, at import: in a training step a look-up in os.environ (six Python frames) costs
+about 50 µs, as much as the rest of a compiled call's checks (see `_CALLS`). Tests set it here."""
+
+
 def enabled() -> bool:
-    """False when MPIPARALLEL_HOST_KERNELS=0 (the NumPy chains everywhere, to compare or to rule the kernels out)."""
-    return os.environ.get("MPIPARALLEL_HOST_KERNELS", "1") != "0"
+    """Whether the compiled kernels may run (`ENABLED`)."""
+    return ENABLED
 
 
 def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
@@ -91,7 +97,7 @@ def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
     Returns {output name: array}, or None when the compiled kernel cannot run here (see the module docstring) and
     the caller should run its NumPy chain instead.
     """
-    if not enabled():
+    if not ENABLED:
         return None
     key = (kernel, *[(name, value.shape, value.strides, value.dtype, value.flags.writeable)
                      if type(value) is np.ndarray else (name, type(value)) for name, value in arrays.items()])
@@ -146,7 +152,7 @@ def run_many(kernel: FusedKernel, scalars: Mapping[str, float], tensors: Sequenc
     more than the kernel's own time for most of a small model's parameters. False, with nothing written, where
     the compiled kernel cannot take them all: the caller then runs each set its own way.
     """
-    if not enabled() or not tensors:
+    if not ENABLED or not tensors:
         return False
     inputs, outputs = _names(kernel)
     arrays = [name for name in inputs if name not in scalars] + list(outputs)
@@ -191,7 +197,7 @@ def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray
     The same additions in the same order as `np.add.at`, so the same numbers bit for bit — about five times
     faster than its 1-D fast path at GPT-2's widths. False, nothing written, where the loop cannot take the call
     (not contiguous, unlike dtypes, an index outside the table: NumPy's error or wrap-around is the caller's)."""
-    if not enabled() or target.ndim != 2 or target.dtype not in C_TYPES:
+    if not ENABLED or target.ndim != 2 or target.dtype not in C_TYPES:
         return False
     width = target.shape[1]
     rows = np.asarray(indices).reshape(-1)
@@ -236,7 +242,7 @@ def causal_softmax(scores: np.ndarray, offset: int) -> bool:
     within 4 ulp by glibc's documentation, as NumPy's own SIMD exp is within a few); a score set to −∞ before
     the call (another document's key) gives 0 like a masked one. False, nothing written, where the loop cannot
     take the call: not contiguous, another dtype, or no libmvec (not glibc, or glibc without it)."""
-    if not enabled() or scores.dtype not in C_TYPES or scores.ndim < 2 or scores.size == 0:
+    if not ENABLED or scores.dtype not in C_TYPES or scores.ndim < 2 or scores.size == 0:
         return False
     if not (scores.flags.c_contiguous and scores.flags.writeable):
         return False

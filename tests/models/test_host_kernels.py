@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -224,7 +227,7 @@ def test_norms_compiled_equal_the_numpy_chains(monkeypatch, kind, dtype, toleran
     monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: calls.append(run(kernel, **a)) or calls[-1])
     with_kernels = norm_step(layer, x, dout)
     assert len(calls) == 2 and None not in calls
-    monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+    monkeypatch.setattr(host_kernels, "ENABLED", False)
     for name, compiled_value, numpy_value in zip(("out", "dx", "dweight", "dbias"), with_kernels,
                                                   norm_step(layer, x, dout), strict=False):
         assert compiled_value.dtype == numpy_value.dtype
@@ -240,9 +243,9 @@ def test_adamw_gives_the_same_bits_compiled_and_as_numpy_passes(monkeypatch, dty
     numpy_state = tuple(array.copy() for array in compiled_state)  # param, exp_avg, exp_avg_sq
     for step in (1, 2, 3):
         grad = RNG.standard_normal(300_000).astype(dtype)
-        monkeypatch.delenv("MPIPARALLEL_HOST_KERNELS", raising=False)
+        monkeypatch.setattr(host_kernels, "ENABLED", True)
         adamw_update(compiled_state[0], grad, *compiled_state[1:], step, 1e-3, 0.9, 0.95, 1e-8, weight_decay)
-        monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+        monkeypatch.setattr(host_kernels, "ENABLED", False)
         adamw_update(numpy_state[0], grad, *numpy_state[1:], step, 1e-3, 0.9, 0.95, 1e-8, weight_decay)
     for compiled_array, numpy_array in zip(compiled_state, numpy_state, strict=True):
         np.testing.assert_array_equal(compiled_array, numpy_array)
@@ -275,7 +278,7 @@ def test_an_adamw_step_is_one_compiled_call_per_weight_decay_with_the_numbers_of
     for _ in range(3):
         optimizer.step()
     assert sorted(calls) == [3, 3, 3, 4, 4, 4]  # per step: 3 matrices, 4 vectors
-    monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+    monkeypatch.setattr(host_kernels, "ENABLED", False)
     for step in (1, 2, 3):
         for param in reference_params:
             decay = 0.1 if param.data.ndim >= 2 else 0.0
@@ -346,12 +349,21 @@ def test_calls_the_loop_cannot_take_are_left_to_numpy():
     assert run(kernels.SOFTMAX_BACKWARD, probs=x, dprobs=x, weighted_sum=mean, dscores=read_only) is None
 
 
+def test_the_environment_turns_the_kernels_off_for_the_whole_process():
+    """MPIPARALLEL_HOST_KERNELS=0 where the process starts: read once, when models.host_kernels is imported."""
+    command = [sys.executable, "-c", "from models import host_kernels; print(host_kernels.status())"]
+    for value, expected in (("0", "NumPy chains (MPIPARALLEL_HOST_KERNELS=0)"), ("1", host_kernels.status())):
+        result = subprocess.run(command, env={**os.environ, "MPIPARALLEL_HOST_KERNELS": value}, capture_output=True,
+                                text=True, timeout=120, check=True)
+        assert result.stdout.strip() == expected
+
+
 def test_without_a_compiler_or_when_turned_off_the_layers_run_numpy(monkeypatch, tmp_path):
-    monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+    monkeypatch.setattr(host_kernels, "ENABLED", False)
     assert host_kernels.status() == "NumPy chains (MPIPARALLEL_HOST_KERNELS=0)"
     assert host_kernels.run(kernels.RMS_NORM_FORWARD, **kernel_arguments(kernels.RMS_NORM_FORWARD,
                                                                          np.float64)) is None
-    monkeypatch.delenv("MPIPARALLEL_HOST_KERNELS")
+    monkeypatch.setattr(host_kernels, "ENABLED", True)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(host_kernels, "_FAILURES", {})
     host_kernels._compiler.cache_clear()
@@ -467,8 +479,8 @@ def test_the_embeddings_gradients_are_the_same_compiled_and_with_numpy(monkeypat
     grads, ran = [], []
     scatter = host_kernels.scatter_add_rows
     monkeypatch.setattr(host_kernels, "scatter_add_rows", lambda *a: ran.append(scatter(*a)) or ran[-1])
-    for enabled in ("1", "0"):
-        monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", enabled)
+    for enabled in (True, False):
+        monkeypatch.setattr(host_kernels, "ENABLED", enabled)
         layer = Embedding(Parameter("wte", np.zeros((13, 6), np.float32)), Parameter("wpe", np.zeros((9, 6),
                                                                                                     np.float32)))
         layer.token.grad[...], layer.position.grad[...] = 1.5, 0.5
@@ -532,7 +544,7 @@ def test_the_compiled_causal_softmax_computes_its_math_and_equals_the_numpy_chai
     expected = softmax_written_out(scores, offset)
     assert_matches(compiled_probs, expected, "softmax", tolerance)
     assert np.all(compiled_probs[expected == 0] == 0)
-    monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+    monkeypatch.setattr(host_kernels, "ENABLED", False)
     assert_matches(compiled_probs, causal_softmax(scores.copy(), offset), "against the chain", tolerance)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from optional import optional_module
 
+from models import host_kernels
 from models.parameter import Parameter
 from models.transformer import GPTConfig, Transformer
 from mpiparallel.errors import ConfigError
@@ -144,7 +145,7 @@ def test_adamw_on_a_parameter_larger_than_a_block_equals_the_update_in_one_piece
     passes: the compiled kernel, where it runs, takes a contiguous array whole.)"""
     import mpiparallel.optim as optim
 
-    monkeypatch.setenv("MPIPARALLEL_HOST_KERNELS", "0")
+    monkeypatch.setattr(host_kernels, "ENABLED", False)
     rng = np.random.default_rng(7)
     arrays = [rng.standard_normal((5037, 2) if layout == "strided" else 5037) for _ in range(4)]
     arrays[3] = np.abs(arrays[3])  # v ≥ 0
