@@ -246,7 +246,7 @@ def causal_softmax(scores: np.ndarray, offset: int) -> bool:
         return False
     if not (scores.flags.c_contiguous and scores.flags.writeable):
         return False
-    function = _softmax_function(scores.dtype)
+    function = _softmax_function(scores.dtype, "causal_softmax")
     if function is None:
         return False
     queries, keys = scores.shape[-2:]
@@ -254,31 +254,80 @@ def causal_softmax(scores: np.ndarray, offset: int) -> bool:
     return True
 
 
+def cross_entropy(logits: np.ndarray, targets: np.ndarray, normalizer: float) -> np.ndarray | None:
+    """Softmax cross-entropy of each row of (rows, vocab) logits, in one compiled pass per row: the logits become,
+    in place, d(logits) = (softmax − onehot(target)) / normalizer, and the rows' losses log Σ exp(l − max) −
+    (l_target − max) are returned; a target below 0 (layers.IGNORED) gives a zero row and a loss of 0. The
+    HeadCrossEntropy chain's math, whose eleven NumPy passes over the logits this replaces, with `causal_softmax`'s
+    vector exponentials. None, nothing written, where the loop cannot take the call (as `causal_softmax`, and a
+    target beyond the vocabulary: NumPy's IndexError is the caller's)."""
+    if not ENABLED or logits.ndim != 2 or logits.dtype not in C_TYPES or logits.size == 0:
+        return None
+    rows, vocab = logits.shape
+    if not (logits.flags.c_contiguous and logits.flags.writeable) or targets.shape != (rows,):
+        return None
+    if targets.dtype.kind not in "iu" or targets.max() >= vocab:
+        return None
+    function = _softmax_function(logits.dtype, "cross_entropy")
+    if function is None:
+        return None
+    losses = np.empty(rows, logits.dtype)
+    targets = np.ascontiguousarray(targets, dtype=np.int64)
+    function(rows, vocab, targets.ctypes.data, float(normalizer), _pointer(logits), _pointer(losses))
+    return losses
+
+
 @functools.cache
-def _softmax_function(dtype: np.dtype) -> Any:
-    exp = {"float": "expf", "double": "exp"}[C_TYPES[np.dtype(dtype)]]
+def _softmax_function(dtype: np.dtype, symbol: str) -> Any:
+    """`causal_softmax` or `cross_entropy` from their library for `dtype` (one source: both share `exponentials`)."""
+    exp, log = {"float": ("expf", "logf"), "double": ("exp", "log")}[C_TYPES[np.dtype(dtype)]]
     source = "\n".join([
         "#include <math.h>", f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
         "#pragma omp declare simd notinbranch", f"T {exp}(T);  /* the vector versions: libmvec */", "",
+        "/* row[0 … n) ← exp(row − its largest value), which goes to *largest; returns their sum */",
+        "static T exponentials(T *row, long n, T *largest) {",
+        "    T most = -INFINITY, total = 0;",
+        "    #pragma omp simd reduction(max:most)",
+        "    for (long k = 0; k < n; k++) most = row[k] > most ? row[k] : most;",
+        "    #pragma omp simd reduction(+:total)",
+        "    for (long k = 0; k < n; k++) {",
+        f"        row[k] = {exp}(row[k] - most);",
+        "        total += row[k];",
+        "    }",
+        "    *largest = most;",
+        "    return total;",
+        "}", "",
         "void causal_softmax(long rows, long queries, long keys, long offset, T *scores) {",
         "    for (long row = 0; row < rows; row++) {",
-        "        T *score = scores + row * keys;",
+        "        T *score = scores + row * keys, largest;",
         "        long seen = row % queries + offset + 1;  /* keys 0 … i + offset: the query's past and itself */",
         "        if (seen > keys) seen = keys;",
-        "        T largest = -INFINITY, total = 0;",
-        "        #pragma omp simd reduction(max:largest)",
-        "        for (long key = 0; key < seen; key++) largest = score[key] > largest ? score[key] : largest;",
-        "        #pragma omp simd reduction(+:total)",
-        "        for (long key = 0; key < seen; key++) {",
-        f"            score[key] = {exp}(score[key] - largest);",
-        "            total += score[key];",
-        "        }",
+        "        const T total = exponentials(score, seen, &largest);",
         "        #pragma omp simd",
         "        for (long key = 0; key < seen; key++) score[key] /= total;",
         "        for (long key = seen; key < keys; key++) score[key] = 0;",
+        "    }", "}", "",
+        "void cross_entropy(long rows, long vocab, const long *targets, double normalizer, T *logits, T *losses) {",
+        "    for (long row = 0; row < rows; row++) {",
+        "        T *logit = logits + row * vocab, largest;",
+        "        const long target = targets[row];",
+        "        if (target < 0) {  /* ignored: no loss, no gradient */",
+        "            for (long word = 0; word < vocab; word++) logit[word] = 0;",
+        "            losses[row] = 0;",
+        "            continue;",
+        "        }",
+        "        const T target_logit = logit[target];",
+        "        const T total = exponentials(logit, vocab, &largest);",
+        "        const T scale = total * (T)normalizer;  /* softmax / normalizer */",
+        "        #pragma omp simd",
+        "        for (long word = 0; word < vocab; word++) logit[word] /= scale;",
+        "        logit[target] -= (T)(1.0 / normalizer);",
+        f"        losses[row] = {log}(total) - (target_logit - largest);",
         "    }", "}", ""])
-    return _load("causal_softmax", "causal_softmax", source,
-                 [ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p], ("mvec", "m"))
+    pointer, number = ctypes.c_void_p, ctypes.c_long
+    argtypes = {"causal_softmax": [number, number, number, number, pointer],
+                "cross_entropy": [number, number, pointer, ctypes.c_double, pointer, pointer]}[symbol]
+    return _load("softmax", symbol, source, argtypes, ("mvec", "m"))
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from test_kernels import ADAMW_STEP, INDEPENDENT_FORMULAS, KERNELS, assert_match
 
 from models import host_kernels, kernels
 from models.kernels import RowKernel
-from models.layers import LayerNorm, RMSNorm, causal_softmax
+from models.layers import IGNORED, HeadCrossEntropy, LayerNorm, RMSNorm, causal_softmax
 from models.parameter import Parameter
 from models.precision import DTYPES
 from mpiparallel.optim import AdamW, adamw_kernel_scalars, adamw_update, adamw_update_many
@@ -558,3 +558,54 @@ def test_the_compiled_causal_softmax_leaves_what_it_cannot_take_to_numpy():
         assert not host_kernels.causal_softmax(given, 0)
         np.testing.assert_array_equal(given, before)
     assert host_kernels.causal_softmax(scores, 0)  # the same call, contiguous: compiled
+
+
+@compiled
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6)])
+@pytest.mark.parametrize("vocab", [11, 1000])
+def test_the_compiled_cross_entropy_computes_its_math_and_equals_the_numpy_chain(monkeypatch, vocab, dtype,
+                                                                                 tolerance):
+    """The loss and d(logits) = (softmax − onehot) / normalizer, written out in float64 with math.exp and
+    math.log; an ignored target (IGNORED) adds no loss and leaves a zero row; both equal the layer's NumPy chain."""
+    rows, channels, normalizer = 14, 6, 37.0
+    wte = Parameter("wte", RNG.standard_normal((vocab, channels)).astype(dtype))
+    x = RNG.standard_normal((2, rows // 2, channels)).astype(dtype)
+    targets = RNG.integers(0, vocab, (2, rows // 2))
+    targets[1, 3] = IGNORED
+    logits = x.reshape(rows, channels).astype(np.float64) @ wte.data.T.astype(np.float64)
+    expected_loss, expected_dlogits = 0.0, np.zeros((rows, vocab))
+    for row, target in enumerate(targets.reshape(-1)):
+        if target == IGNORED:
+            continue
+        exps = [math.exp(value - max(logits[row])) for value in logits[row]]
+        expected_loss += (math.log(sum(exps)) - (logits[row, target] - max(logits[row]))) / normalizer
+        expected_dlogits[row] = np.array(exps) / sum(exps) / normalizer
+        expected_dlogits[row, target] -= 1 / normalizer
+    ran = []
+    compiled_call = host_kernels.cross_entropy
+    monkeypatch.setattr(host_kernels, "cross_entropy", lambda *a: ran.append(compiled_call(*a)) or ran[-1])
+    loss, saved = HeadCrossEntropy(wte).forward(x, targets, normalizer)
+    assert ran[0] is not None
+    assert abs(loss - expected_loss) <= 10 * tolerance * expected_loss
+    assert_matches(saved.dlogits, expected_dlogits, "d(logits)", tolerance)
+    assert not saved.dlogits[rows // 2 + 3].any()
+    monkeypatch.setattr(host_kernels, "ENABLED", False)
+    chain_loss, chain_saved = HeadCrossEntropy(wte).forward(x, targets, normalizer)
+    assert ran[1] is None and abs(loss - chain_loss) <= 10 * tolerance * chain_loss
+    assert_matches(saved.dlogits, chain_saved.dlogits, "against the chain", tolerance)
+
+
+@compiled
+def test_the_compiled_cross_entropy_leaves_what_it_cannot_take_to_numpy():
+    logits = RNG.standard_normal((4, 5))
+    for given, targets in ((logits, np.array([0, 1, 5, 2])),             # a target beyond the vocabulary
+                           (logits, np.array([0.0, 1.0, 2.0, 3.0])),     # not integers
+                           (logits, np.array([0, 1, 2])),                # one target short
+                           (logits.T.copy().T, np.arange(4)),            # strided logits
+                           (logits.astype(np.float16), np.arange(4))):   # a dtype the loop does not take
+        before = given.copy()
+        assert host_kernels.cross_entropy(given, targets, 3.0) is None
+        np.testing.assert_array_equal(given, before)
+    with pytest.raises(IndexError):  # NumPy's own error, from the chain
+        HeadCrossEntropy(Parameter("wte", RNG.standard_normal((5, 3)))).forward(
+            RNG.standard_normal((1, 2, 3)), np.array([[0, 5]]), 2.0)
