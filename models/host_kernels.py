@@ -108,13 +108,10 @@ def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
             _CALLS.clear()
     if call is _CANNOT:
         return None
-    function, inputs, layouts, leading, dtype, new_outputs, outputs = call
+    function, inputs, scalars, leading, dtype, new_outputs, outputs = call
     results = {name: arrays[name] if name in arrays else np.empty(new_outputs[name], dtype) for name in outputs}
-    args: list[Any] = list(leading)
-    for name, layout in zip(inputs, layouts, strict=True):
-        args.append(float(arrays[name]) if layout == SCALAR else _pointer(arrays[name]))
-    args.extend(_pointer(results[name]) for name in outputs)
-    function(*args)
+    function(*leading, *[float(arrays[name]) if name in scalars else arrays[name] for name in inputs],
+             *[results[name] for name in outputs])  # arrays as objects: the C side reads their data pointers
     return results
 
 
@@ -128,8 +125,8 @@ _CANNOT = "cannot"
 
 
 def _call(kernel: Kernel, arrays: Mapping[str, Any]) -> Any:
-    """(function, input names, layouts, rows and width, dtype, the shapes of the outputs to allocate, output names)
-    for `run`, or _CANNOT."""
+    """(function, input names, the scalar ones, rows and width, dtype, the shapes of the outputs to allocate, output
+    names) for `run`, or _CANNOT."""
     inputs, outputs = _names(kernel)
     call = _plan(kernel, inputs, outputs, arrays)
     if call is None:
@@ -139,7 +136,8 @@ def _call(kernel: Kernel, arrays: Mapping[str, Any]) -> Any:
     if function is None:
         return _CANNOT
     new_outputs = {name: _output_shape(kernel, name, shape) for name in outputs if name not in arrays}
-    return function, inputs, layouts, (_rows(shape), shape[-1]), dtype, new_outputs, outputs
+    scalars = frozenset(name for name, layout in zip(inputs, layouts, strict=True) if layout == SCALAR)
+    return function, inputs, scalars, (_rows(shape), shape[-1]), dtype, new_outputs, outputs
 
 
 def run_many(kernel: FusedKernel, scalars: Mapping[str, float], tensors: Sequence[Mapping[str, np.ndarray]]
@@ -530,22 +528,62 @@ def _compiler() -> tuple[list[str], str] | None:
 def forget() -> None:
     """Drop the loaded functions and the calls' plans: the next call looks for the compiler and its cache again."""
     _function.cache_clear()
+    _softmax_function.cache_clear()
+    _scatter_function.cache_clear()
     _CALLS.clear()
+    _LOADED.clear()
 
 
 _FAILURES: dict[str, str] = {}
 """Why a kernel could not be built, by kernel name (for status())."""
+_LOADED: set[str] = set()
+"""The kernels built or taken from the cache, by name: with failures beside them, status() names both."""
 
 
 @functools.cache
 def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], many: bool = False) -> Any:
-    """The loaded C function for this kernel, dtype and layout (built or taken from the cache), or None; `many`:
-    its `<name>_many` variant over lists of arrays (see run_many)."""
-    source = c_source(kernel, dtype, layouts) + (_many_source(kernel, layouts) if many else "")
-    scalar_or_pointer = [ctypes.c_double if layout == SCALAR else ctypes.c_void_p for layout in layouts]
-    return _load(kernel.name, f"{kernel.name}_many" if many else kernel.name, source,
-                 [ctypes.c_long, ctypes.c_void_p if many else ctypes.c_long, *scalar_or_pointer,
-                  *([ctypes.c_void_p] * len(kernel.output_names))])
+    """The loaded C function for this kernel, dtype and layout (built or taken from the cache), or None:
+    `<name>_objects`, which takes the arrays themselves (see `_objects_source`), or with `many` its `<name>_many`
+    variant over lists of addresses (see run_many)."""
+    if many:
+        source = c_source(kernel, dtype, layouts) + _many_source(kernel, layouts)
+        lists = [ctypes.c_double if layout == SCALAR else ctypes.c_void_p for layout in layouts]
+        return _load(kernel.name, f"{kernel.name}_many", source,
+                     [ctypes.c_long, ctypes.c_void_p, *lists, *([ctypes.c_void_p] * len(kernel.output_names))])
+    offset = _data_offset()
+    if offset is None:
+        _FAILURES[kernel.name] = "NumPy's array object does not keep its data pointer after the object header"
+        return None
+    source = c_source(kernel, dtype, layouts) + _objects_source(kernel, layouts, offset)
+    objects = [ctypes.c_double if layout == SCALAR else ctypes.py_object for layout in layouts]
+    return _load(kernel.name, f"{kernel.name}_objects", source,
+                 [ctypes.c_long, ctypes.c_long, *objects, *([ctypes.py_object] * len(kernel.output_names))])
+
+
+@functools.cache
+def _data_offset() -> int | None:
+    """Where a NumPy array object keeps the address of its data: right after the Python object header (the
+    `data` field of NumPy's PyArrayObject_fields, which its C API's PyArray_DATA reads), confirmed on a probe
+    array; None where it is not found there."""
+    probe = np.empty(3)
+    offset = object.__basicsize__  # sizeof(PyObject)
+    return offset if ctypes.c_void_p.from_address(id(probe) + offset).value == probe.ctypes.data else None
+
+
+def _objects_source(kernel: Kernel, layouts: tuple[str, ...], offset: int) -> str:
+    """`<name>_objects(rows, width, …)`: the kernel with each array argument given as the NumPy array object
+    itself. Why: turning an array into an address in Python (ctypes, or its `ctypes.data`) costs 10–15 µs an
+    argument in a training step, where the interpreter runs with cold caches; ctypes hands an object over as its
+    pointer, and reading the address there is one load."""
+    parameters, arguments = ["long rows", "long width"], ["rows", "width"]
+    for name, layout in zip(kernel.input_names, layouts, strict=True):
+        parameters.append(f"double {name}_value" if layout == SCALAR else f"const void *{name}_object")
+        arguments.append(f"{name}_value" if layout == SCALAR else f"DATA({name}_object)")
+    parameters.extend(f"const void *{name}_object" for name in kernel.output_names)
+    arguments.extend(f"DATA({name}_object)" for name in kernel.output_names)
+    return "\n".join([f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))",
+                      f"void {kernel.name}_objects({', '.join(parameters)}) {{",
+                      f"    {kernel.name}({', '.join(arguments)});", "}", ""])
 
 
 def _load(name: str, symbol: str, source: str, argtypes: list[Any], libraries: tuple[str, ...] = ("m",)) -> Any:
@@ -566,6 +604,7 @@ def _load(name: str, symbol: str, source: str, argtypes: list[Any], libraries: t
         return None
     function = getattr(library, symbol)
     function.argtypes, function.restype = argtypes, None
+    _LOADED.add(name)
     return function
 
 
@@ -646,8 +685,10 @@ def status(build: bool = False) -> str:
     compiler = _compiler()
     if compiler is None:
         return "NumPy chains (no C compiler: cc or $CC)"
+    program = Path(compiler[1].rsplit(" ", 2)[0])
     if _FAILURES:
         name, reason = next(iter(_FAILURES.items()))
-        return f"NumPy chains ({name}: {reason})"
-    program = Path(compiler[1].rsplit(" ", 2)[0])
+        if not _LOADED:
+            return f"NumPy chains ({name}: {reason})"
+        return f"compiled ({program.name}); NumPy chains for {', '.join(sorted(_FAILURES))} ({name}: {reason})"
     return f"compiled ({program.name})"

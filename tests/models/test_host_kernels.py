@@ -382,6 +382,42 @@ def test_without_a_compiler_or_when_turned_off_the_layers_run_numpy(monkeypatch,
 
 
 @compiled
+def test_arrays_go_to_the_c_side_as_objects_whose_data_pointer_it_reads(monkeypatch):
+    """The address sits right after the object header (NumPy's PyArrayObject_fields.data); where the probe does
+    not find it there, no kernel runs and status() says why."""
+    probe = np.arange(5.0)[1:]  # a view: its data pointer is not where its buffer was allocated
+    offset = host_kernels._data_offset()
+    assert offset == object.__basicsize__
+    assert ctypes.c_void_p.from_address(id(probe) + offset).value == probe.ctypes.data
+    arguments = row_arguments(kernels.RMS_NORM_ROWS_FORWARD, np.float64, rows=(5,))
+    out = np.zeros((6, 37))
+    view = {**arguments, "x": arguments["x"][2:]}  # contiguous rows from the middle of their buffer
+    host_kernels.run(kernels.RMS_NORM_ROWS_FORWARD, **view, out=out[3:])
+    np.testing.assert_allclose(out[3:], kernels.RMS_NORM_ROWS_FORWARD.evaluate_numpy(**view)["out"], rtol=1e-13)
+    assert not out[:3].any()
+    monkeypatch.setattr(host_kernels, "_data_offset", lambda: None)
+    monkeypatch.setattr(host_kernels, "_FAILURES", {})
+    host_kernels.forget()
+    try:
+        assert host_kernels.run(kernels.RMS_NORM_ROWS_FORWARD, **arguments) is None
+        assert host_kernels.status() == ("NumPy chains (rms_norm_rows_forward: NumPy's array object does not keep "
+                                         "its data pointer after the object header)")
+    finally:
+        monkeypatch.undo()
+        host_kernels.forget()
+
+
+def test_status_names_the_kernels_that_could_not_be_built_beside_those_that_were(monkeypatch):
+    monkeypatch.setattr(host_kernels, "_FAILURES", {"softmax": "cc failed: cannot find -lmvec"})
+    monkeypatch.setattr(host_kernels, "_LOADED", {"layer_norm_rows_forward"})
+    monkeypatch.setattr(host_kernels, "_compiler", lambda: (["cc"], "/usr/bin/gcc-12 100 200"))
+    assert host_kernels.status() == ("compiled (gcc-12); NumPy chains for softmax (softmax: cc failed: cannot find "
+                                     "-lmvec)")
+    monkeypatch.setattr(host_kernels, "_LOADED", set())
+    assert host_kernels.status() == "NumPy chains (softmax: cc failed: cannot find -lmvec)"
+
+
+@compiled
 def test_a_failed_build_is_reported_and_a_read_only_cache_builds_in_a_temporary_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(host_kernels, "_FAILURES", {})
     host_kernels.forget()
