@@ -188,45 +188,135 @@ def run_many(kernel: FusedKernel, scalars: Mapping[str, float], tensors: Sequenc
     return True
 
 
-def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> bool:
-    """target[indices[i], :] += values[i, :] for every i in order, in one compiled loop; True when it ran.
+def embed(tokens: np.ndarray, table: np.ndarray, positions: np.ndarray | None = None,
+          position_table: np.ndarray | None = None) -> np.ndarray | None:
+    """table[tokens] (+ position_table[positions]) as a new (…, width) array, in one compiled pass over its rows;
+    None where the loop cannot take the call.
+
+    `positions` gives row r of the flattened tokens the position positions[r mod len(positions)]: a window's
+    positions (T,) serve every row of the batch; packed documents give one per token (B, T). Why: NumPy gathers
+    the token rows into a new array, then adds the position rows in a second pass over it. None, nothing
+    returned, for what the loop cannot take: tables not contiguous or of unlike dtypes, an index outside its
+    table (NumPy's IndexError, or its wrap-around of negative indices, is the caller's)."""
+    position_table = table if position_table is None else position_table  # (no position rows: never read)
+    if not (ENABLED and table.ndim == 2 and table.dtype in C_TYPES and table.flags.c_contiguous and tokens.size
+            and position_table.dtype == table.dtype and position_table.flags.c_contiguous
+            and _integers(tokens, positions)):
+        return None
+    function = _embedding_function(table.dtype, "embed_rows")
+    if function is None:
+        return None
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    out = np.empty((*tokens.shape, table.shape[1]), table.dtype)
+    indices = _NO_POSITIONS if positions is None else np.ascontiguousarray(positions, dtype=np.int64)
+    if function(tokens.size, table.shape[1], tokens, table.shape[0], table, indices.size, indices,
+                position_table.shape[0], position_table, out) != 0:
+        return None
+    return out
+
+
+def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray, positions: np.ndarray | None = None,
+                     position_target: np.ndarray | None = None) -> bool:
+    """target[indices[i], :] += values[i, :] for every i in order (and position_target[positions[i mod
+    len(positions)]] += values[i] in the same pass, when given), in one compiled loop; True when it ran.
 
     An embedding's gradient: B·T rows of d(x) added into the rows of their tokens, repeated tokens accumulating.
     The same additions in the same order as `np.add.at`, so the same numbers bit for bit — about five times
     faster than its 1-D fast path at GPT-2's widths. False, nothing written, where the loop cannot take the call
     (not contiguous, unlike dtypes, an index outside the table: NumPy's error or wrap-around is the caller's)."""
-    if not ENABLED or target.ndim != 2 or target.dtype not in C_TYPES:
+    position_target = target if position_target is None else position_target  # (no positions: never written)
+    if not (ENABLED and target.ndim == 2 and target.dtype in C_TYPES and target.flags.c_contiguous
+            and target.flags.writeable and position_target.dtype == target.dtype
+            and position_target.flags.c_contiguous and position_target.flags.writeable):
         return False
     width = target.shape[1]
-    rows = np.asarray(indices).reshape(-1)
-    if values.size != rows.size * width or values.dtype != target.dtype or rows.size == 0:
+    if values.size != indices.size * width or values.dtype != target.dtype or not values.flags.c_contiguous:
         return False
-    if not (target.flags.c_contiguous and target.flags.writeable and values.flags.c_contiguous):
+    if not _integers(indices, positions):
         return False
-    if rows.dtype.kind not in "iu" or rows.min() < 0 or rows.max() >= target.shape[0]:
+    function = _embedding_function(target.dtype, "scatter_add_rows")
+    if function is None or indices.size == 0:
         return False
-    function = _scatter_function(target.dtype)
-    if function is None:
-        return False
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    function(rows.size, width, rows.ctypes.data, _pointer(values), _pointer(target))
-    return True
+    rows = np.ascontiguousarray(indices, dtype=np.int64)
+    positions = _NO_POSITIONS if positions is None else np.ascontiguousarray(positions, dtype=np.int64)
+    return function(rows.size, width, rows, target.shape[0], values, target, positions.size, positions,
+                    position_target.shape[0], position_target) == 0
+
+
+_NO_POSITIONS = np.empty(0, np.int64)
+
+
+def _integers(*indices: np.ndarray | None) -> bool:
+    """Whether every index array given is of integers (the loops take them as int64; NumPy refuses floats)."""
+    return all(array is None or array.dtype.kind in "iu" for array in indices)
 
 
 @functools.cache
-def _scatter_function(dtype: np.dtype) -> Any:
-    source = "\n".join([f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
-                        "void scatter_add_rows(long rows, long width, const long *indices, const T *values,"
-                        " T *target) {",
-                        "    for (long row = 0; row < rows; row++) {",
-                        "        T *destination = target + indices[row] * width;",
-                        "        const T *source = values + row * width;",
-                        "        #pragma omp simd",
-                        "        for (long column = 0; column < width; column++) destination[column] += "
-                        "source[column];",
-                        "    }", "}", ""])
-    return _load("scatter_add_rows", "scatter_add_rows", source,
-                 [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
+def _embedding_function(dtype: np.dtype, symbol: str) -> Any:
+    """`embed_rows` or `scatter_add_rows` for `dtype`, from one library. Both check every index before they
+    write (return 1, nothing done, when one is outside its table) and take the arrays as objects
+    (`_objects_source`)."""
+    offset = _data_offset()
+    if offset is None:
+        _FAILURES["embedding"] = "NumPy's array object does not keep its data pointer after the object header"
+        return None
+    source = "\n".join([
+        f"typedef {C_TYPES[np.dtype(dtype)]} T;",
+        f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))", "",
+        "/* 1 when every one of count indices is in [0, size) */",
+        "static int within(const long *indices, long count, long size) {",
+        "    long outside = 0;",
+        "    for (long i = 0; i < count; i++) outside |= indices[i] < 0 || indices[i] >= size;",
+        "    return !outside;",
+        "}", "",
+        "long embed_rows(long rows, long width, const void *tokens_object, long vocab, const void *table_object,",
+        "                long period, const void *positions_object, long length, const void *position_table_object,",
+        "                const void *out_object) {",
+        "    const long *tokens = DATA(tokens_object), *positions = DATA(positions_object);",
+        "    const T *table = DATA(table_object), *position_table = DATA(position_table_object);",
+        "    T *out = DATA(out_object);",
+        "    if (!within(tokens, rows, vocab) || !within(positions, period, length)) return 1;",
+        "    for (long row = 0; row < rows; row++) {",
+        "        const T *token = table + tokens[row] * width;",
+        "        T *x = out + row * width;",
+        "        if (period == 0) {",
+        "            #pragma omp simd",
+        "            for (long column = 0; column < width; column++) x[column] = token[column];",
+        "        } else {",
+        "            const T *position = position_table + positions[row % period] * width;",
+        "            #pragma omp simd",
+        "            for (long column = 0; column < width; column++) x[column] = token[column] + position[column];",
+        "        }",
+        "    }",
+        "    return 0;",
+        "}", "",
+        "long scatter_add_rows(long rows, long width, const void *indices_object, long size,",
+        "                      const void *values_object, const void *target_object, long period,",
+        "                      const void *positions_object, long length, const void *position_target_object) {",
+        "    const long *indices = DATA(indices_object), *positions = DATA(positions_object);",
+        "    const T *values = DATA(values_object);",
+        "    T *target = DATA(target_object), *position_target = DATA(position_target_object);",
+        "    if (!within(indices, rows, size) || !within(positions, period, length)) return 1;",
+        "    for (long row = 0; row < rows; row++) {",
+        "        T *destination = target + indices[row] * width;",
+        "        const T *source = values + row * width;",
+        "        #pragma omp simd",
+        "        for (long column = 0; column < width; column++) destination[column] += source[column];",
+        "        if (period > 0) {",
+        "            T *position = position_target + positions[row % period] * width;",
+        "            #pragma omp simd",
+        "            for (long column = 0; column < width; column++) position[column] += source[column];",
+        "        }",
+        "    }",
+        "    return 0;",
+        "}", ""])
+    number, array = ctypes.c_long, ctypes.py_object
+    argtypes = {"embed_rows": [number, number, array, number, array, number, array, number, array, array],
+                "scatter_add_rows": [number, number, array, number, array, array, number, array, number, array]}
+    function = _load("embedding", symbol, source, argtypes[symbol])
+    if function is not None:
+        function.restype = ctypes.c_long
+    return function
 
 
 def causal_softmax(scores: np.ndarray, offset: int) -> bool:
@@ -529,7 +619,7 @@ def forget() -> None:
     """Drop the loaded functions and the calls' plans: the next call looks for the compiler and its cache again."""
     _function.cache_clear()
     _softmax_function.cache_clear()
-    _scatter_function.cache_clear()
+    _embedding_function.cache_clear()
     _CALLS.clear()
     _LOADED.clear()
 

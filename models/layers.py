@@ -883,20 +883,43 @@ class Embedding(Layer):
         given (context parallelism holds two chunks of the sequence), or at per-row positions (B, T)
         (packed documents: each restarts at 0)."""
         rows = slice(start, start + tokens.shape[-1]) if positions is None else positions
-        x = self.token.data[tokens]
-        if self.position is not None:
-            x += self.position.data[rows]
+        x = None if is_device_array(self.token.data) else self._embed_compiled(tokens, rows)
+        if x is None:
+            x = self.token.data[tokens]
+            if self.position is not None:
+                x += self.position.data[rows]
         return x, Saved(tokens=tokens, rows=rows)
+
+    def _embed_compiled(self, tokens: np.ndarray, rows: Any) -> np.ndarray | None:
+        """The token and position rows gathered and added in one compiled pass (None: not compiled here)."""
+        if self.position is None:
+            return host_kernels.embed(tokens, self.token.data)
+        return host_kernels.embed(tokens, self.token.data, position_indices(rows), self.position.data)
 
     def backward_input(self, saved: Saved, dout: Array) -> None:
         saved.dout = dout
         return None  # token ids have no gradient
 
     def backward_weights(self, saved: Saved) -> None:
-        add_rows(self.token.grad, saved.tokens, saved.dout)
-        if self.position is not None:
-            add_position_gradient(self.position.grad, saved.rows, saved.dout)
+        if is_device_array(saved.dout) or not self._add_gradients_compiled(saved):
+            add_rows(self.token.grad, saved.tokens, saved.dout)
+            if self.position is not None:
+                add_position_gradient(self.position.grad, saved.rows, saved.dout)
         saved.clear()
+
+    def _add_gradients_compiled(self, saved: Saved) -> bool:
+        """Each row of d(x) added into its token's and its position's gradient rows in one compiled pass."""
+        dout = saved.dout.reshape(-1, saved.dout.shape[-1])
+        if self.position is None:
+            return host_kernels.scatter_add_rows(self.token.grad, saved.tokens, dout)
+        return host_kernels.scatter_add_rows(self.token.grad, saved.tokens, dout, position_indices(saved.rows),
+                                             self.position.grad)
+
+
+def position_indices(rows: Any) -> np.ndarray:
+    """The position rows an embedding reads as indices: a window's slice as the range it covers (shared by every
+    row of the batch), or the positions given ((T,) or per token (B, T))."""
+    return np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
 
 
 def add_rows(table: Array, rows: Array, values: Array) -> None:

@@ -772,7 +772,7 @@ def profile_both(args: argparse.Namespace, device: Device, ours: Transformer, ou
     layers.report(args.steps, step_seconds)
     if device.kind != "cpu":
         return
-    theirs_categories = theirs_seconds = None
+    theirs_categories = theirs_with_calls = theirs_seconds = None
     generic = False
     if theirs is not None:
         steps = iter(range(args.steps))
@@ -782,12 +782,13 @@ def profile_both(args: argparse.Namespace, device: Device, ours: Transformer, ou
             torch_step(theirs, theirs_optimizer, torch.from_numpy(tokens), torch.from_numpy(targets),
                        bfloat16=args.compute_dtype == "bfloat16")
 
-        theirs_categories, theirs_seconds, generic = profile_step.torch_categories(torch, theirs_step, args.steps)
+        theirs_categories, theirs_with_calls, theirs_seconds, generic = profile_step.torch_categories(
+            torch, theirs_step, args.steps)
     config = ours.config
     least = profile_step.least_bytes(config, args.batch, args.seq, np.dtype(args.dtype).itemsize,
                                      block_linears(config))
     profile_step.side_by_side(layers.categories(args.steps, step_seconds), step_seconds, theirs_categories,
-                              theirs_seconds, least, reference, generic)
+                              theirs_seconds, least, reference, generic, theirs_with_calls)
     if theirs is not None:
         blas = profile_step.blas_seconds(torch, step_gemms(config, args.batch, args.seq), np.dtype(args.dtype))
         profile_step.blas_bound(*blas, theirs_categories, theirs_seconds)

@@ -77,6 +77,26 @@ TORCH_CATEGORY = {
 """torch.profiler operator names -> category (self CPU time); unnamed ones (autograd nodes, views, empty) fall into
 the rest. `aten::_foreach_*` (a foreach AdamW) counts as the optimizer."""
 
+TORCH_CALLS = {
+    "aten::linear": "matmul", "aten::matmul": "matmul", "AddmmBackward0": "matmul", "MmBackward0": "matmul",
+    "aten::scaled_dot_product_attention": "attention", "ScaledDotProductFlashAttentionForCpuBackward0": "attention",
+    "GeluBackward0": "activation", "SiluBackward0": "activation",
+    "aten::layer_norm": "norm", "NativeLayerNormBackward0": "norm", "aten::rms_norm": "norm",
+    "FusedRmsNormBackward0": "norm",
+    "aten::cross_entropy_loss": "cross_entropy", "aten::log_softmax": "cross_entropy",
+    "aten::nll_loss": "cross_entropy", "aten::nll_loss_nd": "cross_entropy", "LogSoftmaxBackward0": "cross_entropy",
+    "NllLossBackward0": "cross_entropy",
+    "EmbeddingBackward0": "embedding", "AddBackward0": "elementwise", "MulBackward0": "elementwise",
+    "Optimizer.step#AdamW.step": "optimizer", "Optimizer.zero_grad#AdamW.zero_grad": "zeroing",
+}
+"""The events around a category's operators that are torch's cost of calling them (self CPU time): an operator the
+model calls that dispatches to the one doing the work (aten::layer_norm to aten::native_layer_norm), each autograd
+node running a backward and the engine's `autograd::engine::evaluate_function: <node>` around it, the optimizer's
+Python methods. Ours counts our Python around each layer's work in its category; this puts torch's counterpart
+there too (the "+ calls" columns). Views' nodes and AccumulateGrad (per parameter, not per category) stay in the
+rest."""
+EVALUATE = "autograd::engine::evaluate_function: "
+
 GENERIC_ELEMENTWISE = ("aten::pow", "aten::rsqrt", "aten::neg")
 """Operators that, when they show up, mean the reference builds norms or RoPE out of generic pieces (not cat:
 SDPA's backward joins dq, dk, dv with it)."""
@@ -275,9 +295,10 @@ class LayerProfile:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def torch_categories(torch: Any, run_step, steps: int) -> tuple[dict[str, float], float, bool]:
-    """Seconds per step in each category from torch.profiler's self CPU times over `steps` calls of `run_step()`,
-    the profiled wall time per step, and whether generic operators (pow, rsqrt, neg) built norms or RoPE."""
+def torch_categories(torch: Any, run_step, steps: int) -> tuple[dict[str, float], dict[str, float], float, bool]:
+    """Seconds per step in each category from torch.profiler's self CPU times over `steps` calls of `run_step()`:
+    of the operators doing the work, and with the events that call them added (TORCH_CALLS); the profiled wall
+    time per step, and whether generic operators (pow, rsqrt, neg) built norms or RoPE."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
@@ -286,6 +307,7 @@ def torch_categories(torch: Any, run_step, steps: int) -> tuple[dict[str, float]
             run_step()
         wall = (time.perf_counter() - start) / steps
     seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, float] = defaultdict(float)
     generic = False
     for event in profiler.key_averages():
         category = TORCH_CATEGORY.get(event.key)
@@ -294,8 +316,13 @@ def torch_categories(torch: Any, run_step, steps: int) -> tuple[dict[str, float]
         generic |= event.key in GENERIC_ELEMENTWISE
         if category is not None:
             seconds[category] += event.self_cpu_time_total / 1e6 / steps
+        caller = TORCH_CALLS.get(event.key.removeprefix(EVALUATE))
+        if caller is not None:
+            calls[caller] += event.self_cpu_time_total / 1e6 / steps
+    with_calls = {category: seconds.get(category, 0.0) + calls.get(category, 0.0) for category in CATEGORIES}
     seconds["rest"] = wall - sum(seconds.values())
-    return dict(seconds), wall, generic
+    with_calls["rest"] = wall - sum(value for category, value in with_calls.items() if category != "rest")
+    return dict(seconds), with_calls, wall, generic
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -382,21 +409,28 @@ def blas_seconds(torch: Any, gemms: list[tuple[tuple[int, ...], tuple[int, ...],
 
 
 def side_by_side(ours: dict[str, float], ours_step: float, theirs: dict[str, float] | None, theirs_step: float | None,
-            bytes_moved: dict[str, float], reference: str, generic: bool) -> None:
-    """The side-by-side table: ms per step, theirs/ours (above 1: ours faster), least MB, GB/s each."""
-    print(f"\none step by category, ours beside {reference} (torch.profiler self CPU times), ms per step; "
-          "ahead = theirs / ours; least MB: what the work must move; GB/s: least MB over each side's time")
-    print(f"{'category':38s} {'ours':>8s} {reference:>12s} {'ahead':>7s} {'least MB':>9s} {'ours GB/s':>10s} "
-          f"{'theirs GB/s':>11s}")
+                 bytes_moved: dict[str, float], reference: str, generic: bool,
+                 theirs_with_calls: dict[str, float] | None = None) -> None:
+    """The side-by-side table: ms per step, theirs/ours (above 1: ours faster) — of torch's operators alone, then
+    with torch's calls of them (`theirs_with_calls`, torch_categories) — least MB, GB/s each."""
+    print(f"\none step by category, ours beside {reference} (torch.profiler self CPU times: of the operators "
+          "doing the work, then + calls: with the operators, autograd nodes and Python methods that call them), ms "
+          "per step; ahead = theirs / ours; least MB: what the work must move; GB/s: least MB over each side's "
+          "time")
+    print(f"{'category':38s} {'ours':>8s} {reference:>12s} {'ahead':>7s} {'+ calls':>9s} {'ahead':>7s} "
+          f"{'least MB':>9s} {'ours GB/s':>10s} {'theirs GB/s':>11s}")
     for category, label in CATEGORIES.items():
         mine = ours.get(category, 0.0)
+        cells = [f"{mine * 1e3:8.2f}"]
+        for table, width in ((theirs, 12), (theirs_with_calls, 9)):
+            other = table.get(category, 0.0) if table is not None else None
+            cells += [f"{other * 1e3:{width}.2f}" if other is not None else f"{'':{width}s}",
+                      f"{other / mine:7.2f}" if other is not None and mine > 0 and other > 0 else f"{'':7s}"]
         other = theirs.get(category, 0.0) if theirs is not None else None
         moved = bytes_moved.get(category)
-        cells = [f"{mine * 1e3:8.2f}", f"{other * 1e3:12.2f}" if other is not None else f"{'':12s}",
-                 f"{other / mine:7.2f}" if other is not None and mine > 0 and other > 0 else f"{'':7s}",
-                 f"{moved / 1e6:9.1f}" if moved else f"{'':9s}",
-                 f"{moved / mine / 1e9:10.1f}" if moved and mine > 0 else f"{'':10s}",
-                 f"{moved / other / 1e9:11.1f}" if moved and other else f"{'':11s}"]
+        cells += [f"{moved / 1e6:9.1f}" if moved else f"{'':9s}",
+                  f"{moved / mine / 1e9:10.1f}" if moved and mine > 0 else f"{'':10s}",
+                  f"{moved / other / 1e9:11.1f}" if moved and other else f"{'':11s}"]
         print(f"{label:38s} " + " ".join(cells))
     line = f"{'step':38s} {ours_step * 1e3:8.2f}"
     if theirs_step is not None:

@@ -505,27 +505,85 @@ def test_scatter_add_rows_leaves_what_it_cannot_take_to_numpy():
 
 
 @compiled
-@pytest.mark.parametrize("documents", [False, True])
-def test_the_embeddings_gradients_are_the_same_compiled_and_with_numpy(monkeypatch, documents):
-    """wte's and wpe's gradients (wpe's per-row positions when packed documents restart at 0)."""
+def test_scatter_add_rows_adds_position_rows_in_the_same_pass_or_nothing():
+    """With positions, each row is also added into the row of its position (positions[i mod len]), in order: the
+    numbers of np.add.at into each table; an index outside either table writes neither."""
+    tokens, values = RNG.integers(0, 7, 12), RNG.standard_normal((12, 5))
+    table, position_table = RNG.standard_normal((7, 5)), RNG.standard_normal((4, 5))
+    before, before_positions = table.copy(), position_table.copy()
+    expected, expected_positions = table.copy(), position_table.copy()
+    np.add.at(expected, tokens, values)
+    np.add.at(expected_positions, np.tile([3, 1, 0, 2], 3), values)
+    for positions in (np.array([3, 1, 0, 4]), np.array([3, 1, -1, 2])):  # outside the position table
+        assert not host_kernels.scatter_add_rows(table, tokens, values, positions, position_table)
+    np.testing.assert_array_equal(table, before)
+    np.testing.assert_array_equal(position_table, before_positions)
+    assert host_kernels.scatter_add_rows(table, tokens, values, np.array([3, 1, 0, 2]), position_table)
+    np.testing.assert_array_equal(table, expected)
+    np.testing.assert_array_equal(position_table, expected_positions)
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("positions", ["window", "given", "documents", "none"])
+def test_the_embedding_compiled_equals_numpys_gather_and_its_gradients_add_at(monkeypatch, positions, dtype):
+    """Forward: wte[tokens] + wpe[positions], the chain's numbers bit for bit (the same single addition). Backward:
+    wte's and wpe's gradients in one compiled call, the numbers of np.add.at into each; the chain's
+    (wpe's: its batch sum, then one addition) to rounding. Positions: a window starting at 2, distinct positions
+    given (context parallelism's chunks), per-row positions (packed documents), or none (Llama: RoPE)."""
     from models.layers import Embedding
-    tokens = RNG.integers(0, 13, (3, 9))
-    positions = np.tile(np.arange(9), (3, 1)) % 4 if documents else None
-    dout = RNG.standard_normal((3, 9, 6)).astype(np.float32)
-    grads, ran = [], []
-    scatter = host_kernels.scatter_add_rows
-    monkeypatch.setattr(host_kernels, "scatter_add_rows", lambda *a: ran.append(scatter(*a)) or ran[-1])
+    batch, length, vocab, width = 3, 9, 13, 6
+    tokens = RNG.integers(0, vocab, (batch, length))
+    given = {"window": None, "given": RNG.permutation(11)[:length], "none": None,
+             "documents": np.tile(np.arange(length), (batch, 1)) % 4}[positions]
+    rows = np.tile(np.arange(2, 2 + length) if given is None else given, batch if given is None or given.ndim == 1
+                   else 1).reshape(-1)
+    dout = RNG.standard_normal((batch, length, width)).astype(dtype)
+    wte, wpe = RNG.standard_normal((vocab, width)).astype(dtype), RNG.standard_normal((11, width)).astype(dtype)
+    calls = {"embed": [], "scatter_add_rows": []}
+    for name, calls_of in calls.items():
+        function = getattr(host_kernels, name)
+        monkeypatch.setattr(host_kernels, name, lambda *a, f=function, c=calls_of: c.append(f(*a)) or c[-1])
+    results = []
     for enabled in (True, False):
         monkeypatch.setattr(host_kernels, "ENABLED", enabled)
-        layer = Embedding(Parameter("wte", np.zeros((13, 6), np.float32)), Parameter("wpe", np.zeros((9, 6),
-                                                                                                    np.float32)))
-        layer.token.grad[...], layer.position.grad[...] = 1.5, 0.5
-        _, saved = layer.forward(tokens, positions=positions)
+        layer = Embedding(Parameter("wte", wte), None if positions == "none" else Parameter("wpe", wpe))
+        grads = [layer.token.grad] + ([] if layer.position is None else [layer.position.grad])
+        for grad in grads:
+            grad[...] = 0.5
+        x, saved = layer.forward(tokens, start=2, positions=given)
         layer.backward(saved, dout)
-        grads.append((layer.token.grad, layer.position.grad))
-    assert ran == [True, True, False, False] if documents else ran == [True, False]  # compiled, then NumPy
-    for compiled_grad, numpy_grad in zip(*grads, strict=True):
-        np.testing.assert_array_equal(compiled_grad, numpy_grad)
+        results.append((x, *grads))
+    compiled, chain = results
+    assert calls["embed"][0] is not None and calls["scatter_add_rows"][0] is True  # both compiled, one call each
+    expected_x = wte[tokens] + (0 if positions == "none" else wpe[rows.reshape(batch, length)])
+    np.testing.assert_array_equal(compiled[0], expected_x)
+    np.testing.assert_array_equal(chain[0], expected_x)
+    expected_wte = np.full_like(wte, 0.5)
+    np.add.at(expected_wte, tokens.reshape(-1), dout.reshape(-1, width))
+    np.testing.assert_array_equal(compiled[1], expected_wte)
+    if positions != "none":
+        expected_wpe = np.full_like(wpe, 0.5)
+        np.add.at(expected_wpe, rows, dout.reshape(-1, width))
+        np.testing.assert_array_equal(compiled[2], expected_wpe)
+    for compiled_value, chain_value in zip(compiled, chain, strict=True):
+        np.testing.assert_allclose(compiled_value, chain_value, rtol=1e-6 if dtype == np.float32 else 1e-14)
+
+
+@compiled
+def test_the_compiled_embedding_leaves_what_it_cannot_take_to_numpy():
+    """Tokens outside the table: NumPy's IndexError (or its wrap-around of −1) from the chain, not a wrong row."""
+    from models.layers import Embedding
+    table, positions = RNG.standard_normal((5, 4)), RNG.standard_normal((3, 4))
+    for tokens, position_rows in ((np.array([[0, 5]]), None), (np.array([[0, -1]]), None),
+                                  (np.array([[0.0, 1.0]]), None), (np.array([[0, 1]]), np.array([0, 3]))):
+        assert host_kernels.embed(tokens, table, position_rows, positions if position_rows is not None else None) \
+            is None
+    assert host_kernels.embed(np.array([[0, 1]]), np.asfortranarray(table)) is None  # not C-contiguous
+    layer = Embedding(Parameter("wte", table))
+    with pytest.raises(IndexError):
+        layer.forward(np.array([[0, 5]]))
+    np.testing.assert_array_equal(layer.forward(np.array([[0, -1]]))[0], table[[[0, 4]]])  # NumPy wraps −1
 
 
 @compiled
