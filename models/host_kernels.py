@@ -370,8 +370,7 @@ def _softmax_function(dtype: np.dtype, symbol: str) -> Any:
     """`causal_softmax` or `cross_entropy` from their library for `dtype` (one source: both share `exponentials`)."""
     exp, log = {"float": ("expf", "logf"), "double": ("exp", "log")}[C_TYPES[np.dtype(dtype)]]
     source = "\n".join([
-        "#include <math.h>", f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
-        "#pragma omp declare simd notinbranch", f"T {exp}(T);  /* the vector versions: libmvec */", "",
+        "#include <math.h>", f"typedef {C_TYPES[np.dtype(dtype)]} T;", "", *_vector_declarations(["exp"]),
         "/* row[0 … n) ← exp(row − its largest value), which goes to *largest; returns their sum */",
         "static T exponentials(T *row, long n, T *largest) {",
         "    T most = -INFINITY, total = 0;",
@@ -522,6 +521,7 @@ def c_source(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...]) -> str:
         body = [*per_row, *_column_loop(loads, _statements(kernel.statements, set(kernel.input_names)),
                                         _stores(kernel.output_names))]
     return "\n".join(["#include <tgmath.h>", f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
+                      *_vector_declarations(_vector_functions(kernel)),
                       f"void {kernel.name}({', '.join(parameters)}) {{",
                       *(f"    for (long column = 0; column < width; column++) {name}_array[column] = 0;"
                         for name in zeroed),
@@ -530,10 +530,35 @@ def c_source(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...]) -> str:
                       "    }", "}", ""])
 
 
-def _targets(kernel: Kernel) -> list[str]:
-    statements = kernel.statements if isinstance(kernel, FusedKernel) else [
+VECTOR_FUNCTIONS = {"tanh": ("tanhf", "tanh"), "exp": ("expf", "exp")}
+"""The functions a kernel's text may call that the loops take from glibc's vector math library (libmvec): their
+float and double names."""
+
+
+def _vector_functions(kernel: Kernel) -> tuple[str, ...]:
+    """The VECTOR_FUNCTIONS the kernel's statements call."""
+    text = " ".join(expression for _, expression in _statements_of(kernel))
+    return tuple(name for name in VECTOR_FUNCTIONS if re.search(rf"\b{name}\s*\(", text))
+
+
+def _vector_declarations(functions: Sequence[str]) -> list[str]:
+    """`#pragma omp declare simd` on each function's float and double versions: a loop that calls them is then
+    vectorized with glibc's vector versions (libmvec, which the library is linked with). The names are
+    parenthesized so that <tgmath.h>'s macros leave them alone."""
+    lines = []
+    for name in functions:
+        for c_type, c_name in zip(("float", "double"), VECTOR_FUNCTIONS[name], strict=True):
+            lines += ["#pragma omp declare simd notinbranch", f"{c_type} ({c_name})({c_type});"]
+    return [*lines, ""] if lines else []
+
+
+def _statements_of(kernel: Kernel) -> list[tuple[str, str]]:
+    return list(kernel.statements) if isinstance(kernel, FusedKernel) else [
         statement for _, phase in kernel.phases for statement in phase]
-    return [target for target, _ in statements]
+
+
+def _targets(kernel: Kernel) -> list[str]:
+    return [target for target, _ in _statements_of(kernel)]
 
 
 def _parameters(kernel: Kernel, layouts: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
@@ -647,7 +672,8 @@ def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], many: b
     source = c_source(kernel, dtype, layouts) + _objects_source(kernel, layouts, offset)
     objects = [ctypes.c_double if layout == SCALAR else ctypes.py_object for layout in layouts]
     return _load(kernel.name, f"{kernel.name}_objects", source,
-                 [ctypes.c_long, ctypes.c_long, *objects, *([ctypes.py_object] * len(kernel.output_names))])
+                 [ctypes.c_long, ctypes.c_long, *objects, *([ctypes.py_object] * len(kernel.output_names))],
+                 ("mvec", "m") if _vector_functions(kernel) else ("m",))
 
 
 @functools.cache

@@ -398,13 +398,22 @@ _GELU_GATE = (
 GELU_FORWARD = FusedKernel("gelu_forward", "T x", "T out", [*_GELU_GATE, ("out", "x * gate")])
 """out = x·h: one pass instead of seven. Nothing but x is kept: GELU_BACKWARD recomputes the gate."""
 
-GELU_BACKWARD = FusedKernel("gelu_backward", "T x, T dout", "T dx", [
-    *_GELU_GATE,
-    ("out", "x * gate"),
-    # dx = dout·(h + (x − out)·h·(6a − 4√(2/π))), GELU.backward_input's formula
-    ("dx", f"((a * 6.0 - {literal(4.0 * GELU_SCALE)}) * gate * (x - out) + gate) * dout"),
-])
+_GELU_DX = ("dx", f"((a * 6.0 - {literal(4.0 * GELU_SCALE)}) * gate * (x - out) + gate) * dout")
+"""dx = dout·(h + (x − out)·h·(6a − 4√(2/π))), GELU.backward_input's formula."""
+
+GELU_BACKWARD = FusedKernel("gelu_backward", "T x, T dout", "T dx",
+                            [*_GELU_GATE, ("out", "x * gate"), _GELU_DX])
 """dx from x and dout in one pass: recomputing tanh is cheaper on a GPU than keeping and re-reading a and h."""
+
+GELU_FORWARD_KEEPING = FusedKernel("gelu_forward_keeping", "T x", "T a, T gate, T out",
+                                   [*_GELU_GATE, ("out", "x * gate")])
+"""The CPU's GELU forward (models.host_kernels): GELU.forward's seven NumPy passes in one, keeping what they keep
+(a and the gate) — so the compiled and NumPy paths save the same activations (layers.block_activation_elements),
+and backward, GELU_BACKWARD_FROM_GATE, needs no second tanh (as fast, measured, as recomputing it)."""
+
+GELU_BACKWARD_FROM_GATE = FusedKernel("gelu_backward_from_gate", "T x, T a, T gate, T out, T dout", "T dx",
+                                      [_GELU_DX])
+"""The CPU's GELU backward: dx from x, the kept a, gate and output, and dout, in one pass."""
 
 LAYER_NORM_FORWARD = FusedKernel("layer_norm_forward", "T x, T mean, T rstd, T weight, T bias",
                                  "T normalized, T out", [

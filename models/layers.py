@@ -468,6 +468,9 @@ class GELU(Layer):
         if is_device_array(x):  # one fused pass; backward recomputes the gate from x, so a and h are not kept
             out = kernels.GELU_FORWARD(x=x)["out"]
             return out, Saved(x=x, out=out)
+        kept = host_kernels.run(kernels.GELU_FORWARD_KEEPING, x=x)  # the passes below in one, where compiled
+        if kept is not None:
+            return kept["out"], Saved(x=x, a=kept["a"], gate=kept["gate"], out=kept["out"])
         xp = get_array_module(x)
         a = x * x
         a *= GELU_SCALE * GELU_CUBIC
@@ -484,6 +487,11 @@ class GELU(Layer):
             dx = kernels.GELU_BACKWARD(x=saved.x, dout=dout)["dx"]
             saved.clear()
             return dx
+        compiled = host_kernels.run(kernels.GELU_BACKWARD_FROM_GATE, x=saved.x, a=saved.a, gate=saved.gate,
+                                    out=saved.out, dout=dout)
+        if compiled is not None:
+            saved.clear()
+            return compiled["dx"]
         # du/dx = √(2/π)·(1 + 3·0.044715·x²) = 3a − 2√(2/π), and 2·x·(1 − h) = 2·(x − out)
         slope = saved.a * 6.0
         slope -= 4.0 * GELU_SCALE

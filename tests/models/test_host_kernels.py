@@ -19,11 +19,11 @@ import sys
 
 import numpy as np
 import pytest
-from test_kernels import ADAMW_STEP, INDEPENDENT_FORMULAS, KERNELS, assert_matches
+from test_kernels import ADAMW_STEP, INDEPENDENT_FORMULAS, KERNELS, assert_matches, consistent_inputs
 
 from models import host_kernels, kernels
 from models.kernels import RowKernel
-from models.layers import IGNORED, HeadCrossEntropy, LayerNorm, RMSNorm, causal_softmax
+from models.layers import GELU, IGNORED, HeadCrossEntropy, LayerNorm, RMSNorm, Saved, causal_softmax
 from models.parameter import Parameter
 from models.precision import DTYPES
 from mpiparallel.optim import AdamW, adamw_kernel_scalars, adamw_update, adamw_update_many
@@ -50,7 +50,7 @@ def kernel_arguments(kernel, dtype) -> dict:
 @pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-12), (np.float32, 1e-5)])
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 def test_every_kernel_compiled_for_the_cpu_computes_its_math(kernel, dtype, tolerance):
-    arguments = kernel_arguments(kernel, dtype)
+    arguments = consistent_inputs(kernel, kernel_arguments(kernel, dtype))
     result = host_kernels.run(kernel, **arguments)
     assert result is not None, host_kernels.status()
     expected = INDEPENDENT_FORMULAS[kernel.name](**{name: np.asarray(value, np.float64) if isinstance(
@@ -703,3 +703,37 @@ def test_the_compiled_cross_entropy_leaves_what_it_cannot_take_to_numpy():
     with pytest.raises(IndexError):  # NumPy's own error, from the chain
         HeadCrossEntropy(Parameter("wte", RNG.standard_normal((5, 3)))).forward(
             RNG.standard_normal((1, 2, 3)), np.array([[0, 5]]), 2.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GELU: the chain's passes in one, keeping what the chain keeps.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@compiled
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6)])
+def test_gelu_compiled_keeps_what_the_chain_keeps_and_equals_it(monkeypatch, dtype, tolerance):
+    """Forward keeps x, a, the gate and the output on both paths (so block_activation_elements holds for both);
+    a is the chain's bit for bit, the gate and output to tanh's last bits (glibc's vector tanh against NumPy's);
+    backward from the very values the chain kept gives the chain's d(x) bit for bit."""
+    x, dout = (3 * RNG.standard_normal((4, 3, 40))).astype(dtype), RNG.standard_normal((4, 3, 40)).astype(dtype)
+    ran = []
+    run = host_kernels.run
+    monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: ran.append(run(kernel, **a)) or ran[-1])
+    paths = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(host_kernels, "ENABLED", enabled)
+        out, saved = GELU().forward(x)
+        kept = {name: value.copy() for name, value in vars(saved).items()}
+        paths[enabled] = (out, kept, GELU().backward_input(saved, dout))
+    assert ran[0] is not None and ran[1] is not None and ran[2:] == [None, None]
+    (out, kept, dx), (chain_out, chain_kept, chain_dx) = paths[True], paths[False]
+    assert {name: (value.shape, value.dtype) for name, value in kept.items()} == {
+        name: (value.shape, value.dtype) for name, value in chain_kept.items()}
+    np.testing.assert_array_equal(kept["a"], chain_kept["a"])
+    assert_matches(out, chain_out, "out", tolerance)
+    assert_matches(dx, chain_dx, "d(x)", 10 * tolerance)
+    monkeypatch.setattr(host_kernels, "ENABLED", True)
+    from_chain = GELU().backward_input(Saved(**chain_kept), dout)
+    assert ran[-1] is not None
+    np.testing.assert_array_equal(from_chain, chain_dx)

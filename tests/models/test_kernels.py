@@ -64,7 +64,8 @@ def assert_matches(actual, expected, what: str = "", tolerance: float = TOLERANC
 
 
 def test_kernel_list_is_complete():
-    assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "layer_norm_forward",
+    assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "gelu_forward_keeping",
+                                         "gelu_backward_from_gate", "layer_norm_forward",
                                          "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
                                          "swiglu_forward", "swiglu_backward", "softmax_exp", "softmax_backward",
                                          "adamw"}
@@ -482,6 +483,29 @@ def _gelu_textbook(x):
     return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * s * (1 + 3 * c * x**2)
 
 
+def _gelu_kept(x, dout=None):
+    """What GELU's forward keeps for its backward (GELU_FORWARD_KEEPING), from the definitions: a = √(2/π)·(1 +
+    0.044715·x²), so that the tanh's argument is a·x; the gate (1 + tanh)/2; the output x·gate."""
+    s, c = math.sqrt(2 / math.pi), 0.044715
+    gate = 0.5 * (1 + np.tanh(s * (x + c * x**3)))
+    kept = {"a": s * (1 + c * x**2), "gate": gate, "out": x * gate}
+    return kept if dout is None else {"x": x, **kept, "dout": dout}
+
+
+CONSISTENT_INPUTS = {"gelu_backward_from_gate": _gelu_kept}
+"""Kernels whose inputs are not independent (a backward given its forward's kept values): the inputs, from the
+random ones of the same names, that a forward would have passed it."""
+
+
+def consistent_inputs(kernel, arrays: dict) -> dict:
+    """NumPy `arrays` with the kept values a forward would have given `kernel` (CONSISTENT_INPUTS), each at its
+    dtype."""
+    if kernel.name not in CONSISTENT_INPUTS:
+        return arrays
+    made = CONSISTENT_INPUTS[kernel.name](x=arrays["x"].astype(np.float64), dout=arrays["dout"].astype(np.float64))
+    return {name: made[name].astype(arrays[name].dtype) for name in arrays}
+
+
 def _swiglu_textbook(gate, up):
     """silu(g)·u and its partial derivatives d/dg = u·(σ(g) + g·σ(g)·(1 − σ(g))), d/du = silu(g)."""
     sigmoid = 1 / (1 + np.exp(-gate))
@@ -500,6 +524,8 @@ INDEPENDENT_FORMULAS = {
     # what each kernel computes, written from the math, not from the kernel's statements
     "gelu_forward": lambda x: {"out": _gelu_textbook(x)[0]},
     "gelu_backward": lambda x, dout: {"dx": dout * _gelu_textbook(x)[1]},
+    "gelu_forward_keeping": lambda x: {**_gelu_kept(x), "out": _gelu_textbook(x)[0]},
+    "gelu_backward_from_gate": lambda x, a, gate, out, dout: {"dx": dout * _gelu_textbook(x)[1]},
     "layer_norm_forward": lambda x, mean, rstd, weight, bias: {"normalized": (x - mean) * rstd,
                                                               "out": weight * ((x - mean) * rstd) + bias},
     "layer_norm_backward": lambda dout, weight, normalized, rstd, mean_dnorm, mean_dnorm_norm: {
@@ -526,8 +552,8 @@ def test_kernel_on_device_equals_an_independent_formula(xp, kernel, dtype, toler
     shapes = {"mean": (3, 1), "rstd": (3, 1), "row_max": (3, 1), "weighted_sum": (3, 1), "mean_dnorm": (3, 1),
               "mean_dnorm_norm": (3, 1), "weight": (5,), "bias": (5,)}
     scalars = adamw_kernel_scalars(**ADAMW_STEP) if kernel is kernels.ADAMW else {}
-    arrays = {name: RNG.uniform(0.5, 1.5, shapes.get(name, (3, 5))).astype(dtype)
-              for name in kernel.input_names if name not in scalars}
+    arrays = consistent_inputs(kernel, {name: RNG.uniform(0.5, 1.5, shapes.get(name, (3, 5))).astype(dtype)
+                                        for name in kernel.input_names if name not in scalars})
     expected = INDEPENDENT_FORMULAS[kernel.name](**{name: a.astype(np.float64) for name, a in arrays.items()},
                                                  **scalars)
     result = kernel(**{name: xp.asarray(a) for name, a in arrays.items()}, **scalars)
