@@ -72,7 +72,9 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopen
 """-march=native: the library is built where it runs (the cache key holds the CPU); -ffp-contract=off: no fused
 multiply-adds (see the module docstring); -fno-math-errno: sqrt may be the vector instruction; -fopenmp-simd:
 honour `#pragma omp simd` without OpenMP's runtime."""
-FULL, ROW, COLUMN, SCALAR = "full", "row", "column", "scalar"
+FULL, ROW, COLUMN, SCALAR, STRIDED = "full", "row", "column", "scalar", "strided"
+"""The layouts of a call's arguments (module docstring); STRIDED: a full array whose rows are evenly spaced further
+apart than their length — one half of SwiGLU's [gate | up] input, a column slice of a contiguous array."""
 LOOP_NAMES = {"rows", "row", "column", "width"}
 """The generated loops' own names, which a kernel's variables may not take."""
 CACHE_VARIABLE = "MPIPARALLEL_KERNEL_CACHE"
@@ -108,10 +110,10 @@ def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
             _CALLS.clear()
     if call is _CANNOT:
         return None
-    function, inputs, scalars, leading, dtype, new_outputs, outputs = call
+    function, inputs, scalars, leading, dtype, new_outputs, outputs, strides = call
     results = {name: arrays[name] if name in arrays else np.empty(new_outputs[name], dtype) for name in outputs}
     function(*leading, *[float(arrays[name]) if name in scalars else arrays[name] for name in inputs],
-             *[results[name] for name in outputs])  # arrays as objects: the C side reads their data pointers
+             *[results[name] for name in outputs], *strides)  # arrays as objects: C reads their data pointers
     return results
 
 
@@ -126,18 +128,20 @@ _CANNOT = "cannot"
 
 def _call(kernel: Kernel, arrays: Mapping[str, Any]) -> Any:
     """(function, input names, the scalar ones, rows and width, dtype, the shapes of the outputs to allocate, output
-    names) for `run`, or _CANNOT."""
+    names, the row strides of the STRIDED arguments) for `run`, or _CANNOT."""
     inputs, outputs = _names(kernel)
     call = _plan(kernel, inputs, outputs, arrays)
     if call is None:
         return _CANNOT
-    dtype, shape, layouts = call
-    function = _function(kernel, dtype, layouts)
+    dtype, shape, layouts, strided_outputs = call
+    function = _function(kernel, dtype, layouts, strided_outputs=strided_outputs)
     if function is None:
         return _CANNOT
     new_outputs = {name: _output_shape(kernel, name, shape) for name in outputs if name not in arrays}
     scalars = frozenset(name for name, layout in zip(inputs, layouts, strict=True) if layout == SCALAR)
-    return function, inputs, scalars, (_rows(shape), shape[-1]), dtype, new_outputs, outputs
+    strided = [name for name, layout in zip(inputs, layouts, strict=True) if layout == STRIDED]
+    strides = tuple(_row_stride(arrays[name]) for name in [*strided, *strided_outputs])  # fixed by the key
+    return function, inputs, scalars, (_rows(shape), shape[-1]), dtype, new_outputs, outputs, strides
 
 
 def run_many(kernel: FusedKernel, scalars: Mapping[str, float], tensors: Sequence[Mapping[str, np.ndarray]]
@@ -452,12 +456,13 @@ def _pointer(array: np.ndarray) -> Any:
 
 
 def _plan(kernel: Kernel, inputs: tuple[str, ...], outputs: tuple[str, ...], arrays: Mapping[str, Any]
-          ) -> tuple[np.dtype, tuple[int, ...], tuple[str, ...]] | None:
-    """The call's dtype, full shape and each input's layout, or None when the compiled loop cannot take it.
+          ) -> tuple[np.dtype, tuple[int, ...], tuple[str, ...], tuple[str, ...]] | None:
+    """The call's dtype, full shape, each input's layout and the outputs given STRIDED, or None when the compiled
+    loop cannot take it.
 
     The full shape is the largest input's; every other argument must be that shape or one of the smaller layouts,
-    every output passed that shape (a RowKernel's per-row output one per row), and an input a RowKernel reads per
-    row one per row or a scalar."""
+    every output passed that shape (a RowKernel's per-row output one per row; a full one may be STRIDED), and an
+    input a RowKernel reads per row one per row or a scalar."""
     if not inputs or len(arrays) < len(inputs) or any(name not in arrays for name in inputs):
         return None
     largest = max((arrays[name] for name in inputs), key=lambda value: getattr(value, "size", 0))
@@ -473,13 +478,18 @@ def _plan(kernel: Kernel, inputs: tuple[str, ...], outputs: tuple[str, ...], arr
     if isinstance(kernel, RowKernel) and any(layout not in (ROW, SCALAR) for name, layout in zip(
             inputs, layouts, strict=True) if name in kernel.inputs_read_per_row()):
         return None
-    for name in arrays:
-        if name in inputs:
+    strided_outputs = []
+    for name in outputs:
+        if name not in arrays:
             continue
-        wanted = _shape_layout(_output_shape(kernel, name, shape), shape)
-        if name not in outputs or _layout(arrays[name], shape, dtype) != wanted or not arrays[name].flags.writeable:
+        wanted, given = _shape_layout(_output_shape(kernel, name, shape), shape), _layout(arrays[name], shape, dtype)
+        if not (given == wanted or (given, wanted) == (STRIDED, FULL)) or not arrays[name].flags.writeable:
             return None
-    return dtype, shape, tuple(layouts)
+        if given == STRIDED:
+            strided_outputs.append(name)
+    if any(name not in inputs and name not in outputs for name in arrays):
+        return None
+    return dtype, shape, tuple(layouts), tuple(strided_outputs)
 
 
 def _layout(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> str | None:
@@ -488,9 +498,22 @@ def _layout(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> str | None:
         return SCALAR if isinstance(value, (int, float)) else None
     if value.ndim == 0:
         return SCALAR
-    if value.dtype != dtype or not value.flags.c_contiguous:
+    if value.dtype != dtype:
         return None
-    return _shape_layout(value.shape, shape)
+    if value.flags.c_contiguous:
+        return _shape_layout(value.shape, shape)
+    return STRIDED if value.shape == shape and _row_stride(value) is not None else None
+
+
+def _row_stride(array: np.ndarray) -> int | None:
+    """The elements from one row's start to the next's, for an array whose last axis is contiguous and whose rows
+    are evenly spaced (every leading axis steps over whole rows of the one after it); None for any other."""
+    itemsize, strides, shape = array.itemsize, array.strides, array.shape
+    if array.ndim < 2 or strides[-1] != itemsize or strides[-2] % itemsize or strides[-2] < shape[-1] * itemsize:
+        return None
+    if any(strides[axis] != strides[axis + 1] * shape[axis + 1] for axis in range(array.ndim - 2)):
+        return None
+    return strides[-2] // itemsize
 
 
 def _shape_layout(value_shape: tuple[int, ...], shape: tuple[int, ...]) -> str | None:
@@ -507,19 +530,20 @@ def _shape_layout(value_shape: tuple[int, ...], shape: tuple[int, ...]) -> str |
     return None
 
 
-def c_source(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...]) -> str:
+def c_source(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], strided_outputs: tuple[str, ...] = ()) -> str:
     """The C function `<kernel name>` for one dtype and input layout: rows × width elements, a loop over the
-    columns of each row (a RowKernel: one loop per phase, column sums zeroed before the first row)."""
+    columns of each row (a RowKernel: one loop per phase, column sums zeroed before the first row). A STRIDED input
+    and each of `strided_outputs` takes its row stride after its address."""
     names = {*kernel.input_names, *kernel.output_names, *_targets(kernel)}
     if names & LOOP_NAMES:
         raise ValueError(f"{kernel.name}: {sorted(names & LOOP_NAMES)} are the generated loop's own names")
-    parameters, per_row, loads = _parameters(kernel, layouts)
+    parameters, per_row, loads = _parameters(kernel, layouts, strided_outputs)
     zeroed = kernel.column_outputs if isinstance(kernel, RowKernel) else ()
     if isinstance(kernel, RowKernel):
-        body = _row_kernel_body(kernel, per_row, loads)
+        body = _row_kernel_body(kernel, per_row, loads, strided_outputs)
     else:
         body = [*per_row, *_column_loop(loads, _statements(kernel.statements, set(kernel.input_names)),
-                                        _stores(kernel.output_names))]
+                                        _stores(kernel.output_names, strided_outputs))]
     return "\n".join(["#include <tgmath.h>", f"typedef {C_TYPES[np.dtype(dtype)]} T;", "",
                       *_vector_declarations(_vector_functions(kernel)),
                       f"void {kernel.name}({', '.join(parameters)}) {{",
@@ -561,7 +585,8 @@ def _targets(kernel: Kernel) -> list[str]:
     return [target for target, _ in _statements_of(kernel)]
 
 
-def _parameters(kernel: Kernel, layouts: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
+def _parameters(kernel: Kernel, layouts: tuple[str, ...], strided_outputs: tuple[str, ...] = ()
+                ) -> tuple[list[str], list[str], list[str]]:
     """The C parameters, the declarations read once per row (row vectors, scalars) and those read per element."""
     parameters, per_row, loads = ["long rows", "long width"], [], []
     for name, layout in zip(kernel.input_names, layouts, strict=True):
@@ -569,13 +594,14 @@ def _parameters(kernel: Kernel, layouts: tuple[str, ...]) -> tuple[list[str], li
             parameters.append(f"double {name}_value")
             per_row.append(f"const T {name} = (T){name}_value;")
         else:
-            parameters.append(f"const T *{name}_array")
+            parameters.append(f"const T *{name}_array" + (f", long {name}_stride" if layout == STRIDED else ""))
             if layout == ROW:
                 per_row.append(f"const T {name} = {name}_array[row];")
             else:
-                index = "row * width + column" if layout == FULL else "column"
+                index = {FULL: "row * width + column", STRIDED: f"row * {name}_stride + column"}.get(layout, "column")
                 loads.append(f"const T {name} = {name}_array[{index}];")
-    parameters.extend(f"T *{name}_array" for name in kernel.output_names)
+    parameters.extend(f"T *{name}_array" + (f", long {name}_stride" if name in strided_outputs else "")
+                      for name in kernel.output_names)
     return parameters, per_row, loads
 
 
@@ -588,8 +614,9 @@ def _statements(statements: Any, declared: set[str]) -> list[str]:
     return lines
 
 
-def _stores(names: Any) -> list[str]:
-    return [f"{name}_array[row * width + column] = {name};" for name in names]
+def _stores(names: Any, strided: tuple[str, ...] = ()) -> list[str]:
+    return [f"{name}_array[row * {f'{name}_stride' if name in strided else 'width'} + column] = {name};"
+            for name in names]
 
 
 def _column_loop(loads: list[str], body: list[str], after: list[str], pragma: str = "#pragma omp simd") -> list[str]:
@@ -598,7 +625,8 @@ def _column_loop(loads: list[str], body: list[str], after: list[str], pragma: st
             *(f"    {line}" for line in [*loads, *body, *after]), "}"]
 
 
-def _row_kernel_body(kernel: RowKernel, per_row: list[str], loads: list[str]) -> list[str]:
+def _row_kernel_body(kernel: RowKernel, per_row: list[str], loads: list[str], strided_outputs: tuple[str, ...] = ()
+                     ) -> list[str]:
     """A RowKernel's phases inside the loop over rows: a sum is a reduction loop (the compiler keeps vector
     accumulators), a row phase plain statements, an each phase a loop like a FusedKernel's, a columns phase a loop
     adding to the per-column outputs."""
@@ -617,7 +645,7 @@ def _row_kernel_body(kernel: RowKernel, per_row: list[str], loads: list[str]) ->
                                               for target, expression in statements], []))
         else:
             outputs = [target for target, _ in statements if target in kernel.output_names]
-            lines.extend(_column_loop(loads, _statements(statements, set()), _stores(outputs)))
+            lines.extend(_column_loop(loads, _statements(statements, set()), _stores(outputs, strided_outputs)))
     lines.extend(f"{name}_array[row] = {name};" for name in kernel.row_outputs)
     return lines
 
@@ -656,7 +684,8 @@ _LOADED: set[str] = set()
 
 
 @functools.cache
-def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], many: bool = False) -> Any:
+def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], many: bool = False,
+              strided_outputs: tuple[str, ...] = ()) -> Any:
     """The loaded C function for this kernel, dtype and layout (built or taken from the cache), or None:
     `<name>_objects`, which takes the arrays themselves (see `_objects_source`), or with `many` its `<name>_many`
     variant over lists of addresses (see run_many)."""
@@ -669,10 +698,12 @@ def _function(kernel: Kernel, dtype: np.dtype, layouts: tuple[str, ...], many: b
     if offset is None:
         _FAILURES[kernel.name] = "NumPy's array object does not keep its data pointer after the object header"
         return None
-    source = c_source(kernel, dtype, layouts) + _objects_source(kernel, layouts, offset)
+    source = (c_source(kernel, dtype, layouts, strided_outputs)
+              + _objects_source(kernel, layouts, offset, strided_outputs))
     objects = [ctypes.c_double if layout == SCALAR else ctypes.py_object for layout in layouts]
+    strides = [ctypes.c_long] * (layouts.count(STRIDED) + len(strided_outputs))
     return _load(kernel.name, f"{kernel.name}_objects", source,
-                 [ctypes.c_long, ctypes.c_long, *objects, *([ctypes.py_object] * len(kernel.output_names))],
+                 [ctypes.c_long, ctypes.c_long, *objects, *([ctypes.py_object] * len(kernel.output_names)), *strides],
                  ("mvec", "m") if _vector_functions(kernel) else ("m",))
 
 
@@ -686,17 +717,26 @@ def _data_offset() -> int | None:
     return offset if ctypes.c_void_p.from_address(id(probe) + offset).value == probe.ctypes.data else None
 
 
-def _objects_source(kernel: Kernel, layouts: tuple[str, ...], offset: int) -> str:
+def _objects_source(kernel: Kernel, layouts: tuple[str, ...], offset: int, strided_outputs: tuple[str, ...] = ()
+                    ) -> str:
     """`<name>_objects(rows, width, …)`: the kernel with each array argument given as the NumPy array object
     itself. Why: turning an array into an address in Python (ctypes, or its `ctypes.data`) costs 10–15 µs an
     argument in a training step, where the interpreter runs with cold caches; ctypes hands an object over as its
     pointer, and reading the address there is one load."""
-    parameters, arguments = ["long rows", "long width"], ["rows", "width"]
+    parameters, arguments, strides = ["long rows", "long width"], ["rows", "width"], []
     for name, layout in zip(kernel.input_names, layouts, strict=True):
         parameters.append(f"double {name}_value" if layout == SCALAR else f"const void *{name}_object")
         arguments.append(f"{name}_value" if layout == SCALAR else f"DATA({name}_object)")
-    parameters.extend(f"const void *{name}_object" for name in kernel.output_names)
-    arguments.extend(f"DATA({name}_object)" for name in kernel.output_names)
+        if layout == STRIDED:
+            arguments.append(f"{name}_stride")
+            strides.append(f"long {name}_stride")
+    for name in kernel.output_names:
+        parameters.append(f"const void *{name}_object")
+        arguments.append(f"DATA({name}_object)")
+        if name in strided_outputs:
+            arguments.append(f"{name}_stride")
+            strides.append(f"long {name}_stride")
+    parameters.extend(strides)  # after every array, in their order: what `run` passes last
     return "\n".join([f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))",
                       f"void {kernel.name}_objects({', '.join(parameters)}) {{",
                       f"    {kernel.name}({', '.join(arguments)});", "}", ""])
