@@ -500,6 +500,18 @@ SWIGLU_BACKWARD = FusedKernel("swiglu_backward", "T gate, T up, T dout", "T dgat
 ])
 """d(gate) and d(up) from the two halves and dy in one pass, written into the halves of one d(input) array."""
 
+SWIGLU_FORWARD_KEEPING = FusedKernel("swiglu_forward_keeping", "T gate, T up", "T sigmoid, T silu, T out",
+                                     [_SIGMOID, ("silu", "gate * sigmoid"), ("out", "silu * up")])
+"""The CPU's SwiGLU forward (models.host_kernels): SwiGLU.forward's NumPy passes in one, reading the halves where
+they lie (strided) and keeping what the chain keeps, σ(gate) and silu(gate) — so both paths save the same."""
+
+SWIGLU_BACKWARD_FROM_SIGMOID = FusedKernel("swiglu_backward_from_sigmoid", "T up, T sigmoid, T silu, T dout",
+                                           "T dgate, T dup", [
+                                               ("dup", "dout * silu"),
+                                               ("dgate", "((1.0 - sigmoid) * silu + sigmoid) * up * dout"),
+                                           ])
+"""The CPU's SwiGLU backward: d(gate) and d(up) from the kept σ and silu, written into the halves of d(input)."""
+
 SOFTMAX_EXP = FusedKernel("softmax_exp", "T scores, T row_max", "T exps", [("exps", "exp(scores - row_max)")],
                           in_place={"exps": "scores"})
 """exp(scores − row max), masked −inf entries becoming 0; the caller divides by the row sums."""

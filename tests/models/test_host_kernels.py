@@ -23,7 +23,7 @@ from test_kernels import ADAMW_STEP, INDEPENDENT_FORMULAS, KERNELS, assert_match
 
 from models import host_kernels, kernels
 from models.kernels import RowKernel
-from models.layers import GELU, IGNORED, HeadCrossEntropy, LayerNorm, RMSNorm, Saved, causal_softmax
+from models.layers import GELU, IGNORED, HeadCrossEntropy, LayerNorm, RMSNorm, Saved, SwiGLU, causal_softmax
 from models.parameter import Parameter
 from models.precision import DTYPES
 from mpiparallel.optim import AdamW, adamw_kernel_scalars, adamw_update, adamw_update_many
@@ -737,3 +737,53 @@ def test_gelu_compiled_keeps_what_the_chain_keeps_and_equals_it(monkeypatch, dty
     from_chain = GELU().backward_input(Saved(**chain_kept), dout)
     assert ran[-1] is not None
     np.testing.assert_array_equal(from_chain, chain_dx)
+
+
+@compiled
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6)])
+def test_swiglu_compiled_reads_the_halves_where_they_lie_and_equals_the_chain(monkeypatch, dtype, tolerance):
+    """The [gate | up] halves are STRIDED views: forward reads them and backward writes d(gate), d(up) into the
+    halves of d(input) without copies; both keep what the chain keeps; backward from the chain's kept values gives
+    the chain's d(input) bit for bit."""
+    x, dout = RNG.standard_normal((4, 3, 2 * 21)).astype(dtype), RNG.standard_normal((4, 3, 21)).astype(dtype)
+    ran = []
+    run = host_kernels.run
+    monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: ran.append(run(kernel, **a)) or ran[-1])
+    paths = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(host_kernels, "ENABLED", enabled)
+        out, saved = SwiGLU().forward(x)
+        kept = {name: value.copy() for name, value in vars(saved).items()}
+        paths[enabled] = (out, kept, SwiGLU().backward_input(saved, dout))
+    assert ran[0] is not None and ran[1] is not None and ran[2:] == [None, None]
+    (out, kept, dx), (chain_out, chain_kept, chain_dx) = paths[True], paths[False]
+    assert {name: value.shape for name, value in kept.items()} == {name: v.shape for name, v in chain_kept.items()}
+    assert_matches(out, chain_out, "out", tolerance)
+    assert_matches(dx, chain_dx, "d(input)", 10 * tolerance)
+    monkeypatch.setattr(host_kernels, "ENABLED", True)
+    chain_kept["up"] = x[..., 21:]  # as the chain keeps it: a view of the input's half
+    np.testing.assert_array_equal(SwiGLU().backward_input(Saved(**chain_kept), dout), chain_dx)
+    assert ran[-1] is not None
+
+
+@compiled
+def test_the_strided_layout_takes_evenly_spaced_rows_only():
+    """A column slice of a contiguous array, in and out, runs compiled with its row stride; columns that are not
+    contiguous, or rows not evenly spaced (a slice of the middle axis), go to NumPy."""
+    kernel = kernels.SOFTMAX_BACKWARD
+    wide = RNG.standard_normal((4, 3, 50))
+    probs, dprobs, weighted_sum = wide[..., 5:25], RNG.standard_normal((4, 3, 20)), RNG.standard_normal((4, 3, 1))
+    out = np.zeros((4, 3, 45))
+    result = host_kernels.run(kernel, probs=probs, dprobs=dprobs, weighted_sum=weighted_sum,
+                              dscores=out[..., 20:40])
+    np.testing.assert_array_equal(result["dscores"], kernel.evaluate_numpy(probs=probs, dprobs=dprobs,
+                                                                           weighted_sum=weighted_sum)["dscores"])
+    assert not out[..., :20].any() and not out[..., 40:].any()
+    assert host_kernels._row_stride(probs) == 50
+    for uneven in (wide[..., ::2][..., :20],                     # columns not contiguous
+                   np.broadcast_to(wide[:1, :, :20], (4, 3, 20))):  # every batch entry the same memory
+        assert uneven.shape == dprobs.shape and host_kernels._row_stride(uneven) is None
+        assert host_kernels.run(kernel, probs=uneven, dprobs=dprobs, weighted_sum=weighted_sum) is None
+    middle = wide[:, :2, :20]  # rows 0 and 1 of each batch entry, then a gap of a row: not evenly spaced
+    assert host_kernels._row_stride(middle) is None
+    assert host_kernels.run(kernel, probs=middle, dprobs=dprobs[:, :2], weighted_sum=weighted_sum[:, :2]) is None

@@ -67,7 +67,8 @@ def test_kernel_list_is_complete():
     assert {k.name for k in KERNELS} == {"gelu_forward", "gelu_backward", "gelu_forward_keeping",
                                          "gelu_backward_from_gate", "layer_norm_forward",
                                          "layer_norm_backward", "rms_norm_forward", "rms_norm_backward",
-                                         "swiglu_forward", "swiglu_backward", "softmax_exp", "softmax_backward",
+                                         "swiglu_forward", "swiglu_backward", "swiglu_forward_keeping",
+                                         "swiglu_backward_from_sigmoid", "softmax_exp", "softmax_backward",
                                          "adamw"}
 
 
@@ -483,7 +484,7 @@ def _gelu_textbook(x):
     return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * s * (1 + 3 * c * x**2)
 
 
-def _gelu_kept(x, dout=None):
+def _gelu_kept(x, dout=None, **_):
     """What GELU's forward keeps for its backward (GELU_FORWARD_KEEPING), from the definitions: a = √(2/π)·(1 +
     0.044715·x²), so that the tanh's argument is a·x; the gate (1 + tanh)/2; the output x·gate."""
     s, c = math.sqrt(2 / math.pi), 0.044715
@@ -492,7 +493,18 @@ def _gelu_kept(x, dout=None):
     return kept if dout is None else {"x": x, **kept, "dout": dout}
 
 
-CONSISTENT_INPUTS = {"gelu_backward_from_gate": _gelu_kept}
+def _swiglu_kept(up, sigmoid, dout, **_):
+    """What SwiGLU's forward keeps, σ(gate) and silu(gate), for a gate taken from the random `sigmoid` array."""
+    gate = sigmoid
+    return {"up": up, "sigmoid": 1 / (1 + np.exp(-gate)), "silu": gate / (1 + np.exp(-gate)), "dout": dout}
+
+
+def _swiglu_from_kept(up, sigmoid, silu, dout):
+    gate = silu / sigmoid  # the gate the kept values came from
+    return {"dgate": dout * _swiglu_textbook(gate, up)[1], "dup": dout * _swiglu_textbook(gate, up)[2]}
+
+
+CONSISTENT_INPUTS = {"gelu_backward_from_gate": _gelu_kept, "swiglu_backward_from_sigmoid": _swiglu_kept}
 """Kernels whose inputs are not independent (a backward given its forward's kept values): the inputs, from the
 random ones of the same names, that a forward would have passed it."""
 
@@ -502,7 +514,7 @@ def consistent_inputs(kernel, arrays: dict) -> dict:
     dtype."""
     if kernel.name not in CONSISTENT_INPUTS:
         return arrays
-    made = CONSISTENT_INPUTS[kernel.name](x=arrays["x"].astype(np.float64), dout=arrays["dout"].astype(np.float64))
+    made = CONSISTENT_INPUTS[kernel.name](**{name: value.astype(np.float64) for name, value in arrays.items()})
     return {name: made[name].astype(arrays[name].dtype) for name in arrays}
 
 
@@ -536,6 +548,9 @@ INDEPENDENT_FORMULAS = {
     "swiglu_forward": lambda gate, up: {"out": _swiglu_textbook(gate, up)[0]},
     "swiglu_backward": lambda gate, up, dout: {"dgate": dout * _swiglu_textbook(gate, up)[1],
                                                "dup": dout * _swiglu_textbook(gate, up)[2]},
+    "swiglu_forward_keeping": lambda gate, up: {"sigmoid": 1 / (1 + np.exp(-gate)), "silu": _swiglu_textbook(
+        gate, up)[2], "out": _swiglu_textbook(gate, up)[0]},
+    "swiglu_backward_from_sigmoid": _swiglu_from_kept,
     "softmax_exp": lambda scores, row_max: {"exps": np.exp(scores - row_max)},
     "softmax_backward": lambda probs, dprobs, weighted_sum: {"dscores": probs * (dprobs - weighted_sum)},
     "adamw": lambda param, grad, exp_avg, exp_avg_sq, **scalars: _adamw_textbook(param, grad, exp_avg, exp_avg_sq,
