@@ -323,6 +323,70 @@ def _embedding_function(dtype: np.dtype, symbol: str) -> Any:
     return function
 
 
+def rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, sign: float) -> bool:
+    """RoPE's turn in place: (x1, x2) ← (x1·cos − x2·s, x2·cos + x1·s), s = sign·sin, for the halves x1, x2 of
+    every (B, heads, t, d) row at its position — models.rotary's NumPy passes, the same numbers bit for bit, in one
+    compiled loop; True when it ran.
+
+    `cos`, `sin`: (rows, d/2) tables by position; `positions`: (t,) shared by the batch, or (B, t) per row (packed
+    documents). Why: the heads are views into the qkv projection's output, so each of NumPy's five passes walks
+    rows of d/2 numbers at a time. False, nothing written, where the loop cannot take the call (not 4-D, a last
+    axis not contiguous, tables not contiguous or of another dtype, a position outside the tables)."""
+    if not (ENABLED and x.ndim == 4 and x.dtype in C_TYPES and x.strides[-1] == x.itemsize and x.size
+            and x.flags.writeable and x.shape[-1] == 2 * cos.shape[-1] and cos.dtype == sin.dtype == x.dtype
+            and cos.flags.c_contiguous and sin.flags.c_contiguous and cos.shape == sin.shape):
+        return False
+    batch, heads, length, width = x.shape
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    if positions.shape not in ((length,), (batch, length)) or any(stride % x.itemsize for stride in x.strides):
+        return False
+    function = _rotary_function(x.dtype)
+    if function is None:
+        return False
+    batch_stride, head_stride, row_stride = (stride // x.itemsize for stride in x.strides[:3])
+    return function(batch, heads, length, width // 2, x, batch_stride, head_stride, row_stride, cos, sin,
+                    positions, positions.ndim == 2, len(cos), float(sign)) == 0
+
+
+@functools.cache
+def _rotary_function(dtype: np.dtype) -> Any:
+    offset = _data_offset()
+    if offset is None:
+        _FAILURES["rotary"] = "NumPy's array object does not keep its data pointer after the object header"
+        return None
+    source = "\n".join([
+        f"typedef {C_TYPES[np.dtype(dtype)]} T;",
+        f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))", "",
+        "long rotate_pairs(long batch, long heads, long length, long half, const void *x_object, long batch_stride,",
+        "                  long head_stride, long row_stride, const void *cos_object, const void *sin_object,",
+        "                  const void *positions_object, long per_row, long table_rows, double sign_value) {",
+        "    T *x = DATA(x_object);",
+        "    const T *cos = DATA(cos_object), *sin = DATA(sin_object), sign = (T)sign_value;",
+        "    const long *positions = DATA(positions_object), count = per_row ? batch * length : length;",
+        "    for (long i = 0; i < count; i++) if (positions[i] < 0 || positions[i] >= table_rows) return 1;",
+        "    for (long b = 0; b < batch; b++)",
+        "        for (long h = 0; h < heads; h++)",
+        "            for (long t = 0; t < length; t++) {",
+        "                T *first = x + b * batch_stride + h * head_stride + t * row_stride, *second = first + half;",
+        "                const long position = positions[per_row ? b * length + t : t];",
+        "                const T *c = cos + position * half, *s = sin + position * half;",
+        "                #pragma omp simd",
+        "                for (long k = 0; k < half; k++) {",
+        "                    const T x1 = first[k], x2 = second[k], turn = s[k] * sign;",
+        "                    first[k] = x1 * c[k] - x2 * turn;",
+        "                    second[k] = x2 * c[k] + x1 * turn;",
+        "                }",
+        "            }",
+        "    return 0;",
+        "}", ""])
+    number, array = ctypes.c_long, ctypes.py_object
+    function = _load("rotary", "rotate_pairs", source, [number, number, number, number, array, number, number, number,
+                                                        array, array, array, number, number, ctypes.c_double])
+    if function is not None:
+        function.restype = ctypes.c_long
+    return function
+
+
 def causal_softmax(scores: np.ndarray, offset: int) -> bool:
     """Softmax over the last axis of (…, queries, keys) scores, in place, key j masked out for query i when
     j > i + offset — models.layers.causal_softmax's math in one compiled pass per row; True when it ran.
@@ -673,6 +737,7 @@ def forget() -> None:
     _function.cache_clear()
     _softmax_function.cache_clear()
     _embedding_function.cache_clear()
+    _rotary_function.cache_clear()
     _CALLS.clear()
     _LOADED.clear()
 

@@ -37,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from collectives.backend import Array, get_array_module, like
+from collectives.backend import Array, get_array_module, is_device_array, like
+
+from . import host_kernels
 
 ROPE_TYPES = ("default", "llama3", "yarn")
 
@@ -178,11 +180,22 @@ class RotaryEmbedding:
 
     def rotate(self, x: Array, positions: Any) -> None:
         """x (B, heads, t, d), a view, rotated in place to its positions (t,) or (B, t) (host integers)."""
-        self._turn(x, *self.angles(x, positions), sign=1.0)
+        if not self._turn_compiled(x, positions, sign=1.0):
+            self._turn(x, *self.angles(x, positions), sign=1.0)
 
     def rotate_back(self, dx: Array, positions: Any) -> None:
         """The backward of `rotate`, in place: d(x) from d(rotated), a turn by the opposite angle."""
-        self._turn(dx, *self.angles(dx, positions), sign=-1.0)
+        if not self._turn_compiled(dx, positions, sign=-1.0):
+            self._turn(dx, *self.angles(dx, positions), sign=-1.0)
+
+    def _turn_compiled(self, x: Array, positions: Any, sign: float) -> bool:
+        """`_turn` at each row's position in one compiled loop over the tables (models.host_kernels) on the CPU;
+        False where it cannot run (then `_turn`, the same numbers)."""
+        if is_device_array(x):
+            return False
+        positions = np.asarray(positions)
+        cos, sin = self._cos_sin(x, int(positions.max()) + 1 if positions.size else 1)
+        return host_kernels.rotate_pairs(x, cos, sin, positions, sign)
 
     @staticmethod
     def _turn(x: Array, cos: Array, sin: Array, sign: float) -> None:

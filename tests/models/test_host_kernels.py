@@ -787,3 +787,49 @@ def test_the_strided_layout_takes_evenly_spaced_rows_only():
     middle = wide[:, :2, :20]  # rows 0 and 1 of each batch entry, then a gap of a row: not evenly spaced
     assert host_kernels._row_stride(middle) is None
     assert host_kernels.run(kernel, probs=middle, dprobs=dprobs[:, :2], weighted_sum=weighted_sum[:, :2]) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RoPE: the turn of every head's row at its position, in one compiled loop.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_rope_compiled_equals_its_numpy_passes_bit_for_bit(monkeypatch, per_row, dtype):
+    """Query heads as views into a qkv projection's output (the layout the attention passes), rotated forward and
+    back at shared positions or per-row ones (packed documents); the key and value channels are left alone."""
+    from models.rotary import RotaryEmbedding
+    batch, length, heads, head_dim = 2, 7, 3, 8
+    qkv = RNG.standard_normal((batch, length, 3 * heads * head_dim)).astype(dtype)
+    positions = np.tile(np.arange(length), (batch, 1)) % 4 if per_row else np.arange(2, 2 + length)
+    dout = RNG.standard_normal((batch, heads, length, head_dim)).astype(dtype)
+    ran, results = [], []
+    rotate = host_kernels.rotate_pairs
+    monkeypatch.setattr(host_kernels, "rotate_pairs", lambda *a: ran.append(rotate(*a)) or ran[-1])
+    for enabled in (True, False):
+        monkeypatch.setattr(host_kernels, "ENABLED", enabled)
+        rope, copy, grad = RotaryEmbedding(head_dim), qkv.copy(), dout.copy()
+        queries = copy.reshape(batch, length, 3 * heads, head_dim)[:, :, :heads].transpose(0, 2, 1, 3)
+        rope.rotate(queries, positions)
+        rope.rotate_back(grad, positions)
+        results.append((copy, grad))
+    assert ran == [True, True, False, False]
+    for compiled_value, numpy_value in zip(*results, strict=True):
+        np.testing.assert_array_equal(compiled_value, numpy_value)
+    np.testing.assert_array_equal(results[0][0][..., heads * head_dim:], qkv[..., heads * head_dim:])
+    assert not np.array_equal(results[0][0][..., :heads * head_dim], qkv[..., :heads * head_dim])
+
+
+@compiled
+def test_rope_compiled_leaves_what_it_cannot_take_to_numpy():
+    x, cos, sin = RNG.standard_normal((2, 3, 5, 8)), RNG.standard_normal((6, 4)), RNG.standard_normal((6, 4))
+    before = x.copy()
+    for given, positions in ((x, np.array([0, 1, 2, 3, 6])),      # a position beyond the tables
+                             (x, np.array([0, 1, 2, 3])),         # one position short
+                             (x[..., ::-1], np.arange(5)),        # a last axis read backwards
+                             (x[0], np.arange(5))):               # not (B, heads, t, d)
+        assert not host_kernels.rotate_pairs(given, cos, sin, positions, 1.0)
+    np.testing.assert_array_equal(x, before)
+    assert host_kernels.rotate_pairs(x, cos, sin, np.arange(5), 1.0)
