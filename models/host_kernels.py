@@ -1,45 +1,53 @@
 """The kernels of models.kernels compiled for the CPU by the system's C compiler, called through ctypes.
 
-Why: LayerNorm, RMSNorm and AdamW are chains of seven to eleven NumPy operations, each one pass over its arrays,
-where PyTorch runs one C++ loop that reads each input once. The profile (scripts/profile_step.py) showed them at
-0.28–0.35× torch's speed on every CPU measured, the only large parts of the step behind it; no arrangement of NumPy
-calls closes that (their row broadcasts alone cost two to three times a plain pass). AdamW's kernel is already
-written, as text, for the GPU, and the norms' are written the same way (kernels.RowKernel) — so the CPU compiles
-that text, one loop per kernel.
+Why: the CPU's layers are NumPy chains — LayerNorm, RMSNorm and AdamW seven to eleven operations, GELU seven,
+SwiGLU six, the attention's softmax six, the cross-entropy eleven, RoPE five — each a pass over its arrays, where
+PyTorch runs one C++ loop that reads each input once. The profile (scripts/profile_step.py) showed each at
+0.28–0.8× torch's speed; no arrangement of NumPy calls closes that (row broadcasts alone cost two to three times a
+plain pass, and a pass over a strided view pays NumPy's per-row cost). Most of these kernels are already written,
+as text, for the GPU (models.kernels), the norms' the same way (kernels.RowKernel) — so the CPU compiles that text,
+one loop per kernel. What text cannot say is written out here, in C, as short loops: the causal softmax and the
+cross-entropy (a mask by row and column, a gather by target), the embedding's gather and its gradients' scatter,
+RoPE's turn of every head's rows at their positions.
 
 How: a FusedKernel's `statements` become the body of a C loop over rows × columns. Each argument is, at the call,
-one of four layouts: a full array (one element per row and column, C-contiguous), a row vector (one per row: a
-LayerNorm's mean, shape (..., 1)), a column vector (one per column: its weight, shape (C,)) or a scalar (a Python
-number). Row vectors and scalars are read once per row, every input element before any output element is written
-— so an output may be the very array of its input (the kernels' `in_place` pairs). `#pragma omp simd` tells the
-compiler that much, and it vectorizes the loop. A RowKernel becomes one loop per phase inside the loop over rows:
-a row sum is a reduction loop (`omp simd reduction`: vector accumulators), a column sum adds into an output zeroed
-before the first row; the row, a few KiB, stays in the L1 cache from one phase to the next. `run_many` runs an
-elementwise kernel over many arrays in one call (`<name>_many`, a loop over the single-array function), for
-AdamW's dozens of parameters. A library is built per kernel, dtype and layout, with
-`cc -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp-simd`, once per machine: it is kept in
+one of five layouts: a full array (one element per row and column, C-contiguous), a strided one (a full array
+whose rows are evenly spaced further apart: one half of SwiGLU's [gate | up] input, read and written in place), a
+row vector (one per row: a LayerNorm's mean, shape (..., 1)), a column vector (one per column: its weight, shape
+(C,)) or a scalar (a Python number). Row vectors and scalars are read once per row, every input element before
+any output element is written — so an output may be the very array of its input (the kernels' `in_place` pairs).
+`#pragma omp simd` tells the compiler that much, and it vectorizes the loop. A RowKernel becomes one loop per
+phase inside the loop over rows: a row sum is a reduction loop (`omp simd reduction`: vector accumulators), a
+column sum adds into an output zeroed before the first row; the row, a few KiB, stays in the L1 cache from one
+phase to the next. `run_many` runs an elementwise kernel over many arrays in one call (`<name>_many`, a loop over
+the single-array function), for AdamW's dozens of parameters. A library is built per kernel, dtype and layout,
+with `cc -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp-simd`, once per machine: it is kept in
 $MPIPARALLEL_KERNEL_CACHE (default ~/.cache/mpiparallel/kernels) under a hash of its source, the compiler (its
 file, size and time), the flags and the CPU, written under a temporary name and renamed, so ranks that build it
 at the same time never load half a file.
+
+Calls: in a training step the interpreter runs with cold caches (every GEMM evicts them), where each Python
+operation costs several times what it does warm — a compiled call's checks once cost more than its loop. So a
+call's plan is kept per argument layout (`_CALLS`), the arrays go to C as the objects themselves (C reads each
+one's data pointer, `_objects_source`), and MPIPARALLEL_HOST_KERNELS is read once.
 
 Numbers: T is float or double and C evaluates float ⊕ float in float (x86-64 and arm64: FLT_EVAL_METHOD 0); a
 literal is cast to T, as NumPy casts a Python float next to a float32 array; -ffp-contract=off keeps a·b + c two
 roundings, as NumPy's two passes round it; + − × ÷ and sqrt are correctly rounded in both. So an elementwise
 kernel whose statements follow the NumPy chain operation by operation gives the chain's numbers bit for bit —
-AdamW's step is the same compiled or not. The norms' row kernels add each row's numbers in another order than the
-chains' GEMVs with ones do, so there the two agree to rounding (about 1e-16 relative in float64, 1e-7 in float32),
-as any two BLAS builds would. tanh and exp are not correctly rounded — libm's and NumPy's SIMD versions differ in
-the last bits — so the elementwise kernels that call them (GELU, SwiGLU) stay NumPy chains on the CPU (which keep
-up with torch there: the profile's GELU is ahead of it). The attention's causal softmax is the exception
-(`causal_softmax`, written out here rather than as a kernel's text: its mask depends on the row and column): its
-six NumPy passes were 44 % of the attention's forward, so it is one pass per row with glibc's vector exp, equal
-to the chain to rounding (a few ulp).
+AdamW's step, RoPE, the embedding's gradient scatter and GELU's and SwiGLU's backward (from the same kept values)
+are the same compiled or not. The norms' row kernels add each row's numbers in another order than the chains'
+GEMVs with ones do, so there the two agree to rounding (about 1e-16 relative in float64, 1e-7 in float32), as
+any two BLAS builds would; so do the softmax's and cross-entropy's sums. tanh and exp are not correctly rounded:
+the loops call glibc's vector versions (libmvec, within 4 ulp by its documentation; `#pragma omp declare simd` on
+the function lets the compiler call them), NumPy its own SIMD ones, so GELU's and SwiGLU's forward, the softmax
+and the cross-entropy agree with the chains to a few ulp.
 
-When it does not run: no C compiler (`cc`, or $CC), a build that fails (the softmax's also without glibc's
-libmvec), `MPIPARALLEL_HOST_KERNELS=0`, a dtype other than float32/float64 (bfloat16 work stays NumPy), arrays
-that are not contiguous or not in one of the four layouts. `run` then returns None (`run_many` False) and the
-caller runs its NumPy chain: the same math, slower. `status()` says which, and why; `scripts/bench_train.py`
-prints it.
+When it does not run: no C compiler (`cc`, or $CC), a build that fails (the kernels that call tanh or exp also
+without glibc's libmvec: macOS, musl, glibc before 2.35 for tanh), `MPIPARALLEL_HOST_KERNELS=0`, a dtype other than
+float32/float64 (bfloat16 work stays NumPy), arrays in none of the layouts. The call then returns None or False
+and the caller runs its NumPy chain: the same math, slower. `status()` says which, and why;
+`scripts/bench_train.py` prints it.
 
 Communication: none.
 """
@@ -897,7 +905,7 @@ def _cpu() -> str:
 
 
 def status(build: bool = False) -> str:
-    """One line: whether the CPU's norms and AdamW run compiled, and why not (`build`: build one kernel first, so
+    """One line: whether the CPU's kernels run compiled, and why not (`build`: build one kernel first, so
     that a compiler that cannot build is found now rather than at the first layer)."""
     if build:
         run(kernels.RMS_NORM_ROWS_FORWARD, x=np.ones((1, 8), np.float32), weight=np.ones(8, np.float32), eps=1e-6)
