@@ -907,8 +907,10 @@ def _cpu() -> str:
 def status(build: bool = False) -> str:
     """One line: whether the CPU's kernels run compiled, and why not (`build`: build one kernel first, so
     that a compiler that cannot build is found now rather than at the first layer)."""
-    if build:
+    if build:  # one kernel of each kind: a row kernel, one calling libmvec's tanh, the softmax library
         run(kernels.RMS_NORM_ROWS_FORWARD, x=np.ones((1, 8), np.float32), weight=np.ones(8, np.float32), eps=1e-6)
+        run(kernels.GELU_FORWARD_KEEPING, x=np.ones((1, 8), np.float32))
+        causal_softmax(np.ones((1, 8, 8), np.float32), 0)
     if not enabled():
         return "NumPy chains (MPIPARALLEL_HOST_KERNELS=0)"
     compiler = _compiler()

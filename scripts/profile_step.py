@@ -162,7 +162,7 @@ def machine_lines(torch: Any | None) -> list[str]:
     from models import host_kernels, host_memory
 
     lines = [f"CPU: {cpu_name()}; NumPy {np.__version__} SIMD up to {numpy_simd()}, "
-             f"BLAS OpenBLAS kernels {openblas_core()}; norms and AdamW: {host_kernels.status(build=True)}",
+             f"BLAS OpenBLAS kernels {openblas_core()}; CPU kernels: {host_kernels.status(build=True)}",
              f"freed host memory: {host_memory.status()} — for the whole process, both steps alike"]
     if torch is not None:
         blas = "MKL" if torch.backends.mkl.is_available() else "its own"
