@@ -258,6 +258,30 @@ def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray
 _NO_POSITIONS = np.empty(0, np.int64)
 
 
+def _objects_library(dtype: np.dtype, name: str, lines: list[str]) -> str | None:
+    """The source of a hand-written library whose functions take arrays as objects: T, DATA(object) for an array's
+    data pointer (`_data_offset`), then `lines`; None, the reason kept under `name`, where the pointer is not
+    found."""
+    offset = _data_offset()
+    if offset is None:
+        _FAILURES[name] = "NumPy's array object does not keep its data pointer after the object header"
+        return None
+    return "\n".join([f"typedef {C_TYPES[np.dtype(dtype)]} T;", _data_macro(offset), "", *lines])
+
+
+def _load_refusing(name: str, symbol: str, source: str | None, argtypes: list[Any]) -> Any:
+    """`_load` for a hand-written function that returns 0 when done and 1 when it refused its arguments, having
+    written nothing; None where `source` is (see `_objects_library`)."""
+    function = None if source is None else _load(name, symbol, source, argtypes)
+    if function is not None:
+        function.restype = ctypes.c_long
+    return function
+
+
+def _data_macro(offset: int) -> str:
+    return f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))"
+
+
 def _integers(*indices: np.ndarray | None) -> bool:
     """Whether every index array given is of integers (the loops take them as int64; NumPy refuses floats)."""
     return all(array is None or array.dtype.kind in "iu" for array in indices)
@@ -268,13 +292,7 @@ def _embedding_function(dtype: np.dtype, symbol: str) -> Any:
     """`embed_rows` or `scatter_add_rows` for `dtype`, from one library. Both check every index before they
     write (return 1, nothing done, when one is outside its table) and take the arrays as objects
     (`_objects_source`)."""
-    offset = _data_offset()
-    if offset is None:
-        _FAILURES["embedding"] = "NumPy's array object does not keep its data pointer after the object header"
-        return None
-    source = "\n".join([
-        f"typedef {C_TYPES[np.dtype(dtype)]} T;",
-        f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))", "",
+    source = _objects_library(dtype, "embedding", [
         "/* 1 when every one of count indices is in [0, size) */",
         "static int within(const long *indices, long count, long size) {",
         "    long outside = 0;",
@@ -325,10 +343,7 @@ def _embedding_function(dtype: np.dtype, symbol: str) -> Any:
     number, array = ctypes.c_long, ctypes.py_object
     argtypes = {"embed_rows": [number, number, array, number, array, number, array, number, array, array],
                 "scatter_add_rows": [number, number, array, number, array, array, number, array, number, array]}
-    function = _load("embedding", symbol, source, argtypes[symbol])
-    if function is not None:
-        function.restype = ctypes.c_long
-    return function
+    return _load_refusing("embedding", symbol, source, argtypes[symbol])
 
 
 def rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, sign: float) -> bool:
@@ -358,13 +373,7 @@ def rotate_pairs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.
 
 @functools.cache
 def _rotary_function(dtype: np.dtype) -> Any:
-    offset = _data_offset()
-    if offset is None:
-        _FAILURES["rotary"] = "NumPy's array object does not keep its data pointer after the object header"
-        return None
-    source = "\n".join([
-        f"typedef {C_TYPES[np.dtype(dtype)]} T;",
-        f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))", "",
+    source = _objects_library(dtype, "rotary", [
         "long rotate_pairs(long batch, long heads, long length, long half, const void *x_object, long batch_stride,",
         "                  long head_stride, long row_stride, const void *cos_object, const void *sin_object,",
         "                  const void *positions_object, long per_row, long table_rows, double sign_value) {",
@@ -388,11 +397,9 @@ def _rotary_function(dtype: np.dtype) -> Any:
         "    return 0;",
         "}", ""])
     number, array = ctypes.c_long, ctypes.py_object
-    function = _load("rotary", "rotate_pairs", source, [number, number, number, number, array, number, number, number,
-                                                        array, array, array, number, number, ctypes.c_double])
-    if function is not None:
-        function.restype = ctypes.c_long
-    return function
+    return _load_refusing("rotary", "rotate_pairs", source, [number, number, number, number, array, number, number,
+                                                             number, array, array, array, number, number,
+                                                             ctypes.c_double])
 
 
 def causal_softmax(scores: np.ndarray, offset: int) -> bool:
@@ -810,8 +817,7 @@ def _objects_source(kernel: Kernel, layouts: tuple[str, ...], offset: int, strid
             arguments.append(f"{name}_stride")
             strides.append(f"long {name}_stride")
     parameters.extend(strides)  # after every array, in their order: what `run` passes last
-    return "\n".join([f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))",
-                      f"void {kernel.name}_objects({', '.join(parameters)}) {{",
+    return "\n".join([_data_macro(offset), f"void {kernel.name}_objects({', '.join(parameters)}) {{",
                       f"    {kernel.name}({', '.join(arguments)});", "}", ""])
 
 

@@ -710,6 +710,22 @@ def test_the_compiled_cross_entropy_leaves_what_it_cannot_take_to_numpy():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def compiled_and_chain(monkeypatch, layer_class, x, dout) -> tuple[list, tuple, tuple]:
+    """The `run` results, then (output, what forward kept, d(x)) of a fresh `layer_class()` compiled and as the
+    NumPy chain; both compiled calls must have run, and neither when turned off."""
+    ran = []
+    run = host_kernels.run
+    monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: ran.append(run(kernel, **a)) or ran[-1])
+    paths = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(host_kernels, "ENABLED", enabled)
+        out, saved = layer_class().forward(x)
+        kept = {name: value.copy() for name, value in vars(saved).items()}
+        paths[enabled] = (out, kept, layer_class().backward_input(saved, dout))
+    assert ran[0] is not None and ran[1] is not None and ran[2:] == [None, None]
+    return ran, paths[True], paths[False]
+
+
 @compiled
 @pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6)])
 def test_gelu_compiled_keeps_what_the_chain_keeps_and_equals_it(monkeypatch, dtype, tolerance):
@@ -717,17 +733,7 @@ def test_gelu_compiled_keeps_what_the_chain_keeps_and_equals_it(monkeypatch, dty
     a is the chain's bit for bit, the gate and output to tanh's last bits (glibc's vector tanh against NumPy's);
     backward from the very values the chain kept gives the chain's d(x) bit for bit."""
     x, dout = (3 * RNG.standard_normal((4, 3, 40))).astype(dtype), RNG.standard_normal((4, 3, 40)).astype(dtype)
-    ran = []
-    run = host_kernels.run
-    monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: ran.append(run(kernel, **a)) or ran[-1])
-    paths = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(host_kernels, "ENABLED", enabled)
-        out, saved = GELU().forward(x)
-        kept = {name: value.copy() for name, value in vars(saved).items()}
-        paths[enabled] = (out, kept, GELU().backward_input(saved, dout))
-    assert ran[0] is not None and ran[1] is not None and ran[2:] == [None, None]
-    (out, kept, dx), (chain_out, chain_kept, chain_dx) = paths[True], paths[False]
+    ran, (out, kept, dx), (chain_out, chain_kept, chain_dx) = compiled_and_chain(monkeypatch, GELU, x, dout)
     assert {name: (value.shape, value.dtype) for name, value in kept.items()} == {
         name: (value.shape, value.dtype) for name, value in chain_kept.items()}
     np.testing.assert_array_equal(kept["a"], chain_kept["a"])
@@ -746,17 +752,7 @@ def test_swiglu_compiled_reads_the_halves_where_they_lie_and_equals_the_chain(mo
     halves of d(input) without copies; both keep what the chain keeps; backward from the chain's kept values gives
     the chain's d(input) bit for bit."""
     x, dout = RNG.standard_normal((4, 3, 2 * 21)).astype(dtype), RNG.standard_normal((4, 3, 21)).astype(dtype)
-    ran = []
-    run = host_kernels.run
-    monkeypatch.setattr(host_kernels, "run", lambda kernel, **a: ran.append(run(kernel, **a)) or ran[-1])
-    paths = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(host_kernels, "ENABLED", enabled)
-        out, saved = SwiGLU().forward(x)
-        kept = {name: value.copy() for name, value in vars(saved).items()}
-        paths[enabled] = (out, kept, SwiGLU().backward_input(saved, dout))
-    assert ran[0] is not None and ran[1] is not None and ran[2:] == [None, None]
-    (out, kept, dx), (chain_out, chain_kept, chain_dx) = paths[True], paths[False]
+    ran, (out, kept, dx), (chain_out, chain_kept, chain_dx) = compiled_and_chain(monkeypatch, SwiGLU, x, dout)
     assert {name: value.shape for name, value in kept.items()} == {name: v.shape for name, v in chain_kept.items()}
     assert_matches(out, chain_out, "out", tolerance)
     assert_matches(dx, chain_dx, "d(input)", 10 * tolerance)
