@@ -211,6 +211,7 @@ def embed(tokens: np.ndarray, table: np.ndarray, positions: np.ndarray | None = 
     returned, for what the loop cannot take: tables not contiguous or of unlike dtypes, an index outside its
     table (NumPy's IndexError, or its wrap-around of negative indices, is the caller's)."""
     position_table = table if position_table is None else position_table  # (no position rows: never read)
+    tokens, positions = np.asarray(tokens), None if positions is None else np.asarray(positions)
     if not (ENABLED and table.ndim == 2 and table.dtype in C_TYPES and table.flags.c_contiguous and tokens.size
             and position_table.dtype == table.dtype and position_table.flags.c_contiguous
             and _integers(tokens, positions)):
@@ -237,6 +238,7 @@ def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray
     faster than its 1-D fast path at GPT-2's widths. False, nothing written, where the loop cannot take the call
     (not contiguous, unlike dtypes, an index outside the table: NumPy's error or wrap-around is the caller's)."""
     position_target = target if position_target is None else position_target  # (no positions: never written)
+    indices, positions = np.asarray(indices), None if positions is None else np.asarray(positions)
     if not (ENABLED and target.ndim == 2 and target.dtype in C_TYPES and target.flags.c_contiguous
             and target.flags.writeable and position_target.dtype == target.dtype
             and position_target.flags.c_contiguous and position_target.flags.writeable):
