@@ -205,8 +205,8 @@ def embed(tokens: np.ndarray, table: np.ndarray, positions: np.ndarray | None = 
     """table[tokens] (+ position_table[positions]) as a new (…, width) array, in one compiled pass over its rows;
     None where the loop cannot take the call.
 
-    `positions` gives row r of the flattened tokens the position positions[r mod len(positions)]: a window's
-    positions (T,) serve every row of the batch; packed documents give one per token (B, T). Why: NumPy gathers
+    `positions` gives each token its position, as NumPy broadcasts them: a window's positions (T,) serve every row
+    of the (B, T) tokens; packed documents give one per token (B, T). Why: NumPy gathers
     the token rows into a new array, then adds the position rows in a second pass over it. None, nothing
     returned, for what the loop cannot take: tables not contiguous or of unlike dtypes, an index outside its
     table (NumPy's IndexError, or its wrap-around of negative indices, is the caller's)."""
@@ -214,7 +214,7 @@ def embed(tokens: np.ndarray, table: np.ndarray, positions: np.ndarray | None = 
     tokens, positions = np.asarray(tokens), None if positions is None else np.asarray(positions)
     if not (ENABLED and table.ndim == 2 and table.dtype in C_TYPES and table.flags.c_contiguous and tokens.size
             and position_table.dtype == table.dtype and position_table.flags.c_contiguous
-            and _integers(tokens, positions)):
+            and _integers(tokens, positions) and _positions_fit(tokens, positions)):
         return None
     function = _embedding_function(table.dtype, "embed_rows")
     if function is None:
@@ -230,8 +230,8 @@ def embed(tokens: np.ndarray, table: np.ndarray, positions: np.ndarray | None = 
 
 def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray, positions: np.ndarray | None = None,
                      position_target: np.ndarray | None = None) -> bool:
-    """target[indices[i], :] += values[i, :] for every i in order (and position_target[positions[i mod
-    len(positions)]] += values[i] in the same pass, when given), in one compiled loop; True when it ran.
+    """target[indices[i], :] += values[i, :] for every i in order (and position_target[position of i] += values[i]
+    in the same pass, when given: `positions` as `embed` takes them), in one compiled loop; True when it ran.
 
     An embedding's gradient: B·T rows of d(x) added into the rows of their tokens, repeated tokens accumulating.
     The same additions in the same order as `np.add.at`, so the same numbers bit for bit — about five times
@@ -246,7 +246,7 @@ def scatter_add_rows(target: np.ndarray, indices: np.ndarray, values: np.ndarray
     width = target.shape[1]
     if values.size != indices.size * width or values.dtype != target.dtype or not values.flags.c_contiguous:
         return False
-    if not _integers(indices, positions):
+    if not (_integers(indices, positions) and _positions_fit(indices, positions)):
         return False
     function = _embedding_function(target.dtype, "scatter_add_rows")
     if function is None or indices.size == 0:
@@ -282,6 +282,12 @@ def _load_refusing(name: str, symbol: str, source: str | None, argtypes: list[An
 
 def _data_macro(offset: int) -> str:
     return f"#define DATA(object) (*(void *const *)((const char *)(object) + {offset}))"
+
+
+def _positions_fit(tokens: np.ndarray, positions: np.ndarray | None) -> bool:
+    """Whether `positions` gives each token one position as NumPy's broadcasting would: one per token, or one per
+    column shared by every row (anything else NumPy refuses, or the caller meant something else)."""
+    return positions is None or positions.shape == tokens.shape or positions.shape == tokens.shape[-1:]
 
 
 def _integers(*indices: np.ndarray | None) -> bool:

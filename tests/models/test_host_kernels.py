@@ -506,15 +506,17 @@ def test_scatter_add_rows_leaves_what_it_cannot_take_to_numpy():
 
 @compiled
 def test_scatter_add_rows_adds_position_rows_in_the_same_pass_or_nothing():
-    """With positions, each row is also added into the row of its position (positions[i mod len]), in order: the
-    numbers of np.add.at into each table; an index outside either table writes neither."""
-    tokens, values = RNG.integers(0, 7, 12), RNG.standard_normal((12, 5))
+    """With positions, each row is also added into the row of its position (one per column of the tokens, shared
+    by their rows), in order: the numbers of np.add.at into each table; an index outside either table, or
+    positions that do not fit the tokens, write neither."""
+    tokens, values = RNG.integers(0, 7, (3, 4)), RNG.standard_normal((12, 5))
     table, position_table = RNG.standard_normal((7, 5)), RNG.standard_normal((4, 5))
     before, before_positions = table.copy(), position_table.copy()
     expected, expected_positions = table.copy(), position_table.copy()
-    np.add.at(expected, tokens, values)
+    np.add.at(expected, tokens.reshape(-1), values)
     np.add.at(expected_positions, np.tile([3, 1, 0, 2], 3), values)
-    for positions in (np.array([3, 1, 0, 4]), np.array([3, 1, -1, 2])):  # outside the position table
+    for positions in (np.array([3, 1, 0, 4]), np.array([3, 1, -1, 2]),  # outside the position table
+                      np.array([3, 1, 0])):                             # not one per column
         assert not host_kernels.scatter_add_rows(table, tokens, values, positions, position_table)
     np.testing.assert_array_equal(table, before)
     np.testing.assert_array_equal(position_table, before_positions)
@@ -576,7 +578,8 @@ def test_the_compiled_embedding_leaves_what_it_cannot_take_to_numpy():
     from models.layers import Embedding
     table, positions = RNG.standard_normal((5, 4)), RNG.standard_normal((3, 4))
     for tokens, position_rows in ((np.array([[0, 5]]), None), (np.array([[0, -1]]), None),
-                                  (np.array([[0.0, 1.0]]), None), (np.array([[0, 1]]), np.array([0, 3]))):
+                                  (np.array([[0.0, 1.0]]), None), (np.array([[0, 1]]), np.array([0, 3])),
+                                  (np.array([[0, 1]]), np.array([0, 1, 2]))):  # positions that do not fit
         assert host_kernels.embed(tokens, table, position_rows, positions if position_rows is not None else None) \
             is None
     assert host_kernels.embed(np.array([[0, 1]]), np.asfortranarray(table)) is None  # not C-contiguous
