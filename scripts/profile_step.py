@@ -5,7 +5,8 @@ Three reports, each from steps run apart from the timed ones (profilers cost tim
 1. **Our layers** (`LayerProfile`): exclusive wall time of every layer's forward and backward and of the optimizer,
    by wrapping their methods; the matrix products inside a layer (`models.layers.PLAIN_GEMMS`, the LM head's
    `logits` and its two backward products) are timed as well and shown as the layer's matmul part.
-2. **Side by side** (`side_by_side`): our times and torch.profiler's self CPU times of the same step, sorted into the
+2. **Side by side** (`side_by_side`): our times and torch.profiler's self CPU times of the same step (of the operators
+   doing the work, then with what torch spends calling them: TORCH_CALLS), sorted into the
    categories of `CATEGORIES` — matrix products, attention, activation, norm, RoPE, cross-entropy, the small
    passes (bias, residual adds, copies), embedding, optimizer, zeroing the gradients, and the rest (Python, the
    autograd engine, views: the step's wall time less everything named). Beside each: the least bytes the

@@ -50,20 +50,24 @@ def test_the_training_benchmark_compares_gpt2_and_llama_on_the_same_computation(
         assert f"\n{layer} " in out, layer  # both profiles' rows
     assert out.count("NumPy's BLAS at") == 2 and "OpenBLAS kernels" in out and "CPU capability" in out, out
     gpt2_table = _side_by_side(out.split("\none step by category")[1])
-    for category in ("matmul", "attention", "GELU", "LayerNorm", "cross-entropy", "embedding", "optimizer"):
-        ours, theirs = gpt2_table[category]
+    named = ("matmul", "attention", "GELU", "LayerNorm", "cross-entropy", "embedding", "optimizer")
+    for category in named:
+        ours, theirs, with_calls = gpt2_table[category]
         assert ours > 0 and theirs > 0, (category, out)  # torch.profiler's operator names were recognized
+        assert with_calls >= theirs, (category, out)  # + calls adds the callers' self times
+    assert sum(gpt2_table[category][2] - gpt2_table[category][1] for category in named) > 0, out  # and finds some
 
 
-def _side_by_side(section: str) -> dict[str, tuple[float, float]]:
-    """{first word of a category: (ours ms, theirs ms)} from profile_step.side_by_side's table."""
+def _side_by_side(section: str) -> dict[str, tuple[float, float, float]]:
+    """{first word of a category: (ours ms, theirs ms, theirs with calls ms)} from profile_step.side_by_side's
+    table, for the rows where every one of the three is there."""
     rows = {}
     for line in section.splitlines()[2:]:
         if line.startswith("step"):
             break
         cells = line[38:].split()
-        if len(cells) >= 2:
-            rows[line.split()[0]] = (float(cells[0]), float(cells[1]))
+        if len(cells) >= 4:
+            rows[line.split()[0]] = (float(cells[0]), float(cells[1]), float(cells[3]))
     return rows
 
 
