@@ -485,6 +485,10 @@ RMS_NORM_ROWS_BACKWARD = RowKernel("rms_norm_rows_backward", "T dout, T weight, 
                                    ])
 """RMSNorm's backward: dx = rstd·(dn − n·mean(dn·n)), dn = dout·weight, and the weight gradient Σ dout·n."""
 
+ROW_DOTS = RowKernel("row_dots", "T a, T b", "T dot", [("sum", [("dot", "a * b")])])
+"""Σ a·b over each row: attention's backward needs Σ_j p_ij·dp_ij, which is dy_i·y_i per query and head
+(models.layers.row_dots); as one loop per row no a·b array is written and read back for the sums."""
+
 _SIGMOID = ("sigmoid", "1.0 / (exp(-gate) + 1.0)")
 
 SWIGLU_FORWARD = FusedKernel("swiglu_forward", "T gate, T up", "T out", [_SIGMOID, ("out", "gate * sigmoid * up")])

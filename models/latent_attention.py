@@ -57,7 +57,7 @@ from .layers import (
     Saved,
     causal_softmax,
     query_blocks,
-    row_sums,
+    row_dots,
     seen_keys,
     softmax_backward,
 )
@@ -265,7 +265,8 @@ class LatentAttention(Layer):
         n_head, d_n, d_r, d_v = self.n_head, self.nope_dim, self.rope_dim, self.value_dim
         dheads = dmerged.reshape(batch, length, n_head, d_v).transpose(0, 2, 1, 3)
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, H·d_v), not (B, H, T, T)
-        weighted_sum = row_sums((dmerged * saved.merged).reshape(batch, length, n_head, d_v)).transpose(0, 2, 1, 3)
+        heads = (batch, length, n_head, d_v)
+        weighted_sum = row_dots(dmerged.reshape(heads), saved.merged.reshape(heads)).transpose(0, 2, 1, 3)
         dq = xp.empty((batch, length, n_head, d_n + d_r), dmerged.dtype)
         dq_nope = dq.transpose(0, 2, 1, 3)[..., :d_n]
         dq_rope = xp.empty((batch, n_head, length, d_r), dmerged.dtype)

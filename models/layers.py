@@ -153,6 +153,16 @@ def row_sums(a: Array) -> Array:
     return sums.reshape(*a.shape[:-1], 1)
 
 
+def row_dots(a: Array, b: Array) -> Array:
+    """Σ a·b over the last axis, keepdims. On the CPU one compiled loop per row (kernels.ROW_DOTS) where
+    models.host_kernels can build it; else `row_sums(a * b)`, which writes a·b and reads it back."""
+    if not is_device_array(a):
+        result = host_kernels.run(kernels.ROW_DOTS, a=a, b=b)
+        if result is not None:
+            return result["dot"]
+    return row_sums(a * b)
+
+
 def column_sums(a: Array) -> Array:
     """Σ over every axis but the last (bias and LayerNorm gradients), as a vector-matrix product with ones: as
     for row_sums, BLAS beats NumPy's sum(axis=0)."""
@@ -756,7 +766,8 @@ class CausalSelfAttention(ProjectedAttention):
         dq, dk, dv = split_heads(dqkv, self.n_head, n_kv)
         dq5, dk5, dv5 = grouped(dq, n_kv), dk[:, :, None], dv[:, :, None]
         # Σ_j p_ij·dp_ij = dy_i·y_i (FlashAttention's identity): a pass over (B, T, C) instead of (B, H, T, T)
-        weighted_sum = row_sums((dmerged * saved.merged).reshape(batch, length, self.n_head, head_dim))
+        heads = (batch, length, self.n_head, head_dim)
+        weighted_sum = row_dots(dmerged.reshape(heads), saved.merged.reshape(heads))
         weighted_sum = grouped(weighted_sum.transpose(0, 2, 1, 3), n_kv)
         q, k, v, documents = grouped(saved.q, n_kv), saved.k[:, :, None], saved.v[:, :, None], saved.documents
         blocks = list(attention_blocks(documents, batch, length, self.query_block))

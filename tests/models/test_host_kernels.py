@@ -24,7 +24,19 @@ from test_kernels import ADAMW_STEP, INDEPENDENT_FORMULAS, KERNELS, assert_match
 
 from models import host_kernels, kernels
 from models.kernels import RowKernel
-from models.layers import GELU, IGNORED, HeadCrossEntropy, LayerNorm, RMSNorm, Saved, SwiGLU, causal_softmax
+from models.layers import (
+    GELU,
+    IGNORED,
+    CausalSelfAttention,
+    HeadCrossEntropy,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    Saved,
+    SwiGLU,
+    causal_softmax,
+    row_dots,
+)
 from models.parameter import Parameter
 from models.precision import DTYPES
 from mpiparallel.optim import AdamW, adamw_kernel_scalars, adamw_update, adamw_update_many
@@ -119,9 +131,14 @@ def _rms_norm_rows_backward(dout, weight, normalized, rstd):
             "dweight": (dout * normalized).reshape(-1, dout.shape[-1]).sum(axis=0)}
 
 
+def _row_dots(a, b):
+    return {"dot": np.einsum("...i,...i->...", a, b)[..., None]}
+
+
 ROW_FORMULAS = {"layer_norm_rows_forward": _layer_norm_rows_forward,
                 "layer_norm_rows_backward": _layer_norm_rows_backward,
-                "rms_norm_rows_forward": _rms_norm_rows_forward, "rms_norm_rows_backward": _rms_norm_rows_backward}
+                "rms_norm_rows_forward": _rms_norm_rows_forward, "rms_norm_rows_backward": _rms_norm_rows_backward,
+                "row_dots": _row_dots}
 """What each row kernel computes, written from the math (NumPy's mean and var), not from its statements."""
 
 
@@ -667,6 +684,31 @@ def test_the_compiled_causal_softmax_leaves_what_it_cannot_take_to_numpy():
         assert not host_kernels.causal_softmax(given, 0)
         np.testing.assert_array_equal(given, before)
     assert host_kernels.causal_softmax(scores, 0)  # the same call, contiguous: compiled
+
+
+@compiled
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6)])
+def test_row_dots_compiled_equal_the_chain_and_serve_the_attention_backward(monkeypatch, dtype, tolerance):
+    """Σ a·b per row of each head, (B, T, H, d) -> (B, T, H, 1), compiled and as row_sums(a·b); the attention's
+    backward asks for it once (Σ_j p·dp as dy·y), and falls back to the chain where the kernel cannot run."""
+    a, b = (RNG.standard_normal((2, 5, 3, 64)).astype(dtype) for _ in range(2))
+    kernels_run = []
+    run = host_kernels.run
+    monkeypatch.setattr(host_kernels, "run", lambda kernel, **arrays: kernels_run.append(kernel.name) or run(
+        kernel, **arrays))
+    compiled_dots = row_dots(a, b)
+    assert kernels_run == ["row_dots"] and compiled_dots.shape == (2, 5, 3, 1) and compiled_dots.dtype == dtype
+    assert_matches(compiled_dots, np.einsum("bthd,bthd->bth", a, b)[..., None], "the math", tolerance)
+    monkeypatch.setattr(host_kernels, "ENABLED", False)
+    assert_matches(compiled_dots, row_dots(a, b), "against the chain", tolerance)
+    monkeypatch.setattr(host_kernels, "ENABLED", True)
+    kernels_run.clear()
+    qkv, projection = (Linear(Parameter(name, RNG.standard_normal(shape).astype(dtype))) for name, shape in
+                       (("qkv", (12, 36)), ("proj", (12, 12))))
+    attention = CausalSelfAttention(qkv, projection, 3, query_block=2)
+    out, saved = attention.forward(RNG.standard_normal((2, 5, 12)).astype(dtype))
+    attention.backward_input(saved, np.ones_like(out))
+    assert kernels_run.count("row_dots") == 1
 
 
 @compiled

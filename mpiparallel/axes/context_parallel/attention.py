@@ -71,6 +71,7 @@ from models.layers import (
     Saved,
     group_sum,
     grouped,
+    row_dots,
     row_sums,
     softmax_backward,
 )
@@ -328,7 +329,7 @@ class KeyValueBlockAttention(ProjectedAttention):
         q, n_kv = saved.q, self.n_kv_head
         batch, length, n_head, head_dim = q.shape
         dmerged = dmerged.reshape(q.shape)
-        weighted_sum = grouped(_heads(row_sums(dmerged * saved.merged.reshape(q.shape))), n_kv)
+        weighted_sum = grouped(_heads(row_dots(dmerged, saved.merged.reshape(q.shape))), n_kv)
         dqkv = xp.zeros((batch, length, (n_head + 2 * n_kv) * head_dim), q.dtype)
         dq = dqkv[..., :n_head * head_dim].reshape(q.shape)
         dkv = dqkv[..., n_head * head_dim:].reshape(batch, length, 2, n_kv, head_dim)
