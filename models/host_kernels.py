@@ -57,6 +57,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import operator
 import os
 import platform
 import re
@@ -109,8 +110,9 @@ def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
     """
     if not ENABLED:
         return None
-    key = (kernel, *[(name, value.shape, value.strides, value.dtype, value.flags.writeable)
-                     if type(value) is np.ndarray else (name, type(value)) for name, value in arrays.items()])
+    key = (kernel, *[(name, value.shape, value.strides, value.dtype) if type(value) is np.ndarray
+                     else (name, type(value)) for name, value in arrays.items()],
+           *[arrays[name].flags.writeable for name in kernel.output_names if name in arrays])  # (outputs given)
     call = _CALLS.get(key)
     if call is None:
         call = _CALLS[key] = _call(kernel, arrays)
@@ -118,25 +120,24 @@ def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
             _CALLS.clear()
     if call is _CANNOT:
         return None
-    function, inputs, scalars, leading, dtype, new_outputs, outputs, strides = call
+    function, read_inputs, leading, dtype, new_outputs, outputs, strides = call
     results = {name: arrays[name] if name in arrays else np.empty(new_outputs[name], dtype) for name in outputs}
-    function(*leading, *[float(arrays[name]) if name in scalars else arrays[name] for name in inputs],
-             *[results[name] for name in outputs], *strides)  # arrays as objects: C reads their data pointers
-    return results
+    function(*leading, *read_inputs(arrays), *[results[name] for name in outputs], *strides)  # arrays as objects:
+    return results  # C reads their data pointers; a scalar ctypes turns into a double as float() would
 
 
 _CALLS: dict[tuple, Any] = {}
-"""What a call of these arguments needs (`_call`), by kernel and each argument's name, shape, strides, dtype and
-writability (or type, for a scalar) — all that decides whether and how the compiled loop takes them. Why: in a
-training step the interpreter runs with cold caches (each GEMM before a norm evicts them), where the checks below
-cost about 140 µs a call against 17 µs warm; a dictionary look-up replaces most of them."""
+"""What a call of these arguments needs (`_call`), by kernel, each argument's name, shape, strides and dtype (or
+type, for a scalar) and the writability of the outputs given — all that decides whether and how the compiled loop
+takes them. Why: in a training step the interpreter runs with cold caches (each GEMM before a norm evicts them),
+where the checks below cost about 140 µs a call against 17 µs warm; a dictionary look-up replaces most of them."""
 MAX_CALLS = 4096
 _CANNOT = "cannot"
 
 
 def _call(kernel: Kernel, arrays: Mapping[str, Any]) -> Any:
-    """(function, input names, the scalar ones, rows and width, dtype, the shapes of the outputs to allocate, output
-    names, the row strides of the STRIDED arguments) for `run`, or _CANNOT."""
+    """(function, what reads the inputs from the call's arguments in order, rows and width, dtype, the shapes of
+    the outputs to allocate, output names, the row strides of the STRIDED arguments) for `run`, or _CANNOT."""
     inputs, outputs = _names(kernel)
     call = _plan(kernel, inputs, outputs, arrays)
     if call is None:
@@ -146,10 +147,10 @@ def _call(kernel: Kernel, arrays: Mapping[str, Any]) -> Any:
     if function is None:
         return _CANNOT
     new_outputs = {name: _output_shape(kernel, name, shape) for name in outputs if name not in arrays}
-    scalars = frozenset(name for name, layout in zip(inputs, layouts, strict=True) if layout == SCALAR)
     strided = [name for name, layout in zip(inputs, layouts, strict=True) if layout == STRIDED]
     strides = tuple(_row_stride(arrays[name]) for name in [*strided, *strided_outputs])  # fixed by the key
-    return function, inputs, scalars, (_rows(shape), shape[-1]), dtype, new_outputs, outputs, strides
+    read_inputs = operator.itemgetter(*inputs) if len(inputs) > 1 else lambda given: (given[inputs[0]],)
+    return function, read_inputs, (_rows(shape), shape[-1]), dtype, new_outputs, outputs, strides
 
 
 def run_many(kernel: FusedKernel, scalars: Mapping[str, float], tensors: Sequence[Mapping[str, np.ndarray]]
