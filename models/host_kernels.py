@@ -122,8 +122,9 @@ def run(kernel: Kernel, **arrays: Any) -> dict[str, np.ndarray] | None:
         return None
     function, read_inputs, leading, dtype, new_outputs, outputs, strides = call
     results = {name: arrays[name] if name in arrays else np.empty(new_outputs[name], dtype) for name in outputs}
-    function(*leading, *read_inputs(arrays), *[results[name] for name in outputs], *strides)  # arrays as objects:
-    return results  # C reads their data pointers; a scalar ctypes turns into a double as float() would
+    # arrays go as the objects themselves (C reads their data pointers); ctypes turns a scalar into a double
+    function(*leading, *read_inputs(arrays), *[results[name] for name in outputs], *strides)
+    return results
 
 
 _CALLS: dict[tuple, Any] = {}
