@@ -760,8 +760,7 @@ class CausalSelfAttention(ProjectedAttention):
         batch, length, channels = dmerged.shape
         head_dim, n_kv = channels // self.n_head, self.n_kv_head
         dheads = grouped(dmerged.reshape(batch, length, self.n_head, head_dim).transpose(0, 2, 1, 3), n_kv)
-        # zeroed: the earlier query blocks add into the keys and values they saw (packed documents: some keys only
-        # they see)
+        # zeroed, though every key's first sum is written (add_key_products): what a block leaves is 0, not garbage
         dqkv = xp.zeros((batch, length, (self.n_head + 2 * n_kv) * head_dim), dmerged.dtype)
         dq, dk, dv = split_heads(dqkv, self.n_head, n_kv)
         dq5, dk5, dv5 = grouped(dq, n_kv), dk[:, :, None], dv[:, :, None]
@@ -770,22 +769,17 @@ class CausalSelfAttention(ProjectedAttention):
         weighted_sum = row_dots(dmerged.reshape(heads), saved.merged.reshape(heads))
         weighted_sum = grouped(weighted_sum.transpose(0, 2, 1, 3), n_kv)
         q, k, v, documents = grouped(saved.q, n_kv), saved.k[:, :, None], saved.v[:, :, None], saved.documents
-        blocks = list(attention_blocks(documents, batch, length, self.query_block))
-        # The blocks in reverse: the last of its rows comes first, sees the most keys (one document per window:
-        # all of them) and finds nothing added there yet, so its d(k), d(v) products are written straight into
-        # d(qkv); the earlier blocks' are added to them.
-        for index in reversed(range(len(blocks))):
-            rows, block, keys, here = blocks[index]
-            first = index + 1 == len(blocks) or blocks[index + 1][0] != rows  # the first of its rows to reach them
+        blocks = attention_blocks(documents, batch, length, self.query_block)
+        for index, (rows, block, keys, here) in enumerate(blocks):
             probs = (saved.probs[index] if saved.probs is not None
                      else self._probabilities(q[rows], k[rows], block.start, block.stop, keys, here))
             dout = dheads[rows][..., block, :]
-            add_group_products(dv5[rows][..., keys, :], probs.swapaxes(-1, -2), dout, first)
+            reached = max(block.start - keys.start, 0)  # the keys before this block's own: earlier blocks saw them
+            add_key_products(dv5[rows][..., keys, :], probs.swapaxes(-1, -2), dout, reached)
             dprobs = dout @ v[rows][..., keys, :].swapaxes(-1, -2)
             dscores = softmax_backward(probs, dprobs, weighted_sum[rows][..., block, :])
             xp.matmul(dscores, k[rows][..., keys, :], out=dq5[rows][..., block, :])
-            queries = q[rows][..., block, :]  # scaled
-            add_group_products(dk5[rows][..., keys, :], dscores.swapaxes(-1, -2), queries, first)
+            add_key_products(dk5[rows][..., keys, :], dscores.swapaxes(-1, -2), q[rows][..., block, :], reached)
         dq *= 1.0 / math.sqrt(head_dim)
         if self.rope is not None:
             positions = documents.rotary_positions(np.arange(length))
@@ -816,16 +810,19 @@ def group_sum(products: Array) -> Array:
     return products if products.shape[2] == 1 else products.sum(axis=2, keepdims=True)
 
 
-def add_group_products(target: Array, a: Array, b: Array, write: bool) -> None:
-    """target += group_sum(a @ b), or target = it when `write` (the first products to reach target). Why: a
-    product written into the strided d(k) or d(v) view by the matrix product itself costs no pass of its own,
-    where adding one costs a temporary and a strided pass over it."""
-    if not write:
-        target += group_sum(a @ b)
-    elif a.shape[2] == 1:  # one query head per KV head: nothing to sum
-        get_array_module(target).matmul(a, b, out=target)
+def add_key_products(target: Array, a: Array, b: Array, reached: int) -> None:
+    """target += group_sum(a @ b), where the rows of `a` and `target` are keys: the first `reached` keys, which
+    earlier query blocks reached too, are added to; the rest — this block's own keys, which no earlier block sees —
+    are written by the product itself. Why: written into the strided d(k) or d(v) view by the matrix product, a
+    key's first sum costs no temporary and no strided pass; and each key's sums still come in the blocks' order,
+    so the query block changes no number."""
+    if reached:
+        target[..., :reached, :] += group_sum(a[..., :reached, :] @ b)
+    own, first = target[..., reached:, :], a[..., reached:, :]
+    if first.shape[2] == 1:  # one query head per KV head: nothing to sum
+        get_array_module(target).matmul(first, b, out=own)
     else:
-        (a @ b).sum(axis=2, keepdims=True, out=target)
+        (first @ b).sum(axis=2, keepdims=True, out=own)
 
 
 class KVCache:
