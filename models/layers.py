@@ -779,7 +779,8 @@ class CausalSelfAttention(ProjectedAttention):
             dprobs = dout @ v[rows][..., keys, :].swapaxes(-1, -2)
             dscores = softmax_backward(probs, dprobs, weighted_sum[rows][..., block, :])
             xp.matmul(dscores, k[rows][..., keys, :], out=dq5[rows][..., block, :])
-            add_key_products(dk5[rows][..., keys, :], dscores.swapaxes(-1, -2), q[rows][..., block, :], reached)
+            queries = q[rows][..., block, :]  # scaled by 1/√d: d(k) needs no scale of its own
+            add_key_products(dk5[rows][..., keys, :], dscores.swapaxes(-1, -2), queries, reached)
         dq *= 1.0 / math.sqrt(head_dim)
         if self.rope is not None:
             positions = documents.rotary_positions(np.arange(length))
@@ -818,11 +819,11 @@ def add_key_products(target: Array, a: Array, b: Array, reached: int) -> None:
     so the query block changes no number."""
     if reached:
         target[..., :reached, :] += group_sum(a[..., :reached, :] @ b)
-    own, first = target[..., reached:, :], a[..., reached:, :]
-    if first.shape[2] == 1:  # one query head per KV head: nothing to sum
-        get_array_module(target).matmul(first, b, out=own)
+    own_keys, own_rows = target[..., reached:, :], a[..., reached:, :]
+    if own_rows.shape[2] == 1:  # one query head per KV head: nothing to sum
+        get_array_module(target).matmul(own_rows, b, out=own_keys)
     else:
-        (first @ b).sum(axis=2, keepdims=True, out=own)
+        (own_rows @ b).sum(axis=2, keepdims=True, out=own_keys)
 
 
 class KVCache:
