@@ -782,8 +782,9 @@ def profile_both(args: argparse.Namespace, device: Device, ours: Transformer, ou
             torch_step(theirs, theirs_optimizer, torch.from_numpy(tokens), torch.from_numpy(targets),
                        bfloat16=args.compute_dtype == "bfloat16")
 
+        learned_positions = None if ours.config.is_llama else (args.batch, args.seq, ours.config.n_embd)
         theirs_categories, theirs_with_calls, theirs_seconds, generic = profile_step.torch_categories(
-            torch, theirs_step, args.steps)
+            torch, theirs_step, args.steps, learned_positions)
     config = ours.config
     least = profile_step.least_bytes(config, args.batch, args.seq, np.dtype(args.dtype).itemsize,
                                      block_linears(config))

@@ -296,13 +296,18 @@ class LayerProfile:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def torch_categories(torch: Any, run_step, steps: int) -> tuple[dict[str, float], dict[str, float], float, bool]:
+def torch_categories(torch: Any, run_step, steps: int, activations: tuple[int, int, int] | None = None
+                     ) -> tuple[dict[str, float], dict[str, float], float, bool]:
     """Seconds per step in each category from torch.profiler's self CPU times over `steps` calls of `run_step()`:
     of the operators doing the work, and with the events that call them added (TORCH_CALLS); the profiled wall
-    time per step, and whether generic operators (pow, rsqrt, neg) built norms or RoPE."""
+    time per step, and whether generic operators (pow, rsqrt, neg) built norms or RoPE.
+
+    `activations` (B, T, C), for a model with learned positions: the position rows' add (B, T, C) + (T, C) and
+    their gradient's sum over the batch are counted as the embedding's, as ours counts them (`position_work`);
+    torch.profiler then records shapes, which tells those two from the residual adds and the bias gradients."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=activations is not None) as profiler:
         start = time.perf_counter()
         for _ in range(steps):
             run_step()
@@ -310,10 +315,12 @@ def torch_categories(torch: Any, run_step, steps: int) -> tuple[dict[str, float]
     seconds: dict[str, float] = defaultdict(float)
     calls: dict[str, float] = defaultdict(float)
     generic = False
-    for event in profiler.key_averages():
+    for event in profiler.key_averages(group_by_input_shape=activations is not None):
         category = TORCH_CATEGORY.get(event.key)
         if category is None and event.key.startswith("aten::_foreach_"):
             category = "optimizer"
+        if activations is not None and position_work(event.key, event.input_shapes, activations):
+            category = "embedding"
         generic |= event.key in GENERIC_ELEMENTWISE
         if category is not None:
             seconds[category] += event.self_cpu_time_total / 1e6 / steps
@@ -324,6 +331,21 @@ def torch_categories(torch: Any, run_step, steps: int) -> tuple[dict[str, float]
     seconds["rest"] = wall - sum(seconds.values())
     with_calls["rest"] = wall - sum(value for category, value in with_calls.items() if category != "rest")
     return dict(seconds), with_calls, wall, generic
+
+
+def position_work(name: str, input_shapes: Any, activations: tuple[int, int, int]) -> bool:
+    """Whether torch's operator `name` on `input_shapes` is the learned positions' share of the embedding: the add
+    of the position rows to the token rows, (B, T, C) + (T, C), or the sum over the batch that is their gradient
+    (aten::sum of a (B, T, C) array over a list of dimensions). Our embedding layer does both (models.layers.
+    Embedding: one compiled gather-and-add, one scatter into both tables), so without this torch's embedding row
+    would hold less of the work than ours; the residual adds are (B, T, C) + (B, T, C), the bias gradients sum
+    (B·T, C) arrays."""
+    batch, length, channels = activations
+    rows, positions = [batch, length, channels], [length, channels]
+    shapes = [list(shape) for shape in input_shapes or []]
+    if name == "aten::add":
+        return shapes[:2] == [rows, positions]
+    return name == "aten::sum" and len(shapes) == 4 and shapes[0] == rows
 
 
 # ---------------------------------------------------------------------------------------------------------------

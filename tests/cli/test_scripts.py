@@ -98,6 +98,32 @@ def test_the_layer_profile_counts_products_inside_a_layer_as_its_matmul_part_and
     assert "forward" not in vars(layer) and layer.products.forward == original
 
 
+def test_the_torch_profile_counts_the_position_rows_add_and_their_gradient_as_the_embeddings():
+    """Ours does the position add and d(wpe) in its embedding layer; torch's profile must put the same two operators
+    in its embedding row — and neither the residual add nor a bias gradient, which look alike but for their shapes."""
+    torch = pytest.importorskip("torch", reason="the profile is torch.profiler's")
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(BENCH_TRAIN.parent))
+    import profile_step
+
+    batch, length, channels = 2, 6, 8
+    token_table, position_table = torch.nn.Embedding(11, channels), torch.nn.Embedding(length, channels)
+    linear = torch.nn.Linear(channels, channels)
+    tokens = torch.randint(0, 11, (batch, length))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        x = token_table(tokens) + position_table(torch.arange(length))
+        y = x + linear(x)  # a residual add, and a bias whose gradient is a sum over B·T rows
+        (y * y).mean().backward()
+    events = [(event.key, [list(shape) for shape in event.input_shapes])
+              for event in profiler.key_averages(group_by_input_shape=True)]
+    picked = [(name, shapes[0]) for name, shapes in events
+              if profile_step.position_work(name, shapes, (batch, length, channels))]
+    assert sorted(picked) == [("aten::add", [batch, length, channels]), ("aten::sum", [batch, length, channels])]
+    assert ("aten::add", [[batch, length, channels], [batch, length, channels], []]) in events  # seen, not picked
+    assert any(name == "aten::sum" and shapes[0] == [batch * length, channels] for name, shapes in events)
+
+
 SHIFTED_LOSS = ("forward = bench_train.TransformersLlama.forward; "
                 "bench_train.TransformersLlama.forward = lambda self, *a: forward(self, *a) + 1e-2")
 SCALED_KEYS = ("import torch; init = bench_train.TransformersLlama.__init__; "
