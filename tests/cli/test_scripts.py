@@ -117,9 +117,10 @@ def test_the_torch_profile_counts_the_position_rows_add_and_their_gradient_as_th
         (y * y).mean().backward()
     events = [(event.key, [list(shape) for shape in event.input_shapes])
               for event in profiler.key_averages(group_by_input_shape=True)]
-    picked = [(name, shapes[0]) for name, shapes in events
-              if profile_step.position_work(name, shapes, (batch, length, channels))]
-    assert sorted(picked) == [("aten::add", [batch, length, channels]), ("aten::sum", [batch, length, channels])]
+    picked = sorted((name, shapes[:2]) for name, shapes in events
+                    if profile_step.position_work(name, shapes, (batch, length, channels)))
+    assert picked == [("aten::add", [[batch, length, channels], [length, channels]]),
+                      ("aten::sum", [[batch, length, channels], []])], picked
     assert ("aten::add", [[batch, length, channels], [batch, length, channels], []]) in events  # seen, not picked
     assert any(name == "aten::sum" and shapes[0] == [batch * length, channels] for name, shapes in events)
 
