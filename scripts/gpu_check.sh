@@ -15,6 +15,12 @@
 #           of sustained load (about five minutes); its gemm.json and gemm.md go beside the report.
 #           MEASURE_GEMM_ARGS passes options to it, e.g. "--mamf-budget 45 --product-budget 60 --sustained 20"
 #           (about two and a half minutes) where a lease cannot spare five
+#   cpu     issue 47's CPU comparison on the host's processor, one thread per process: the CPU's name and vector
+#           extensions, scripts/bench_train.py --profile (GPT-2 4L/256d against the fastest PyTorch eager, by
+#           category) and scripts/bench_torch_distributed.py (train -n 2 against DDP and FSDP2 over gloo); about
+#           four minutes on a 2-core AMD EPYC. Worth a lease's spare minutes where the host is a CPU kind the
+#           project's own machines are not (an Intel Xeon with AVX-512: the probe prints it). Needs no GPU.
+#   cpu-124m  the same comparison at GPT-2 124M (T 128, B 8, four timed steps): about six minutes there
 #
 # What it needs, and where it comes from: the machine's own CuPy (cupy-cuda13x in the GPU image; nothing installs
 # the `gpu` extra here), PyTorch for the training comparison, and MPI. The GPU image has mpi4py but no MPI library:
@@ -44,9 +50,12 @@ STEPS="$LOGS/steps.jsonl"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 FAILED=0
 
+NEEDS_GPU=0
 for group in $GROUPS_WANTED; do
-    case $group in probe|tests|verify|bench|train|gemm) ;; *)
-        echo "gpu_check: unknown group '$group' (probe, tests, verify, bench, train, gemm)" >&2; exit 2 ;;
+    case $group in
+    probe|tests|verify|bench|train|gemm) NEEDS_GPU=1 ;;
+    cpu|cpu-124m) ;;
+    *) echo "gpu_check: unknown group '$group' (probe, tests, verify, bench, train, gemm, cpu, cpu-124m)" >&2; exit 2 ;;
     esac
 done
 
@@ -93,17 +102,19 @@ if ! "$PYTHON" -c "from mpi4py import MPI" 2>"$LOGS/mpi.err"; then
     echo "gpu_check: mpi4py finds no MPI library even after installing the mpich wheel: $(tail -1 "$LOGS/mpi.err")" >&2
     exit 2
 fi
-reason=$("$PYTHON" -c "from collectives import backend; print(backend.gpu_unavailable_reason() or '')" 2>&1)
-if [ -n "$reason" ]; then
-    echo "gpu_check: no GPU to check: $reason" >&2
-    exit 2
+NCCL_RANKS=""
+if [ $NEEDS_GPU = 1 ]; then  # (the cpu groups run anywhere)
+    reason=$("$PYTHON" -c "from collectives import backend; print(backend.gpu_unavailable_reason() or '')" 2>&1)
+    if [ -n "$reason" ]; then
+        echo "gpu_check: no GPU to check: $reason" >&2
+        exit 2
+    fi
+    # NCCL allows several ranks on one GPU from 2.30 on, with NCCL_MULTI_RANK_GPU_ENABLE=1 ("Duplicate GPU" before).
+    NCCL_CODE=$("$PYTHON" -c "from cupy.cuda import nccl; print(nccl.get_version())" 2>/dev/null || echo 0)
+    GPUS=$("$PYTHON" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+    if [ "$NCCL_CODE" -ge 23000 ] || [ "$GPUS" -ge 4 ]; then NCCL_RANKS="2 4"
+    elif [ "$GPUS" -ge 2 ]; then NCCL_RANKS="2"; fi
 fi
-# NCCL allows several ranks on one GPU from 2.30 on, with NCCL_MULTI_RANK_GPU_ENABLE=1 ("Duplicate GPU" before).
-NCCL_CODE=$("$PYTHON" -c "from cupy.cuda import nccl; print(nccl.get_version())" 2>/dev/null || echo 0)
-GPUS=$("$PYTHON" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
-if [ "$NCCL_CODE" -ge 23000 ] || [ "$GPUS" -ge 4 ]; then NCCL_RANKS="2 4"
-elif [ "$GPUS" -ge 2 ]; then NCCL_RANKS="2"
-else NCCL_RANKS=""; fi
 export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
 
 # step NAME GREP_PATTERN COMMAND...: run COMMAND, keep its log, put its status and matching lines in the report.
@@ -140,12 +151,18 @@ note() {
     "$PYTHON" -c "import json, sys; print(json.dumps({'note': sys.argv[1]}))" "$*" >>"$STEPS"
 }
 
+# The host's processor: its name and the vector extensions that decide the CPU comparison (issue 47).
+HOST_CPU='import sys; sys.path.insert(0, "scripts"); import profile_step as p
+print(f"host CPU: {p.cpu_name()}, {p.os.cpu_count()} logical CPUs; {p.cpu_extensions()}")'
+CPU_LINES='host CPU|^CPU|^torch|agrees|ours *:|torch *:|ratio|ahead|^matmul|^attention|^GELU|^LayerNorm|^cross|^bias|^embedding|^optimizer|^zeroing|^the rest|^step|BLAS|would run|DDP|FSDP|tokens/s'
+
 echo "# mpiparallel GPU check ($GROUPS_WANTED), $(date -u '+%Y-%m-%d %H:%M UTC')" >"$SUMMARY"
 echo >>"$SUMMARY"
 
 for group in $GROUPS_WANTED; do
     case $group in
     probe)
+        step host-cpu 'host CPU' "$PYTHON" -c "$HOST_CPU"
         step probe 'GPU|CuPy|CUDA|NVRTC|NCCL|MPI|ranks|torch|staging|aware' "$PYTHON" - <<'EOF'
 import subprocess
 import cupy
@@ -220,6 +237,16 @@ EOF
     gemm)
         step gemm-measure 'device|MAMF|products|sustained|wrote|rror' \
             "$PYTHON" scripts/measure_gemm.py --out "$REPORT" ${MEASURE_GEMM_ARGS:-}
+        ;;
+    cpu)
+        step host-cpu 'host CPU' "$PYTHON" -c "$HOST_CPU"
+        step cpu-train-gpt2 "$CPU_LINES" "$PYTHON" scripts/bench_train.py --device cpu --model gpt2 --profile
+        step cpu-ddp-fsdp2 "$CPU_LINES" "$PYTHON" scripts/bench_torch_distributed.py --kind both --repeats 1
+        ;;
+    cpu-124m)
+        step host-cpu 'host CPU' "$PYTHON" -c "$HOST_CPU"
+        step cpu-train-gpt2-124m "$CPU_LINES" "$PYTHON" scripts/bench_train.py --device cpu --preset gpt2-124m \
+            --seq 128 --batch 8 --steps 4 --warmup 1
         ;;
     esac
 done

@@ -119,6 +119,26 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+VECTOR_EXTENSIONS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile")
+"""The x86 flags that decide the CPU comparison (issue 47: NumPy's OpenBLAS and torch's oneMKL rank differently on
+an Intel Xeon with AVX-512 than on an AMD EPYC) — Linux's /proc/cpuinfo names."""
+
+
+def cpu_extensions() -> str:
+    """Which of VECTOR_EXTENSIONS this CPU has, as /proc/cpuinfo lists them ('unknown' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    flags = set(value.split())
+                    return " ".join(flag for flag in VECTOR_EXTENSIONS if flag in flags) or "none of " + \
+                        ", ".join(VECTOR_EXTENSIONS)
+    except OSError:
+        pass
+    return "unknown"
+
+
 def numpy_simd() -> str:
     """The widest SIMD extension NumPy's dispatched loops use on this CPU (its dispatch targets that it found)."""
     from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
@@ -162,7 +182,7 @@ def machine_lines(torch: Any | None) -> list[str]:
     """What the figures depend on: the CPU, NumPy's SIMD and BLAS kernels, torch's."""
     from models import host_kernels, host_memory
 
-    lines = [f"CPU: {cpu_name()}; NumPy {np.__version__} SIMD up to {numpy_simd()}, "
+    lines = [f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs; {cpu_extensions()}); NumPy {np.__version__} SIMD up to {numpy_simd()}, "
              f"BLAS OpenBLAS kernels {openblas_core()}; CPU kernels: {host_kernels.status(build=True)}",
              f"freed host memory: {host_memory.status()} — for the whole process, both steps alike"]
     if torch is not None:

@@ -3,6 +3,7 @@ compares GPT-2 and llama with their PyTorch twins only when both compute the sam
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -159,3 +160,29 @@ def test_the_distributed_benchmark_runs_ddp_and_fsdp2_on_the_same_computation():
     drifts = [float(m) for m in re.findall(r"largest loss difference over the steps ([0-9.e+-]+)", out)]
     assert len(drifts) == 2 and max(drifts) < 1e-4, out
     assert re.search(r"summary: ddp [0-9.]+×, fsdp [0-9.]+×", out), out
+
+
+GPU_CHECK = BENCH_TRAIN.parent / "gpu_check.sh"
+
+
+def test_the_gpu_checks_cpu_groups_run_without_a_gpu_and_pass_only_options_the_benchmarks_have(tmp_path):
+    """The `cpu` and `cpu-124m` groups (issue 47's comparison on a lent machine's host CPU) need no GPU: here the
+    host's line is written and each benchmark step starts — a one-second STEP_TIMEOUT then ends it (exit 124), so
+    the test costs seconds; what the steps print is bench_train's and bench_torch_distributed's own tests' matter."""
+    text = GPU_CHECK.read_text()
+    for group, script in (("cpu", BENCH_TRAIN), ("cpu", BENCH_DISTRIBUTED), ("cpu-124m", BENCH_TRAIN)):
+        body = text.split(f"\n    {group})\n", 1)[1].split(";;", 1)[0]
+        command = next(part for part in body.split('"$PYTHON" ')[1:] if part.startswith(f"scripts/{script.name}"))
+        command = command.split("\n        step ", 1)[0]  # to the next step
+        help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                                   timeout=120, check=True).stdout
+        used = set(re.findall(r"(--[a-z][a-z-]+)", command))
+        assert used and used <= set(re.findall(r"(--[a-z][a-z-]+)", help_text)), (group, sorted(used))
+    finished = subprocess.run(["bash", str(GPU_CHECK), str(tmp_path / "report"), "cpu", "cpu-124m"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "STEP_TIMEOUT": "1"})
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "no GPU to check" not in finished.stderr, finished.stderr
+    assert re.search(r"host CPU: .+, \d+ logical CPUs; ", report), report
+    for step in ("cpu-train-gpt2", "cpu-ddp-fsdp2", "cpu-train-gpt2-124m"):
+        assert f"## {step} — FAILED (exit 124)" in report, report  # reached, and ended by the step timeout
+    assert finished.returncode == 1 and (tmp_path / "report" / "logs.tar.gz").exists()
