@@ -180,8 +180,8 @@ def test_the_gpu_checks_cpu_groups_run_without_a_gpu_and_pass_only_options_the_b
         assert used and used <= set(re.findall(r"(--[a-z][a-z-]+)", help_text)), (group, sorted(used))
     finished = subprocess.run(["bash", str(GPU_CHECK), str(tmp_path / "report"), "cpu", "cpu-124m"],
                               capture_output=True, text=True, timeout=120, env={**os.environ, "STEP_TIMEOUT": "1"})
-    report = (tmp_path / "report" / "report.md").read_text()
     assert "no GPU to check" not in finished.stderr, finished.stderr
+    report = (tmp_path / "report" / "report.md").read_text()
     assert re.search(r"host CPU: .+, \d+ logical CPUs; ", report), report
     for step in ("cpu-train-gpt2", "cpu-ddp-fsdp2", "cpu-train-gpt2-124m"):
         assert f"## {step} — FAILED (exit 124)" in report, report  # reached, and ended by the step timeout
