@@ -182,8 +182,9 @@ def machine_lines(torch: Any | None) -> list[str]:
     """What the figures depend on: the CPU, NumPy's SIMD and BLAS kernels, torch's."""
     from models import host_kernels, host_memory
 
-    lines = [f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs; {cpu_extensions()}); NumPy {np.__version__} SIMD up to {numpy_simd()}, "
-             f"BLAS OpenBLAS kernels {openblas_core()}; CPU kernels: {host_kernels.status(build=True)}",
+    lines = [f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs; {cpu_extensions()}); NumPy {np.__version__} SIMD "
+             f"up to {numpy_simd()}, BLAS OpenBLAS kernels {openblas_core()}; CPU kernels: "
+             f"{host_kernels.status(build=True)}",
              f"freed host memory: {host_memory.status()} — for the whole process, both steps alike"]
     if torch is not None:
         blas = "MKL" if torch.backends.mkl.is_available() else "its own"
