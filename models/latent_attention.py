@@ -55,6 +55,7 @@ from .layers import (
     KVCache,
     Layer,
     Saved,
+    add_key_products,
     causal_softmax,
     query_blocks,
     row_dots,
@@ -270,28 +271,36 @@ class LatentAttention(Layer):
         dq = xp.empty((batch, length, n_head, d_n + d_r), dmerged.dtype)
         dq_nope = dq.transpose(0, 2, 1, 3)[..., :d_n]
         dq_rope = xp.empty((batch, n_head, length, d_r), dmerged.dtype)
-        # zeroed because every query block adds into the keys and values it saw
+        # zeroed: a key no query block sees keeps 0 (a key one sees is written by the first, added to by the rest)
         dkv = xp.zeros((batch, keys_length, n_head, d_n + d_v), dmerged.dtype)
-        dk_nope, dv = dkv.transpose(0, 2, 1, 3)[..., :d_n], dkv.transpose(0, 2, 1, 3)[..., d_n:]
-        dk_rope = xp.zeros((batch, 1, keys_length, d_r), dmerged.dtype)
+        # a group axis of one (every head its own key) for add_key_products: (B, H, 1, s, d)
+        dk_nope, dv = dkv.transpose(0, 2, 1, 3)[:, :, None, :, :d_n], dkv.transpose(0, 2, 1, 3)[:, :, None, :, d_n:]
+        dk_rope = xp.zeros((batch, 1, 1, keys_length, d_r), dmerged.dtype)  # one key for all H heads: a group of H
         q_nope, q_rope, k_nope, k_rope, v = saved.q_nope, saved.q_rope, saved.k_nope, saved.k_rope, saved.v
+        group, furthest = None, 0  # the furthest key the group's earlier blocks reached
         for index, (b, rows, keys, here) in enumerate(self._blocks_seeing(saved.documents, batch, saved.spans)):
+            if b != group:
+                group, furthest = b, 0
+            reached = max(min(furthest, keys.stop) - keys.start, 0)
+            furthest = max(furthest, keys.stop)
             probs = (saved.probs[index] if saved.probs is not None
                      else self._probabilities(q_nope[b][..., rows, :], q_rope[b][..., rows, :], k_nope[b], k_rope[b],
                                               keys, here))
             dout = dheads[b][..., rows, :]
-            dv[b][..., keys, :] += probs.swapaxes(-1, -2) @ dout
+            add_key_products(dv[b][..., keys, :], probs.swapaxes(-1, -2)[:, :, None], dout[:, :, None], reached)
             dprobs = dout @ v[b][..., keys, :].swapaxes(-1, -2)
             dscores = softmax_backward(probs, dprobs, weighted_sum[b][..., rows, :])
             xp.matmul(dscores, k_nope[b][..., keys, :], out=dq_nope[b][..., rows, :])
             xp.matmul(dscores, k_rope[b][..., keys, :], out=dq_rope[b][..., rows, :])
-            dk_nope[b][..., keys, :] += dscores.swapaxes(-1, -2) @ q_nope[b][..., rows, :]  # q holds the scale
-            dk_rope[b][..., keys, :] += (dscores.swapaxes(-1, -2) @ q_rope[b][..., rows, :]).sum(axis=1, keepdims=True)
+            key_scores = dscores.swapaxes(-1, -2)
+            add_key_products(dk_nope[b][..., keys, :], key_scores[:, :, None], q_nope[b][:, :, None, rows], reached)
+            add_key_products(dk_rope[b][..., keys, :], key_scores[:, None], q_rope[b][:, None, :, rows], reached)
+            # (q holds the scale: d(k) needs none)
         dq_nope *= self.softmax_scale
         dq_rope *= self.softmax_scale
         dq[..., d_n:] = self._rotated_back(dq_rope, saved.query_positions).transpose(0, 2, 1, 3)
         return (narrow(dq.reshape(batch, length, -1), dtype), narrow(dkv.reshape(batch, keys_length, -1), dtype),
-                narrow(dk_rope[:, 0], dtype))
+                narrow(dk_rope[:, 0, 0], dtype))
 
     def _rotated_back(self, dx: Array, positions: np.ndarray) -> Array:
         """The backward of `_rotated`: turned back, then (interleaved) reordered to the projection's channels."""
