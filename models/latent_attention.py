@@ -281,6 +281,7 @@ class LatentAttention(Layer):
         for index, (b, rows, keys, here) in enumerate(self._blocks_seeing(saved.documents, batch, saved.spans)):
             if b != group:
                 group, furthest = b, 0
+            # the keys earlier blocks saw get added to; the rest, this block's own, are written (add_key_products)
             reached = max(min(furthest, keys.stop) - keys.start, 0)
             furthest = max(furthest, keys.stop)
             probs = (saved.probs[index] if saved.probs is not None
@@ -292,10 +293,9 @@ class LatentAttention(Layer):
             dscores = softmax_backward(probs, dprobs, weighted_sum[b][..., rows, :])
             xp.matmul(dscores, k_nope[b][..., keys, :], out=dq_nope[b][..., rows, :])
             xp.matmul(dscores, k_rope[b][..., keys, :], out=dq_rope[b][..., rows, :])
-            key_scores = dscores.swapaxes(-1, -2)
+            key_scores = dscores.swapaxes(-1, -2)  # d(k) takes no scale: q holds it
             add_key_products(dk_nope[b][..., keys, :], key_scores[:, :, None], q_nope[b][:, :, None, rows], reached)
             add_key_products(dk_rope[b][..., keys, :], key_scores[:, None], q_rope[b][:, None, :, rows], reached)
-            # (q holds the scale: d(k) needs none)
         dq_nope *= self.softmax_scale
         dq_rope *= self.softmax_scale
         dq[..., d_n:] = self._rotated_back(dq_rope, saved.query_positions).transpose(0, 2, 1, 3)
