@@ -131,9 +131,8 @@ def cpu_extensions() -> str:
             for line in cpuinfo:
                 key, _, value = line.partition(":")
                 if key.strip() == "flags":
-                    flags = set(value.split())
-                    return " ".join(flag for flag in VECTOR_EXTENSIONS if flag in flags) or "none of " + \
-                        ", ".join(VECTOR_EXTENSIONS)
+                    found = [flag for flag in VECTOR_EXTENSIONS if flag in set(value.split())]
+                    return " ".join(found) or "none of " + ", ".join(VECTOR_EXTENSIONS)
     except OSError:
         pass
     return "unknown"
