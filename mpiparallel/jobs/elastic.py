@@ -225,7 +225,7 @@ def recovery_mode(options: dict[str, Any], hostfile: Path | None, cluster: Any) 
                    "--with-ft ulfm)")
     if why_not is None:
         say("elastic: a lost rank is recovered in place: Open MPI runs with its fault tolerance on (--with-ft ulfm)"
-            + (f"; after a lost host the survivors relaunch ({DAEMON_LOSS})" if cluster is not None else ""))
+            + (_lost_host_words() if cluster is not None else ""))
         return True
     if mode == "in-place":
         raise click.UsageError(f"--elastic-mode in-place: {why_not}")
@@ -234,11 +234,21 @@ def recovery_mode(options: dict[str, Any], hostfile: Path | None, cluster: Any) 
 
 
 DAEMON_LOSS = "Open MPI 5.0's runtime ends a job that lost one of its host daemons, at once or a few steps later"
-"""Why a lost host is not recovered in place for good. Measured with `cluster kill` under --with-ft ulfm: the
-survivors learn of the loss and go on in place, but PRRTE 3.0 (Open MPI 5.0.11's mpirun) ends the job — at once
-("PRTE has lost communication with a remote daemon … We cannot recover from this failure") or 1–5 steps later (after
-"A daemon failed to report back"), then exits with 0 (`launch._killed_hosts` tells such an end from a finished
-run). Tolerating a lost daemon came to PRRTE after 3.0."""
+"""Why a lost host is not recovered in place for good under PRRTE 3.0. Measured with `cluster kill` under
+--with-ft ulfm: the survivors learn of the loss and go on in place, but PRRTE 3.0 (Open MPI 5.0.11's mpirun) ends
+the job — at once ("PRTE has lost communication with a remote daemon … We cannot recover from this failure") or 1–5
+steps later (after "A daemon failed to report back"), then exits with 0 (`launch._killed_hosts` tells such an end
+from a finished run). PRRTE 5.0 keeps the job (`launch.KEEPS_JOBS_AFTER_LOST_DAEMONS`): a lost host is then
+recovered in place like a lost rank."""
+
+
+def _lost_host_words() -> str:
+    """What becomes of a lost host, by what Open MPI's runtime does with a job that lost a daemon."""
+    mpiexec = launch.find_mpiexec()
+    if mpiexec is not None and launch.keeps_jobs_after_lost_hosts(mpiexec):
+        version = ".".join(map(str, launch.prrte_version(mpiexec) or ()))
+        return f"; a lost host too (its runtime, PRRTE {version}, keeps a job that lost a host's daemon)"
+    return f"; after a lost host the survivors relaunch ({DAEMON_LOSS})"
 
 
 def _planner_words(mesh: JobMesh) -> str:

