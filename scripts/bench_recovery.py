@@ -68,19 +68,31 @@ def descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
+def environment_of(pid: int) -> set[bytes]:
+    try:
+        return set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+    except OSError:
+        return set()
+
+
 def rank_pid(job: int, rank: int) -> int:
-    """The PID of `rank` under `job` (its launcher's rank variable, read from /proc)."""
+    """The PID of `rank` under `job` (its launcher's rank variable, read from /proc): a process of the job's tree,
+    or one carrying the job's own MPIPARALLEL_RANK_PIDS folder — PRRTE 5's daemons on namespace hosts are not of
+    the tree, and neither are their ranks."""
     told = {f"PMI_RANK={rank}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or not descends_from(int(entry.name), job):
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    markers = {entry for pid in pids if descends_from(pid, job) for entry in environment_of(pid)
+               if entry.startswith(b"MPIPARALLEL_RANK_PIDS=")}
+    for pid in pids:
+        environment = environment_of(pid)
+        if not (told & environment and (descends_from(pid, job) or markers & environment)):
             continue
         try:
-            environment = set((entry / "environ").read_bytes().split(b"\0"))
-            command = (entry / "cmdline").read_bytes()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if told & environment and b"mpiparallel" in command:
-            return int(entry.name)
+        if b"mpiparallel" in command:
+            return pid
     raise RuntimeError(f"no rank {rank} under {job}")
 
 
@@ -95,7 +107,7 @@ def lose_a_rank(python: str, model: list[str], mesh: list[str], mode: str, data:
     job = subprocess.Popen([python, "-m", "mpiparallel", "train", "-n", "4", *model, *mesh, *where, "--data", data,
                             "--steps", str(STEPS), "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "5",
                             "--elastic", "--elastic-mode", mode, "--log-json", str(log)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                            env={**os.environ, **ROOT, "MPIPARALLEL_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S)})
     try:
         while not any(record.get("step") == KILL_AFTER and "loss" in record for record in records(log)):
@@ -119,15 +131,18 @@ def lose_a_rank(python: str, model: list[str], mesh: list[str], mode: str, data:
         arrived += [time.perf_counter() - lost_at] * (len(logged) - len(arrived))
         restarts = [i for i, record in enumerate(logged) if record.get("event") == "restart"]
         if job.returncode != 0 or not restarts:
-            raise RuntimeError(f"the run ended ({job.returncode}) with {len(restarts)} restart events")
+            last = max((record["step"] for record in logged if "loss" in record), default=0)
+            raise RuntimeError(f"the run ended ({job.returncode}) with {len(restarts)} restart events, its last "
+                               f"step logged {last} of {STEPS}")
         after = [(arrived[i], record["step"]) for i, record in enumerate(logged)
                  if i > restarts[-1] and "loss" in record]
         return {"next": after[0][0], "new": next(t for t, step in after if step > reached),
                 "events": [logged[i] for i in restarts], "went_on": logged[restarts[-1]]["mode"],
                 "status": job.returncode}
     finally:
-        if job.poll() is None:
-            job.kill()
+        if job.poll() is None:  # the whole job: its mpirun too, which outlives a killed parent
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
         if lose == "link" and cluster is not None:
             namespace_cluster.heal(cluster.name, host)
 
