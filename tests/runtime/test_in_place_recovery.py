@@ -170,18 +170,19 @@ def test_a_rank_lost_on_a_2_host_cluster_is_recovered_in_place_by_the_survivors_
     assert_no_processes_on(made)
 
 
+@pytest.mark.parametrize("mesh", [["--tp", "2"], ["--dp", "4"]], ids=["dp2xtp2", "dp4"])
 def test_a_host_lost_under_open_mpi_ends_on_the_host_left_equal_to_the_uninterrupted_run(
-        open_mpi, cluster, tokens, tmp_path):  # noqa: F811
-    """The same job, `cluster kill` of the second host after step 7: the survivors go on in place. Open MPI 5.0's
-    runtime then ends the job at once or some steps later (`elastic.DAEMON_LOSS`) with status 0; the parent tells
-    that from a finished run and relaunches on the first host (dp 1 × tp 2) — or the survivors finish first. A
-    runtime that keeps a job after a lost daemon (PRRTE 5: scripts/open_mpi_root.sh) lets the survivors finish in
-    place, with one restart event and no relaunch. Either way every step's final loss equals the uninterrupted
-    run's and no process is left on either host."""
+        open_mpi, cluster, tokens, tmp_path, mesh):  # noqa: F811
+    """The same job (dp 2 × tp 2, or dp 4), `cluster kill` of the second host after step 7: the survivors go on in
+    place. Open MPI 5.0's runtime then ends the job at once or some steps later (`elastic.DAEMON_LOSS`) with status
+    0; the parent tells that from a finished run and relaunches on the first host (tp 2, or dp 2) — or the
+    survivors finish first. A runtime that keeps a job after a lost daemon (PRRTE 5: scripts/open_mpi_root.sh)
+    lets the survivors finish in place, with one restart event and no relaunch. Either way every step's final loss
+    equals the uninterrupted run's and no process is left on either host."""
     made = cluster(nodes=2, ranks_per_node=2)
     log = tmp_path / "log.jsonl"
     job = start_job([open_mpi.python, "-m", "mpiparallel", "train", "-n", "4", *TINY, "--steps", str(HOST_STEPS),
-                     "--data", tokens, "--hostfile", str(made.hostfile), "--tp", "2", "--checkpoint-dir",
+                     "--data", tokens, "--hostfile", str(made.hostfile), *mesh, "--checkpoint-dir",
                      str(tmp_path / "ck"), "--checkpoint-every", "5", "--elastic", "--log-json", str(log)],
                     env=without_open_mpi_on_path(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     cwd=tmp_path)
@@ -199,9 +200,10 @@ def test_a_host_lost_under_open_mpi_ends_on_the_host_left_equal_to_the_uninterru
     elif restarts[-1]["mode"] == "relaunch":  # the runtime ended the job: the host is named, the rest relaunched
         assert restarts[-1]["lost"] == [{"host": made.hosts[1], "ranks": [2, 3]}], restarts
         assert f"host {made.hosts[1]} (ranks 2, 3) was lost" in stderr and "elastic: finished after" in stderr
-    assert restarts[-1]["mesh"]["world_size"] == 2 and restarts[-1]["mesh"]["tp"] == 2, restarts
+    left = {"world_size": 2, "tp": 2, "dp": 1} if "--tp" in mesh else {"world_size": 2, "tp": 1, "dp": 2}
+    assert {axis: restarts[-1]["mesh"][axis] for axis in left} == left, restarts
     assert "\x00" not in stdout + stderr and "A daemon failed" not in stdout + stderr
-    reference = uninterrupted(tmp_path, tokens, ["--tp", "2", "--steps", str(HOST_STEPS)])
+    reference = uninterrupted(tmp_path, tokens, [*mesh, "--steps", str(HOST_STEPS)])
     assert worst(losses(log), reference) <= 1e-9
     assert_no_processes_on(made)
 

@@ -37,7 +37,7 @@ def test_verify_self_launched_under_open_mpi_finds_its_mpiexec_and_every_algorit
     result = run_with_timeout([open_mpi.python, "-m", "mpiparallel", "verify", "-n", "4", "--max-count", "300",
                                "-d", "float64", "-d", "int32"], 300, env=without_open_mpi_on_path())
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "all OK" in result.stdout and "--against mpi: 4 ranks, Open MPI v5.0" in result.stdout, result.stdout
+    assert "all OK" in result.stdout and "--against mpi: 4 ranks, Open MPI v" in result.stdout, result.stdout
     assert "\x00" not in result.stdout  # Open MPI's library version ends with a NUL
 
 
