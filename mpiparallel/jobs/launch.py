@@ -41,6 +41,7 @@ failure one of two endings:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import resource
@@ -164,6 +165,7 @@ def open_mpi_settings(ranks: int, environ: Mapping[str, str] = os.environ,
     return {name: value for name, value in wanted.items() if name not in environ}
 
 
+@functools.cache  # asked by the launch and by --elastic's first line: one prte_info a process
 def prrte_version(mpiexec: str) -> tuple[int, ...] | None:
     """The version of PRRTE, Open MPI's runtime, beside Open MPI's `mpiexec`, as `prte_info` says it ("PRTE:
     3.0.14" → (3, 0, 14); 5.0 says "PRRTE: 5.0.0rc1") or else `prterun --version` ("prterun (PRRTE) 5.0.0rc1" →
