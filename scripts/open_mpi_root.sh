@@ -24,9 +24,18 @@ MIRROR=${MIRROR:-http://deb.debian.org/debian}
 PACKAGES=openmpi-bin,libopenmpi40,libprrte-bin,python3,python3-venv,iproute2,procps,ca-certificates,util-linux
 PYTHON_PACKAGES="numpy mpi4py click safetensors ml_dtypes tokenizers pytest pytest-timeout"
 
-usage() {
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2
-    exit 2
+usage() {  # the lines of use above; exit status $1 (default 2, a bad command line, with them on stderr)
+    if [ "${1:-2}" = 0 ]; then
+        sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+    else
+        sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2
+    fi
+    exit "${1:-2}"
+}
+
+check_made() {
+    [ -x "$1/opt/venv/bin/python" ] || { echo "$1 is not a root this script made: scripts/open_mpi_root.sh make $1" >&2
+                                          exit 1; }
 }
 
 inside() {  # a command in the root with its own environment, not this machine's (pip's settings here, say)
@@ -86,11 +95,13 @@ command=${1:-}
 [ -n "$command" ] || usage
 shift
 case "$command" in
+    -h|--help) usage 0 ;;
     make) make_root "${1:-/srv/mpiparallel-open-mpi-6}" ;;
     run)
         [ $# -ge 2 ] || usage
         root=$1
         shift
+        check_made "$root"
         mount_root "$root"
         exec chroot "$root" /usr/bin/env -C "$CHECKOUT" PATH="/opt/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
             HOME=/root "$@"

@@ -1,5 +1,6 @@
 """The Slurm script is valid bash and passes `mpiparallel train` only options it has; the training benchmark
-compares GPT-2 and llama with their PyTorch twins only when both compute the same first loss."""
+compares GPT-2 and llama with their PyTorch twins only when both compute the same first loss; the Open MPI root's
+script says its use and refuses what it did not make."""
 
 from __future__ import annotations
 
@@ -186,3 +187,25 @@ def test_the_gpu_checks_cpu_groups_run_without_a_gpu_and_pass_only_options_the_b
     for step in ("cpu-train-gpt2", "cpu-ddp-fsdp2", "cpu-train-gpt2-124m"):
         assert f"## {step} — FAILED (exit 124)" in report, report  # reached, and ended by the step timeout
     assert finished.returncode == 1 and (tmp_path / "report" / "logs.tar.gz").exists()
+
+
+OPEN_MPI_ROOT = SLURM.parent / "open_mpi_root.sh"
+
+
+def test_the_open_mpi_root_script_says_its_use_and_refuses_a_folder_it_did_not_make(tmp_path):
+    """`--help` prints the three commands (exit 0); no command or an unknown one prints them as an error (exit 2);
+    `run` in a folder that is not a root it made is one line naming `make`, with nothing mounted (making a root
+    takes debootstrap and five minutes: docs/clusters.md has what it measured inside one)."""
+    def script(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(OPEN_MPI_ROOT), *arguments], capture_output=True, text=True, timeout=30)
+
+    told = script("--help")
+    assert told.returncode == 0 and all(f"open_mpi_root.sh {command}" in told.stdout
+                                        for command in ("make", "run", "unmount")), told
+    for wrong in ([], ["remake"], ["run", str(tmp_path)]):
+        refused = script(*wrong)
+        assert refused.returncode == 2 and "open_mpi_root.sh make [ROOT]" in refused.stderr, (wrong, refused)
+    refused = script("run", str(tmp_path), "true")
+    assert refused.returncode == 1 and refused.stderr.strip() == \
+        f"{tmp_path} is not a root this script made: scripts/open_mpi_root.sh make {tmp_path}", refused
+    assert subprocess.run(["mountpoint", "-q", str(tmp_path)], timeout=30).returncode != 0  # nothing mounted
